@@ -1,0 +1,27 @@
+# Two commands for a fresh Linux machine with Python 3.11+:
+#   make run    run mdclaw on embedded defaults (SQLite, local HTTP channel) with config.example.yaml
+#   make test   run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA_DIR ?= $(CURDIR)/data
+
+.PHONY: run test e2e bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	MDCLAW_DATA_DIR=$(DATA_DIR) $(VENV)/bin/mdclaw run --config config.example.yaml
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+e2e: $(VENV)/.installed
+	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,5 @@
+import sys
+
+from mdclaw.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""The `mdclaw` command line. Each area registers its subcommands from mdclaw/commands/.
+
+Exit status: 0 success, 1 failure (invalid config, failed check...), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from mdclaw import __version__
+
+# Each module has `register(subparsers, common)`; order is the order in --help.
+COMMAND_MODULES = [
+    "mdclaw.commands.core",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", "-c", metavar="PATH", default=argparse.SUPPRESS,
+                        help="config file (default: $MDCLAW_CONFIG, ./config.yaml, "
+                             "/etc/mdclaw/config.yaml)")
+    parser = argparse.ArgumentParser(
+        prog="mdclaw", parents=[common],
+        description="Self-hosted personal AI assistant host.",
+    )
+    parser.add_argument("--version", action="version", version=f"mdclaw {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "config"):
+        args.config = None
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""check-config, reconcile, groups, run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+
+from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
+from mdclaw.commands.output import print_json, print_table
+from mdclaw.config import Config, iter_secret_files
+from mdclaw.reconcile import ReconcileError, reconcile
+from mdclaw.state.groups import list_groups
+
+# Checks beyond the schema (each yields problem lines); areas add theirs here.
+CONFIG_CHECKS: list[Callable[[Config], Iterable[str]]] = []
+
+GROUP_FIELDS = ("folder", "name", "jid", "trigger", "requires_trigger", "is_main", "source")
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("check-config", parents=[common],
+                       help="validate the config; exit 0 valid, 1 invalid")
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing when valid")
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("reconcile", parents=[common],
+                       help="make the state database and folders match the config")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_reconcile)
+
+    g = sub.add_parser("groups", help="registered groups")
+    gsub = g.add_subparsers(dest="groups_command", metavar="SUBCOMMAND")
+    gsub.required = True
+    p = gsub.add_parser("list", parents=[common], help="list registered groups")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_groups_list)
+
+    p = sub.add_parser("run", parents=[common], help="run the daemon (systemd Type=notify)")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = load_or_exit(args)
+    problems = [line for check in CONFIG_CHECKS for line in check(cfg)]
+    for line in problems:
+        print(f"mdclaw: {line}", file=sys.stderr)
+    if problems:
+        return 1
+    if not args.quiet:
+        secrets = [k for k, _ in iter_secret_files(cfg)]
+        print(f"config ok: {len(cfg.groups)} group(s), main: {cfg.main_folder or '-'}, "
+              f"{len(cfg.tasks)} task(s), data_dir: {cfg.data_dir}"
+              + (f", secret files: {', '.join(secrets)}" if secrets else ""))
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    cfg = load_or_exit(args)
+    db = open_db_or_exit(cfg)
+    try:
+        plan = reconcile(cfg, db, dry_run=True)
+        if not args.dry_run and not plan.conflicts:
+            try:
+                plan = reconcile(cfg, db)
+            except ReconcileError as e:
+                fail(str(e))
+    finally:
+        db.close()
+    if args.json:
+        out = plan.as_dict()
+        out["applied"] = not args.dry_run and not plan.conflicts
+        print_json(out)
+    else:
+        verb = "would" if args.dry_run else "did"
+        if plan.empty and not plan.conflicts:
+            print("nothing to do: database and folders match the config")
+        for a in plan.actions:
+            print(f"{verb}: {a.describe()}")
+        for c in plan.conflicts:
+            print(f"conflict: {c}")
+    return 1 if plan.conflicts else 0
+
+
+def cmd_groups_list(args: argparse.Namespace) -> int:
+    cfg = load_or_exit(args)
+    db = open_db_or_exit(cfg)
+    try:
+        rows = [{k: getattr(g, k) for k in GROUP_FIELDS} for g in list_groups(db)]
+    finally:
+        db.close()
+    if args.json:
+        print_json(rows)
+    else:
+        print_table(rows, GROUP_FIELDS, empty="no groups registered")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from mdclaw.daemon import run_daemon
+
+    return run_daemon(load_or_exit(args), config_path=args.config)

@@ -1,0 +1,571 @@
+"""The declarative configuration: `config.yaml` is the desired state.
+
+The pydantic models below are the single source of truth for the config: validation, the
+error messages people read, `config.example.yaml` and the NixOS option descriptions all come
+from them. Every model is frozen and forbids unknown keys, so a typo is an error that names
+the key, where it is, and the nearest valid key.
+
+Environment variables with the `MDCLAW_` prefix override the file (`MDCLAW_DATA_DIR`,
+`MDCLAW_ASSISTANT__NAME`, ...). Secrets are never written inline: keys ending in `_file` name
+a file that holds the secret; it is read only when needed and never logged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from mdclaw import schedule
+
+FOLDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RESERVED_FOLDERS = frozenset({"global", "errors"})
+DEFAULT_CONFIG_PATHS = (Path("config.yaml"), Path("/etc/mdclaw/config.yaml"))
+
+
+# --------------------------------------------------------------------------- value types
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> timedelta:
+    """Read "90s", "10m", "1h", "2d", "500ms" or an integer (milliseconds) as a timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as '90s', '10m', '1h' or milliseconds")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise ValueError(f"duration must be positive, got {value}")
+        return timedelta(milliseconds=value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ValueError(
+            f"invalid duration {value!r}: use e.g. '90s', '10m', '1h' or an integer of milliseconds"
+        )
+    number, unit = float(m.group(1)), m.group(2)
+    seconds = number / 1000 if unit is None else number * _UNIT_SECONDS[unit]
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def format_duration(td: timedelta) -> str:
+    ms = int(td.total_seconds() * 1000)
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+Duration = Annotated[
+    timedelta,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
+]
+
+
+def _check_folder(name: str) -> str:
+    if not FOLDER_RE.match(name):
+        raise ValueError(
+            f"folder name {name!r} is not allowed: use 1-64 letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if name.lower() in RESERVED_FOLDERS:
+        raise ValueError(f"folder name {name!r} is reserved (global and errors are used by mdclaw)")
+    return name
+
+
+def validate_folder(name: str) -> str:
+    """Return `name` if it is a valid group folder; raise ValueError saying why not."""
+    return _check_folder(name)
+
+
+Folder = Annotated[str, BeforeValidator(lambda v: _check_folder(str(v)))]
+
+
+def _check_timezone(name: str) -> str:
+    try:
+        schedule.get_zone(name)
+    except schedule.ScheduleError as e:
+        raise ValueError(str(e)) from None
+    return name
+
+
+TimeZone = Annotated[str, BeforeValidator(lambda v: _check_timezone(str(v)))]
+
+
+def _check_secret_file(value: Any) -> Path:
+    """A secret file must exist, be a regular file and not be readable by everyone."""
+    path = Path(os.path.expandvars(str(value))).expanduser()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"secret file {str(path)!r} does not exist") from None
+    except PermissionError:
+        raise ValueError(f"secret file {str(path)!r} cannot be read by this user") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"secret file {str(path)!r} is not a regular file")
+    if st.st_mode & stat.S_IROTH:
+        raise ValueError(
+            f"secret file {str(path)!r} is readable by every user (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}); run: chmod o-rwx {path}"
+        )
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"secret file {str(path)!r} cannot be read by this user")
+    return path
+
+
+SecretFile = Annotated[Path, BeforeValidator(_check_secret_file)]
+
+
+def read_secret(path: Path) -> str:
+    """Return the secret held in `path`, stripped of surrounding whitespace.
+
+    Raises OSError if the file went away; the message names the file, never the content.
+    """
+    return Path(path).read_text(encoding="utf-8").strip()
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class Assistant(Frozen):
+    name: str = Field("Andy", min_length=1, max_length=64,
+                      description="The assistant's name; the default trigger is '@' + name.")
+    timezone: TimeZone = Field("UTC", description="IANA timezone; schedules are evaluated in it.")
+    model: str | None = Field(None, description="Default model: a key of `models`.")
+
+
+class GroupMount(Frozen):
+    host: str = Field(description="Absolute host path; must lie under mount_policy.allowed_roots.")
+    container: str = Field(description="Name under /workspace/extra/ inside the container.")
+    readonly: bool = Field(True, description="Mount read-only (read-write needs an allowing root).")
+
+
+class Group(Frozen):
+    name: str = Field(min_length=1, description="Display name of the group.")
+    jid: str = Field(min_length=1, description="The chat this group answers in, e.g. tg:123456.")
+    main: bool = Field(False, description="The admin group; exactly one group is main.")
+    requires_trigger: bool | None = Field(
+        None, description="Only answer messages that mention the trigger (default: true, "
+        "false for the main group)."
+    )
+    trigger: str | None = Field(None, description="Trigger word; default '@' + assistant name.")
+    mounts: tuple[GroupMount, ...] = Field((), description="Extra host folders for this group.")
+    timeout: Duration | None = Field(None, description="Hard container timeout for this group.")
+    model: str | None = Field(None, description="Model for this group: a key of `models`.")
+    network: str | None = Field(None, description="Container network; default none (no network).")
+
+    def effective_trigger(self, assistant: Assistant) -> str:
+        return self.trigger or f"@{assistant.name}"
+
+    def effective_requires_trigger(self) -> bool:
+        return (not self.main) if self.requires_trigger is None else self.requires_trigger
+
+
+class Limits(Frozen):
+    max_concurrent_containers: int = Field(5, ge=1, le=256,
+                                           description="Containers running at once, all groups.")
+    container_timeout: Duration = Field(timedelta(minutes=30),
+                                        description="Hard timeout of one container run.")
+    idle_timeout: Duration = Field(timedelta(minutes=10),
+                                   description="Close a conversation idle this long.")
+    max_output_bytes: int = Field(10 * 1024 * 1024, ge=1024,
+                                  description="Container output kept per run; excess dropped.")
+    memory: str = Field("2g", description="Container memory limit (docker syntax).")
+    cpus: float = Field(2.0, gt=0, description="Container CPU limit.")
+    pids: int = Field(512, ge=16, description="Container process limit.")
+    ipc_poll_interval: Duration = Field(timedelta(seconds=1),
+                                        description="IPC poll fallback interval.")
+    errors_max_files: int = Field(1000, ge=10, description="Quarantine cap: number of files.")
+    errors_max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Quarantine cap: bytes.")
+
+    @model_validator(mode="after")
+    def _idle_below_hard(self) -> Limits:
+        if self.idle_timeout >= self.container_timeout:
+            raise ValueError(
+                f"idle_timeout ({format_duration(self.idle_timeout)}) must be shorter than "
+                f"container_timeout ({format_duration(self.container_timeout)})"
+            )
+        return self
+
+
+class Runtime(Frozen):
+    engine: Literal["docker", "podman", "apple-container"] = Field(
+        "docker", description="Container engine.")
+    socket: str | None = Field(None, description="Engine API socket (default: auto-detect).")
+    image: str = Field("mdclaw-agent:latest", description="Agent image reference.")
+    install_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Label value that keeps two installs on one host apart (default: data_dir hash).",
+    )
+
+
+class AllowedRoot(Frozen):
+    path: str = Field(description="Host directory under which group mounts may lie.")
+    allow_read_write: bool = Field(False, description="Mounts under it may be read-write.")
+    description: str | None = None
+
+
+class MountPolicy(Frozen):
+    allowed_roots: tuple[AllowedRoot, ...] = Field(
+        (), description="No roots: no additional mounts at all.")
+    blocked_patterns: tuple[str, ...] = Field((), description="Added to the built-in block list.")
+    non_main_read_only: bool = Field(True, description="Non-main groups get read-only mounts.")
+
+
+class ModelSpec(Frozen):
+    backend: Literal["claude", "openai"] = Field(description="claude (Agent SDK) or openai.")
+    model: str = Field(min_length=1, description="Model name passed to the backend.")
+    base_url: str | None = Field(None, pattern=r"^https?://",
+                                 description="API base URL (default: the provider's).")
+    api_key_file: SecretFile | None = Field(None, description="File holding the API key.")
+
+
+class HttpChannel(Frozen):
+    enabled: bool = True
+    listen: str = Field("127.0.0.1:3000", pattern=r"^[^:\s]*:\d{1,5}$",
+                        description="host:port to listen on.")
+    secret_file: SecretFile | None = Field(None, description="Bearer token file (optional).")
+
+
+class TelegramChannel(Frozen):
+    enabled: bool = True
+    token_file: SecretFile = Field(description="File holding the bot token.")
+    api_base: str = Field("https://api.telegram.org", pattern=r"^https?://")
+
+
+class Channels(Frozen):
+    http: HttpChannel | None = Field(default_factory=HttpChannel)
+    telegram: TelegramChannel | None = None
+
+
+class TaskSpec(Frozen):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$", description="Task id.")
+    group: str = Field(description="Folder of the group the task runs in.")
+    prompt: str = Field(min_length=1)
+    cron: str | None = None
+    interval: Duration | None = None
+    once: str | None = None
+    context_mode: Literal["group", "isolated"] = "isolated"
+    timezone: TimeZone | None = None
+    catch_up: bool = True
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> TaskSpec:
+        given = [k for k in ("cron", "interval", "once") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of cron, interval, once (got {given or 'none'})")
+        return self
+
+    @property
+    def schedule_type(self) -> str:
+        return "cron" if self.cron else "interval" if self.interval is not None else "once"
+
+    @property
+    def schedule_value(self) -> str:
+        if self.cron:
+            return " ".join(self.cron.split())
+        if self.interval is not None:
+            return str(int(self.interval.total_seconds() * 1000))
+        return str(self.once)
+
+
+class _Settings(BaseSettings):
+    """Root of config.yaml. The YAML file is the base; MDCLAW_* variables override it."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MDCLAW_", env_nested_delimiter="__", frozen=True, extra="forbid",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first (wins), then the YAML file passed as init kwargs.
+        return (env_settings, init_settings)
+
+
+class Config(_Settings):
+    data_dir: Path = Field(Path("/var/lib/mdclaw"),
+                           description="state.db, ipc/ and groups/ live under it.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    assistant: Assistant = Field(default_factory=Assistant)
+    groups: dict[Folder, Group] = Field(default_factory=dict,
+                                        description="Key: the group's folder name.")
+    limits: Limits = Field(default_factory=Limits)
+    runtime: Runtime = Field(default_factory=Runtime)
+    mount_policy: MountPolicy = Field(default_factory=MountPolicy)
+    models: dict[str, ModelSpec] = Field(default_factory=dict)
+    channels: Channels = Field(default_factory=Channels)
+    tasks: tuple[TaskSpec, ...] = ()
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_data_dir(cls, v: Path) -> Path:
+        return Path(os.path.abspath(os.path.expanduser(str(v))))
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        problems: list[str] = []
+        mains = [f for f, g in self.groups.items() if g.main]
+        if self.groups and len(mains) != 1:
+            problems.append(
+                f"exactly one group must have main: true; found {len(mains)}"
+                + (f" ({', '.join(mains)})" if mains else "")
+            )
+        seen: dict[str, str] = {}
+        for folder, g in self.groups.items():
+            if g.jid in seen:
+                problems.append(f"groups {seen[g.jid]!r} and {folder!r} both use jid {g.jid!r}")
+            seen[g.jid] = folder
+            if g.model is not None and g.model not in self.models:
+                problems.append(f"group {folder!r} uses model {g.model!r}, which is not in models")
+        if self.assistant.model is not None and self.assistant.model not in self.models:
+            problems.append(f"assistant.model {self.assistant.model!r} is not in models")
+        ids: set[str] = set()
+        for t in self.tasks:
+            if t.id in ids:
+                problems.append(f"task id {t.id!r} is used twice")
+            ids.add(t.id)
+            if t.group not in self.groups:
+                problems.append(f"task {t.id!r} names group {t.group!r}, which is not in groups")
+            try:
+                schedule.validate(t.schedule_type, t.schedule_value,
+                                  t.timezone or self.assistant.timezone)
+            except schedule.ScheduleError as e:
+                problems.append(f"task {t.id!r}: {e}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # convenience -----------------------------------------------------------------
+    @property
+    def main_folder(self) -> str | None:
+        return next((f for f, g in self.groups.items() if g.main), None)
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "state.db"
+
+    def group_timezone(self) -> str:
+        return self.assistant.timezone
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a config file: where, what, and the offending value (never a secret)."""
+
+    path: str  # dotted location, e.g. groups.family.timeout
+    message: str
+    line: int | None = None
+
+    def render(self, file: str) -> str:
+        where = f"{file}:{self.line}" if self.line else file
+        loc = f" {self.path}:" if self.path else ""
+        return f"{where}:{loc} {self.message}"
+
+
+@dataclass
+class ConfigError(Exception):
+    """The config could not be loaded; `issues` lists every problem found."""
+
+    file: str
+    issues: list[ConfigIssue] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join(i.render(self.file) for i in self.issues)
+
+
+def find_config_path(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """--config PATH, else $MDCLAW_CONFIG, else ./config.yaml, else /etc/mdclaw/config.yaml."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("MDCLAW_CONFIG")
+    if env:
+        return Path(env)
+    for candidate in DEFAULT_CONFIG_PATHS:
+        if candidate.exists():
+            return candidate
+    return DEFAULT_CONFIG_PATHS[0]
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (YAML would silently keep the last)."""
+
+
+def _line_map(text: str, file: str) -> tuple[dict[tuple[str, ...], int], list[ConfigIssue]]:
+    """Map each key path in the document to its 1-based line; also report duplicate keys."""
+    lines: dict[tuple[str, ...], int] = {}
+    issues: list[ConfigIssue] = []
+    root = yaml.compose(text, Loader=_LineLoader)
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key_node, value_node in node.value:
+                key = str(key_node.value)
+                if key in seen:
+                    issues.append(ConfigIssue(".".join(path + (key,)), f"key {key!r} appears twice",
+                                              key_node.start_mark.line + 1))
+                seen.add(key)
+                lines[path + (key,)] = key_node.start_mark.line + 1
+                walk(value_node, path + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (str(i),))
+
+    if root is not None:
+        walk(root, ())
+    return lines, issues
+
+
+def _fields_at(loc: tuple[str, ...]) -> list[str]:
+    """Valid key names at the mapping `loc` (dict keys and list indexes are skipped)."""
+    current: Any = Config
+    i = 0
+    while i < len(loc):
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        f = current.model_fields.get(loc[i])
+        if f is None:
+            return []
+        ann = f.annotation
+        i += 1
+        while True:
+            origin = get_origin(ann)
+            if origin is None:
+                break
+            args = [a for a in get_args(ann) if a is not type(None) and a is not Ellipsis]
+            if origin in (dict, tuple, list):
+                i += 1  # skip the key / index
+                ann = args[-1] if args else None
+            else:  # Union / Annotated / Literal
+                inner = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+                ann = inner[0] if inner else (args[0] if args else None)
+                if get_origin(ann) is None and not inner:
+                    break
+        current = ann
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _issues_from_validation(e: ValidationError,
+                            lines: dict[tuple[str, ...], int]) -> list[ConfigIssue]:
+    out: list[ConfigIssue] = []
+    for err in e.errors(include_url=False):
+        loc = tuple(str(p) for p in err["loc"])
+        # dict-key validation errors carry a "[key]" marker: report them at the key.
+        loc = tuple(p for p in loc if p != "[key]")
+        path = ".".join(loc)
+        line = None
+        for k in range(len(loc), -1, -1):
+            if loc[:k] in lines:
+                line = lines[loc[:k]]
+                break
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if err["type"] == "extra_forbidden":
+            key = loc[-1] if loc else "?"
+            valid = _fields_at(loc[:-1])
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            msg = f"unknown key {key!r}"
+            if close:
+                msg += f"; did you mean {close[0]!r}?"
+            elif valid:
+                msg += f"; valid keys here: {', '.join(valid)}"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in err and err["type"] not in ("value_error",) and not isinstance(
+                err.get("input"), dict):
+            msg = f"{msg} (got {_short(err['input'])})"
+        out.append(ConfigIssue(path, msg, line))
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, text: str | None = None) -> Config:
+    """Read and validate the config file at `path` (see find_config_path).
+
+    Returns the frozen Config. Raises ConfigError listing every problem, each with the file,
+    the line where possible, the key path and the offending value.
+    """
+    p = find_config_path(path)
+    file = str(p)
+    if text is None:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(file, [ConfigIssue("", "config file not found; pass --config PATH "
+                                                 "or set MDCLAW_CONFIG")]) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(file, [ConfigIssue("", f"cannot read config file: {e}")]) from None
+    try:
+        lines, dup_issues = _line_map(text, file)
+        data = yaml.load(text, Loader=_LineLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(file, [ConfigIssue("", f"invalid YAML: {problem}", line)]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(file, [ConfigIssue("", f"the top level must be a mapping of keys, "
+                                             f"got {type(data).__name__}", 1)])
+    if dup_issues:
+        raise ConfigError(file, dup_issues)
+    try:
+        return Config(**data)
+    except ValidationError as e:
+        raise ConfigError(file, _issues_from_validation(e, lines)) from None
+    except TypeError as e:  # non-string keys at the top level
+        raise ConfigError(file, [ConfigIssue("", f"invalid top-level key: {e}", 1)]) from None
+
+
+def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:
+    """Every configured secret file as (config key path, file path)."""
+    for name, m in cfg.models.items():
+        if m.api_key_file:
+            yield f"models.{name}.api_key_file", m.api_key_file
+    if cfg.channels.http and cfg.channels.http.secret_file:
+        yield "channels.http.secret_file", cfg.channels.http.secret_file
+    if cfg.channels.telegram:
+        yield "channels.telegram.token_file", cfg.channels.telegram.token_file

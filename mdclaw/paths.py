@@ -1,0 +1,52 @@
+"""Where things live under data_dir, and the modes they get.
+
+Group and IPC folders are setgid and group-writable: the agent container runs as uid 1000
+with the daemon's group added, so it can write its own IPC folder and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+IPC_SUBDIRS = ("messages", "tasks", "input", "actions", "action_results")
+GROUP_DIR_MODE = 0o2770
+IPC_DIR_MODE = 0o2770
+GLOBAL_DIR_MODE = 0o2770
+PRIVATE_DIR_MODE = 0o700
+DATA_DIR_MODE = 0o751
+
+
+@dataclass(frozen=True)
+class Layout:
+    data_dir: Path
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "state.db"
+
+    @property
+    def groups_dir(self) -> Path:
+        return self.data_dir / "groups"
+
+    @property
+    def global_dir(self) -> Path:
+        return self.groups_dir / "global"
+
+    @property
+    def ipc_dir(self) -> Path:
+        return self.data_dir / "ipc"
+
+    @property
+    def errors_dir(self) -> Path:
+        return self.ipc_dir / "errors"
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.data_dir / "sessions"
+
+    def group_dir(self, folder: str) -> Path:
+        return self.groups_dir / folder
+
+    def group_ipc_dir(self, folder: str) -> Path:
+        return self.ipc_dir / folder

@@ -1,0 +1,211 @@
+"""The reconciler: make the database and the disk match the config.
+
+desired (Config) + actual (database rows, directories) -> Plan -> apply. Planning is pure
+reading; `apply_plan` does the work. Running it twice plans nothing the second time.
+A group removed from the config is deregistered, but its folders are never deleted; groups
+registered at runtime over IPC are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mdclaw.config import Config, Group
+from mdclaw.paths import (
+    DATA_DIR_MODE,
+    GLOBAL_DIR_MODE,
+    GROUP_DIR_MODE,
+    IPC_DIR_MODE,
+    IPC_SUBDIRS,
+    PRIVATE_DIR_MODE,
+    Layout,
+)
+from mdclaw.state import Database
+from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a plan. `kind` is one of the ACTION_KINDS below."""
+
+    kind: str
+    target: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.kind == "update_group":
+            changes = ", ".join(f"{k}: {v['from']!r} -> {v['to']!r}"
+                                for k, v in self.detail.get("changes", {}).items())
+            return f"update group {self.target} ({changes})"
+        if self.kind == "add_group":
+            return f"add group {self.target} (jid {self.detail.get('jid')!r})"
+        if self.kind == "deregister_group":
+            return f"deregister group {self.target} (its files are kept)"
+        if self.kind == "create_dir":
+            return f"create {self.target} (mode {self.detail['mode']})"
+        if self.kind == "fix_mode":
+            return f"chmod {self.detail['mode']} {self.target} (was {self.detail['was']})"
+        if self.kind == "replace_path":
+            return f"replace {self.target} ({self.detail['was']}) with a directory"
+        return f"{self.kind} {self.target}"
+
+
+ACTION_KINDS = ("create_dir", "fix_mode", "replace_path", "add_group", "update_group",
+                "deregister_group")
+
+
+@dataclass
+class Plan:
+    actions: list[Action] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.actions
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"actions": [asdict(a) for a in self.actions], "conflicts": self.conflicts,
+                "changes": len(self.actions)}
+
+
+class ReconcileError(RuntimeError):
+    """The config cannot be applied as it stands (e.g. a jid held by a runtime group)."""
+
+
+def desired_row(folder: str, g: Group, cfg: Config) -> GroupRow:
+    """The registered_groups row that config group `folder` should have."""
+    cc: dict[str, Any] = {}
+    if g.mounts:
+        cc["mounts"] = [m.model_dump() for m in g.mounts]
+    if g.timeout is not None:
+        cc["timeout_ms"] = int(g.timeout.total_seconds() * 1000)
+    if g.model is not None:
+        cc["model"] = g.model
+    if g.network is not None:
+        cc["network"] = g.network
+    return GroupRow(folder=folder, name=g.name, jid=g.jid, trigger=g.effective_trigger(cfg.assistant),
+                    requires_trigger=g.effective_requires_trigger(), is_main=g.main,
+                    source="config", container_config=cc)
+
+
+_COMPARED = ("name", "jid", "trigger", "requires_trigger", "is_main", "source", "container_config")
+
+
+def _dirs(cfg: Config, folders: list[str]) -> list[tuple[Path, int, bool]]:
+    """(path, mode, repairable) for every directory the layout needs."""
+    lay = Layout(cfg.data_dir)
+    out: list[tuple[Path, int, bool]] = [
+        (lay.data_dir, DATA_DIR_MODE, False),
+        (lay.groups_dir, 0o751, False),
+        (lay.global_dir, GLOBAL_DIR_MODE, False),
+        (lay.ipc_dir, 0o751, False),
+        (lay.errors_dir, PRIVATE_DIR_MODE, False),
+        (lay.sessions_dir, PRIVATE_DIR_MODE, False),
+    ]
+    for folder in folders:
+        out.append((lay.group_dir(folder), GROUP_DIR_MODE, False))
+        ipc = lay.group_ipc_dir(folder)
+        out.append((ipc, IPC_DIR_MODE, False))
+        # The container can replace these with symlinks or files: they are repairable.
+        out.extend((ipc / sub, IPC_DIR_MODE, True) for sub in IPC_SUBDIRS)
+    return out
+
+
+def plan(cfg: Config, db: Database) -> Plan:
+    """Compute what must change so the database and disk match `cfg`. Changes nothing."""
+    p = Plan()
+    actual = {g.folder: g for g in list_groups(db)}
+    by_jid = {g.jid: g for g in actual.values() if g.jid}
+
+    for folder, g in cfg.groups.items():
+        want = desired_row(folder, g, cfg)
+        holder = by_jid.get(g.jid)
+        if holder and holder.folder != folder and holder.folder not in cfg.groups:
+            p.conflicts.append(
+                f"group {folder!r}: jid {g.jid!r} is already registered to group "
+                f"{holder.folder!r} (source {holder.source}); unregister it or change the jid"
+            )
+            continue
+        have = actual.get(folder)
+        if have is None:
+            p.actions.append(Action("add_group", folder, {"name": want.name, "jid": want.jid,
+                                                          "is_main": want.is_main}))
+            continue
+        changes = {k: {"from": getattr(have, k), "to": getattr(want, k)}
+                   for k in _COMPARED if getattr(have, k) != getattr(want, k)}
+        if changes:
+            p.actions.append(Action("update_group", folder, {"changes": changes}))
+
+    for folder, have in actual.items():
+        if have.source == "config" and folder not in cfg.groups:
+            p.actions.append(Action("deregister_group", folder, {"jid": have.jid}))
+        elif have.source != "config" and have.is_main and cfg.main_folder not in (None, folder):
+            # Only the config decides which group is main.
+            p.actions.append(Action("update_group", folder,
+                                    {"changes": {"is_main": {"from": True, "to": False}}}))
+
+    folders = sorted(set(cfg.groups) | {f for f, g in actual.items() if g.source != "config"})
+    for path, mode, repairable in _dirs(cfg, folders):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            p.actions.append(Action("create_dir", str(path), {"mode": f"{mode:04o}"}))
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            if repairable:
+                p.actions.append(Action("replace_path", str(path),
+                                        {"mode": f"{mode:04o}", "was": kind}))
+            else:
+                p.conflicts.append(f"{path} is a {kind}; mdclaw needs a directory there")
+            continue
+        have_mode = stat.S_IMODE(st.st_mode)
+        if have_mode != mode:
+            p.actions.append(Action("fix_mode", str(path),
+                                    {"mode": f"{mode:04o}", "was": f"{have_mode:04o}"}))
+    return p
+
+
+def apply_plan(cfg: Config, db: Database, p: Plan) -> None:
+    """Carry out `p`. Directories first, then every database change in one transaction.
+
+    Raises ReconcileError (changing nothing) if the plan has conflicts.
+    """
+    if p.conflicts:
+        raise ReconcileError("; ".join(p.conflicts))
+    for a in p.actions:
+        path = Path(a.target)
+        mode = int(a.detail.get("mode", "0"), 8)
+        if a.kind == "replace_path":
+            path.unlink()
+        if a.kind in ("create_dir", "replace_path"):
+            path.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(path, mode)  # mkdir's mode is masked by umask and drops setgid
+        elif a.kind == "fix_mode":
+            os.chmod(path, mode)
+    with db.transaction():
+        if any(a.kind in ("add_group", "update_group") for a in p.actions):
+            # One main at a time (a unique index): clear the old flag before setting the new.
+            db.conn.execute("UPDATE registered_groups SET is_main = 0 WHERE folder IS NOT ?",
+                            (cfg.main_folder,))
+        for a in p.actions:
+            if a.kind in ("add_group", "update_group"):
+                if a.target in cfg.groups:
+                    upsert_group(db, desired_row(a.target, cfg.groups[a.target], cfg))
+                else:  # a runtime group losing a main flag it must not hold
+                    db.conn.execute("UPDATE registered_groups SET is_main = 0 WHERE folder = ?",
+                                    (a.target,))
+            elif a.kind == "deregister_group":
+                delete_group(db, a.target)
+
+
+def reconcile(cfg: Config, db: Database, *, dry_run: bool = False) -> Plan:
+    """Plan and (unless `dry_run`) apply. Returns the plan that was (or would be) applied."""
+    p = plan(cfg, db)
+    if not dry_run:
+        apply_plan(cfg, db, p)
+    return p

@@ -1,0 +1,159 @@
+"""Schedule maths: when does a task run next.
+
+Pure functions, no I/O. Times go in and come out as timezone-aware UTC datetimes; cron
+expressions are evaluated in the task's own timezone so "0 8 * * *" means 08:00 where the
+person lives, across daylight-saving changes.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+ScheduleType = Literal["cron", "interval", "once"]
+SCHEDULE_TYPES: tuple[str, ...] = ("cron", "interval", "once")
+
+UTC = timezone.utc
+
+
+class ScheduleError(ValueError):
+    """A schedule value that cannot be used; the message says why, for a person."""
+
+
+def get_zone(name: str) -> ZoneInfo:
+    """Return the IANA zone `name`; raise ScheduleError if there is no such zone."""
+    try:
+        if not name or name.startswith(("/", ".")) or ".." in name:
+            raise ZoneInfoNotFoundError(name)
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ScheduleError(
+            f"unknown timezone {name!r}: use an IANA name such as 'Europe/Berlin' or 'UTC'"
+        ) from None
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def to_iso(dt: datetime) -> str:
+    """ISO-8601 UTC with millisecond precision and a trailing Z (the database's format)."""
+    dt = dt.astimezone(UTC)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def from_iso(text: str) -> datetime:
+    """Parse a stored ISO timestamp (with Z or offset) into an aware UTC datetime."""
+    dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.astimezone(UTC)
+
+
+_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+$")
+
+
+def validate_cron(expr: str) -> str:
+    """Return the normalised five-field expression; raise ScheduleError naming the problem."""
+    fields = expr.split()
+    if len(fields) != 5:
+        raise ScheduleError(
+            f"cron expression {expr!r} has {len(fields)} field(s); five are needed: "
+            "minute hour day-of-month month day-of-week, e.g. '0 8 * * *'"
+        )
+    if not all(_CRON_FIELD.match(f) for f in fields):
+        raise ScheduleError(f"cron expression {expr!r} contains characters cron does not accept")
+    normalised = " ".join(fields)
+    if not croniter.is_valid(normalised):
+        raise ScheduleError(f"cron expression {expr!r} is not valid (a value out of range?)")
+    return normalised
+
+
+def parse_interval_ms(value: str | int) -> int:
+    """Return a positive interval in milliseconds; raise ScheduleError otherwise."""
+    text = str(value).strip()
+    if not re.fullmatch(r"[0-9]+", text):
+        raise ScheduleError(
+            f"interval {value!r} is not a whole number of milliseconds (e.g. 3600000 for an hour)"
+        )
+    ms = int(text)
+    if ms < 1000:
+        raise ScheduleError(f"interval {value!r} ms is too short: at least 1000 ms (one second)")
+    return ms
+
+
+def parse_once(value: str, tz: str) -> datetime:
+    """Return the UTC instant of an ISO-8601 time; a time without offset is read in `tz`."""
+    text = value.strip()
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise ScheduleError(
+            f"once value {value!r} is not an ISO-8601 time such as '2026-02-06T17:00:00'"
+        ) from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=get_zone(tz))
+    return dt.astimezone(UTC)
+
+
+def next_cron(expr: str, tz: str, after: datetime) -> datetime:
+    """The first time strictly after `after` that matches `expr` in zone `tz`, as UTC.
+
+    croniter is given a zone-aware start; it handles the spring-forward gap (skipped local
+    times) and the fall-back repeat (a wall-clock time that occurs twice fires once).
+    """
+    zone = get_zone(tz)
+    it = croniter(expr, after.astimezone(zone))
+    nxt = it.get_next(datetime)
+    return nxt.astimezone(UTC)
+
+
+def next_interval(anchor: datetime, interval_ms: int, now: datetime) -> tuple[datetime, int]:
+    """Next slot of a fixed grid anchored at `anchor`, strictly after `now`.
+
+    Returns (next_time, missed) where `missed` counts the grid slots in (anchor, now] that
+    were skipped: after downtime the task runs once, not once per missed slot.
+    """
+    step = timedelta(milliseconds=interval_ms)
+    if now < anchor:
+        return anchor, 0
+    passed = (now - anchor) // step  # whole steps since the anchor
+    return anchor + (passed + 1) * step, int(passed)
+
+
+def validate(schedule_type: str, value: str, tz: str, now: datetime | None = None) -> str:
+    """Check a schedule when a task is created; return the normalised value.
+
+    Raises ScheduleError with the reason for an unknown type, bad cron, bad interval, a `once`
+    time in the past, or an unknown timezone.
+    """
+    get_zone(tz)
+    now = now or utc_now()
+    if schedule_type == "cron":
+        return validate_cron(value)
+    if schedule_type == "interval":
+        return str(parse_interval_ms(value))
+    if schedule_type == "once":
+        at = parse_once(value, tz)
+        if at <= now:
+            raise ScheduleError(f"once time {value!r} is in the past ({to_iso(at)} UTC)")
+        return value.strip()
+    raise ScheduleError(
+        f"unknown schedule_type {schedule_type!r}: use one of {', '.join(SCHEDULE_TYPES)}"
+    )
+
+
+def first_run(schedule_type: str, value: str, tz: str, now: datetime | None = None) -> datetime:
+    """The first run time of a new (or rescheduled) task, as UTC. Assumes validate() passed."""
+    now = now or utc_now()
+    if schedule_type == "cron":
+        return next_cron(value, tz, now)
+    if schedule_type == "interval":
+        return now + timedelta(milliseconds=parse_interval_ms(value))
+    if schedule_type == "once":
+        return parse_once(value, tz)
+    raise ScheduleError(f"unknown schedule_type {schedule_type!r}")

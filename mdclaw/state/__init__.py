@@ -1,0 +1,10 @@
+"""State database: schema, migrations and the small repositories the host uses."""
+
+from mdclaw.state.db import Database, DatabaseError, now_iso
+
+__all__ = ["Database", "DatabaseError", "now_iso", "open_db"]
+
+
+def open_db(path) -> Database:  # noqa: ANN001 - str or PathLike
+    """Open (creating and migrating as needed) the state database at `path`."""
+    return Database(path)

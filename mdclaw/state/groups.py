@@ -1,0 +1,79 @@
+"""Registered groups: the folder, chat and trigger of every group the host serves."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mdclaw.state.db import Database, now_iso
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    folder: str
+    name: str
+    jid: str | None
+    trigger: str
+    requires_trigger: bool
+    is_main: bool
+    source: str  # 'config' or 'ipc'
+    added_at: str = ""
+    updated_at: str | None = None
+    container_config: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _row(r: Any) -> GroupRow:
+    cc = r["container_config"]
+    return GroupRow(
+        folder=r["folder"], name=r["name"], jid=r["jid"], trigger=r["trigger"],
+        requires_trigger=bool(r["requires_trigger"]), is_main=bool(r["is_main"]),
+        source=r["source"], added_at=r["added_at"], updated_at=r["updated_at"],
+        container_config=json.loads(cc) if cc else {},
+    )
+
+
+def list_groups(db: Database) -> list[GroupRow]:
+    return [_row(r) for r in db.query("SELECT * FROM registered_groups ORDER BY folder")]
+
+
+def get_group(db: Database, folder: str) -> GroupRow | None:
+    r = db.query_one("SELECT * FROM registered_groups WHERE folder = ?", (folder,))
+    return _row(r) if r else None
+
+
+def get_group_by_jid(db: Database, jid: str) -> GroupRow | None:
+    r = db.query_one("SELECT * FROM registered_groups WHERE jid = ?", (jid,))
+    return _row(r) if r else None
+
+
+def main_group(db: Database) -> GroupRow | None:
+    r = db.query_one("SELECT * FROM registered_groups WHERE is_main = 1")
+    return _row(r) if r else None
+
+
+def upsert_group(db: Database, g: GroupRow) -> None:
+    """Insert or update the group `g.folder` (keeps its original added_at)."""
+    now = now_iso()
+    with db.transaction() as c:
+        c.execute(
+            """INSERT INTO registered_groups (folder, name, jid, trigger, added_at,
+                   container_config, requires_trigger, is_main, source, updated_at)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               ON CONFLICT(folder) DO UPDATE SET name=excluded.name, jid=excluded.jid,
+                   trigger=excluded.trigger, container_config=excluded.container_config,
+                   requires_trigger=excluded.requires_trigger, is_main=excluded.is_main,
+                   source=excluded.source, updated_at=excluded.updated_at""",
+            (g.folder, g.name, g.jid, g.trigger, g.added_at or now,
+             json.dumps(g.container_config, sort_keys=True) if g.container_config else None,
+             int(g.requires_trigger), int(g.is_main), g.source, now),
+        )
+
+
+def delete_group(db: Database, folder: str) -> bool:
+    """Deregister `folder` (its files stay on disk). True if a row was removed."""
+    with db.transaction() as c:
+        return c.execute("DELETE FROM registered_groups WHERE folder = ?", (folder,)).rowcount > 0

@@ -1,0 +1,190 @@
+"""Numbered schema migrations, tracked with `PRAGMA user_version`.
+
+Migration 1 is the seed schema (mdclaw's original tables, columns, CHECK constraints and
+indexes). Later migrations add what mdclaw's invariants need. A migration never edits an
+earlier one: a database made by any earlier version is carried forward step by step.
+"""
+
+from __future__ import annotations
+
+# Each entry: (version, description, SQL script). Scripts run inside one transaction.
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (1, "seed schema", """
+CREATE TABLE IF NOT EXISTS chats (
+  jid TEXT PRIMARY KEY,
+  name TEXT,
+  last_activity TEXT NOT NULL,
+  channel TEXT DEFAULT 'whatsapp',
+  is_group INTEGER DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_chats_last_activity ON chats(last_activity);
+
+CREATE TABLE IF NOT EXISTS messages (
+  id TEXT PRIMARY KEY,
+  chat_jid TEXT NOT NULL,
+  sender TEXT NOT NULL,
+  sender_name TEXT NOT NULL,
+  content TEXT NOT NULL,
+  timestamp TEXT NOT NULL,
+  is_from_me INTEGER DEFAULT 0,
+  is_bot_message INTEGER DEFAULT 0,
+  FOREIGN KEY (chat_jid) REFERENCES chats(jid)
+);
+CREATE INDEX IF NOT EXISTS idx_messages_chat_jid ON messages(chat_jid);
+CREATE INDEX IF NOT EXISTS idx_messages_timestamp ON messages(timestamp);
+
+CREATE TABLE IF NOT EXISTS registered_groups (
+  folder TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  jid TEXT,
+  trigger TEXT NOT NULL DEFAULT '@Andy',
+  added_at TEXT NOT NULL,
+  container_config TEXT,
+  requires_trigger INTEGER DEFAULT 1
+);
+
+CREATE TABLE IF NOT EXISTS router_state (
+  key TEXT PRIMARY KEY,
+  value TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS sessions (
+  group_folder TEXT PRIMARY KEY,
+  session_id TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS scheduled_tasks (
+  id TEXT PRIMARY KEY,
+  group_folder TEXT NOT NULL,
+  chat_jid TEXT NOT NULL,
+  prompt TEXT NOT NULL,
+  schedule_type TEXT NOT NULL CHECK(schedule_type IN ('cron', 'interval', 'once')),
+  schedule_value TEXT NOT NULL,
+  context_mode TEXT NOT NULL DEFAULT 'group' CHECK(context_mode IN ('group', 'isolated')),
+  next_run TEXT,
+  last_run TEXT,
+  last_result TEXT,
+  status TEXT NOT NULL DEFAULT 'active' CHECK(status IN ('active', 'paused', 'completed')),
+  created_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idx_scheduled_tasks_status ON scheduled_tasks(status);
+CREATE INDEX IF NOT EXISTS idx_scheduled_tasks_next_run ON scheduled_tasks(next_run);
+
+CREATE TABLE IF NOT EXISTS task_run_logs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  task_id TEXT NOT NULL,
+  run_at TEXT NOT NULL,
+  duration_ms INTEGER NOT NULL,
+  status TEXT NOT NULL CHECK(status IN ('success', 'error')),
+  result TEXT,
+  error TEXT,
+  FOREIGN KEY (task_id) REFERENCES scheduled_tasks(id)
+);
+CREATE INDEX IF NOT EXISTS idx_task_run_logs_task_id ON task_run_logs(task_id);
+"""),
+    (2, "provenance, main flag, task scheduling state, IPC ledger, outbox", """
+-- Groups: where each came from, and which one is main.
+ALTER TABLE registered_groups ADD COLUMN is_main INTEGER NOT NULL DEFAULT 0
+  CHECK(is_main IN (0, 1));
+ALTER TABLE registered_groups ADD COLUMN source TEXT NOT NULL DEFAULT 'ipc'
+  CHECK(source IN ('config', 'ipc'));
+ALTER TABLE registered_groups ADD COLUMN updated_at TEXT;
+CREATE UNIQUE INDEX IF NOT EXISTS idx_registered_groups_jid
+  ON registered_groups(jid) WHERE jid IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS idx_registered_groups_one_main
+  ON registered_groups(is_main) WHERE is_main = 1;
+
+-- Tasks: SQLite cannot widen a CHECK in place, so the table is rebuilt. 'running' marks a
+-- claimed one-shot task; provenance, timezone and catch-up policy are new columns.
+CREATE TABLE scheduled_tasks_v2 (
+  id TEXT PRIMARY KEY,
+  group_folder TEXT NOT NULL,
+  chat_jid TEXT NOT NULL,
+  prompt TEXT NOT NULL,
+  schedule_type TEXT NOT NULL CHECK(schedule_type IN ('cron', 'interval', 'once')),
+  schedule_value TEXT NOT NULL,
+  context_mode TEXT NOT NULL DEFAULT 'group' CHECK(context_mode IN ('group', 'isolated')),
+  next_run TEXT,
+  last_run TEXT,
+  last_result TEXT,
+  status TEXT NOT NULL DEFAULT 'active'
+    CHECK(status IN ('active', 'paused', 'completed', 'running')),
+  created_at TEXT NOT NULL,
+  source TEXT NOT NULL DEFAULT 'ipc' CHECK(source IN ('config', 'ipc')),
+  timezone TEXT,
+  catch_up INTEGER NOT NULL DEFAULT 1 CHECK(catch_up IN (0, 1)),
+  updated_at TEXT
+);
+INSERT INTO scheduled_tasks_v2 (id, group_folder, chat_jid, prompt, schedule_type,
+  schedule_value, context_mode, next_run, last_run, last_result, status, created_at)
+  SELECT id, group_folder, chat_jid, prompt, schedule_type, schedule_value, context_mode,
+         next_run, last_run, last_result, status, created_at FROM scheduled_tasks;
+
+CREATE TABLE task_run_logs_v2 (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  task_id TEXT NOT NULL,
+  run_at TEXT NOT NULL,
+  duration_ms INTEGER NOT NULL,
+  status TEXT NOT NULL CHECK(status IN ('success', 'error', 'running', 'interrupted')),
+  result TEXT,
+  error TEXT,
+  missed INTEGER NOT NULL DEFAULT 0,
+  finished_at TEXT,
+  FOREIGN KEY (task_id) REFERENCES scheduled_tasks(id)
+);
+INSERT INTO task_run_logs_v2 (id, task_id, run_at, duration_ms, status, result, error)
+  SELECT id, task_id, run_at, duration_ms, status, result, error FROM task_run_logs;
+
+DROP TABLE task_run_logs;
+DROP TABLE scheduled_tasks;
+ALTER TABLE scheduled_tasks_v2 RENAME TO scheduled_tasks;
+ALTER TABLE task_run_logs_v2 RENAME TO task_run_logs;
+CREATE INDEX idx_scheduled_tasks_status ON scheduled_tasks(status);
+CREATE INDEX idx_scheduled_tasks_next_run ON scheduled_tasks(next_run);
+CREATE INDEX idx_scheduled_tasks_due ON scheduled_tasks(status, next_run);
+CREATE INDEX idx_scheduled_tasks_group ON scheduled_tasks(group_folder);
+CREATE INDEX idx_task_run_logs_task_id ON task_run_logs(task_id);
+CREATE INDEX idx_task_run_logs_task_run_at ON task_run_logs(task_id, run_at);
+
+-- Every IPC command file that reached a final state, so a restart after a crash between
+-- "applied" and "file removed" neither re-applies nor loses it.
+CREATE TABLE ipc_ledger (
+  group_folder TEXT NOT NULL,
+  file_name TEXT NOT NULL,
+  content_hash TEXT NOT NULL,
+  command_type TEXT,
+  outcome TEXT NOT NULL CHECK(outcome IN ('applied', 'rejected')),
+  detail TEXT,
+  processed_at TEXT NOT NULL,
+  PRIMARY KEY (group_folder, file_name, content_hash)
+);
+CREATE INDEX idx_ipc_ledger_processed_at ON ipc_ledger(processed_at);
+
+-- Durable outbox: channels deliver from here with retries and record the outcome.
+CREATE TABLE outbox (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  chat_jid TEXT NOT NULL,
+  kind TEXT NOT NULL CHECK(kind IN ('text', 'file', 'reaction')),
+  text TEXT,
+  file_path TEXT,
+  file_name TEXT,
+  message_id TEXT,
+  emoji TEXT,
+  reply_to TEXT,
+  sender TEXT,
+  source_group TEXT,
+  status TEXT NOT NULL DEFAULT 'pending'
+    CHECK(status IN ('pending', 'sending', 'sent', 'failed')),
+  attempts INTEGER NOT NULL DEFAULT 0,
+  next_attempt_at TEXT,
+  last_error TEXT,
+  created_at TEXT NOT NULL,
+  updated_at TEXT NOT NULL,
+  sent_at TEXT
+);
+CREATE INDEX idx_outbox_status_next ON outbox(status, next_attempt_at);
+CREATE INDEX idx_outbox_chat ON outbox(chat_jid);
+"""),
+]
+
+LATEST_VERSION = MIGRATIONS[-1][0]

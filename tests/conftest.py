@@ -1,0 +1,74 @@
+"""Shared fixtures: config files in a temporary data dir, the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+BASE_CONFIG = """\
+data_dir: {data_dir}
+assistant:
+  name: Andy
+  timezone: Europe/Berlin
+groups:
+  main:
+    name: Admin chat
+    jid: "tg:123456"
+    main: true
+    requires_trigger: false
+  family:
+    name: Family
+    jid: "tg:-1001234"
+    trigger: "@Andy"
+    timeout: 10m
+limits:
+  max_concurrent_containers: 5
+"""
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def write_config(tmp_path: Path, data_dir: Path):
+    """write_config(text=None) -> path; `{data_dir}` in the text is filled in."""
+
+    def _write(text: str | None = None, name: str = "config.yaml") -> Path:
+        body = textwrap.dedent(text) if text is not None else BASE_CONFIG
+        p = tmp_path / name
+        p.write_text(body.replace("{data_dir}", str(data_dir)))
+        return p
+
+    return _write
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m mdclaw ARGS` in a subprocess and return the completed process."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, "-m", "mdclaw", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, input=input)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_mdclaw_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("MDCLAW_"):
+            monkeypatch.delenv(k)
