@@ -1,0 +1,66 @@
+"""The durable outbox: every outbound message, file and reaction, until delivered or failed."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mdclaw.state.db import Database, now_iso
+
+OUTBOX_KINDS = ("text", "file", "reaction")
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    id: int
+    chat_jid: str
+    kind: str
+    text: str | None
+    file_path: str | None
+    file_name: str | None
+    message_id: str | None
+    emoji: str | None
+    reply_to: str | None
+    sender: str | None
+    source_group: str | None
+    status: str
+    attempts: int
+    next_attempt_at: str | None
+    last_error: str | None
+    created_at: str
+    updated_at: str
+    sent_at: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def enqueue(conn: sqlite3.Connection, *, chat_jid: str, kind: str, text: str | None = None,
+            file_path: str | None = None, file_name: str | None = None,
+            message_id: str | None = None, emoji: str | None = None,
+            reply_to: str | None = None, sender: str | None = None,
+            source_group: str | None = None) -> int:
+    """Add a pending row (in the caller's transaction) and return its id."""
+    if kind not in OUTBOX_KINDS:
+        raise ValueError(f"unknown outbox kind {kind!r}")
+    now = now_iso()
+    cur = conn.execute(
+        """INSERT INTO outbox (chat_jid, kind, text, file_path, file_name, message_id, emoji,
+               reply_to, sender, source_group, status, attempts, next_attempt_at, created_at,
+               updated_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?)""",
+        (chat_jid, kind, text, file_path, file_name, message_id, emoji, reply_to, sender,
+         source_group, now, now, now),
+    )
+    return int(cur.lastrowid or 0)
+
+
+def list_outbox(db: Database, status: str | None = None, limit: int = 1000) -> list[OutboxRow]:
+    sql = "SELECT * FROM outbox"
+    params: tuple[Any, ...] = ()
+    if status:
+        sql += " WHERE status = ?"
+        params = (status,)
+    sql += " ORDER BY id DESC LIMIT ?"
+    return [OutboxRow(**dict(r)) for r in db.query(sql, (*params, limit))]

@@ -1,0 +1,125 @@
+"""Scheduled tasks: rows of `scheduled_tasks` and their run logs.
+
+Schedules are validated and `next_run` computed with mdclaw.schedule; every timestamp is
+ISO-8601 UTC with a trailing Z. Functions taking `conn` run inside the caller's transaction
+(so IPC apply can record its ledger row in the same one).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from mdclaw import schedule
+from mdclaw.state.db import Database, now_iso
+
+TASK_STATUSES = ("active", "paused", "completed", "running")
+
+
+class TaskError(ValueError):
+    """A task operation that cannot be done (unknown id, duplicate id, bad schedule...)."""
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    id: str
+    group_folder: str
+    chat_jid: str
+    prompt: str
+    schedule_type: str
+    schedule_value: str
+    context_mode: str
+    next_run: str | None
+    last_run: str | None
+    last_result: str | None
+    status: str
+    created_at: str
+    source: str
+    timezone: str | None
+    catch_up: bool
+    updated_at: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _row(r: sqlite3.Row) -> TaskRow:
+    d = dict(r)
+    d["catch_up"] = bool(d["catch_up"])
+    return TaskRow(**d)
+
+
+def new_task_id() -> str:
+    return f"task-{uuid.uuid4().hex[:12]}"
+
+
+def get_task(db_or_conn: Database | sqlite3.Connection, task_id: str) -> TaskRow | None:
+    q = "SELECT * FROM scheduled_tasks WHERE id = ?"
+    r = (db_or_conn.query_one(q, (task_id,)) if isinstance(db_or_conn, Database)
+         else db_or_conn.execute(q, (task_id,)).fetchone())
+    return _row(r) if r else None
+
+
+def list_tasks(db: Database, group_folder: str | None = None,
+               include_completed: bool = True) -> list[TaskRow]:
+    sql = "SELECT * FROM scheduled_tasks WHERE 1=1"
+    params: list[Any] = []
+    if group_folder is not None:
+        sql += " AND group_folder = ?"
+        params.append(group_folder)
+    if not include_completed:
+        sql += " AND status != 'completed'"
+    sql += " ORDER BY created_at, id"
+    return [_row(r) for r in db.query(sql, tuple(params))]
+
+
+def insert_task(conn: sqlite3.Connection, *, group_folder: str, chat_jid: str, prompt: str,
+                schedule_type: str, schedule_value: str, timezone: str,
+                context_mode: str = "isolated", task_id: str | None = None,
+                source: str = "ipc", catch_up: bool = True, task_timezone: str | None = None,
+                now: datetime | None = None) -> TaskRow:
+    """Validate the schedule, compute next_run and insert the task (in the caller's
+    transaction). `timezone` is the zone to evaluate in; `task_timezone` is stored (None:
+    follow the assistant's zone). Raises TaskError (duplicate id) or ScheduleError.
+    """
+    now = now or schedule.utc_now()
+    value = schedule.validate(schedule_type, schedule_value, timezone, now)
+    nxt = schedule.first_run(schedule_type, value, timezone, now)
+    tid = task_id or new_task_id()
+    if conn.execute("SELECT 1 FROM scheduled_tasks WHERE id = ?", (tid,)).fetchone():
+        raise TaskError(f"a task with id {tid!r} already exists")
+    stamp = now_iso(now)
+    conn.execute(
+        """INSERT INTO scheduled_tasks (id, group_folder, chat_jid, prompt, schedule_type,
+               schedule_value, context_mode, next_run, status, created_at, source, timezone,
+               catch_up, updated_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'active', ?, ?, ?, ?, ?)""",
+        (tid, group_folder, chat_jid, prompt, schedule_type, value, context_mode,
+         schedule.to_iso(nxt), stamp, source, task_timezone, int(catch_up), stamp),
+    )
+    row = get_task(conn, tid)
+    assert row is not None
+    return row
+
+
+def update_task_fields(conn: sqlite3.Connection, task_id: str, **fields: Any) -> None:
+    """Set columns of one task (names are checked against the table)."""
+    allowed = {"prompt", "schedule_type", "schedule_value", "context_mode", "next_run",
+               "last_run", "last_result", "status", "chat_jid", "timezone", "catch_up",
+               "group_folder", "source"}
+    bad = set(fields) - allowed
+    if bad:
+        raise TaskError(f"cannot update task field(s): {', '.join(sorted(bad))}")
+    if not fields:
+        return
+    fields["updated_at"] = now_iso()
+    cols = ", ".join(f"{k} = ?" for k in fields)
+    conn.execute(f"UPDATE scheduled_tasks SET {cols} WHERE id = ?", (*fields.values(), task_id))
+
+
+def delete_task(conn: sqlite3.Connection, task_id: str) -> bool:
+    conn.execute("DELETE FROM task_run_logs WHERE task_id = ?", (task_id,))
+    return conn.execute("DELETE FROM scheduled_tasks WHERE id = ?", (task_id,)).rowcount > 0
