@@ -17,7 +17,7 @@
           src = ./.;
           build-system = [ pkgs.python3Packages.setuptools ];
           dependencies = with pkgs.python3Packages; [
-            pydantic pydantic-settings pyyaml docker croniter inotify-simple sdnotify
+            pydantic pydantic-settings pyyaml docker croniter inotify-simple sdnotify aiohttp
           ];
         };
         default = mdclaw;
