@@ -1,0 +1,103 @@
+"""Chat messages, per-group cursors and agent sessions.
+
+Inbound messages are stored once (a message id is unique per chat: the primary key is the
+channel's id, which channels make unique by prefixing it with the chat). A group's cursor is
+the timestamp of the last message its agent has seen; it moves only when a run succeeded or
+its output was delivered, so a failed run is retried with the same messages.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+from mdclaw.state.db import Database, now_iso
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    id: str
+    chat_jid: str
+    sender: str
+    sender_name: str
+    content: str
+    timestamp: str
+    is_from_me: bool
+    is_bot_message: bool
+
+
+def upsert_chat(conn: sqlite3.Connection, jid: str, name: str | None, channel: str,
+                is_group: bool, last_activity: str | None = None) -> None:
+    conn.execute(
+        """INSERT INTO chats (jid, name, last_activity, channel, is_group) VALUES (?, ?, ?, ?, ?)
+           ON CONFLICT(jid) DO UPDATE SET name = COALESCE(excluded.name, chats.name),
+               last_activity = MAX(chats.last_activity, excluded.last_activity),
+               channel = excluded.channel, is_group = excluded.is_group""",
+        (jid, name, last_activity or now_iso(), channel, int(is_group)),
+    )
+
+
+def store_message(db: Database, m: StoredMessage, *, chat_name: str | None = None,
+                  channel: str = "unknown", is_group: bool = False) -> bool:
+    """Store an inbound message (and its chat). False if that id was already stored."""
+    with db.transaction() as c:
+        upsert_chat(c, m.chat_jid, chat_name, channel, is_group, m.timestamp)
+        cur = c.execute(
+            """INSERT OR IGNORE INTO messages (id, chat_jid, sender, sender_name, content,
+                   timestamp, is_from_me, is_bot_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+            (m.id, m.chat_jid, m.sender, m.sender_name, m.content, m.timestamp,
+             int(m.is_from_me), int(m.is_bot_message)),
+        )
+        return cur.rowcount > 0
+
+
+def messages_since(db: Database, chat_jid: str, after: str | None,
+                   limit: int = 200) -> list[StoredMessage]:
+    """Inbound (non-bot) messages of `chat_jid` newer than `after`, oldest first; the newest
+    `limit` when there are more."""
+    rows = db.query(
+        """SELECT * FROM (SELECT * FROM messages WHERE chat_jid = ? AND timestamp > ?
+               AND is_bot_message = 0 ORDER BY timestamp DESC, id DESC LIMIT ?)
+           ORDER BY timestamp, id""",
+        (chat_jid, after or "", limit),
+    )
+    return [StoredMessage(r["id"], r["chat_jid"], r["sender"], r["sender_name"], r["content"],
+                          r["timestamp"], bool(r["is_from_me"]), bool(r["is_bot_message"]))
+            for r in rows]
+
+
+def _get_state(db: Database, key: str) -> str | None:
+    r = db.query_one("SELECT value FROM router_state WHERE key = ?", (key,))
+    return r[0] if r else None
+
+
+def _set_state(db: Database, key: str, value: str | None) -> None:
+    with db.transaction() as c:
+        if value is None:
+            c.execute("DELETE FROM router_state WHERE key = ?", (key,))
+        else:
+            c.execute("INSERT INTO router_state (key, value) VALUES (?, ?) ON CONFLICT(key) "
+                      "DO UPDATE SET value = excluded.value", (key, value))
+
+
+def get_cursor(db: Database, folder: str) -> str | None:
+    return _get_state(db, f"last_agent_timestamp:{folder}")
+
+
+def set_cursor(db: Database, folder: str, timestamp: str) -> None:
+    _set_state(db, f"last_agent_timestamp:{folder}", timestamp)
+
+
+def get_session(db: Database, folder: str) -> str | None:
+    r = db.query_one("SELECT session_id FROM sessions WHERE group_folder = ?", (folder,))
+    return r[0] if r else None
+
+
+def set_session(db: Database, folder: str, session_id: str | None) -> None:
+    with db.transaction() as c:
+        if session_id:
+            c.execute("INSERT INTO sessions (group_folder, session_id) VALUES (?, ?) "
+                      "ON CONFLICT(group_folder) DO UPDATE SET session_id = excluded.session_id",
+                      (folder, session_id))
+        else:
+            c.execute("DELETE FROM sessions WHERE group_folder = ?", (folder,))
