@@ -185,6 +185,31 @@ CREATE TABLE outbox (
 CREATE INDEX idx_outbox_status_next ON outbox(status, next_attempt_at);
 CREATE INDEX idx_outbox_chat ON outbox(chat_jid);
 """),
+    (3, "local HTTP channel transcript, outbox delivery progress", """
+-- The local HTTP channel's chats as its readers see them: what was posted to it and what
+-- the assistant sent back. `seq` is the cursor of GET /messages?after=.
+CREATE TABLE http_messages (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  chat_jid TEXT NOT NULL,
+  direction TEXT NOT NULL CHECK(direction IN ('in', 'out')),
+  kind TEXT NOT NULL DEFAULT 'text' CHECK(kind IN ('text', 'file', 'reaction')),
+  message_id TEXT NOT NULL,
+  sender TEXT,
+  sender_name TEXT,
+  content TEXT NOT NULL DEFAULT '',
+  file_name TEXT,
+  reply_to TEXT,
+  created_at TEXT NOT NULL
+);
+CREATE INDEX idx_http_messages_chat_seq ON http_messages(chat_jid, seq);
+
+-- How many pieces of a split text row were already delivered, so a retry after a failure
+-- (or a crash) half-way resumes instead of repeating the pieces the chat already shows.
+CREATE TABLE outbox_progress (
+  outbox_id INTEGER PRIMARY KEY REFERENCES outbox(id) ON DELETE CASCADE,
+  parts_sent INTEGER NOT NULL DEFAULT 0
+);
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
