@@ -1,0 +1,63 @@
+"""The notify messages reach a real NOTIFY_SOCKET; the watchdog stops on a stale probe."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from mdclaw.systemd import Notifier, watchdog_interval
+
+
+def listen(tmp_path, monkeypatch) -> socket.socket:
+    path = str(tmp_path / "notify.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    s.settimeout(2)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    return s
+
+
+def test_messages_arrive(tmp_path, monkeypatch) -> None:
+    s = listen(tmp_path, monkeypatch)
+    n = Notifier()
+    n.ready("serving 2 groups")
+    n.reloading()
+    n.stopping()
+    got = [s.recv(4096).decode() for _ in range(3)]
+    assert got[0] == "READY=1\nSTATUS=serving 2 groups"
+    assert got[1].startswith("RELOADING=1\nMONOTONIC_USEC=")
+    assert got[2] == "STOPPING=1"
+
+
+def test_watchdog_interval_from_env(monkeypatch) -> None:
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    assert watchdog_interval() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "10000000")
+    assert watchdog_interval() == 5.0
+    monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
+    assert watchdog_interval() is None
+
+
+def test_watchdog_pings_only_with_progress(tmp_path, monkeypatch) -> None:
+    s = listen(tmp_path, monkeypatch)
+    s.settimeout(0.3)
+    n = Notifier()
+    last = {"t": time.monotonic()}
+    n.add_probe("ipc", lambda: last["t"])
+
+    async def main() -> None:
+        task = asyncio.create_task(n.watchdog_loop(interval=0.05))
+        await asyncio.sleep(0.12)
+        last["t"] = time.monotonic() - 100  # the component stopped making progress
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(main())
+    pings = []
+    try:
+        while True:
+            pings.append(s.recv(100))
+    except TimeoutError:
+        pass
+    assert 2 <= len(pings) <= 4 and all(p == b"WATCHDOG=1" for p in pings)
