@@ -17,6 +17,8 @@ import os
 import re
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -115,9 +117,26 @@ def _check_timezone(name: str) -> str:
 TimeZone = Annotated[str, BeforeValidator(lambda v: _check_timezone(str(v)))]
 
 
+# Set by secret_checks_skipped(): validate everything except that secret files exist, e.g. when
+# a config is checked at build time (NixOS) and its secrets appear only when the service runs.
+_SKIP_SECRET_CHECKS: ContextVar[bool] = ContextVar("mdclaw_skip_secret_checks", default=False)
+
+
+@contextmanager
+def secret_checks_skipped() -> Iterator[None]:
+    """Within this block, secret file paths are accepted without looking at the files."""
+    token = _SKIP_SECRET_CHECKS.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_SECRET_CHECKS.reset(token)
+
+
 def _check_secret_file(value: Any) -> Path:
     """A secret file must exist, be a regular file and not be readable by everyone."""
     path = Path(os.path.expandvars(str(value))).expanduser()
+    if _SKIP_SECRET_CHECKS.get():
+        return path
     try:
         st = path.stat()
     except FileNotFoundError:

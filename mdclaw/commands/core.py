@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
 from mdclaw.commands.output import print_json, print_table
-from mdclaw.config import Config, iter_secret_files
+from mdclaw.config import Config, iter_secret_files, secret_checks_skipped
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.state.groups import list_groups
 
@@ -22,6 +23,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = sub.add_parser("check-config", parents=[common],
                        help="validate the config; exit 0 valid, 1 invalid")
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing when valid")
+    p.add_argument("--skip-secrets", action="store_true",
+                   help="check everything except that secret files exist and are readable "
+                        "(for build-time checks, e.g. NixOS, where secrets appear at run time)")
     p.set_defaults(func=cmd_check_config)
 
     p = sub.add_parser("reconcile", parents=[common],
@@ -42,8 +46,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = load_or_exit(args)
-    problems = [line for check in CONFIG_CHECKS for line in check(cfg)]
+    with secret_checks_skipped() if args.skip_secrets else nullcontext():
+        cfg = load_or_exit(args)
+        problems = [line for check in CONFIG_CHECKS for line in check(cfg)]
     for line in problems:
         print(f"mdclaw: {line}", file=sys.stderr)
     if problems:

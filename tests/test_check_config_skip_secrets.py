@@ -1,0 +1,56 @@
+"""`mdclaw check-config --skip-secrets`: everything is checked except that secret files exist.
+
+The NixOS module validates the rendered config at build time, when secrets (systemd
+credentials, /run/secrets/...) do not exist yet.
+"""
+
+from __future__ import annotations
+
+CONFIG = """\
+data_dir: {data_dir}
+models:
+  claude: {backend: claude, model: claude-sonnet-4-5, api_key_file: "$CREDENTIALS_DIRECTORY/anthropic"}
+assistant: {name: Andy, model: claude}
+channels:
+  http: {listen: "127.0.0.1:3000", secret_file: /nonexistent/mdclaw-http-token}
+  telegram: {token_file: /nonexistent/mdclaw-telegram-token}
+groups:
+  main: {name: Admin, jid: "hl:main", main: true}
+"""
+
+
+def test_missing_secret_files_fail_without_flag(cli, write_config) -> None:
+    r = cli("check-config", "--config", str(write_config(CONFIG)),
+            env={"CREDENTIALS_DIRECTORY": "/nonexistent/creds"})
+    assert r.returncode == 1
+    assert "/nonexistent/creds/anthropic" in r.stderr  # $VAR expanded in the message
+    assert "mdclaw-telegram-token" in r.stderr and "does not exist" in r.stderr
+
+
+def test_skip_secrets_accepts_missing_files(cli, write_config) -> None:
+    r = cli("check-config", "--skip-secrets", "--config", str(write_config(CONFIG)))
+    assert r.returncode == 0, r.stderr
+    assert "models.claude.api_key_file" in r.stdout
+    assert "channels.telegram.token_file" in r.stdout
+
+
+def test_skip_secrets_still_checks_everything_else(cli, write_config) -> None:
+    bad = CONFIG.replace("backend: claude", "backend: clod").replace("listen: \"127.0.0.1:3000\"",
+                                                                      "listen: nowhere")
+    r = cli("check-config", "--skip-secrets", "--config", str(write_config(bad)))
+    assert r.returncode == 1
+    assert "models.claude.backend" in r.stderr and "channels.http.listen" in r.stderr
+    assert "does not exist" not in r.stderr
+
+
+def test_skip_is_scoped_to_the_block(tmp_path) -> None:
+    import pytest
+
+    from mdclaw.config import ConfigError, load_config, secret_checks_skipped
+
+    text = "data_dir: %s\nchannels: {telegram: {token_file: /nonexistent/t}}\n" % tmp_path
+    with secret_checks_skipped():
+        cfg = load_config(tmp_path / "c.yaml", text=text)
+    assert str(cfg.channels.telegram.token_file) == "/nonexistent/t"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "c.yaml", text=text)
