@@ -248,7 +248,7 @@ class Runtime(Frozen):
 class AllowedRoot(Frozen):
     path: str = Field(description="Host directory under which group mounts may lie.")
     allow_read_write: bool = Field(False, description="Mounts under it may be read-write.")
-    description: str | None = None
+    description: str | None = Field(None, description="Free text: what this root is for.")
 
 
 class MountPolicy(Frozen):
@@ -267,33 +267,37 @@ class ModelSpec(Frozen):
 
 
 class HttpChannel(Frozen):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Serve the local HTTP channel and its chat page.")
     listen: str = Field("127.0.0.1:3000", pattern=r"^[^:\s]*:\d{1,5}$",
                         description="host:port to listen on.")
     secret_file: SecretFile | None = Field(None, description="Bearer token file (optional).")
 
 
 class TelegramChannel(Frozen):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Connect to Telegram.")
     token_file: SecretFile = Field(description="File holding the bot token.")
-    api_base: str = Field("https://api.telegram.org", pattern=r"^https?://")
+    api_base: str = Field("https://api.telegram.org", pattern=r"^https?://",
+                          description="Bot API base URL (for a local Bot API server or tests).")
 
 
 class Channels(Frozen):
-    http: HttpChannel | None = Field(default_factory=HttpChannel)
-    telegram: TelegramChannel | None = None
+    http: HttpChannel | None = Field(
+        default_factory=HttpChannel,
+        description="Local HTTP channel (jids hl:<id>), on by default on 127.0.0.1:3000.")
+    telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
 
 
 class TaskSpec(Frozen):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$", description="Task id.")
     group: str = Field(description="Folder of the group the task runs in.")
-    prompt: str = Field(min_length=1)
-    cron: str | None = None
-    interval: Duration | None = None
-    once: str | None = None
-    context_mode: Literal["group", "isolated"] = "isolated"
-    timezone: TimeZone | None = None
-    catch_up: bool = True
+    prompt: str = Field(min_length=1, description="What the agent is asked to do.")
+    cron: str | None = Field(None, description="Cron expression, in the task's timezone.")
+    interval: Duration | None = Field(None, description="Run every this long, e.g. '1h'.")
+    once: str | None = Field(None, description="Run once at this local time (ISO 8601).")
+    context_mode: Literal["group", "isolated"] = Field(
+        "isolated", description="group: continue the group's session; isolated: a fresh one.")
+    timezone: TimeZone | None = Field(None, description="Default: assistant.timezone.")
+    catch_up: bool = Field(True, description="Run once after downtime if a run was missed.")
 
     @model_validator(mode="after")
     def _one_schedule(self) -> TaskSpec:
@@ -335,16 +339,22 @@ class _Settings(BaseSettings):
 class Config(_Settings):
     data_dir: Path = Field(Path("/var/lib/mdclaw"),
                            description="state.db, ipc/ and groups/ live under it.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    assistant: Assistant = Field(default_factory=Assistant)
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Least severe log level written to stderr.")
+    assistant: Assistant = Field(default_factory=Assistant,
+                                 description="Who the assistant is and where it lives.")
     groups: dict[Folder, Group] = Field(default_factory=dict,
                                         description="Key: the group's folder name.")
-    limits: Limits = Field(default_factory=Limits)
-    runtime: Runtime = Field(default_factory=Runtime)
-    mount_policy: MountPolicy = Field(default_factory=MountPolicy)
-    models: dict[str, ModelSpec] = Field(default_factory=dict)
-    channels: Channels = Field(default_factory=Channels)
-    tasks: tuple[TaskSpec, ...] = ()
+    limits: Limits = Field(default_factory=Limits, description="Resource limits and timeouts.")
+    runtime: Runtime = Field(default_factory=Runtime,
+                             description="The container engine and the agent image.")
+    mount_policy: MountPolicy = Field(default_factory=MountPolicy,
+                                      description="Which host folders groups may mount.")
+    models: dict[str, ModelSpec] = Field(default_factory=dict,
+                                         description="Model backends by name; groups pick one.")
+    channels: Channels = Field(default_factory=Channels,
+                               description="Chat channels mdclaw listens on.")
+    tasks: tuple[TaskSpec, ...] = Field((), description="Scheduled tasks declared in config.")
 
     @field_validator("data_dir")
     @classmethod
