@@ -210,6 +210,21 @@ CREATE TABLE outbox_progress (
   parts_sent INTEGER NOT NULL DEFAULT 0
 );
 """),
+    (4, "model usage per group through the credential proxy", """
+-- One row per group, model and UTC day: requests the credential proxy forwarded, how many
+-- failed (upstream status >= 400 or a broken connection), and the tokens the API reported.
+CREATE TABLE model_usage (
+  group_folder TEXT NOT NULL,
+  day TEXT NOT NULL,
+  model TEXT NOT NULL DEFAULT '',
+  requests INTEGER NOT NULL DEFAULT 0,
+  errors INTEGER NOT NULL DEFAULT 0,
+  input_tokens INTEGER NOT NULL DEFAULT 0,
+  output_tokens INTEGER NOT NULL DEFAULT 0,
+  updated_at TEXT NOT NULL,
+  PRIMARY KEY (group_folder, day, model)
+);
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
