@@ -1,0 +1,186 @@
+"""The one interface every chat channel implements, and the message it hands inbound.
+
+A channel owns a JID prefix (`hl:` for the local HTTP channel, `tg:` for Telegram). The
+outbox worker finds the channel that owns a row's JID and calls `send_message`, `send_file`
+or `react`; the orchestrator calls `set_typing` and receives inbound messages through the
+callback given to the channel. Channels never import each other.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mdclaw.channels")
+
+
+@dataclass(frozen=True)
+class InboundMessage:
+    """One message a person wrote in a chat, as every channel reports it.
+
+    `id` is unique across all chats (channels prefix it where the chat's own ids are not);
+    `timestamp` is ISO-8601 UTC with a trailing Z.
+    """
+
+    id: str
+    chat_jid: str
+    sender: str
+    sender_name: str
+    content: str
+    timestamp: str
+    chat_name: str | None = None
+    is_group: bool = False
+    channel: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+InboundCallback = Callable[[InboundMessage], "Awaitable[None] | None"]
+
+
+class ChannelError(Exception):
+    """A send did not happen. The message is safe to show (it never holds a secret).
+
+    `permanent` means retrying cannot help (unknown chat, file too large, bot blocked);
+    `retry_after` is the wait in seconds the chat service asked for, if any.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+        self.retry_after = retry_after
+
+
+class Channel(abc.ABC):
+    """A chat service mdclaw talks through.
+
+    Subclasses set `name`, `jid_prefix` and `max_message_length`, and implement the
+    abstract methods. Inbound messages go to the callback set with `on_inbound` (or given
+    to the constructor); a callback that raises is logged and the error re-raised to the
+    channel, which decides whether the chat service should redeliver.
+    """
+
+    name: str = ""
+    jid_prefix: str = ""
+    #: Longest text one `send_message` call may carry, measured with `measure`.
+    max_message_length: int = 4096
+
+    def __init__(self, on_inbound: InboundCallback | None = None) -> None:
+        self._on_inbound = on_inbound
+
+    # ------------------------------------------------------------------ inbound
+    def on_inbound(self, callback: InboundCallback | None) -> None:
+        """Set (or clear, with None) the function that receives inbound messages."""
+        self._on_inbound = callback
+
+    async def deliver_inbound(self, msg: InboundMessage) -> bool:
+        """Hand `msg` to the callback. False if no callback is set; raises what it raises."""
+        cb = self._on_inbound
+        if cb is None:
+            log.warning("%s: inbound message %s dropped: no handler is set", self.name, msg.id)
+            return False
+        result = cb(msg)
+        if inspect.isawaitable(result):
+            await result
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Start receiving and be ready to send. Raises ChannelError if it cannot start."""
+
+    @abc.abstractmethod
+    async def disconnect(self) -> None:
+        """Stop receiving and release every resource; safe to call twice."""
+
+    @abc.abstractmethod
+    def is_connected(self) -> bool:
+        """True while the channel can send."""
+
+    def owns_jid(self, jid: str) -> bool:
+        """True if `jid` is a chat of this channel (by prefix)."""
+        return bool(self.jid_prefix) and jid.startswith(self.jid_prefix)
+
+    # ------------------------------------------------------------------ outbound
+    @abc.abstractmethod
+    async def send_message(self, jid: str, text: str, *, reply_to: str | None = None,
+                           sender: str | None = None) -> str | None:
+        """Send `text` (at most max_message_length) to `jid`; return the new message id
+        if the service gives one. Raises ChannelError."""
+
+    @abc.abstractmethod
+    async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
+                        caption: str | None = None) -> str | None:
+        """Send the file at `path` (a host path) to `jid`. Raises ChannelError."""
+
+    @abc.abstractmethod
+    async def react(self, jid: str, message_id: str, emoji: str) -> None:
+        """React to `message_id` in `jid` with `emoji`. Raises ChannelError."""
+
+    @abc.abstractmethod
+    async def set_typing(self, jid: str, typing: bool) -> None:
+        """Show (or stop showing) that the assistant is writing. Never raises for
+        delivery problems: typing is a hint."""
+
+    # ------------------------------------------------------------------ helpers
+    def redact(self, text: str) -> str:
+        """`text` with this channel's secrets masked, for logs and stored errors."""
+        return text
+
+    def measure(self, text: str) -> int:
+        """Length of `text` as the service counts it (code points unless overridden)."""
+        return len(text)
+
+    def split_text(self, text: str) -> list[str]:
+        """`text` in pieces of at most max_message_length (see split_text)."""
+        return split_text(text, self.max_message_length, measure=self.measure)
+
+
+def split_text(text: str, limit: int, *, measure: Callable[[str], int] = len) -> list[str]:
+    """Cut `text` into pieces no longer than `limit` (as `measure` counts).
+
+    Prefers to cut after a paragraph break, then a line break, then a space; the single
+    whitespace character at a cut is dropped. Text without any such break is cut hard.
+    An empty text gives one empty piece.
+    """
+    if limit < 1:
+        raise ValueError("limit must be at least 1")
+    if measure(text) <= limit:
+        return [text]
+    pieces: list[str] = []
+    rest = text
+    while measure(rest) > limit:
+        # Longest prefix that fits: code points never exceed the measure, so start there.
+        end = min(len(rest), limit)
+        while end > 1 and measure(rest[:end]) > limit:
+            end -= 1
+        window = rest[:end]
+        cut = -1
+        for sep in ("\n\n", "\n", " "):
+            i = window.rfind(sep)
+            if i > 0:
+                cut = i
+                skip = len(sep)
+                break
+        if cut <= 0 or cut < end // 4:  # a break too early would leave tiny pieces
+            cut, skip = end, 0
+        pieces.append(rest[:cut])
+        rest = rest[cut + skip:]
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
+def channel_for(channels: Iterable[Channel], jid: str) -> Channel | None:
+    """The first channel in `channels` that owns `jid`, or None."""
+    for ch in channels:
+        if ch.owns_jid(jid):
+            return ch
+    return None

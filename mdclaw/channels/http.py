@@ -1,0 +1,407 @@
+"""The local HTTP channel (`hl:<channel id>`): mdclaw's embedded default chat.
+
+Endpoints (JSON unless noted):
+
+- `POST /message` — a person (or a script) writes in chat `jid` (`{"text"|"content": ...,
+  "sender"?, "sender_name"?, "jid"|"channel"?}`; without a chat it goes to the main group's
+  `hl:` chat). 202 `{"id", "message_id", "jid", "seq"}`; 400 bad JSON or fields, 401 missing
+  or wrong bearer token, 413 body over the limit, 503 before the host takes messages.
+- `GET /messages?jid=hl:x&after=SEQ[&wait=S][&limit=N]` — the chat's transcript after cursor
+  SEQ: what was posted (`direction: "in"`) and what the assistant sent (`"out"`: text, files
+  by name, reactions), oldest first, plus `cursor` for the next call and `typing`. With `wait`
+  it long-polls up to S seconds (at most 30) for something new.
+- `GET /groups` — the registered groups that answer in this channel.
+- `GET /health` — liveness, no auth.
+- `GET /` — a single-page chat (HTML and JavaScript, no build step).
+
+The transcript lives in the `http_messages` table (its `seq` is the cursor), apart from the
+`messages` table the orchestrator keeps, so replies never show up as prompt context. Each
+chat keeps its newest `keep_per_chat` rows.
+
+Security: bound to 127.0.0.1 by default; with a secret every endpoint but `/health` and `/`
+needs `Authorization: Bearer <secret>` (compared in constant time). Cross-site requests are
+refused: a request with an `Origin` other than its own `Host` gets 403, and on a loopback
+address only loopback host names are answered (no DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import time
+import uuid
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
+from mdclaw.config import read_secret
+from mdclaw.state import Database, now_iso
+from mdclaw.state.groups import list_groups, main_group
+
+log = logging.getLogger("mdclaw.channels.http")
+
+JID_RE = re.compile(r"^hl:[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
+MAX_WAIT_SECONDS = 30.0
+MAX_FIELD = 200
+TYPING_SECONDS = 30.0
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+_SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+             "frame-ancestors 'none'")
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """"host:port" as (host, port); an empty host means 127.0.0.1. Raises ValueError."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen address {listen!r} is not host:port")
+    return host or "127.0.0.1", int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def normalize_jid(value: str) -> str:
+    """`hl:x` or a bare channel id `x` as `hl:x`. Raises ValueError for anything else."""
+    jid = value if value.startswith("hl:") else f"hl:{value}"
+    if not JID_RE.match(jid):
+        raise ValueError(f"chat {value!r} is not a local chat: use hl:<id> with letters, "
+                         "digits, '_', '.', '@' or '-'")
+    return jid
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status,
+                             headers={**_SECURITY_HEADERS, **headers})
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, headers=_SECURITY_HEADERS)
+
+
+class HttpChannel(Channel):
+    """The local HTTP channel; serves `hl:` chats on `listen` (port 0: any free port)."""
+
+    name = "http"
+    jid_prefix = "hl:"
+    max_message_length = 32_000
+
+    def __init__(self, db: Database, *, listen: str = "127.0.0.1:3000",
+                 secret: str | None = None, on_inbound: InboundCallback | None = None,
+                 assistant_name: str = "Andy", max_body_bytes: int = 64 * 1024,
+                 keep_per_chat: int = 1000) -> None:
+        super().__init__(on_inbound)
+        self.db = db
+        self.host, self.port = parse_listen(listen)
+        self._secret = secret.encode() if secret else None
+        self.assistant_name = assistant_name
+        self.max_body_bytes = max_body_bytes
+        self.keep_per_chat = keep_per_chat
+        self._runner: web.AppRunner | None = None
+        self._connected = False
+        self._closing = False
+        self._new = asyncio.Event()
+        self._typing: dict[str, float] = {}
+        self._page = resources.files("mdclaw.channels").joinpath("static/chat.html").read_bytes()
+
+    @classmethod
+    def from_config(cls, section: Any, db: Database, *, assistant_name: str = "Andy",
+                    on_inbound: InboundCallback | None = None) -> HttpChannel:
+        """Build from the `channels.http` config section; the secret file is read now.
+
+        Raises ChannelError naming the file (never its content) if it cannot be read.
+        """
+        secret = None
+        if section.secret_file is not None:
+            try:
+                secret = read_secret(section.secret_file)
+            except OSError as e:
+                raise ChannelError(f"cannot read channels.http.secret_file "
+                                   f"{section.secret_file}: {e.strerror}") from None
+            if not secret:
+                raise ChannelError(f"channels.http.secret_file {section.secret_file} is empty")
+        return cls(db, listen=section.listen, secret=secret, on_inbound=on_inbound,
+                   assistant_name=assistant_name)
+
+    @property
+    def url(self) -> str:
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    # ------------------------------------------------------------------ lifecycle
+    async def connect(self) -> None:
+        if self._runner is not None:
+            return
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[self._guard])
+        app.router.add_get("/", self._page_handler)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/groups", self._groups)
+        app.router.add_post("/message", self._post_message)
+        app.router.add_get("/messages", self._get_messages)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise ChannelError(f"local HTTP channel cannot listen on {self.host}:{self.port}: "
+                               f"{e.strerror or e}") from None
+        if self.port == 0:
+            self.port = int(runner.addresses[0][1])
+        self._runner = runner
+        self._closing = False
+        self._connected = True
+        if not _is_loopback(self.host) and self._secret is None:
+            log.warning("local HTTP channel listens on %s without a secret_file: anyone who "
+                        "can reach it can write to the assistant", self.host)
+        log.info("local HTTP channel listening on %s", self.url)
+
+    async def disconnect(self) -> None:
+        runner, self._runner = self._runner, None
+        self._connected = False
+        self._closing = True
+        self._notify()
+        if runner is not None:
+            await runner.cleanup()
+
+    def is_connected(self) -> bool:
+        return self._connected
+
+    # ------------------------------------------------------------------ outbound
+    async def send_message(self, jid: str, text: str, *, reply_to: str | None = None,
+                           sender: str | None = None) -> str | None:
+        self._check_jid(jid)
+        self._typing.pop(jid, None)
+        return self._record(jid, "out", "text", content=text, sender="assistant",
+                            sender_name=sender or self.assistant_name, reply_to=reply_to)[1]
+
+    async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
+                        caption: str | None = None) -> str | None:
+        self._check_jid(jid)
+        if not Path(path).is_file():
+            raise ChannelError(f"file {Path(path).name!r} to send does not exist",
+                               permanent=True)
+        return self._record(jid, "out", "file", content=caption or "", sender="assistant",
+                            sender_name=self.assistant_name,
+                            file_name=file_name or Path(path).name)[1]
+
+    async def react(self, jid: str, message_id: str, emoji: str) -> None:
+        self._check_jid(jid)
+        self._record(jid, "out", "reaction", content=emoji, sender="assistant",
+                     sender_name=self.assistant_name, reply_to=message_id)
+
+    async def set_typing(self, jid: str, typing: bool) -> None:
+        if not self.owns_jid(jid):
+            return
+        if typing:
+            self._typing[jid] = time.monotonic() + TYPING_SECONDS
+        else:
+            self._typing.pop(jid, None)
+        self._notify()
+
+    def is_typing(self, jid: str) -> bool:
+        until = self._typing.get(jid)
+        return until is not None and until > time.monotonic()
+
+    # ------------------------------------------------------------------ transcript
+    def _check_jid(self, jid: str) -> None:
+        if not JID_RE.match(jid):
+            raise ChannelError(f"{jid!r} is not a local HTTP chat", permanent=True)
+        if not self._connected:
+            raise ChannelError("the local HTTP channel is not running")
+
+    def _notify(self) -> None:
+        ev, self._new = self._new, asyncio.Event()
+        ev.set()
+
+    def _record(self, jid: str, direction: str, kind: str, *, content: str, sender: str,
+                sender_name: str, file_name: str | None = None, reply_to: str | None = None,
+                message_id: str | None = None) -> tuple[int, str]:
+        """Append one transcript row; return (seq, message id)."""
+        mid = message_id or f"{jid}:{uuid.uuid4().hex}"
+        with self.db.transaction() as c:
+            seq = int(c.execute(
+                """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
+                       sender_name, content, file_name, reply_to, created_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
+                 now_iso())).lastrowid or 0)
+            c.execute(
+                """DELETE FROM http_messages WHERE chat_jid = ? AND seq <= COALESCE((
+                       SELECT seq FROM http_messages WHERE chat_jid = ?
+                       ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)""",
+                (jid, jid, self.keep_per_chat))
+        self._notify()
+        return seq, mid
+
+    def transcript(self, jid: str, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+        """Transcript rows of `jid` with seq > `after`, oldest first (at most `limit`)."""
+        rows = self.db.query(
+            "SELECT * FROM http_messages WHERE chat_jid = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (jid, after, limit))
+        return [{"seq": r["seq"], "id": r["message_id"], "direction": r["direction"],
+                 "kind": r["kind"], "sender": r["sender"], "sender_name": r["sender_name"],
+                 "content": r["content"], "file_name": r["file_name"],
+                 "reply_to": r["reply_to"], "timestamp": r["created_at"]} for r in rows]
+
+    # ------------------------------------------------------------------ HTTP
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        host_header = request.headers.get("Host", "")
+        req_host = urlsplit(f"//{host_header}").hostname or ""
+        if _is_loopback(self.host) and not _is_loopback(req_host):
+            return _error(403, "this channel answers only on loopback host names")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != "null":
+            if urlsplit(origin).netloc.lower() != host_header.lower():
+                return _error(403, "cross-origin requests are not allowed")
+        elif origin == "null" and request.method != "GET":
+            return _error(403, "cross-origin requests are not allowed")
+        if request.path not in ("/", "/health") and self._secret is not None:
+            auth = request.headers.get("Authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    token.strip().encode(), self._secret):
+                return _error(401, "missing or wrong bearer token",
+                              **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
+        return await handler(request)
+
+    async def _page_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._page, content_type="text/html", charset="utf-8",
+                            headers={**_SECURITY_HEADERS, "Content-Security-Policy": _PAGE_CSP,
+                                     "X-Frame-Options": "DENY"})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", "channel": self.name, "connected": self._connected})
+
+    async def _groups(self, request: web.Request) -> web.Response:
+        groups = [{"jid": g.jid, "name": g.name, "folder": g.folder, "is_main": g.is_main,
+                   "trigger": g.trigger, "requires_trigger": g.requires_trigger}
+                  for g in list_groups(self.db) if g.jid and self.owns_jid(g.jid)]
+        groups.sort(key=lambda g: (not g["is_main"], g["folder"]))
+        return _json({"groups": groups})
+
+    def _default_jid(self) -> str | None:
+        g = main_group(self.db)
+        return g.jid if g and g.jid and self.owns_jid(g.jid) else None
+
+    def _jid_from(self, data: Any) -> str:
+        """The chat named by `jid`/`chatJid`/`chat_jid` or `channel`, else the main group's."""
+        for key in ("jid", "chatJid", "chat_jid", "channel"):
+            value = data.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"field {key!r} must be a string")
+                return normalize_jid(value)
+        jid = self._default_jid()
+        if jid is None:
+            raise ValueError("name the chat with 'jid' (hl:<id>) or 'channel': the main group "
+                             "does not answer in the local HTTP channel")
+        return jid
+
+    async def _post_message(self, request: web.Request) -> web.Response:
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            return _error(413, f"body over {self.max_body_bytes} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body over {self.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "body is not valid JSON")
+        if not isinstance(data, dict):
+            return _error(400, "body must be a JSON object")
+        text = data.get("text", data.get("content"))
+        if not isinstance(text, str) or not text.strip():
+            return _error(400, "field 'text' (or 'content') is missing or empty")
+        fields: dict[str, str] = {}
+        for key in ("sender", "sender_name"):
+            value = data.get(key, data.get("senderName") if key == "sender_name" else None)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_FIELD):
+                return _error(400, f"field {key!r} must be a string of at most {MAX_FIELD} "
+                                   "characters")
+            if value:
+                fields[key] = value
+        try:
+            jid = self._jid_from(data)
+        except ValueError as e:
+            return _error(400, str(e))
+        if self._on_inbound is None:
+            return _error(503, "mdclaw is starting and not taking messages yet")
+        sender = fields.get("sender") or fields.get("sender_name") or "local"
+        sender_name = fields.get("sender_name") or sender
+        request_id = uuid.uuid4().hex
+        message_id = f"{jid}:{request_id}"
+        seq, _ = self._record(jid, "in", "text", content=text, sender=sender,
+                              sender_name=sender_name, message_id=message_id)
+        msg = InboundMessage(id=message_id, chat_jid=jid, sender=sender,
+                             sender_name=sender_name, content=text, timestamp=now_iso(),
+                             chat_name=jid[3:], is_group=False, channel=self.name)
+        try:
+            await self.deliver_inbound(msg)
+        except Exception:
+            log.exception("local HTTP channel: the host did not take message %s", message_id)
+            with self.db.transaction() as c:
+                c.execute("DELETE FROM http_messages WHERE seq = ?", (seq,))
+            return _error(500, "the message could not be accepted; try again")
+        return _json({"id": request_id, "message_id": message_id, "jid": jid, "seq": seq,
+                      "status": "accepted"}, status=202)
+
+    async def _get_messages(self, request: web.Request) -> web.Response:
+        q = request.query
+        raw_jid = q.get("jid") or q.get("channel")
+        try:
+            jid = normalize_jid(raw_jid) if raw_jid else self._default_jid()
+        except ValueError as e:
+            return _error(400, str(e))
+        if jid is None:
+            return _error(400, "query parameter 'jid' is missing")
+        try:
+            after = int(q.get("after") or 0)
+            limit = max(1, min(int(q.get("limit") or 200), 1000))
+            wait = max(0.0, min(float(q.get("wait") or 0), MAX_WAIT_SECONDS))
+        except ValueError:
+            return _error(400, "after and limit must be integers, wait a number of seconds")
+        # typing=0/1: the typing state the caller shows; a change ends a long poll early.
+        seen_typing = q.get("typing")
+        deadline = time.monotonic() + wait
+        while True:
+            changed = self._new
+            rows = self.transcript(jid, after, limit)
+            typing = self.is_typing(jid)
+            remaining = deadline - time.monotonic()
+            if (rows or remaining <= 0 or self._closing
+                    or (seen_typing is not None and typing != (seen_typing == "1"))):
+                break
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        cursor = rows[-1]["seq"] if rows else after
+        return _json({"jid": jid, "messages": rows, "cursor": cursor, "typing": typing})

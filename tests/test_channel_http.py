@@ -1,0 +1,295 @@
+"""The local HTTP channel on a real loopback socket, spoken to by a real HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from mdclaw.channels.base import InboundMessage
+from mdclaw.channels.http import HttpChannel, normalize_jid, parse_listen
+from mdclaw.state import Database
+from mdclaw.state.groups import GroupRow, upsert_group
+
+
+def make_db(tmp_path: Path) -> Database:
+    db = Database(tmp_path / "state.db")
+    upsert_group(db, GroupRow("main", "Admin", "hl:main", "@Andy", False, True, "config"))
+    upsert_group(db, GroupRow("family", "Family", "hl:family", "@Andy", True, False, "config"))
+    upsert_group(db, GroupRow("tele", "Tele", "tg:42", "@Andy", True, False, "config"))
+    return db
+
+
+async def started(db: Database, **kw) -> tuple[HttpChannel, list[InboundMessage]]:
+    got: list[InboundMessage] = []
+    ch = HttpChannel(db, listen="127.0.0.1:0", on_inbound=got.append, **kw)
+    await ch.connect()
+    return ch, got
+
+
+def test_listen_and_jid_parsing() -> None:
+    assert parse_listen("127.0.0.1:3000") == ("127.0.0.1", 3000)
+    assert parse_listen(":8080") == ("127.0.0.1", 8080)
+    with pytest.raises(ValueError):
+        parse_listen("nonsense")
+    assert normalize_jid("main") == "hl:main"
+    assert normalize_jid("hl:family") == "hl:family"
+    for bad in ("tg:1", "hl:", "a b", "hl:../x"):
+        with pytest.raises(ValueError):
+            normalize_jid(bad)
+
+
+def test_post_message_reaches_callback_and_reply_is_readable(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, got = await started(db)
+        try:
+            async with aiohttp.ClientSession(ch.url) as http:
+                async with http.get("/health") as r:
+                    assert r.status == 200
+                    assert (await r.json())["status"] == "ok"
+                async with http.get("/groups") as r:
+                    groups = (await r.json())["groups"]
+                    assert [g["jid"] for g in groups] == ["hl:main", "hl:family"]
+                # seed-style body; no chat named: the main group's hl: chat
+                async with http.post("/message", json={"content": "hi there",
+                                                       "sender": "u1",
+                                                       "sender_name": "Alice"}) as r:
+                    assert r.status == 202
+                    body = await r.json()
+                assert body["jid"] == "hl:main" and body["id"]
+                assert len(got) == 1
+                m = got[0]
+                assert (m.chat_jid, m.sender, m.sender_name, m.content) == (
+                    "hl:main", "u1", "Alice", "hi there")
+                assert m.id == body["message_id"] and m.id.startswith("hl:main:")
+                assert m.timestamp.endswith("Z") and m.channel == "http"
+                # `channel` picks the chat; `text` is the other spelling
+                async with http.post("/message", json={"text": "to family",
+                                                       "channel": "family"}) as r:
+                    assert r.status == 202
+                assert got[1].chat_jid == "hl:family" and got[1].sender == "local"
+
+                cursor = body["seq"]
+                # a long poll waits for the reply the assistant sends meanwhile
+                async def reply_later() -> None:
+                    await asyncio.sleep(0.3)
+                    await ch.set_typing("hl:main", True)
+                    await asyncio.sleep(0.1)
+                    await ch.send_message("hl:main", "hello Alice", reply_to=m.id)
+
+                task = asyncio.create_task(reply_later())
+                t0 = time.monotonic()
+                async with http.get("/messages", params={"jid": "hl:main", "after": cursor,
+                                                         "wait": "10"}) as r:
+                    assert r.status == 200
+                    data = await r.json()
+                await task
+                assert time.monotonic() - t0 < 5
+                if not data["messages"]:  # the typing change woke the poll first
+                    async with http.get("/messages", params={
+                            "jid": "hl:main", "after": cursor, "wait": "10",
+                            "typing": "1"}) as r:
+                        data = await r.json()
+                out = [x for x in data["messages"] if x["direction"] == "out"]
+                assert [x["content"] for x in out] == ["hello Alice"]
+                assert out[0]["sender_name"] == "Andy" and out[0]["reply_to"] == m.id
+                assert data["cursor"] == out[-1]["seq"] and data["typing"] is False
+                # the whole transcript of the chat, inbound for context
+                async with http.get("/messages", params={"jid": "hl:main"}) as r:
+                    allm = (await r.json())["messages"]
+                assert [(x["direction"], x["content"]) for x in allm] == [
+                    ("in", "hi there"), ("out", "hello Alice")]
+                # nothing newer: an immediate empty answer keeps the cursor
+                async with http.get("/messages", params={"jid": "hl:main",
+                                                         "after": data["cursor"]}) as r:
+                    empty = await r.json()
+                assert empty["messages"] == [] and empty["cursor"] == data["cursor"]
+                # files and reactions are shown by name
+                f = tmp_path / "report.pdf"
+                f.write_bytes(b"%PDF")
+                await ch.send_file("hl:family", f, caption="the report")
+                await ch.react("hl:family", got[1].id, "\N{THUMBS UP SIGN}")
+                async with http.get("/messages", params={"channel": "family"}) as r:
+                    fam = (await r.json())["messages"]
+                assert [(x["kind"], x["content"], x["file_name"]) for x in fam[1:]] == [
+                    ("file", "the report", "report.pdf"), ("reaction", "\N{THUMBS UP SIGN}", None)]
+                # the page
+                async with http.get("/") as r:
+                    assert r.status == 200
+                    assert "text/html" in r.headers["Content-Type"]
+                    assert "Content-Security-Policy" in r.headers
+                    assert "<form" in await r.text()
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_bad_requests_get_400_413(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, got = await started(db, max_body_bytes=4096)
+        try:
+            async with aiohttp.ClientSession(ch.url) as http:
+                cases = [
+                    b"{not json", b"[1, 2]", b'"text"', b"{}", b'{"text": ""}',
+                    b'{"text": 5}', b'{"text": "x", "jid": "tg:42"}',
+                    b'{"text": "x", "channel": "a b"}', b'{"text": "x", "sender": ["a"]}',
+                    b'{"text": "x", "sender_name": "' + b"n" * 300 + b'"}',
+                    "{\"text\": \"\xff\"}".encode("latin-1"),
+                ]
+                for raw in cases:
+                    async with http.post("/message", data=raw,
+                                         headers={"Content-Type": "application/json"}) as r:
+                        assert r.status == 400, raw
+                        assert "error" in await r.json()
+                big = json.dumps({"text": "x" * 10_000}).encode()
+                async with http.post("/message", data=big) as r:
+                    assert r.status == 413
+                # chunked, without Content-Length: still refused at the limit
+                async def chunks():
+                    for _ in range(10):
+                        yield b"x" * 1000
+
+                async with http.post("/message", data=chunks()) as r:
+                    assert r.status == 413
+                async with http.get("/messages", params={"jid": "hl:main",
+                                                         "after": "x"}) as r:
+                    assert r.status == 400
+                async with http.get("/messages", params={"jid": "tg:42"}) as r:
+                    assert r.status == 400
+            assert got == []
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_bearer_secret_and_cross_site_requests(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, got = await started(db, secret="s3cret-token")
+        try:
+            async with aiohttp.ClientSession(ch.url) as http:
+                for headers in ({}, {"Authorization": "Bearer wrong"},
+                                {"Authorization": "Basic s3cret-token"},
+                                {"Authorization": "Bearer s3cret-token-and-more"}):
+                    async with http.post("/message", json={"text": "x"},
+                                         headers=headers) as r:
+                        assert r.status == 401
+                        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+                        assert "s3cret" not in await r.text()
+                    async with http.get("/messages", params={"jid": "hl:main"},
+                                        headers=headers) as r:
+                        assert r.status == 401
+                    async with http.get("/groups", headers=headers) as r:
+                        assert r.status == 401
+                async with http.get("/health") as r:
+                    assert r.status == 200
+                async with http.get("/") as r:
+                    assert r.status == 200
+                ok = {"Authorization": "Bearer s3cret-token"}
+                async with http.post("/message", json={"text": "x"}, headers=ok) as r:
+                    assert r.status == 202
+                async with http.get("/groups", headers=ok) as r:
+                    assert r.status == 200
+                # a page on another site cannot post into the chat, token or not
+                async with http.post("/message", json={"text": "evil"},
+                                     headers={**ok, "Origin": "http://evil.example"}) as r:
+                    assert r.status == 403
+                # DNS rebinding: a foreign host name on a loopback listener
+                async with http.post("/message", json={"text": "evil"},
+                                     headers={**ok, "Host": "evil.example"}) as r:
+                    assert r.status == 403
+                same = f"http://127.0.0.1:{ch.port}"
+                async with http.post("/message", json={"text": "page"},
+                                     headers={**ok, "Origin": same}) as r:
+                    assert r.status == 202
+            assert [m.content for m in got] == ["x", "page"]
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_not_ready_and_failing_host(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch = HttpChannel(db, listen="127.0.0.1:0")
+        await ch.connect()
+        try:
+            async with aiohttp.ClientSession(ch.url) as http:
+                async with http.post("/message", json={"text": "early"}) as r:
+                    assert r.status == 503
+
+                def broken(msg: InboundMessage) -> None:
+                    raise RuntimeError("database is gone")
+
+                ch.on_inbound(broken)
+                async with http.post("/message", json={"text": "lost?"}) as r:
+                    assert r.status == 500
+                    assert "database" not in await r.text()
+                async with http.get("/messages", params={"jid": "hl:main"}) as r:
+                    assert (await r.json())["messages"] == []  # nothing half-accepted
+        finally:
+            await ch.disconnect()
+        assert not ch.is_connected()
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        a, _ = await started(db)
+        b = HttpChannel(db, listen=f"127.0.0.1:{a.port}")
+        try:
+            with pytest.raises(Exception) as ei:
+                await b.connect()
+            assert f"127.0.0.1:{a.port}" in str(ei.value)
+        finally:
+            await a.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_transcript_keeps_newest_rows(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, _ = await started(db, keep_per_chat=5)
+        try:
+            for i in range(12):
+                await ch.send_message("hl:main", f"m{i}")
+            await ch.send_message("hl:family", "other")
+            rows = ch.transcript("hl:main")
+            assert [r["content"] for r in rows] == [f"m{i}" for i in range(7, 12)]
+            assert len(ch.transcript("hl:family")) == 1
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_from_config_reads_secret_file(tmp_path: Path) -> None:
+    from mdclaw.config import HttpChannel as HttpSection
+
+    secret = tmp_path / "secret"
+    secret.write_text("tok-123\n")
+    os.chmod(secret, 0o600)
+    section = HttpSection(listen="127.0.0.1:0", secret_file=str(secret))
+    db = make_db(tmp_path)
+    ch = HttpChannel.from_config(section, db, assistant_name="Bob")
+    assert ch._secret == b"tok-123" and ch.assistant_name == "Bob"
+    db.close()

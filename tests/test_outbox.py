@@ -1,0 +1,356 @@
+"""The outbox worker against real SQLite: delivery, splitting, backoff, failure, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mdclaw.channels.base import Channel, ChannelError
+from mdclaw.channels.http import HttpChannel
+from mdclaw.outbox import (
+    OutboxWorker,
+    RetryPolicy,
+    describe_failures,
+    failed_since,
+    get_row,
+    outbox_counts,
+)
+from mdclaw.state import Database
+from mdclaw.state.outbox import enqueue
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = RetryPolicy(max_attempts=3, base_delay=0.1, factor=2.0, max_delay=1.0)
+
+
+class ScriptedChannel(Channel):
+    """A chat service stand-in: records what it is asked to send; `failures` holds the
+    errors the next calls raise, in order."""
+
+    name = "fake"
+    jid_prefix = "fk:"
+
+    def __init__(self, max_len: int = 4096) -> None:
+        super().__init__()
+        self.max_message_length = max_len
+        self.sent: list[tuple[str, str]] = []
+        self.calls: list[float] = []
+        self.failures: list[Exception] = []
+        self.connected = True
+
+    async def connect(self) -> None:
+        self.connected = True
+
+    async def disconnect(self) -> None:
+        self.connected = False
+
+    def is_connected(self) -> bool:
+        return self.connected
+
+    def _maybe_fail(self) -> None:
+        self.calls.append(time.monotonic())
+        if self.failures:
+            raise self.failures.pop(0)
+
+    async def send_message(self, jid, text, *, reply_to=None, sender=None):
+        self._maybe_fail()
+        self.sent.append((jid, text))
+        return f"{jid}:{len(self.sent)}"
+
+    async def send_file(self, jid, path, *, file_name=None, caption=None):
+        self._maybe_fail()
+        self.sent.append((jid, f"file:{file_name or Path(path).name}:{Path(path).read_text()}"))
+        return None
+
+    async def react(self, jid, message_id, emoji):
+        self._maybe_fail()
+        self.sent.append((jid, f"react:{message_id}:{emoji}"))
+
+    async def set_typing(self, jid, typing):
+        pass
+
+
+def put(db: Database, jid: str = "fk:1", text: str | None = "hello", **kw) -> int:
+    kw.setdefault("kind", "text")
+    kw.setdefault("source_group", "main")
+    with db.transaction() as c:
+        return enqueue(c, chat_jid=jid, text=text, **kw)
+
+
+async def wait_until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def status(db: Database, row_id: int) -> str:
+    row = get_row(db, row_id)
+    assert row is not None
+    return row.status
+
+
+def test_policy_delays_grow_and_cap() -> None:
+    p = RetryPolicy(max_attempts=5, base_delay=2, factor=2, max_delay=10)
+    assert [p.delay(n) for n in range(1, 6)] == [2, 4, 8, 10, 10]
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+def test_delivers_on_wake_and_marks_sent(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        sent_rows = []
+        w = OutboxWorker(db, [ch], policy=FAST, max_idle=30, on_sent=sent_rows.append)
+        await w.start()
+        try:
+            await asyncio.sleep(0.1)  # idle: waiting up to 30 s unless woken
+            t0 = time.monotonic()
+            rid = put(db, text="hi")
+            f = tmp_path / "a.txt"
+            f.write_text("data")
+            fid = put(db, kind="file", text=None, file_path=str(f), file_name="a.txt")
+            xid = put(db, kind="reaction", text=None, message_id="fk:1:7", emoji="+1")
+            w.wake()
+            await wait_until(lambda: status(db, xid) == "sent")
+            assert time.monotonic() - t0 < 1.0
+            assert ch.sent == [("fk:1", "hi"), ("fk:1", "file:a.txt:data"),
+                               ("fk:1", "react:fk:1:7:+1")]
+            row = get_row(db, rid)
+            assert row.status == "sent" and row.sent_at and row.attempts == 1
+            assert status(db, fid) == "sent"
+            assert [r.id for r in sent_rows] == [rid, fid, xid]
+            assert outbox_counts(db) == {"pending": 0, "sending": 0, "sent": 3, "failed": 0}
+        finally:
+            await w.stop()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_split_at_channel_limit_and_resume_after_failed_piece(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel(max_len=10)
+        text = "alpha beta gamma delta epsilon zeta"
+        w = OutboxWorker(db, [ch], policy=FAST)
+        rid = put(db, text=text)
+        # the third piece fails once: the first round stops there
+        orig = ch.send_message
+        count = {"n": 0}
+
+        async def flaky(jid, piece, **kw):
+            count["n"] += 1
+            if count["n"] == 3:
+                raise ChannelError("connection reset")
+            return await orig(jid, piece, **kw)
+
+        ch.send_message = flaky  # type: ignore[method-assign]
+        await w.run_once()
+        row = get_row(db, rid)
+        assert row.status == "pending" and "connection reset" in row.last_error
+        assert len(ch.sent) == 2
+        await asyncio.sleep(0.15)
+        await w.run_once()
+        assert status(db, rid) == "sent"
+        pieces = [t for _, t in ch.sent]
+        assert all(len(p) <= 10 for p in pieces)
+        assert " ".join(pieces) == text  # nothing repeated, nothing lost
+        assert db.query("SELECT * FROM outbox_progress") == []
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_retries_with_backoff_then_failed_with_reason(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        ch.failures = [ChannelError(f"502 bad gateway #{i}") for i in range(10)]
+        failed = []
+        w = OutboxWorker(db, [ch], policy=FAST, on_failed=failed.append)
+        await w.start()
+        try:
+            rid = put(db)
+            w.wake()
+            await wait_until(lambda: status(db, rid) == "failed")
+            row = get_row(db, rid)
+            assert row.attempts == 3
+            assert row.last_error == "gave up after 3 attempt(s): 502 bad gateway #2"
+            gaps = [b - a for a, b in zip(ch.calls, ch.calls[1:])]
+            assert gaps[0] >= 0.09 and gaps[1] >= 0.19  # 0.1 s, then 0.2 s
+            assert [r.id for r in failed] == [rid]
+            # the group's next run can be told
+            fails = failed_since(db, "main", "2000-01-01T00:00:00.000Z")
+            assert [r.id for r in fails] == [rid]
+            assert failed_since(db, "main", row.updated_at) == []
+            assert failed_since(db, "other") == []
+            text = describe_failures(fails)
+            assert "'hello'" in text and "502 bad gateway" in text and "fk:1" in text
+        finally:
+            await w.stop()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_permanent_error_fails_at_once_and_retry_after_is_honoured(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        ch.failures = [ChannelError("chat not found", permanent=True),
+                       ChannelError("too many requests", retry_after=0.5)]
+        w = OutboxWorker(db, [ch], policy=FAST)
+        a = put(db, jid="fk:1")
+        b = put(db, jid="fk:2")
+        await w.run_once()
+        ra, rb = get_row(db, a), get_row(db, b)
+        assert ra.status == "failed" and ra.attempts == 1
+        assert ra.last_error == "not retried: chat not found"
+        assert rb.status == "pending"
+        wait = w.next_due_in()
+        assert 0.3 < wait <= 0.5  # the service's 0.5 s beats the policy's 0.1 s
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_order_within_a_chat_and_independence_across_chats(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        down = ScriptedChannel()
+        down.jid_prefix = "dn:"
+        down.connected = False  # this service is out
+        w = OutboxWorker(db, [ch, down], policy=RetryPolicy(max_attempts=5, base_delay=60))
+        d1 = put(db, jid="dn:1", text="one")
+        d2 = put(db, jid="dn:1", text="two")
+        u1 = put(db, jid="fk:1", text="up")
+        nobody = put(db, jid="zz:1", text="lost")
+        await w.run_once()
+        assert ch.sent == [("fk:1", "up")] and status(db, u1) == "sent"
+        r1 = get_row(db, d1)
+        assert r1.status == "pending" and "not connected" in r1.last_error
+        assert get_row(db, d2).attempts == 0  # waits behind the first of its chat
+        assert "no channel serves zz:1" in get_row(db, nobody).last_error
+        # outage over: both go out, in order
+        down.connected = True
+        with db.transaction() as c:
+            c.execute("UPDATE outbox SET next_attempt_at = '2000-01-01T00:00:00.000Z' "
+                      "WHERE id = ?", (d1,))
+        await w.run_once()
+        assert down.sent == [("dn:1", "one"), ("dn:1", "two")]
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_delivery_to_the_local_http_channel(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        http = HttpChannel(db, listen="127.0.0.1:0")
+        await http.connect()
+        w = OutboxWorker(db, [http], policy=FAST)
+        try:
+            rid = put(db, jid="hl:main", text="reply", sender="Andy")
+            await w.run_once()
+            assert status(db, rid) == "sent"
+            assert [r["content"] for r in http.transcript("hl:main")] == ["reply"]
+        finally:
+            await http.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+CRASHING_WORKER = textwrap.dedent("""
+    import asyncio, sys
+    from mdclaw.channels.base import Channel
+    from mdclaw.outbox import OutboxWorker
+    from mdclaw.state import Database
+
+    class Stuck(Channel):
+        name = "fake"; jid_prefix = "fk:"
+        async def connect(self): pass
+        async def disconnect(self): pass
+        def is_connected(self): return True
+        async def send_message(self, jid, text, **kw):
+            print("sending", flush=True)
+            await asyncio.sleep(3600)
+        async def send_file(self, *a, **kw): pass
+        async def react(self, *a, **kw): pass
+        async def set_typing(self, *a, **kw): pass
+
+    async def main():
+        w = OutboxWorker(Database(sys.argv[1]), [Stuck()])
+        await w.start()
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+def test_rows_left_sending_by_a_killed_process_are_sent_after_restart(tmp_path: Path) -> None:
+    db_path = tmp_path / "s.db"
+    db = Database(db_path)
+    rid = put(db, text="survives")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_WORKER, str(db_path)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "sending"
+        assert status(db, rid) == "sending"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status(db, rid) == "sending"
+
+    async def main() -> None:
+        ch = ScriptedChannel()
+        w = OutboxWorker(db, [ch], policy=FAST)
+        await w.start()
+        try:
+            await wait_until(lambda: status(db, rid) == "sent")
+            assert ch.sent == [("fk:1", "survives")]
+            assert get_row(db, rid).attempts == 2  # the interrupted try counts
+        finally:
+            await w.stop()
+
+    asyncio.run(main())
+    db.close()
+
+
+def test_stop_leaves_no_row_sending(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        gate = asyncio.Event()
+        orig = ch.send_message
+
+        async def slow(jid, text, **kw):
+            await gate.wait()
+            return await orig(jid, text, **kw)
+
+        ch.send_message = slow  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST)
+        await w.start()
+        rid = put(db)
+        w.wake()
+        await wait_until(lambda: status(db, rid) == "sending")
+        await w.stop(timeout=0.2)
+        assert status(db, rid) == "pending" and not w.running
+        db.close()
+
+    asyncio.run(main())
