@@ -1,0 +1,326 @@
+"""Telegram (`tg:<chat id>`) over the Bot API, with aiohttp.
+
+In: long polling with `getUpdates` (the offset confirms what was handed over; a crash before
+that means Telegram sends the update again and the host's dedupe by id drops the copy). Text
+and photo/document captions become InboundMessages with id `tg:<chat>:<message id>`.
+Out: `sendMessage` (4096 UTF-16 units, the Bot API's measure), `sendPhoto`/`sendDocument`
+(multipart), `setMessageReaction`, `sendChatAction` (repeated every 4 s while typing is on).
+
+The token is part of every Bot API URL, so no URL is ever logged or put in an error: errors
+name the method and what the API said, with the token masked wherever it could appear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mimetypes
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
+from mdclaw.config import read_secret
+from mdclaw.state import now_iso
+
+log = logging.getLogger("mdclaw.channels.telegram")
+
+JID_RE = re.compile(r"^tg:(-?\d{1,20})$")
+PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+MAX_PHOTO_BYTES = 10 * 1024 * 1024
+MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+MAX_CAPTION = 1024
+TYPING_REPEAT_SECONDS = 4.0
+TYPING_MAX_SECONDS = 300.0
+
+
+def utf16_len(text: str) -> int:
+    """Length in UTF-16 code units, the unit of Telegram's message limits."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+class TelegramChannel(Channel):
+    """A Telegram bot. `api_base` is the Bot API root (a fake server in tests)."""
+
+    name = "telegram"
+    jid_prefix = "tg:"
+    max_message_length = 4096
+
+    def __init__(self, token: str, *, api_base: str = "https://api.telegram.org",
+                 on_inbound: InboundCallback | None = None, poll_timeout: int = 25,
+                 request_timeout: float = 30.0) -> None:
+        super().__init__(on_inbound)
+        if not token or "/" in token or any(c.isspace() for c in token):
+            raise ChannelError("the Telegram bot token is empty or malformed")
+        self._token = token
+        self.api_base = api_base.rstrip("/")
+        self.poll_timeout = poll_timeout
+        self.request_timeout = request_timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._typing: dict[str, asyncio.Task[None]] = {}
+        self._offset: int | None = None
+        self._connected = False
+        self.bot_username: str | None = None
+
+    @classmethod
+    def from_config(cls, section: Any, *,
+                    on_inbound: InboundCallback | None = None) -> TelegramChannel:
+        """Build from the `channels.telegram` config section; reads the token file now.
+
+        Raises ChannelError naming the file (never its content) if it cannot be read.
+        """
+        try:
+            token = read_secret(section.token_file)
+        except OSError as e:
+            raise ChannelError(f"cannot read channels.telegram.token_file "
+                               f"{section.token_file}: {e.strerror}") from None
+        return cls(token, api_base=section.api_base, on_inbound=on_inbound)
+
+    def redact(self, text: str) -> str:
+        """`text` with the token replaced by ***."""
+        return text.replace(self._token, "***")
+
+    def measure(self, text: str) -> int:
+        return utf16_len(text)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def connect(self) -> None:
+        """Check the token with getMe, then start long polling. Raises ChannelError."""
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        try:
+            me = await self.call("getMe")
+        except ChannelError:
+            await self._session.close()
+            self._session = None
+            raise
+        self.bot_username = me.get("username") if isinstance(me, dict) else None
+        self._connected = True
+        self._poller = asyncio.create_task(self._poll_loop(), name="telegram-poll")
+        log.info("telegram: connected as @%s", self.bot_username or "?")
+
+    async def disconnect(self) -> None:
+        self._connected = False
+        tasks = [t for t in (self._poller, *self._typing.values()) if t is not None]
+        self._poller = None
+        self._typing.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def is_connected(self) -> bool:
+        return self._connected
+
+    # ------------------------------------------------------------------ Bot API
+    async def call(self, method: str, params: dict[str, Any] | None = None, *,
+                   data: aiohttp.FormData | None = None,
+                   timeout: float | None = None) -> Any:
+        """Call Bot API `method`; return its `result`. Raises ChannelError (token-free)."""
+        if self._session is None:
+            raise ChannelError("the Telegram channel is not connected")
+        url = f"{self.api_base}/bot{self._token}/{method}"
+        try:
+            async with self._session.post(
+                    url, json=params if data is None else None, data=data,
+                    timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout)) as r:
+                status = r.status
+                try:
+                    body = await r.json(content_type=None)
+                except (ValueError, aiohttp.ContentTypeError):
+                    body = None
+        except asyncio.TimeoutError:
+            raise ChannelError(f"telegram {method}: no answer in time") from None
+        except aiohttp.ClientError as e:
+            raise ChannelError(self.redact(f"telegram {method}: {type(e).__name__}: {e}")) from None
+        if isinstance(body, dict) and body.get("ok") is True:
+            return body.get("result")
+        desc = body.get("description") if isinstance(body, dict) else None
+        params_ = body.get("parameters") if isinstance(body, dict) else None
+        retry_after = None
+        if isinstance(params_, dict) and isinstance(params_.get("retry_after"), int | float):
+            retry_after = float(params_["retry_after"])
+        code = body.get("error_code", status) if isinstance(body, dict) else status
+        text = self.redact(f"telegram {method}: {code} {desc or 'unexpected answer'}")
+        # 400 (bad chat, bad message), 403 (blocked, kicked) and 404 do not heal by retrying;
+        # 401 (token revoked) is left retryable so a fixed token lets the backlog through.
+        permanent = status in (400, 403, 404) or code in (400, 403, 404)
+        raise ChannelError(text, permanent=permanent and retry_after is None,
+                           retry_after=retry_after)
+
+    # ------------------------------------------------------------------ inbound
+    async def _poll_loop(self) -> None:
+        delay = 1.0
+        while self._connected:
+            try:
+                params: dict[str, Any] = {"timeout": self.poll_timeout,
+                                          "allowed_updates": ["message"]}
+                if self._offset is not None:
+                    params["offset"] = self._offset
+                updates = await self.call("getUpdates", params,
+                                          timeout=self.poll_timeout + 15)
+                delay = 1.0
+            except asyncio.CancelledError:
+                raise
+            except ChannelError as e:
+                log.warning("%s; retrying in %.0f s", e, e.retry_after or delay)
+                await asyncio.sleep(e.retry_after or delay)
+                delay = min(delay * 2, 60.0)
+                continue
+            for update in updates or []:
+                if not isinstance(update, dict) or not isinstance(update.get("update_id"), int):
+                    continue
+                try:
+                    await self._handle_update(update)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    # Not confirmed: Telegram redelivers it on the next poll after a pause.
+                    log.exception("telegram: the host did not take update %s",
+                                  update["update_id"])
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 60.0)
+                    break
+                self._offset = update["update_id"] + 1
+
+    async def _handle_update(self, update: dict[str, Any]) -> None:
+        msg = update.get("message")
+        if not isinstance(msg, dict):
+            return
+        msg_in = self.parse_message(msg)
+        if msg_in is not None:
+            await self.deliver_inbound(msg_in)
+
+    def parse_message(self, msg: dict[str, Any]) -> InboundMessage | None:
+        """A Bot API Message as an InboundMessage; None if it holds no text or caption."""
+        chat = msg.get("chat") or {}
+        text = msg.get("text") or msg.get("caption")
+        if not isinstance(text, str) or not isinstance(chat.get("id"), int):
+            return None
+        sender = msg.get("from") or msg.get("sender_chat") or {}
+        name = " ".join(p for p in (sender.get("first_name"), sender.get("last_name")) if p)
+        name = name or sender.get("title") or sender.get("username") or str(sender.get("id", "?"))
+        chat_name = chat.get("title") or " ".join(
+            p for p in (chat.get("first_name"), chat.get("last_name")) if p) or None
+        date = msg.get("date")
+        ts = (now_iso(datetime.fromtimestamp(date, UTC)) if isinstance(date, int)
+              else now_iso())
+        jid = f"tg:{chat['id']}"
+        return InboundMessage(
+            id=f"{jid}:{msg.get('message_id')}", chat_jid=jid,
+            sender=str(sender.get("id", "")), sender_name=name, content=text, timestamp=ts,
+            chat_name=chat_name, is_group=chat.get("type") in ("group", "supergroup"),
+            channel=self.name)
+
+    # ------------------------------------------------------------------ outbound
+    def _chat_id(self, jid: str) -> int:
+        m = JID_RE.match(jid)
+        if not m:
+            raise ChannelError(f"{jid!r} is not a Telegram chat", permanent=True)
+        return int(m.group(1))
+
+    @staticmethod
+    def _message_id(message_id: str) -> int:
+        """Our `tg:<chat>:<id>` (or a bare id) as Telegram's message id."""
+        tail = str(message_id).rsplit(":", 1)[-1]
+        if not tail.isdigit():
+            raise ChannelError(f"message id {message_id!r} is not a Telegram message",
+                               permanent=True)
+        return int(tail)
+
+    def _stop_typing(self, jid: str) -> None:
+        t = self._typing.pop(jid, None)
+        if t is not None:
+            t.cancel()
+
+    async def send_message(self, jid: str, text: str, *, reply_to: str | None = None,
+                           sender: str | None = None) -> str | None:
+        """Send `text`, split at 4096 UTF-16 units; returns the last piece's message id."""
+        chat_id = self._chat_id(jid)
+        self._stop_typing(jid)
+        last = None
+        for piece in self.split_text(text):
+            params: dict[str, Any] = {"chat_id": chat_id, "text": piece}
+            if reply_to:
+                try:
+                    params["reply_parameters"] = {"message_id": self._message_id(reply_to),
+                                                  "allow_sending_without_reply": True}
+                except ChannelError:
+                    pass
+            result = await self.call("sendMessage", params)
+            last = result.get("message_id") if isinstance(result, dict) else None
+        return f"{jid}:{last}" if last is not None else None
+
+    async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
+                        caption: str | None = None) -> str | None:
+        chat_id = self._chat_id(jid)
+        path = Path(path)
+        try:
+            size = path.stat().st_size
+            if not path.is_file():
+                raise ChannelError(f"{path.name!r} is not a regular file", permanent=True)
+        except OSError:
+            raise ChannelError(f"file {path.name!r} to send does not exist",
+                               permanent=True) from None
+        if size > MAX_UPLOAD_BYTES:
+            raise ChannelError(f"file {path.name!r} is {size} bytes; bots may upload at most "
+                               f"{MAX_UPLOAD_BYTES}", permanent=True)
+        name = file_name or path.name
+        as_photo = Path(name).suffix.lower() in PHOTO_SUFFIXES and size <= MAX_PHOTO_BYTES
+        field, method = ("photo", "sendPhoto") if as_photo else ("document", "sendDocument")
+        content = await asyncio.to_thread(path.read_bytes)
+        form = aiohttp.FormData()
+        form.add_field("chat_id", str(chat_id))
+        long_caption = bool(caption) and utf16_len(caption or "") > MAX_CAPTION
+        if caption and not long_caption:
+            form.add_field("caption", caption)
+        form.add_field(field, content, filename=name,
+                       content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+        self._stop_typing(jid)
+        result = await self.call(method, data=form, timeout=max(self.request_timeout, 120))
+        mid = result.get("message_id") if isinstance(result, dict) else None
+        if long_caption and caption:  # too long for a caption: it follows as text
+            await self.send_message(jid, caption)
+        return f"{jid}:{mid}" if mid is not None else None
+
+    async def react(self, jid: str, message_id: str, emoji: str) -> None:
+        await self.call("setMessageReaction", {
+            "chat_id": self._chat_id(jid), "message_id": self._message_id(message_id),
+            "reaction": [{"type": "emoji", "emoji": emoji}]})
+
+    async def set_typing(self, jid: str, typing: bool) -> None:
+        if not self.owns_jid(jid) or not JID_RE.match(jid):
+            return
+        self._stop_typing(jid)
+        if typing and self._connected:
+            self._typing[jid] = asyncio.create_task(self._typing_loop(jid),
+                                                    name=f"telegram-typing-{jid}")
+
+    async def _typing_loop(self, jid: str) -> None:
+        # Telegram shows "typing" for about 5 s per action; repeat until stopped (bounded).
+        chat_id = self._chat_id(jid)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + TYPING_MAX_SECONDS
+        try:
+            while loop.time() < until:
+                try:
+                    await self.call("sendChatAction", {"chat_id": chat_id, "action": "typing"})
+                except ChannelError as e:
+                    log.debug("%s", e)
+                await asyncio.sleep(TYPING_REPEAT_SECONDS)
+        finally:
+            if self._typing.get(jid) is asyncio.current_task():
+                self._typing.pop(jid, None)
+

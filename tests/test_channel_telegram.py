@@ -1,0 +1,295 @@
+"""The Telegram channel against a fake Bot API server on loopback (an aiohttp app)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from mdclaw.channels.base import ChannelError, InboundMessage
+from mdclaw.channels.telegram import TelegramChannel, utf16_len
+from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
+from mdclaw.state import Database
+from mdclaw.state.outbox import enqueue
+
+TOKEN = "123456:SECRET-token_value"
+
+
+class FakeBotApi:
+    """Just enough of the Bot API: getMe, getUpdates (long poll with offset), the send
+    methods (recorded), and scripted failures per method."""
+
+    def __init__(self, token: str = TOKEN) -> None:
+        self.token = token
+        self.updates: list[dict[str, Any]] = []
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.offsets: list[int | None] = []
+        self.fail: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        self.new_update = asyncio.Event()
+        self.next_message_id = 1000
+        self.runner: web.AppRunner | None = None
+        self.base = ""
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/bot{token}/{method}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.base = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+    def push(self, message: dict[str, Any]) -> None:
+        uid = 500 + len(self.updates)
+        self.updates.append({"update_id": uid, "message": message})
+        self.new_update.set()
+
+    def of(self, method: str) -> list[dict[str, Any]]:
+        return [p for m, p in self.calls if m == method]
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.match_info["token"] != self.token:
+            return web.json_response({"ok": False, "error_code": 401,
+                                      "description": "Unauthorized"}, status=401)
+        method = request.match_info["method"]
+        if request.content_type.startswith("multipart/"):
+            params: dict[str, Any] = {}
+            reader = await request.multipart()
+            async for part in reader:
+                if part.filename:
+                    params[part.name] = (part.filename, bytes(await part.read()))
+                else:
+                    params[part.name] = await part.text()
+        else:
+            params = await request.json() if request.can_read_body else {}
+        if method == "getUpdates":
+            offset = params.get("offset")
+            self.offsets.append(offset)
+            deadline = time.monotonic() + min(params.get("timeout", 0), 0.5)
+            while True:
+                pending = [u for u in self.updates if offset is None or u["update_id"] >= offset]
+                if pending or time.monotonic() >= deadline:
+                    return web.json_response({"ok": True, "result": pending})
+                self.new_update.clear()
+                try:
+                    await asyncio.wait_for(self.new_update.wait(), deadline - time.monotonic())
+                except TimeoutError:
+                    pass
+        self.calls.append((method, params))
+        script = self.fail.get(method)
+        if script:
+            status, body = script.pop(0)
+            return web.json_response(body, status=status)
+        if method == "getMe":
+            return web.json_response({"ok": True, "result": {"id": 1, "is_bot": True,
+                                                             "username": "mdclaw_test_bot"}})
+        if method in ("sendMessage", "sendDocument", "sendPhoto"):
+            self.next_message_id += 1
+            return web.json_response({"ok": True, "result": {"message_id": self.next_message_id}})
+        return web.json_response({"ok": True, "result": True})
+
+
+async def wait_until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def run(coro_fn):
+    async def main() -> None:
+        api = FakeBotApi()
+        await api.start()
+        got: list[InboundMessage] = []
+        ch = TelegramChannel(TOKEN, api_base=api.base, on_inbound=got.append, poll_timeout=1)
+        try:
+            await coro_fn(api, ch, got)
+        finally:
+            await ch.disconnect()
+            await api.stop()
+
+    asyncio.run(main())
+
+
+def test_inbound_text_and_captions_reach_the_callback() -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        assert ch.is_connected() and ch.bot_username == "mdclaw_test_bot"
+        api.push({"message_id": 7, "date": 1_767_225_600,
+                  "chat": {"id": -1001234, "type": "supergroup", "title": "Family"},
+                  "from": {"id": 42, "first_name": "Alice", "last_name": "B"},
+                  "text": "@Andy what's up?"})
+        api.push({"message_id": 8, "date": 1_767_225_601,
+                  "chat": {"id": 99, "type": "private", "first_name": "Bob"},
+                  "from": {"id": 99, "first_name": "Bob"},
+                  "photo": [{"file_id": "x"}], "caption": "look at this"})
+        api.push({"message_id": 9, "date": 1_767_225_602,
+                  "chat": {"id": 99, "type": "private"}, "from": {"id": 99},
+                  "sticker": {"file_id": "y"}})
+        await wait_until(lambda: len(got) == 2 and api.offsets[-1] == 503)
+        a, b = got
+        assert (a.id, a.chat_jid, a.sender, a.sender_name, a.content) == (
+            "tg:-1001234:7", "tg:-1001234", "42", "Alice B", "@Andy what's up?")
+        assert a.is_group and a.chat_name == "Family" and a.channel == "telegram"
+        assert a.timestamp == "2026-01-01T00:00:00.000Z"
+        assert (b.chat_jid, b.content, b.is_group, b.chat_name) == (
+            "tg:99", "look at this", False, "Bob")
+        # the offset confirms what was handed over: nothing comes twice
+        await asyncio.sleep(0.3)
+        assert len(got) == 2
+
+    run(body)
+
+
+def test_host_failure_leaves_the_update_unconfirmed() -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        seen: list[str] = []
+
+        def flaky(msg: InboundMessage) -> None:
+            seen.append(msg.id)
+            if len(seen) == 1:
+                raise RuntimeError("database locked")
+
+        ch.on_inbound(flaky)
+        await ch.connect()
+        api.push({"message_id": 1, "date": 1, "chat": {"id": 5, "type": "private"},
+                  "from": {"id": 5, "first_name": "E"}, "text": "hello"})
+        await wait_until(lambda: len(seen) == 2, timeout=15)
+        assert seen == ["tg:5:1", "tg:5:1"]  # redelivered; the host's dedupe handles it
+
+    run(body)
+
+
+def test_outbox_splits_at_4096_utf16_units_and_retries_a_5xx(tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        db = Database(tmp_path / "s.db")
+        api.fail["sendMessage"] = [(502, {"ok": False, "error_code": 502,
+                                          "description": "Bad Gateway"})]
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=4, base_delay=0.1))
+        await w.start()
+        try:
+            long_text = "\n".join(f"line {i} " + "x" * 90 for i in range(100))  # ~9.8k
+            emoji = "\N{GRINNING FACE}" * 3000  # 6000 UTF-16 units, one word
+            with db.transaction() as c:
+                r1 = enqueue(c, chat_jid="tg:-1001234", kind="text", text=long_text,
+                             reply_to="tg:-1001234:7", source_group="family")
+                r2 = enqueue(c, chat_jid="tg:-1001234", kind="text", text=emoji,
+                             source_group="family")
+            w.wake()
+            await wait_until(lambda: get_row(db, r2).status == "sent")
+            row1 = get_row(db, r1)
+            assert row1.status == "sent" and row1.attempts == 2
+            sends = api.of("sendMessage")
+            texts = [p["text"] for p in sends]
+            assert sends[0]["text"] == sends[1]["text"]  # the 502'd piece, then again
+            texts = texts[1:]
+            assert all(utf16_len(t) <= 4096 for t in texts)
+            n1 = len(texts) - 2
+            assert n1 == 3
+            assert "\n".join(texts[:n1]) == long_text
+            assert "".join(texts[n1:]) == emoji
+            assert sends[0]["chat_id"] == -1001234
+            assert sends[0]["reply_parameters"]["message_id"] == 7
+            assert "reply_parameters" not in sends[2]
+        finally:
+            await w.stop()
+            db.close()
+
+    run(body)
+
+
+def test_files_reactions_and_typing(tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        doc = tmp_path / "report.pdf"
+        doc.write_bytes(b"%PDF-1.4 fake")
+        png = tmp_path / "chart.png"
+        png.write_bytes(b"\x89PNG fake")
+        mid = await ch.send_file("tg:99", doc, caption="the report")
+        assert mid and mid.startswith("tg:99:")
+        await ch.send_file("tg:99", png, file_name="chart.png")
+        d = api.of("sendDocument")[0]
+        assert d["chat_id"] == "99" and d["caption"] == "the report"
+        assert d["document"] == ("report.pdf", b"%PDF-1.4 fake")
+        assert api.of("sendPhoto")[0]["photo"] == ("chart.png", b"\x89PNG fake")
+        with pytest.raises(ChannelError) as ei:
+            await ch.send_file("tg:99", tmp_path / "missing.txt")
+        assert ei.value.permanent
+
+        await ch.react("tg:-1001234", "tg:-1001234:55", "\N{THUMBS UP SIGN}")
+        assert api.of("setMessageReaction") == [{
+            "chat_id": -1001234, "message_id": 55,
+            "reaction": [{"type": "emoji", "emoji": "\N{THUMBS UP SIGN}"}]}]
+
+        await ch.set_typing("tg:99", True)
+        await wait_until(lambda: len(api.of("sendChatAction")) == 1)
+        assert api.of("sendChatAction")[0] == {"chat_id": 99, "action": "typing"}
+        await ch.set_typing("tg:99", False)
+        assert not ch._typing
+        await ch.set_typing("hl:main", True)  # not ours: ignored
+
+    run(body)
+
+
+def test_errors_are_classified_and_never_show_the_token(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        api.fail["sendMessage"] = [
+            (400, {"ok": False, "error_code": 400, "description": "Bad Request: chat not found"}),
+            (429, {"ok": False, "error_code": 429, "description": "Too Many Requests",
+                   "parameters": {"retry_after": 3}}),
+        ]
+        with pytest.raises(ChannelError) as e1:
+            await ch.send_message("tg:1", "x")
+        assert e1.value.permanent and "chat not found" in str(e1.value)
+        with pytest.raises(ChannelError) as e2:
+            await ch.send_message("tg:1", "x")
+        assert not e2.value.permanent and e2.value.retry_after == 3
+        with pytest.raises(ChannelError):
+            await ch.send_message("hl:main", "x")
+        errors = [str(e1.value), str(e2.value)]
+
+        # a token the server rejects, and a server that is not there
+        bad = TelegramChannel("999:WRONG-token", api_base=api.base)
+        with pytest.raises(ChannelError) as e3:
+            await bad.connect()
+        assert not bad.is_connected()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead_port = s.getsockname()[1]
+        gone = TelegramChannel(TOKEN, api_base=f"http://127.0.0.1:{dead_port}")
+        with pytest.raises(ChannelError) as e4:
+            await gone.connect()
+        errors += [str(e3.value), str(e4.value)]
+        for text in errors + [r.getMessage() for r in caplog.records]:
+            assert "SECRET" not in text and "WRONG-token" not in text, text
+
+    run(body)
+
+
+def test_from_config_reads_the_token_file(tmp_path: Path) -> None:
+    from mdclaw.config import TelegramChannel as Section
+
+    f = tmp_path / "token"
+    f.write_text(TOKEN + "\n")
+    os.chmod(f, 0o600)
+    ch = TelegramChannel.from_config(Section(token_file=str(f), api_base="http://127.0.0.1:9"))
+    assert ch.api_base == "http://127.0.0.1:9" and ch.redact(f"/bot{TOKEN}/x") == "/bot***/x"
+    with pytest.raises(ChannelError):
+        TelegramChannel("bad token with spaces")
