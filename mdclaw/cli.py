@@ -16,6 +16,7 @@ from mdclaw import __version__
 COMMAND_MODULES = [
     "mdclaw.commands.core",
     "mdclaw.commands.schema",
+    "mdclaw.commands.agent",
 ]
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from mdclaw_agent.runner import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""Any OpenAI-compatible chat-completions endpoint (Ollama, llama.cpp server, vLLM, ...).
+
+HTTP is done with the standard library's urllib: one non-streaming POST per model step keeps
+the image free of an HTTP client package, and the runner needs nothing more — the result is
+printed per turn, not per token.
+
+The conversation history lives in memory for the life of the container; the tool-call loop is
+bounded (`max_tool_rounds` model steps per user turn) so a model that keeps calling tools
+cannot spin forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from mdclaw_agent.backends import BackendError, TurnResult
+from mdclaw_agent.ipc import read_json_file, write_json_atomic
+from mdclaw_agent.tools import Tool, ToolContext, run_tool
+
+log = logging.getLogger("mdclaw_agent.openai")
+
+# The model URL is always the loopback forwarder (or a test server): never go through an
+# HTTP proxy named in the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_SESSION_RE = re.compile(r"^oai-[0-9a-f]{16}$")
+
+
+class OpenAIBackend:
+    def __init__(self, *, base_url: str, api_key: str, model: str, system: str,
+                 tools: list[Tool], ctx: ToolContext, max_tool_rounds: int = 16,
+                 timeout: float = 300.0, session_id: str | None = None,
+                 sessions_dir: Path | None = None) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.api_key = api_key
+        self.model = model
+        self.tools = tools
+        self.ctx = ctx
+        self.max_tool_rounds = max_tool_rounds
+        self.timeout = timeout
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self.sessions_dir = sessions_dir
+        self.session_id = f"oai-{secrets.token_hex(8)}"
+        self.resumed = False
+        if session_id and _SESSION_RE.match(session_id) and sessions_dir is not None:
+            history = self._load(sessions_dir / f"{session_id}.json")
+            if history is not None:
+                self.messages.extend(history)
+                self.session_id = session_id
+                self.resumed = True
+
+    @staticmethod
+    def _load(path: Path) -> list[dict[str, Any]] | None:
+        """A saved conversation (without its system prompt), or None: a missing or damaged
+        session file starts a fresh conversation."""
+        try:
+            data = read_json_file(path, limit=32 * 1024 * 1024)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+            return None
+        return [m for m in data if m.get("role") != "system"]
+
+    def _save(self) -> None:
+        if self.sessions_dir is None:
+            return
+        try:
+            write_json_atomic(self.sessions_dir, self.messages[1:], f"{self.session_id}.json")
+        except OSError as e:
+            log.warning("could not save the conversation: %s", e.strerror)
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _tool_specs(self) -> list[dict[str, Any]]:
+        return [{"type": "function",
+                 "function": {"name": t.name, "description": t.description,
+                              "parameters": t.parameters}} for t in self.tools]
+
+    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        data = json.dumps(body).encode("utf-8")
+        req = urllib.request.Request(self.url, data=data, method="POST", headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {self.api_key}",
+        })
+        try:
+            with _OPENER.open(req, timeout=self.timeout) as resp:
+                payload = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read(2000).decode("utf-8", "replace")
+            raise BackendError(f"model API answered HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise BackendError(f"cannot reach the model API: {reason}") from None
+        try:
+            out = json.loads(payload)
+        except json.JSONDecodeError:
+            raise BackendError("model API answered with something that is not JSON") from None
+        if not isinstance(out, dict) or not out.get("choices"):
+            raise BackendError(f"model API answer has no choices: {str(out)[:300]}")
+        return out
+
+    def turn(self, text: str) -> TurnResult:
+        """Send one user turn; run the tool loop; return the assistant's final text."""
+        self.messages.append({"role": "user", "content": text})
+        tool_specs = self._tool_specs()
+        for _ in range(self.max_tool_rounds):
+            body: dict[str, Any] = {"model": self.model, "messages": self.messages}
+            if tool_specs:
+                body["tools"] = tool_specs
+            message = self._post(body)["choices"][0].get("message") or {}
+            calls = message.get("tool_calls") or []
+            entry: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+            if calls:
+                entry["tool_calls"] = calls
+            self.messages.append(entry)
+            if not calls:
+                self._save()
+                return TurnResult(message.get("content") or "", self.session_id)
+            for call in calls:
+                fn = call.get("function") or {}
+                name = fn.get("name", "")
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    reply, is_error = "The arguments were not valid JSON.", True
+                else:
+                    reply, is_error = run_tool(self.tools, self.ctx, name, args)
+                log.info("tool %s -> %s", name, "error" if is_error else "ok")
+                self.messages.append({"role": "tool", "tool_call_id": call.get("id", ""),
+                                      "content": reply})
+        # Out of rounds: ask once more without tools so the user still gets an answer.
+        body = {"model": self.model, "messages": self.messages + [{
+            "role": "user", "content": "Tool-call limit reached; answer with what you have."}]}
+        message = self._post(body)["choices"][0].get("message") or {}
+        self.messages.append({"role": "assistant", "content": message.get("content")})
+        self._save()
+        return TurnResult(message.get("content") or "", self.session_id)

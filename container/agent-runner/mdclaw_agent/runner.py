@@ -1,0 +1,122 @@
+"""The container's main program: one conversation, from the first prompt to `_close`.
+
+stdin: one ContainerInput JSON document. stdout: one marked result per user turn. stderr: logs.
+Exit status 0 when the conversation ended normally, 1 when it could not start or the first
+turn failed, 2 when the input was invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from mdclaw_agent.backends import BackendError, system_prompt
+from mdclaw_agent.forwarder import Forwarder
+from mdclaw_agent.ipc import InputWatcher
+from mdclaw_agent.protocol import PLACEHOLDER_KEY, ContainerInput, InputError, Settings, emit
+from mdclaw_agent.tools import ToolContext, tools_for
+
+log = logging.getLogger("mdclaw_agent")
+
+DEFAULT_MODELS = {"claude": None, "openai": "gpt-4o-mini"}
+
+
+def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noqa: ANN201
+    """The backend for `inp.backend`, talking to the model API at `base_url` (the root the
+    proxy serves: `/v1/...` paths below it)."""
+    ctx = ToolContext(ipc_dir=settings.ipc_dir, group_folder=inp.group_folder,
+                      chat_jid=inp.chat_jid, is_main=inp.is_main, group_dir=settings.group_dir,
+                      action_timeout=settings.action_timeout_seconds)
+    tools = tools_for(inp.is_main)
+    system = system_prompt(inp, settings.group_dir, settings.global_dir)
+    if inp.backend == "openai":
+        from mdclaw_agent.backends.openai import OpenAIBackend
+
+        return OpenAIBackend(base_url=base_url.rstrip("/") + "/v1", api_key=PLACEHOLDER_KEY,
+                             model=inp.model or DEFAULT_MODELS["openai"], system=system,
+                             tools=tools, ctx=ctx, max_tool_rounds=settings.max_tool_rounds,
+                             session_id=inp.session_id,
+                             sessions_dir=settings.group_dir / ".mdclaw" / "sessions")
+    from mdclaw_agent.backends.claude import ClaudeBackend
+
+    env = {
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": PLACEHOLDER_KEY,
+        # Nothing but the model API is reachable; do not let the CLI try anything else.
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+    }
+    return ClaudeBackend(model=inp.model, system=system, tools=tools, ctx=ctx,
+                         cwd=settings.group_dir, session_id=inp.session_id, env=env,
+                         extra_dirs=[settings.global_dir])
+
+
+def _model_root(settings: Settings) -> tuple[str, Forwarder | None]:
+    if settings.model_base_url:
+        return settings.model_base_url, None
+    fwd = Forwarder(settings.proxy_socket).start()
+    return fwd.base_url, fwd
+
+
+def run(inp: ContainerInput, settings: Settings) -> int:
+    """Run the conversation; return the exit status."""
+    if not settings.model_base_url and not settings.proxy_socket.exists():
+        emit("error", None, error=f"the model proxy socket {settings.proxy_socket} is missing; "
+             "the host starts it before the container")
+        return 1
+    watcher = None if inp.is_scheduled_task else InputWatcher(
+        settings.ipc_dir / "input", settings.input_poll_seconds)
+    base_url, fwd = _model_root(settings)
+    backend = make_backend(inp, settings, base_url)
+    try:
+        try:
+            backend.start()
+            first = backend.turn(inp.prompt)
+        except BackendError as e:
+            emit("error", None, error=str(e), new_session_id=getattr(backend, "session_id", None))
+            return 1
+        emit("success", first.text, new_session_id=first.session_id)
+        if watcher is None:  # scheduled tasks are single-turn
+            return 0
+        for follow_up in watcher:
+            log.info("follow-up %s", follow_up.name)
+            try:
+                res = backend.turn(follow_up.text)
+            except BackendError as e:
+                emit("error", None, error=str(e), new_session_id=backend.session_id)
+                continue
+            emit("success", res.text, new_session_id=res.session_id)
+        log.info("close sentinel seen; ending the session")
+        return 0
+    finally:
+        backend.close()
+        if watcher is not None:
+            watcher.close()
+        if fwd is not None:
+            fwd.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("MDCLAW_AGENT_LOG", "INFO").upper(),
+                        stream=sys.stderr, format="mdclaw-agent %(levelname)s %(message)s")
+    # The host stops a container with SIGTERM: end like after `_close`, via the finally blocks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    settings = Settings.from_env()
+    try:
+        inp = ContainerInput.from_json(sys.stdin.read())
+    except InputError as e:
+        emit("error", None, error=str(e))
+        return 2
+    if not settings.group_dir.is_dir():
+        settings.group_dir.mkdir(parents=True, exist_ok=True)
+    os.chdir(settings.group_dir if settings.group_dir.is_dir() else Path.cwd())
+    return run(inp, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,420 @@
+"""The agent's tools: each writes one canonical IPC command file or reads a host snapshot.
+
+Both backends use this one registry: the claude backend wraps it as an in-process MCP server,
+the openai backend as function tools. A tool returns plain words telling the agent what
+happened; a tool that fails raises ToolError whose message is shown to the agent.
+
+Main-only tools (group registration) are not in the list a non-main container gets at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mdclaw_agent.ipc import read_json_file, write_json_atomic
+
+MAX_FILE_BYTES = 64 * 1024 * 1024
+SCHEDULE_TYPES = ("cron", "interval", "once")
+CONTEXT_MODES = ("group", "isolated")
+
+
+class ToolError(Exception):
+    """The tool could not do what was asked; the message says why, for the agent."""
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What the tools know about this container."""
+
+    ipc_dir: Path
+    group_folder: str
+    chat_jid: str
+    is_main: bool
+    group_dir: Path = Path("/workspace/group")
+    action_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments (an object)
+    handler: Callable[[ToolContext, dict[str, Any]], str]
+    main_only: bool = False
+    tags: tuple[str, ...] = field(default=())
+
+    def call(self, ctx: ToolContext, args: dict[str, Any]) -> str:
+        """Run the tool after checking the arguments against its schema."""
+        if not isinstance(args, dict):
+            raise ToolError(f"{self.name}: arguments must be an object")
+        props = self.parameters.get("properties", {})
+        for key in self.parameters.get("required", []):
+            if args.get(key) in (None, ""):
+                raise ToolError(f"{self.name}: '{key}' is required")
+        unknown = sorted(set(args) - set(props))
+        if unknown:
+            raise ToolError(f"{self.name}: unknown argument(s) {', '.join(unknown)}; "
+                            f"expected {', '.join(props)}")
+        for key, value in args.items():
+            if value is None:
+                continue
+            want = props[key].get("type")
+            ok = {"string": isinstance(value, str),
+                  "integer": isinstance(value, int) and not isinstance(value, bool),
+                  "boolean": isinstance(value, bool),
+                  "object": isinstance(value, dict)}.get(want, True)
+            if not ok:
+                raise ToolError(f"{self.name}: '{key}' must be a {want}")
+            allowed = props[key].get("enum")
+            if allowed and value not in allowed:
+                raise ToolError(f"{self.name}: '{key}' must be one of {', '.join(allowed)}")
+        return self.handler(ctx, {k: v for k, v in args.items() if v is not None})
+
+
+def _schema(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+def _s(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def write_command(ctx: ToolContext, subdir: str, body: dict[str, Any]) -> Path:
+    """Write one canonical command into `ipc/<subdir>/`; raises ToolError if it cannot."""
+    try:
+        return write_json_atomic(ctx.ipc_dir / subdir, body)
+    except OSError as e:
+        raise ToolError(f"could not write the {body.get('type')} request: {e.strerror}") from None
+
+
+def _send_message(ctx: ToolContext, a: dict[str, Any]) -> str:
+    body = {"type": "message", "chat_jid": a.get("chat_jid") or ctx.chat_jid,
+            "text": a["text"]}
+    if a.get("sender"):
+        body["sender"] = a["sender"]
+    if a.get("reply_to"):
+        body["reply_to"] = a["reply_to"]
+    write_command(ctx, "messages", body)
+    return f"Message queued for delivery to {body['chat_jid']}."
+
+
+def _container_path(ctx: ToolContext, given: str) -> Path:
+    p = Path(given)
+    return p if p.is_absolute() else ctx.group_dir / p
+
+
+def _send_file(ctx: ToolContext, a: dict[str, Any]) -> str:
+    path = _container_path(ctx, a["file_path"])
+    try:
+        st = path.stat()
+    except OSError:
+        raise ToolError(f"send_file: {path} does not exist") from None
+    if not path.is_file():
+        raise ToolError(f"send_file: {path} is not a regular file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise ToolError(f"send_file: {path} is {st.st_size} bytes; the limit is 64 MB")
+    # The host knows the file by its container path; name it that way even when the runner
+    # runs elsewhere (tests) with the group folder at another place.
+    try:
+        wire_path = "/workspace/group/" + path.relative_to(ctx.group_dir).as_posix()
+    except ValueError:
+        wire_path = str(path)
+    body = {"type": "send_file", "chat_jid": a.get("chat_jid") or ctx.chat_jid,
+            "file_path": wire_path}
+    for key in ("file_name", "caption"):
+        if a.get(key):
+            body[key] = a[key]
+    write_command(ctx, "messages", body)
+    return f"File {path.name} queued for delivery to {body['chat_jid']}."
+
+
+def _react(ctx: ToolContext, a: dict[str, Any]) -> str:
+    body = {"type": "react", "chat_jid": a.get("chat_jid") or ctx.chat_jid,
+            "message_id": a["message_id"], "emoji": a["emoji"]}
+    write_command(ctx, "messages", body)
+    return f"Reaction {a['emoji']} queued for message {a['message_id']}."
+
+
+def _new_task_id() -> str:
+    return f"task-{int(time.time() * 1000)}-{secrets.token_hex(3)}"
+
+
+def _schedule_task(ctx: ToolContext, a: dict[str, Any]) -> str:
+    task_id = a.get("task_id") or _new_task_id()
+    body = {"type": "schedule_task", "task_id": task_id, "prompt": a["prompt"],
+            "schedule_type": a["schedule_type"], "schedule_value": a["schedule_value"],
+            "context_mode": a.get("context_mode", "group")}
+    for key in ("chat_jid", "timezone"):
+        if a.get(key):
+            body[key] = a[key]
+    write_command(ctx, "tasks", body)
+    return (f"Task {task_id} requested ({a['schedule_type']} {a['schedule_value']}). "
+            "The host checks the schedule; list_tasks shows it once accepted.")
+
+
+def _update_task(ctx: ToolContext, a: dict[str, Any]) -> str:
+    changes = {k: a[k] for k in _UPDATE_FIELDS if k in a}
+    if not changes:
+        raise ToolError(f"update_task: give at least one of {', '.join(_UPDATE_FIELDS)}")
+    write_command(ctx, "tasks", {"type": "update_task", "task_id": a["task_id"], **changes})
+    return f"Update of task {a['task_id']} requested ({', '.join(changes)})."
+
+
+_UPDATE_FIELDS = ("prompt", "schedule_type", "schedule_value", "context_mode", "status",
+                  "timezone")
+
+
+def _task_op(kind: str, verb: str) -> Callable[[ToolContext, dict[str, Any]], str]:
+    def handler(ctx: ToolContext, a: dict[str, Any]) -> str:
+        write_command(ctx, "tasks", {"type": kind, "task_id": a["task_id"]})
+        return f"Task {a['task_id']}: {verb} requested."
+    return handler
+
+
+def _read_snapshot(ctx: ToolContext, name: str) -> Any:
+    try:
+        return read_json_file(ctx.ipc_dir / name, limit=16 * 1024 * 1024)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ToolError(f"could not read {name}: {e}") from None
+
+
+def _list_tasks(ctx: ToolContext, a: dict[str, Any]) -> str:
+    tasks = _read_snapshot(ctx, "current_tasks.json")
+    if isinstance(tasks, dict):
+        tasks = tasks.get("tasks")
+    if not tasks:
+        return "No scheduled tasks."
+    lines = [f"{len(tasks)} scheduled task(s):"]
+    for t in tasks:
+        if not isinstance(t, dict):
+            continue
+        group = t.get("group_folder") or t.get("groupFolder")
+        where = f" [group {group}]" if ctx.is_main and group else ""
+        nxt = t.get("next_run") or "-"
+        prompt = str(t.get("prompt", ""))
+        prompt = prompt if len(prompt) <= 80 else prompt[:77] + "..."
+        lines.append(f"- {t.get('id')}{where}: {t.get('schedule_type')} "
+                     f"{t.get('schedule_value')}, {t.get('status')}, next run {nxt}: {prompt}")
+    return "\n".join(lines)
+
+
+def _list_groups(ctx: ToolContext, a: dict[str, Any]) -> str:
+    snap = _read_snapshot(ctx, "available_groups.json")
+    groups = snap.get("groups") if isinstance(snap, dict) else snap
+    if not groups:
+        return "No groups are known yet."
+    lines = [f"{len(groups)} group(s):"]
+    for g in groups:
+        if not isinstance(g, dict):
+            continue
+        reg = g.get("isRegistered", g.get("is_registered"))
+        state = "" if reg is None else (" (registered)" if reg else " (not registered)")
+        folder = f", folder {g['folder']}" if g.get("folder") else ""
+        lines.append(f"- {g.get('name')} — {g.get('jid')}{folder}{state}")
+    return "\n".join(lines)
+
+
+def _register_group(ctx: ToolContext, a: dict[str, Any]) -> str:
+    body = {"type": "register_group", "jid": a["jid"], "name": a["name"],
+            "folder": a["folder"]}
+    for key in ("trigger", "requires_trigger"):
+        if key in a:
+            body[key] = a[key]
+    write_command(ctx, "tasks", body)
+    return f"Registration of {a['name']} ({a['jid']}) as folder {a['folder']} requested."
+
+
+def _unregister_group(ctx: ToolContext, a: dict[str, Any]) -> str:
+    given = {k: a[k] for k in ("jid", "folder") if a.get(k)}
+    if len(given) != 1:
+        raise ToolError("unregister_group: give exactly one of jid or folder")
+    write_command(ctx, "tasks", {"type": "unregister_group", **given})
+    (key, value), = given.items()
+    return f"Unregistration of the group with {key} {value} requested; its files are kept."
+
+
+def _refresh_groups(ctx: ToolContext, a: dict[str, Any]) -> str:
+    write_command(ctx, "tasks", {"type": "refresh_groups"})
+    return "Group list refresh requested; list_groups shows it after the host rewrites it."
+
+
+# --------------------------------------------------------------------------- actions
+
+
+def request_action(ctx: ToolContext, body: dict[str, Any],
+                   timeout: float | None = None) -> dict[str, Any]:
+    """Write an action request and wait for `action_results/<requestId>.json`.
+
+    Returns the result envelope; raises ToolError on timeout. The result file is removed
+    once read.
+    """
+    request_id = f"req-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
+    results = ctx.ipc_dir / "action_results"
+    write_command(ctx, "actions", {"type": "action", "request_id": request_id, **body})
+    path = results / f"{request_id}.json"
+    deadline = time.monotonic() + (ctx.action_timeout if timeout is None else timeout)
+    delay = 0.01
+    while True:
+        try:
+            envelope = read_json_file(path, limit=16 * 1024 * 1024)
+        except FileNotFoundError:
+            envelope = None
+        except (OSError, ValueError) as e:
+            raise ToolError(f"the host's answer to {request_id} is unreadable: {e}") from None
+        if envelope is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            if not isinstance(envelope, dict):
+                raise ToolError(f"the host's answer to {request_id} is not an object")
+            return envelope
+        if time.monotonic() >= deadline:
+            raise ToolError(f"no answer from the host to {body.get('action')} within "
+                            f"{ctx.action_timeout:g} s (request {request_id})")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def _action_reply(envelope: dict[str, Any], what: str) -> Any:
+    if envelope.get("status") != "success":
+        raise ToolError(f"{what} failed: {envelope.get('error') or 'no reason given'}")
+    return envelope.get("result")
+
+
+def _memory_search(ctx: ToolContext, a: dict[str, Any]) -> str:
+    params = {"query": a["query"], "topK": a.get("top_k", 5)}
+    if a.get("sources"):
+        params["sources"] = a["sources"]
+    result = _action_reply(request_action(ctx, {"action": "memory_search", "params": params}),
+                           "memory_search")
+    hits = result.get("hits") if isinstance(result, dict) else result
+    if not hits:
+        return f"No memory matches for {a['query']!r}."
+    lines = [f"{len(hits)} match(es) for {a['query']!r}:"]
+    for h in hits:
+        if isinstance(h, dict):
+            where = h.get("path") or h.get("source") or "?"
+            line = f" line {h['line']}" if h.get("line") else ""
+            text = h.get("snippet") or h.get("text") or ""
+            lines.append(f"- {where}{line}: {text}")
+        else:
+            lines.append(f"- {h}")
+    return "\n".join(lines)
+
+
+def _memory_get(ctx: ToolContext, a: dict[str, Any]) -> str:
+    result = _action_reply(
+        request_action(ctx, {"action": "memory_get", "params": {"path": a["path"]}}),
+        "memory_get")
+    if isinstance(result, dict):
+        content = result.get("content", result.get("text"))
+        if isinstance(content, str):
+            return content if content else f"{a['path']} is empty."
+    return json.dumps(result, ensure_ascii=False)
+
+
+# --------------------------------------------------------------------------- registry
+
+_TASK_ID = _s("The task id, as list_tasks shows it.")
+_CHAT = _s("Target chat id; default: this group's chat. Only the main group may name another.")
+
+TOOLS: tuple[Tool, ...] = (
+    Tool("send_message", "Send a text message to the chat now (also while you keep working).",
+         _schema(["text"], text=_s("The message text."), chat_jid=_CHAT,
+                 sender=_s("Optional display name to send as."),
+                 reply_to=_s("Optional id of the message to reply to.")),
+         _send_message),
+    Tool("send_file", "Send a file from the group folder to the chat (at most 64 MB).",
+         _schema(["file_path"], file_path=_s("Path of the file, absolute or relative to the "
+                                             "group folder."),
+                 file_name=_s("Name shown to the recipient."), caption=_s("Optional caption."),
+                 chat_jid=_CHAT),
+         _send_file),
+    Tool("react", "React to a chat message with an emoji.",
+         _schema(["message_id", "emoji"], message_id=_s("Id of the message to react to."),
+                 emoji=_s("One emoji."), chat_jid=_CHAT),
+         _react),
+    Tool("schedule_task",
+         "Schedule a prompt to run later: cron (e.g. '0 9 * * 1-5', in the assistant's "
+         "timezone), interval (milliseconds, at least 1000, e.g. '3600000') or once (local ISO time, e.g. "
+         "'2026-02-01T09:00:00').",
+         _schema(["prompt", "schedule_type", "schedule_value"],
+                 prompt=_s("What to do when the task runs."),
+                 schedule_type=_s("cron, interval or once.", enum=list(SCHEDULE_TYPES)),
+                 schedule_value=_s("The cron expression, interval in ms, or timestamp."),
+                 context_mode=_s("group: run with the conversation's history; isolated: "
+                                 "a fresh session.", enum=list(CONTEXT_MODES)),
+                 task_id=_s("Optional id to give the task (letters, digits, _ . : -)."),
+                 timezone=_s("IANA timezone for the schedule; default the assistant's."),
+                 chat_jid=_CHAT),
+         _schedule_task),
+    Tool("update_task", "Change a scheduled task's prompt or schedule.",
+         _schema(["task_id"], task_id=_TASK_ID, prompt=_s("New prompt."),
+                 schedule_type=_s("cron, interval or once.", enum=list(SCHEDULE_TYPES)),
+                 schedule_value=_s("New schedule value."),
+                 context_mode=_s("group or isolated.", enum=list(CONTEXT_MODES)),
+                 status=_s("active or paused.", enum=["active", "paused"]),
+                 timezone=_s("IANA timezone for the schedule.")),
+         _update_task),
+    Tool("pause_task", "Pause a scheduled task.", _schema(["task_id"], task_id=_TASK_ID),
+         _task_op("pause_task", "pause")),
+    Tool("resume_task", "Resume a paused task.", _schema(["task_id"], task_id=_TASK_ID),
+         _task_op("resume_task", "resume")),
+    Tool("cancel_task", "Cancel a task (it stops running; its history is kept).",
+         _schema(["task_id"], task_id=_TASK_ID), _task_op("cancel_task", "cancel")),
+    Tool("delete_task", "Delete a task and its run history permanently.",
+         _schema(["task_id"], task_id=_TASK_ID), _task_op("delete_task", "deletion")),
+    Tool("list_tasks", "List the scheduled tasks you can see.", _schema([]), _list_tasks),
+    Tool("memory_search", "Search the group's memory files and past sessions.",
+         _schema(["query"], query=_s("What to look for."),
+                 top_k={"type": "integer", "description": "How many matches (default 5)."},
+                 sources=_s("memory, sessions or all.", enum=["memory", "sessions", "all"])),
+         _memory_search),
+    Tool("memory_get", "Read one memory file (MEMORY.md or memory/<name>.md).",
+         _schema(["path"], path=_s("MEMORY.md or memory/<name>.md.")), _memory_get),
+    Tool("register_group", "Register a chat as a new group with its own folder (main only).",
+         _schema(["jid", "name", "folder"], jid=_s("The chat id, e.g. tg:-100123."),
+                 name=_s("Display name."), folder=_s("Folder name: letters, digits, _ or -."),
+                 trigger=_s("Trigger word; default '@' + the assistant's name."),
+                 requires_trigger={"type": "boolean",
+                                   "description": "Answer only messages with the trigger."}),
+         _register_group, main_only=True),
+    Tool("unregister_group", "Stop answering a chat (its folder is kept) (main only). Give "
+         "exactly one of jid or folder.",
+         _schema([], jid=_s("The chat id of the group."), folder=_s("The group's folder.")),
+         _unregister_group, main_only=True),
+    Tool("refresh_groups", "Ask the host to refresh the list of known chats (main only).",
+         _schema([]), _refresh_groups, main_only=True),
+    Tool("list_groups", "List known chats and whether they are registered (main only).",
+         _schema([]), _list_groups, main_only=True),
+)
+
+
+def tools_for(is_main: bool) -> list[Tool]:
+    """The tools a container gets: main-only ones are left out for other groups."""
+    return [t for t in TOOLS if is_main or not t.main_only]
+
+
+def run_tool(tools: list[Tool], ctx: ToolContext, name: str, args: Any) -> tuple[str, bool]:
+    """Call tool `name`; return (reply text, is_error). Never raises for a tool failure."""
+    tool = next((t for t in tools if t.name == name), None)
+    if tool is None:
+        return f"There is no tool named {name!r}.", True
+    try:
+        return tool.call(ctx, args if args is not None else {}), False
+    except ToolError as e:
+        return str(e), True

@@ -1,0 +1,420 @@
+"""The credential proxy: how an agent container reaches its model without holding a key.
+
+For each running container the host serves the model API on a unix socket inside that
+group's IPC folder (`ipc/<folder>/.proxy.sock`, a dot-file the IPC reader ignores). The agent
+runner forwards a loopback port in the container to it. For every request the proxy:
+
+- accepts only the model API's own paths (POST /v1/messages for claude, POST
+  /v1/chat/completions for openai, and a few read-only ones) — anything else is 404;
+- drops whatever credentials the client sent and injects the real one, read from the
+  model's `api_key_file` (never logged, never sent back);
+- forwards to the configured upstream and streams the answer back as it arrives;
+- counts the request and the tokens the API reports in the state database (`model_usage`),
+  per group, model and UTC day — `mdclaw usage` shows them.
+
+The group comes from which socket the request arrived on, never from anything the client says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from mdclaw.config import Config, ModelSpec, read_secret
+from mdclaw.paths import Layout
+from mdclaw.state import Database, now_iso
+
+log = logging.getLogger("mdclaw.proxy")
+
+SOCKET_NAME = ".proxy.sock"
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
+MAX_BUFFERED_JSON = 8 * 1024 * 1024
+UNIX_PATH_MAX = 107
+
+DEFAULT_BASE_URLS = {"claude": "https://api.anthropic.com", "openai": "https://api.openai.com/v1"}
+# (method, path) the proxy forwards, per backend; everything else is refused.
+ALLOWED_ROUTES: dict[str, frozenset[tuple[str, str]]] = {
+    "claude": frozenset({("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+                         ("GET", "/v1/models")}),
+    "openai": frozenset({("POST", "/v1/chat/completions"), ("GET", "/v1/models")}),
+}
+# Request headers never forwarded: credentials, hop-by-hop, and those aiohttp sets itself.
+DROP_REQUEST_HEADERS = frozenset({
+    "authorization", "x-api-key", "api-key", "proxy-authorization", "cookie", "host",
+    "content-length", "connection", "keep-alive", "te", "trailer", "transfer-encoding",
+    "upgrade", "accept-encoding", "forwarded", "x-forwarded-for", "x-forwarded-host",
+    "x-forwarded-proto", "x-real-ip",
+})
+DROP_RESPONSE_HEADERS = frozenset({
+    "content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
+    "set-cookie", "trailer", "upgrade",
+})
+
+
+class ProxyError(RuntimeError):
+    """The proxy for a group cannot be started (socket path too long, folder missing...)."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where one group's model requests go and how they are authenticated."""
+
+    backend: str
+    model: str | None
+    base_url: str
+    api_key_file: Path | None = None
+
+    def url_for(self, path: str, query: str) -> str:
+        base = self.base_url.rstrip("/")
+        # Bases are given with or without their /v1 (http://host:11434/v1 for Ollama).
+        rest = path[3:] if base.endswith("/v1") and path.startswith("/v1/") else path
+        return base + rest + (f"?{query}" if query else "")
+
+    def auth_headers(self) -> dict[str, str]:
+        """The real credential as headers (empty for a local server without a key).
+
+        Raises OSError if the key file went away; the message names the file only.
+        """
+        if self.api_key_file is None:
+            return {}
+        key = read_secret(self.api_key_file)
+        if self.backend == "claude":
+            return {"x-api-key": key}
+        return {"authorization": f"Bearer {key}"}
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec | None) -> Upstream:
+        if spec is None:
+            return cls(backend="claude", model=None, base_url=DEFAULT_BASE_URLS["claude"])
+        return cls(backend=spec.backend, model=spec.model,
+                   base_url=spec.base_url or DEFAULT_BASE_URLS[spec.backend],
+                   api_key_file=spec.api_key_file)
+
+
+def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | None]:
+    """(model key, spec) a group uses: its own `model`, else `assistant.model`, else the only
+    configured model; (None, None) means the claude backend's defaults."""
+    group = cfg.groups.get(folder)
+    key = (group.model if group else None) or cfg.assistant.model
+    if key is None and len(cfg.models) == 1:
+        key = next(iter(cfg.models))
+    if key is None:
+        return None, None
+    return key, cfg.models[key]
+
+
+def container_model_fields(cfg: Config, folder: str) -> dict[str, Any]:
+    """The ContainerInput fields naming the backend and model (never a key or URL)."""
+    _key, spec = model_for_group(cfg, folder)
+    up = Upstream.from_spec(spec)
+    return {"backend": up.backend, "model": up.model}
+
+
+# --------------------------------------------------------------------------- usage
+
+
+@dataclass
+class UsageCounter:
+    """Tokens seen in one response: JSON body or server-sent events, OpenAI or Anthropic.
+
+    Counts are cumulative in both APIs' streams, so the largest value seen wins.
+    """
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    _pending: bytes = b""
+    _json: bytearray = field(default_factory=bytearray)
+    _json_overflow: bool = False
+
+    def take(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+
+        def num(*keys: str) -> int:
+            total = 0
+            for k in keys:
+                v = usage.get(k)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    total += v
+            return total
+
+        self.input_tokens = max(self.input_tokens, num("input_tokens", "prompt_tokens",
+                                                       "cache_creation_input_tokens",
+                                                       "cache_read_input_tokens"))
+        self.output_tokens = max(self.output_tokens, num("output_tokens", "completion_tokens"))
+
+    def take_object(self, obj: Any) -> None:
+        if not isinstance(obj, dict):
+            return
+        self.take(obj.get("usage"))
+        message = obj.get("message")
+        if isinstance(message, dict):
+            self.take(message.get("usage"))
+
+    def feed_sse(self, chunk: bytes) -> None:
+        data = self._pending + chunk
+        lines = data.split(b"\n")
+        self._pending = lines.pop()
+        if len(self._pending) > MAX_BUFFERED_JSON:  # a runaway line: stop looking at it
+            self._pending = b""
+        for line in lines:
+            line = line.strip()
+            if not line.startswith(b"data:") or b"usage" not in line:
+                continue
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                self.take_object(json.loads(line[5:].strip()))
+
+    def feed_json(self, chunk: bytes) -> None:
+        if self._json_overflow:
+            return
+        if len(self._json) + len(chunk) > MAX_BUFFERED_JSON:
+            self._json_overflow = True
+            self._json.clear()
+            return
+        self._json.extend(chunk)
+
+    def finish(self) -> None:
+        if self._pending:
+            self.feed_sse(b"\n")
+        if self._json:
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                self.take_object(json.loads(bytes(self._json)))
+            self._json.clear()
+
+
+def record_usage(db: Database, folder: str, model: str, *, ok: bool, input_tokens: int,
+                 output_tokens: int, when: str | None = None) -> None:
+    """Add one request to the group's row for today."""
+    stamp = when or now_iso()
+    with db.transaction() as conn:
+        conn.execute(
+            """INSERT INTO model_usage (group_folder, day, model, requests, errors,
+                   input_tokens, output_tokens, updated_at)
+               VALUES (?, ?, ?, 1, ?, ?, ?, ?)
+               ON CONFLICT (group_folder, day, model) DO UPDATE SET
+                   requests = requests + 1, errors = errors + excluded.errors,
+                   input_tokens = input_tokens + excluded.input_tokens,
+                   output_tokens = output_tokens + excluded.output_tokens,
+                   updated_at = excluded.updated_at""",
+            (folder, stamp[:10], model, 0 if ok else 1, input_tokens, output_tokens, stamp))
+
+
+def usage_rows(db: Database, *, group: str | None = None,
+               since_day: str | None = None) -> list[dict[str, Any]]:
+    """Usage totals per group and model (summed over days from `since_day` on)."""
+    where, params = [], []
+    if group:
+        where.append("group_folder = ?")
+        params.append(group)
+    if since_day:
+        where.append("day >= ?")
+        params.append(since_day)
+    sql = ("SELECT group_folder, model, SUM(requests) AS requests, SUM(errors) AS errors, "
+           "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens, "
+           "MIN(day) AS first_day, MAX(day) AS last_day FROM model_usage"
+           + (" WHERE " + " AND ".join(where) if where else "")
+           + " GROUP BY group_folder, model ORDER BY group_folder, model")
+    return [dict(r) for r in db.query(sql, tuple(params))]
+
+
+# --------------------------------------------------------------------------- server
+
+
+@dataclass
+class _GroupSite:
+    folder: str
+    upstream: Upstream
+    socket_path: Path
+    runner: web.AppRunner
+    requests: int = 0
+
+
+class CredentialProxy:
+    """Serves one unix socket per running group. Use inside a running event loop.
+
+    `start_group` before the container starts, `stop_group` after it ended, `close` at
+    shutdown. `db` may be None (then nothing is persisted; counts stay in `stats`).
+    """
+
+    def __init__(self, layout: Layout, db: Database | None = None, *,
+                 connect_timeout: float = 30.0, read_timeout: float = 600.0) -> None:
+        self.layout = layout
+        self.db = db
+        self._sites: dict[str, _GroupSite] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout,
+                                              sock_read=read_timeout)
+        self._pending: set[asyncio.Task] = set()
+        self.stats: dict[str, dict[str, int]] = {}
+
+    def socket_path(self, folder: str) -> Path:
+        return self.layout.group_ipc_dir(folder) / SOCKET_NAME
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # trust_env: an HTTP(S)_PROXY set for the daemon applies to the upstream too.
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, auto_decompress=False, trust_env=True,
+                connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60))
+        return self._session
+
+    async def start_group(self, folder: str, upstream: Upstream) -> Path:
+        """Serve `folder`'s socket (replacing a stale one); return its path.
+
+        Raises ProxyError if the socket cannot be made.
+        """
+        if folder in self._sites:
+            await self.stop_group(folder)
+        path = self.socket_path(folder)
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise ProxyError(f"proxy socket path {path} is longer than {UNIX_PATH_MAX} bytes; "
+                             "use a shorter data_dir")
+        if not path.parent.is_dir():
+            raise ProxyError(f"IPC folder {path.parent} does not exist; reconcile first")
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.UnixSite(runner, str(path))
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise ProxyError(f"cannot listen on {path}: {e.strerror}") from None
+        # The IPC folder's own mode keeps other users out; the container's uid must connect.
+        os.chmod(path, 0o666)
+        self._sites[folder] = _GroupSite(folder, upstream, path, runner)
+        self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
+                                       "output_tokens": 0})
+        return path
+
+    async def start_for_config(self, cfg: Config, folder: str) -> Path:
+        """start_group with the upstream the config gives `folder`."""
+        _key, spec = model_for_group(cfg, folder)
+        return await self.start_group(folder, Upstream.from_spec(spec))
+
+    async def stop_group(self, folder: str) -> None:
+        site = self._sites.pop(folder, None)
+        if site is None:
+            return
+        await site.runner.cleanup()
+        with contextlib.suppress(FileNotFoundError):
+            site.socket_path.unlink()
+
+    async def close(self) -> None:
+        for folder in list(self._sites):
+            await self.stop_group(folder)
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def running(self) -> list[str]:
+        return sorted(self._sites)
+
+    # ------------------------------------------------------------------ request path
+    def _make_handler(self, folder: str, upstream: Upstream):  # noqa: ANN202
+        allowed = ALLOWED_ROUTES[upstream.backend]
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if (request.method, request.path) not in allowed:
+                return web.json_response(
+                    {"error": {"type": "not_found",
+                               "message": f"{request.method} {request.path} is not a model "
+                                          "API path this proxy forwards"}}, status=404)
+            return await self._forward(request, folder, upstream)
+
+        return handle
+
+    async def _forward(self, request: web.Request, folder: str,
+                       upstream: Upstream) -> web.StreamResponse:
+        body = await request.read()
+        model = upstream.model or ""
+        if body:
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                sent = json.loads(body)
+                if isinstance(sent, dict) and isinstance(sent.get("model"), str):
+                    model = sent["model"][:128]
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in DROP_REQUEST_HEADERS}
+        try:
+            headers.update(upstream.auth_headers())
+        except OSError:
+            log.error("group %s: the model key file %s cannot be read", folder,
+                      upstream.api_key_file)
+            self._count(folder, model, ok=False, usage=None)
+            return web.json_response({"error": {"type": "proxy_error",
+                                                "message": "the host cannot read the API key"}},
+                                     status=502)
+        headers["accept-encoding"] = "identity"
+        url = upstream.url_for(request.path, request.query_string)
+        counter = UsageCounter()
+        response: web.StreamResponse | None = None
+        ok = False
+        try:
+            async with self._client().request(request.method, url, data=body or None,
+                                              headers=headers, allow_redirects=False) as up:
+                response = web.StreamResponse(status=up.status, reason=up.reason)
+                for k, v in up.headers.items():
+                    if k.lower() not in DROP_RESPONSE_HEADERS:
+                        response.headers.add(k, v)
+                ctype = up.headers.get("content-type", "")
+                feed = counter.feed_sse if "event-stream" in ctype else counter.feed_json
+                await response.prepare(request)
+                async for chunk in up.content.iter_any():
+                    feed(chunk)
+                    await response.write(chunk)
+                await response.write_eof()
+                ok = up.status < 400
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("group %s: upstream %s failed: %s", folder, upstream.base_url,
+                        type(e).__name__)
+            if response is None or not response.prepared:
+                response = web.json_response(
+                    {"error": {"type": "proxy_error",
+                               "message": f"the model API could not be reached "
+                                          f"({type(e).__name__})"}}, status=502)
+        finally:
+            counter.finish()
+            self._count(folder, model, ok=ok, usage=counter)
+        return response
+
+    def _count(self, folder: str, model: str, *, ok: bool, usage: UsageCounter | None) -> None:
+        tin = usage.input_tokens if usage else 0
+        tout = usage.output_tokens if usage else 0
+        s = self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
+                                           "output_tokens": 0})
+        s["requests"] += 1
+        s["errors"] += 0 if ok else 1
+        s["input_tokens"] += tin
+        s["output_tokens"] += tout
+        if folder in self._sites:
+            self._sites[folder].requests += 1
+        if self.db is None:
+            return
+        task = asyncio.ensure_future(asyncio.to_thread(
+            record_usage, self.db, folder, model, ok=ok, input_tokens=tin, output_tokens=tout))
+        self._pending.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("could not record model usage: %s", task.exception())
+
+    async def flush(self) -> None:
+        """Wait until every counted request is in the database."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)

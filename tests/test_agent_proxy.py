@@ -1,0 +1,200 @@
+"""The credential proxy on a real unix socket in front of real (fake-provider) servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from agent_helpers import ProxyThread
+from fake_models import FakeAnthropic, FakeOpenAI, say
+from mdclaw.config import ModelSpec, load_config
+from mdclaw.paths import Layout
+from mdclaw.proxy import (
+    SOCKET_NAME,
+    ProxyError,
+    Upstream,
+    UsageCounter,
+    container_model_fields,
+    model_for_group,
+)
+from mdclaw.state import Database
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    layout = Layout(tmp_path / "d")
+    for g in ("family", "main"):
+        layout.group_ipc_dir(g).mkdir(parents=True)
+    key = tmp_path / "anthropic.key"
+    key.write_text("sk-ant-REAL\n")
+    key.chmod(0o600)
+    db = Database(layout.db_path)
+    proxy = ProxyThread(layout, db)
+    yield layout, db, proxy, key
+    proxy.close()
+    db.close()
+
+
+async def _request(sock: Path, method: str, path: str, *, body=None, headers=None):
+    conn = aiohttp.UnixConnector(path=str(sock))
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async with s.request(method, f"http://localhost{path}", json=body,
+                             headers=headers or {}) as r:
+            return r.status, dict(r.headers), await r.read()
+
+
+def request(sock: Path, method: str, path: str, **kw):
+    return asyncio.run(_request(sock, method, path, **kw))
+
+
+def test_claude_streaming_auth_and_usage(env) -> None:
+    layout, db, proxy, key = env
+    with FakeAnthropic([say("Hello there")], usage=(30, 12)) as up:
+        sock = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
+        assert sock == layout.group_ipc_dir("family") / SOCKET_NAME
+        status, headers, raw = request(
+            sock, "POST", "/v1/messages?beta=true",
+            body={"model": "claude-x", "stream": True, "max_tokens": 10,
+                  "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-api-key": "placeholder", "Authorization": "Bearer placeholder",
+                     "anthropic-version": "2023-06-01", "Cookie": "a=b"})
+        rec = up.requests[0]
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    text = raw.decode()
+    assert "message_start" in text and "Hello there" in text and "message_stop" in text
+    assert rec.headers["x-api-key"] == "sk-ant-REAL"
+    assert "Authorization" not in rec.headers and "Cookie" not in rec.headers
+    assert rec.headers["anthropic-version"] == "2023-06-01"
+    assert rec.query == "beta=true"
+    proxy.flush()
+    row = dict(db.query("SELECT * FROM model_usage")[0])
+    assert (row["group_folder"], row["model"], row["requests"], row["errors"]) == \
+        ("family", "claude-x", 1, 0)
+    assert (row["input_tokens"], row["output_tokens"]) == (30, 12)
+
+
+def test_only_model_paths_are_forwarded(env) -> None:
+    layout, db, proxy, key = env
+    with FakeAnthropic() as up:
+        sock = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
+        for method, path in [("GET", "/"), ("POST", "/v1/complete"), ("GET", "/v1/messages"),
+                             ("POST", "/v1/messages/../../admin"), ("DELETE", "/v1/messages"),
+                             ("POST", "/v1/chat/completions")]:
+            status, _, raw = request(sock, method, path, body={})
+            assert status == 404, (method, path)
+        assert up.requests == []
+        status, _, raw = request(sock, "POST", "/v1/messages/count_tokens",
+                                 body={"model": "claude-x", "messages": []})
+        assert status == 200 and json.loads(raw) == {"input_tokens": 25}
+
+
+def test_openai_upstream_with_v1_base_and_json_usage(env, tmp_path) -> None:
+    layout, db, proxy, _ = env
+    with FakeOpenAI([say("plain answer")], usage=(5, 3)) as up:
+        # A local server without a key: nothing is injected, the client's is still dropped.
+        sock = proxy.start_group("main", Upstream("openai", "m", up.url + "/v1", None))
+        status, _, raw = request(sock, "POST", "/v1/chat/completions",
+                                 body={"model": "m", "messages": []},
+                                 headers={"Authorization": "Bearer placeholder"})
+        assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == \
+            "plain answer"
+        assert "Authorization" not in up.requests[0].headers
+        assert up.requests[0].path == "/v1/chat/completions"
+        status, _, _ = request(sock, "POST", "/v1/messages", body={})
+        assert status == 404
+    proxy.flush()
+    row = dict(db.query("SELECT * FROM model_usage")[0])
+    assert (row["requests"], row["input_tokens"], row["output_tokens"]) == (1, 5, 3)
+
+
+def test_upstream_down_and_unreadable_key_are_502_and_counted(env, tmp_path) -> None:
+    layout, db, proxy, key = env
+    sock = proxy.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
+    status, _, raw = request(sock, "POST", "/v1/messages", body={"model": "c"})
+    assert status == 502 and b"could not be reached" in raw
+    gone = tmp_path / "gone.key"
+    sock = proxy.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", gone))
+    status, _, raw = request(sock, "POST", "/v1/messages", body={"model": "c"})
+    assert status == 502 and b"cannot read the API key" in raw
+    assert str(gone) not in raw.decode()
+    proxy.flush()
+    row = dict(db.query("SELECT SUM(requests) r, SUM(errors) e FROM model_usage")[0])
+    assert row == {"r": 2, "e": 2}
+
+
+def test_socket_removed_on_stop_and_long_paths_refused(env, tmp_path) -> None:
+    layout, db, proxy, key = env
+    sock = proxy.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
+    assert sock.is_socket()
+    proxy.call(proxy.proxy.stop_group("family"))
+    assert not sock.exists()
+    deep = Layout(tmp_path / ("x" * 120))
+    p2 = ProxyThread(deep)
+    try:
+        with pytest.raises(ProxyError, match="longer than"):
+            p2.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
+    finally:
+        p2.close()
+
+
+def test_usage_counter_both_stream_dialects() -> None:
+    c = UsageCounter()
+    c.feed_sse(b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+               b'{"input_tokens":10,"cache_read_input_tokens":5,"output_tokens":1}}}\n\nda')
+    c.feed_sse(b'ta: {"type":"message_delta","usage":{"output_tokens":42}}\n\n')
+    c.finish()
+    assert (c.input_tokens, c.output_tokens) == (15, 42)
+    o = UsageCounter()
+    o.feed_sse(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\n'
+               b"data: [DONE]\n\n")
+    o.finish()
+    assert (o.input_tokens, o.output_tokens) == (7, 2)
+
+
+def test_model_selection_from_config(tmp_path, write_config) -> None:
+    key = tmp_path / "k"
+    key.write_text("x")
+    key.chmod(0o600)
+    cfg = load_config(write_config(f"""\
+        data_dir: {{data_dir}}
+        models:
+          claude: {{backend: claude, model: claude-sonnet-4-5, api_key_file: {key}}}
+          local: {{backend: openai, model: "qwen2.5:7b", base_url: "http://127.0.0.1:11434/v1"}}
+        assistant: {{name: Andy, timezone: UTC, model: claude}}
+        groups:
+          main: {{name: Main, jid: "tg:1", main: true}}
+          family: {{name: Family, jid: "tg:-1001234", model: local}}
+        """))
+    assert model_for_group(cfg, "family")[0] == "local"
+    assert model_for_group(cfg, "main")[0] == "claude"
+    assert container_model_fields(cfg, "family") == {"backend": "openai", "model": "qwen2.5:7b"}
+    up = Upstream.from_spec(cfg.models["claude"])
+    assert up.base_url == "https://api.anthropic.com" and up.api_key_file == key
+    assert Upstream.from_spec(ModelSpec(backend="openai", model="m")).url_for(
+        "/v1/chat/completions", "") == "https://api.openai.com/v1/chat/completions"
+
+
+def test_usage_cli(tmp_path, write_config, cli, data_dir) -> None:
+    from mdclaw.proxy import record_usage
+
+    cfg_path = write_config()
+    db = Database(data_dir / "state.db")
+    record_usage(db, "family", "m1", ok=True, input_tokens=10, output_tokens=4)
+    record_usage(db, "family", "m1", ok=False, input_tokens=0, output_tokens=0)
+    record_usage(db, "main", "m2", ok=True, input_tokens=1, output_tokens=1,
+                 when="2020-01-01T00:00:00.000Z")
+    db.close()
+    r = cli("usage", "--json", "--config", str(cfg_path))
+    assert r.returncode == 0, r.stderr
+    rows = {x["group_folder"]: x for x in json.loads(r.stdout)}
+    assert rows["family"]["requests"] == 2 and rows["family"]["errors"] == 1
+    assert rows["family"]["input_tokens"] == 10 and rows["main"]["requests"] == 1
+    r = cli("usage", "--days", "7", "--config", str(cfg_path))
+    assert r.returncode == 0
+    assert "family" in r.stdout and "main " not in r.stdout and "total: 2 request(s)" in r.stdout
+    r = cli("usage", "--group", "nobody", "--config", str(cfg_path))
+    assert "no model requests recorded" in r.stdout

@@ -1,0 +1,263 @@
+"""The agent runner as a real subprocess against a scripted OpenAI-compatible server:
+markers, tool calls becoming IPC files, follow-ups, `_close`, single-turn scheduled runs,
+session resume, and the path through the real credential proxy and loopback forwarder."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_helpers import ProxyThread, RunnerProcess, write_input
+from fake_models import FakeOpenAI, call, say
+from mdclaw_agent.protocol import PLACEHOLDER_KEY, ContainerInput, InputError, parse_outputs
+
+
+def base_input(**over) -> dict:
+    d = {"prompt": "hello", "sessionId": None, "groupFolder": "family", "chatJid": "tg:-100",
+         "isMain": False, "isScheduledTask": False, "assistantName": "Andy",
+         "backend": "openai", "model": "fake-model"}
+    d.update(over)
+    return d
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, Path]:
+    d = {"ipc": tmp_path / "ipc", "group": tmp_path / "group", "global": tmp_path / "global"}
+    for p in d.values():
+        p.mkdir()
+    (d["ipc"] / "input").mkdir()
+    return d
+
+
+def runner(dirs: dict[str, Path], inp: dict, server: FakeOpenAI, **env: str) -> RunnerProcess:
+    return RunnerProcess(inp, ipc_dir=dirs["ipc"], group_dir=dirs["group"],
+                         global_dir=dirs["global"],
+                         env={"MDCLAW_MODEL_BASE_URL": server.url, **env})
+
+
+def command_files(d: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def test_container_input_parsing() -> None:
+    inp = ContainerInput.from_json(json.dumps(base_input(secrets={"K": "v"})))
+    assert inp.backend == "openai" and inp.group_folder == "family" and inp.session_id is None
+    assert "secrets" not in repr(inp) and "'v'" not in repr(inp)
+    nested = ContainerInput.from_json(json.dumps(
+        base_input(backend=None, model={"backend": "claude", "model": "claude-x"})))
+    assert (nested.backend, nested.model) == ("claude", "claude-x")
+    for bad, word in [("[]", "object"), ("{", "not JSON"),
+                      (json.dumps({"groupFolder": "x"}), "'prompt' is required"),
+                      (json.dumps(base_input(isMain="yes")), "'isMain'"),
+                      (json.dumps(base_input(backend="gemini")), "backend")]:
+        with pytest.raises(InputError, match=word):
+            ContainerInput.from_json(bad)
+
+
+def test_invalid_input_gives_marked_error_and_status_2(dirs, tmp_path) -> None:
+    with FakeOpenAI() as server:
+        r = runner(dirs, {"groupFolder": "family"}, server)
+        assert r.wait_exit() == 2
+        out = r.wait_results(1)
+    assert out[0]["status"] == "error" and "prompt" in out[0]["error"]
+
+
+def test_multi_turn_with_tools_follow_ups_and_close(dirs) -> None:
+    (dirs["group"] / "CLAUDE.md").write_text("The family likes tomatoes.")
+    (dirs["global"] / "CLAUDE.md").write_text("Everyone speaks German.")
+    script = [call("send_message", text="On it!"),
+              call("schedule_task", prompt="water plants", schedule_type="cron",
+                   schedule_value="0 8 * * *", task_id="water"),
+              say("Done: scheduled."),
+              say("second answer")]
+    with FakeOpenAI(script) as server:
+        r = runner(dirs, base_input(prompt="please schedule watering"), server)
+        first = r.wait_results(1)[0]
+        assert first == {"status": "success", "result": "Done: scheduled.",
+                         "newSessionId": first["newSessionId"]}
+        msgs = command_files(dirs["ipc"] / "messages")
+        assert msgs == [{"type": "message", "chat_jid": "tg:-100", "text": "On it!"}]
+        tasks = command_files(dirs["ipc"] / "tasks")
+        assert tasks[0]["type"] == "schedule_task" and tasks[0]["task_id"] == "water"
+        # The follow-up mid-session becomes the second turn.
+        write_input(dirs["ipc"] / "input", {"sender": "tg:42", "sender_name": "Alice",
+                                            "content": "and the roses?",
+                                            "timestamp": "2026-01-01T00:00:00Z"},
+                    "1700000000000-aaaa.json")
+        second = r.wait_results(2)[1]
+        assert second["result"] == "second answer"
+        assert second["newSessionId"] == first["newSessionId"]
+        assert r.proc.poll() is None  # still open
+        write_input(dirs["ipc"] / "input", None, "_close")
+        assert r.wait_exit(10) == 0
+        reqs = server.requests
+    # The system prompt carries both memory files; the history grows turn by turn.
+    system = reqs[0].body["messages"][0]["content"]
+    assert "tomatoes" in system and "German" in system
+    last = reqs[-1].body["messages"]
+    assert last[-1] == {"role": "user", "content": "and the roses?"}
+    assert any(m.get("role") == "tool" and "queued" in m["content"] for m in last)
+    assert {t["function"]["name"] for t in reqs[0].body["tools"]} >= {"send_message",
+                                                                      "schedule_task"}
+    assert "register_group" not in {t["function"]["name"] for t in reqs[0].body["tools"]}
+    # The sentinel and the follow-up were consumed.
+    assert os.listdir(dirs["ipc"] / "input") == []
+
+
+def test_several_follow_ups_at_once_each_consumed_once(dirs) -> None:
+    with FakeOpenAI() as server:  # echo server
+        r = runner(dirs, base_input(prompt="first"), server)
+        r.wait_results(1)
+        inbox = dirs["ipc"] / "input"
+        for i in range(5):
+            write_input(inbox, {"text": f"msg {i}"}, f"17000000000{i:02d}-x.json")
+        write_input(inbox, None, "_close")  # arrives together with them: none is lost
+        assert r.wait_exit(20) == 0
+        results = r.results
+    assert [x["result"] for x in results] == ["echo: first"] + [f"echo: msg {i}"
+                                                                for i in range(5)]
+    assert os.listdir(inbox) == []
+
+
+def test_bad_follow_up_is_set_aside_not_fatal(dirs) -> None:
+    with FakeOpenAI() as server:
+        r = runner(dirs, base_input(), server)
+        r.wait_results(1)
+        inbox = dirs["ipc"] / "input"
+        write_input(inbox, {"nothing": 1}, "1700000000000-bad.json")
+        write_input(inbox, {"text": "fine"}, "1700000000001-ok.json")
+        r.wait_results(2)
+        write_input(inbox, None, "_close")
+        assert r.wait_exit(10) == 0
+    assert [x["result"] for x in r.results] == ["echo: hello", "echo: fine"]
+    assert os.listdir(inbox / ".rejected") == ["1700000000000-bad.json"]
+
+
+def test_follow_up_before_start_is_picked_up(dirs) -> None:
+    write_input(dirs["ipc"] / "input", {"text": "early"}, "1700000000000-e.json")
+    with FakeOpenAI() as server:
+        r = runner(dirs, base_input(prompt="first"), server)
+        r.wait_results(2)
+        write_input(dirs["ipc"] / "input", None, "_close")
+        assert r.wait_exit(10) == 0
+    assert [x["result"] for x in r.results] == ["echo: first", "echo: early"]
+
+
+def test_scheduled_task_is_single_turn(dirs) -> None:
+    with FakeOpenAI([say("task done")]) as server:
+        r = runner(dirs, base_input(isScheduledTask=True, prompt="do the task"), server)
+        assert r.wait_exit(20) == 0
+        assert len(server.requests) == 1
+        assert "scheduled task" in server.requests[0].body["messages"][0]["content"]
+    assert [x["result"] for x in r.results] == ["task done"]
+
+
+def test_session_resume_and_missing_session(dirs) -> None:
+    with FakeOpenAI() as server:
+        r = runner(dirs, base_input(isScheduledTask=True, prompt="remember 42"), server)
+        assert r.wait_exit(20) == 0
+        sid = r.results[0]["newSessionId"]
+        r2 = runner(dirs, base_input(isScheduledTask=True, prompt="what number?",
+                                     sessionId=sid), server)
+        assert r2.wait_exit(20) == 0
+        assert r2.results[0]["newSessionId"] == sid
+        history = server.requests[-1].body["messages"]
+        assert {"role": "user", "content": "remember 42"} in history
+        r3 = runner(dirs, base_input(isScheduledTask=True, prompt="fresh",
+                                     sessionId="oai-0000000000000000"), server)
+        assert r3.wait_exit(20) == 0
+        assert r3.results[0]["newSessionId"] != "oai-0000000000000000"
+        assert [m["role"] for m in server.requests[-1].body["messages"]] == ["system", "user"]
+
+
+def test_tool_loop_is_bounded(dirs) -> None:
+    with FakeOpenAI(fallback=lambda body: call("list_tasks")) as server:
+        r = runner(dirs, base_input(isScheduledTask=True), server, MDCLAW_MAX_TOOL_ROUNDS="3")
+        assert r.wait_exit(20) == 0
+        # 3 rounds with tools, then one last request without them.
+        assert len(server.requests) == 4
+        assert "tools" not in server.requests[-1].body
+
+
+def test_model_error_is_reported(dirs) -> None:
+    with FakeOpenAI() as server:
+        r = runner(dirs, base_input(isScheduledTask=True), server,
+                   MDCLAW_MODEL_BASE_URL=server.url + "/nowhere")
+        assert r.wait_exit(20) == 1
+    assert r.results[0]["status"] == "error" and "HTTP 418" in r.results[0]["error"]
+
+
+def test_missing_proxy_socket_is_reported(dirs) -> None:
+    r = RunnerProcess(base_input(), ipc_dir=dirs["ipc"], group_dir=dirs["group"])
+    assert r.wait_exit(20) == 1
+    assert "proxy socket" in r.results[0]["error"]
+
+
+def test_through_real_proxy_and_forwarder(tmp_path: Path) -> None:
+    """Runner → loopback forwarder → unix socket → credential proxy → fake provider."""
+    from mdclaw.paths import Layout
+    from mdclaw.proxy import Upstream
+    from mdclaw.state import Database
+
+    data = tmp_path / "d"
+    layout = Layout(data)
+    ipc = layout.group_ipc_dir("family")
+    (ipc / "input").mkdir(parents=True)
+    group = layout.group_dir("family")
+    group.mkdir(parents=True)
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-real-secret-123\n")
+    key_file.chmod(0o600)
+    db = Database(layout.db_path)
+    proxy = ProxyThread(layout, db)
+    try:
+        with FakeOpenAI([call("send_message", text="hi from the agent"), say("all done")],
+                        usage=(100, 20)) as server:
+            sock = proxy.start_group("family", Upstream(
+                backend="openai", model="fake-model", base_url=server.url + "/v1",
+                api_key_file=key_file))
+            assert sock == ipc / ".proxy.sock"
+            r = RunnerProcess(base_input(isScheduledTask=True), ipc_dir=ipc, group_dir=group)
+            assert r.wait_exit(30) == 0, r.stderr_lines
+            assert r.results[0]["result"] == "all done"
+            reqs = server.requests
+        for req in reqs:
+            assert req.headers["Authorization"] == "Bearer sk-real-secret-123"
+            assert PLACEHOLDER_KEY not in json.dumps(req.headers)
+        proxy.flush()
+        rows = [dict(x) for x in db.query("SELECT * FROM model_usage")]
+    finally:
+        proxy.close()
+        db.close()
+    assert len(rows) == 1
+    assert rows[0]["group_folder"] == "family" and rows[0]["requests"] == 2
+    assert (rows[0]["input_tokens"], rows[0]["output_tokens"]) == (200, 40)
+    # The runner's own output and logs never saw the key.
+    assert "sk-real-secret" not in "\n".join(r.stdout_lines + r.stderr_lines)
+    assert command_files(ipc / "messages")[0]["text"] == "hi from the agent"
+
+
+def test_parse_outputs_reads_every_pair() -> None:
+    text = ("noise\n---NANOCLAW_OUTPUT_START---\n{\"status\":\"success\",\"result\":\"a\"}\n"
+            "---NANOCLAW_OUTPUT_END---\nmore\n---NANOCLAW_OUTPUT_START---\n"
+            "{\"status\":\"error\",\"result\":null,\"error\":\"x\"}\n---NANOCLAW_OUTPUT_END---\n")
+    assert [o["status"] for o in parse_outputs(text)] == ["success", "error"]
+
+
+def test_watcher_latency_with_inotify(tmp_path: Path) -> None:
+    from mdclaw_agent.ipc import InputWatcher
+
+    w = InputWatcher(tmp_path / "input", poll_seconds=5.0)  # a poll would take 5 s
+    assert w.uses_inotify
+    try:
+        t0 = time.monotonic()
+        write_input(tmp_path / "input", {"text": "ping"}, "1-a.json")
+        item = w.next(timeout=3)
+        assert item is not None and item.text == "ping"
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        w.close()

@@ -1,0 +1,233 @@
+"""The agent's tools: canonical IPC files (checked with the host's own parser), snapshots,
+action requests answered by a real writer thread, main-only tools."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import agent_helpers  # noqa: F401 - puts the runner package on sys.path
+from mdclaw_agent.ipc import write_json_atomic
+from mdclaw_agent.tools import TOOLS, ToolContext, run_tool, tools_for
+
+NAME_RE = re.compile(r"^\d{13}-[0-9a-f]{8}\.json$")
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> ToolContext:
+    (tmp_path / "group").mkdir()
+    return ToolContext(ipc_dir=tmp_path / "ipc", group_folder="family", chat_jid="tg:-100",
+                       is_main=False, group_dir=tmp_path / "group", action_timeout=2.0)
+
+
+def files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir()) if d.is_dir() else []
+
+
+def only_file(d: Path) -> dict:
+    found = files(d)
+    assert len(found) == 1, found
+    assert NAME_RE.match(found[0].name), found[0].name
+    return json.loads(found[0].read_text())
+
+
+def host_parse(body: dict):
+    """The host's own parser: what the IPC engine will do with the file."""
+    protocol = pytest.importorskip("mdclaw.ipc.protocol")
+    cmd, claimed = protocol.parse_command(body)
+    assert claimed is None
+    return cmd
+
+
+def test_non_main_does_not_see_group_tools() -> None:
+    main = {t.name for t in tools_for(True)}
+    other = {t.name for t in tools_for(False)}
+    admin = {"register_group", "unregister_group", "refresh_groups", "list_groups"}
+    assert admin <= main
+    assert not admin & other
+    assert {"send_message", "send_file", "react", "schedule_task", "update_task", "pause_task",
+            "resume_task", "cancel_task", "delete_task", "list_tasks", "memory_search",
+            "memory_get"} <= other
+
+
+def test_send_message_writes_canonical_file(ctx: ToolContext) -> None:
+    reply, err = run_tool(tools_for(False), ctx, "send_message", {"text": "Hello there"})
+    assert not err and "queued" in reply
+    body = only_file(ctx.ipc_dir / "messages")
+    assert body == {"type": "message", "chat_jid": "tg:-100", "text": "Hello there"}
+    cmd = host_parse(body)
+    assert cmd.text == "Hello there"
+    # No temp file is left behind.
+    assert not [p for p in files(ctx.ipc_dir / "messages") if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("name,args,subdir,expect", [
+    ("schedule_task", {"prompt": "water plants", "schedule_type": "cron",
+                       "schedule_value": "0 8 * * *", "task_id": "t-1"}, "tasks",
+     {"type": "schedule_task", "task_id": "t-1", "prompt": "water plants",
+      "schedule_type": "cron", "schedule_value": "0 8 * * *", "context_mode": "group"}),
+    ("update_task", {"task_id": "t-1", "prompt": "new"}, "tasks",
+     {"type": "update_task", "task_id": "t-1", "prompt": "new"}),
+    ("pause_task", {"task_id": "t-1"}, "tasks", {"type": "pause_task", "task_id": "t-1"}),
+    ("resume_task", {"task_id": "t-1"}, "tasks", {"type": "resume_task", "task_id": "t-1"}),
+    ("cancel_task", {"task_id": "t-1"}, "tasks", {"type": "cancel_task", "task_id": "t-1"}),
+    ("delete_task", {"task_id": "t-1"}, "tasks", {"type": "delete_task", "task_id": "t-1"}),
+    ("react", {"message_id": "42", "emoji": "👍"}, "messages",
+     {"type": "react", "chat_jid": "tg:-100", "message_id": "42", "emoji": "👍"}),
+])
+def test_each_command_kind(ctx: ToolContext, name: str, args: dict, subdir: str,
+                           expect: dict) -> None:
+    reply, err = run_tool(tools_for(False), ctx, name, args)
+    assert not err, reply
+    body = only_file(ctx.ipc_dir / subdir)
+    assert body == expect
+    host_parse(body)
+
+
+def test_main_group_commands(ctx: ToolContext) -> None:
+    main_ctx = ToolContext(**{**ctx.__dict__, "is_main": True})
+    tools = tools_for(True)
+    for name, args in [("register_group", {"jid": "tg:7", "name": "Seven", "folder": "seven"}),
+                       ("unregister_group", {"folder": "seven"}),
+                       ("refresh_groups", {})]:
+        reply, err = run_tool(tools, main_ctx, name, args)
+        assert not err, reply
+    bodies = [json.loads(p.read_text()) for p in files(ctx.ipc_dir / "tasks")]
+    assert [b["type"] for b in bodies] == ["register_group", "unregister_group",
+                                           "refresh_groups"]
+    for b in bodies:
+        host_parse(b)
+    reply, err = run_tool(tools, main_ctx, "unregister_group", {})
+    assert err and "exactly one" in reply
+
+
+def test_non_main_cannot_call_group_tools_even_by_name(ctx: ToolContext) -> None:
+    reply, err = run_tool(tools_for(False), ctx, "register_group",
+                          {"jid": "x", "name": "x", "folder": "x"})
+    assert err and "no tool" in reply
+    assert not (ctx.ipc_dir / "tasks").exists()
+
+
+def test_send_file_checks_and_names_container_path(ctx: ToolContext) -> None:
+    (ctx.group_dir / "out").mkdir()
+    (ctx.group_dir / "out" / "chart.png").write_bytes(b"\x89PNG")
+    reply, err = run_tool(tools_for(False), ctx, "send_file",
+                          {"file_path": "out/chart.png", "caption": "The chart"})
+    assert not err, reply
+    body = only_file(ctx.ipc_dir / "messages")
+    assert body["file_path"] == "/workspace/group/out/chart.png"
+    host_parse(body)
+    reply, err = run_tool(tools_for(False), ctx, "send_file", {"file_path": "missing.txt"})
+    assert err and "does not exist" in reply
+
+
+def test_bad_arguments_are_explained(ctx: ToolContext) -> None:
+    tools = tools_for(False)
+    reply, err = run_tool(tools, ctx, "schedule_task", {"prompt": "x", "schedule_type": "weekly",
+                                                        "schedule_value": "1"})
+    assert err and "cron, interval, once" in reply
+    reply, err = run_tool(tools, ctx, "send_message", {"txt": "typo"})
+    assert err and "'text' is required" in reply
+    reply, err = run_tool(tools, ctx, "send_message", {"text": "x", "bogus": 1})
+    assert err and "unknown argument" in reply
+    reply, err = run_tool(tools, ctx, "update_task", {"task_id": "t"})
+    assert err and "at least one" in reply
+    assert not (ctx.ipc_dir / "messages").exists()
+
+
+def test_list_tasks_reads_snapshot(ctx: ToolContext) -> None:
+    reply, _ = run_tool(tools_for(False), ctx, "list_tasks", {})
+    assert reply == "No scheduled tasks."
+    write_json_atomic(ctx.ipc_dir, [
+        {"id": "t-1", "groupFolder": "family", "prompt": "water the plants",
+         "schedule_type": "cron", "schedule_value": "0 8 * * *", "status": "active",
+         "next_run": "2026-01-01T08:00:00Z"}], "current_tasks.json")
+    reply, err = run_tool(tools_for(False), ctx, "list_tasks", {})
+    assert not err
+    assert "t-1" in reply and "water the plants" in reply and "0 8 * * *" in reply
+
+
+def test_list_groups_reads_snapshot(ctx: ToolContext) -> None:
+    main_ctx = ToolContext(**{**ctx.__dict__, "is_main": True})
+    write_json_atomic(ctx.ipc_dir, {"groups": [
+        {"jid": "tg:1", "name": "Family", "folder": "family", "isRegistered": True},
+        {"jid": "tg:2", "name": "Club", "folder": None, "isRegistered": False}],
+        "lastSync": "x"}, "available_groups.json")
+    reply, _ = run_tool(tools_for(True), main_ctx, "list_groups", {})
+    assert "Family" in reply and "(registered)" in reply and "(not registered)" in reply
+
+
+def _answer_actions(ipc: Path, answer, stop: threading.Event) -> threading.Thread:
+    """A host stand-in: reads action requests, writes results atomically."""
+    def loop() -> None:
+        while not stop.is_set():
+            d = ipc / "actions"
+            for p in files(d):
+                if p.name.startswith("."):
+                    continue
+                body = json.loads(p.read_text())
+                p.unlink()
+                result = answer(body)
+                write_json_atomic(ipc / "action_results",
+                                  {"requestId": body["request_id"], **result,
+                                   "executedAt": "2026-01-01T00:00:00Z"},
+                                  f"{body['request_id']}.json")
+            time.sleep(0.005)
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def test_memory_search_and_get_round_trip(ctx: ToolContext) -> None:
+    seen = []
+
+    def answer(body: dict) -> dict:
+        seen.append(body)
+        host_parse(body)
+        if body["action"] == "memory_search":
+            return {"status": "success", "result": {"hits": [
+                {"path": "MEMORY.md", "line": 3, "snippet": "tomatoes like sun", "score": 1}]}}
+        return {"status": "success", "result": {"path": "MEMORY.md", "content": "# Memory"}}
+
+    stop = threading.Event()
+    _answer_actions(ctx.ipc_dir, answer, stop)
+    try:
+        reply, err = run_tool(tools_for(False), ctx, "memory_search", {"query": "tomatoes"})
+        assert not err, reply
+        assert "MEMORY.md line 3: tomatoes like sun" in reply
+        reply, err = run_tool(tools_for(False), ctx, "memory_get", {"path": "MEMORY.md"})
+        assert not err and reply == "# Memory"
+    finally:
+        stop.set()
+    assert seen[0]["type"] == "action" and seen[0]["params"] == {"query": "tomatoes", "topK": 5}
+    # Results are consumed.
+    assert files(ctx.ipc_dir / "action_results") == []
+
+
+def test_memory_error_result_and_timeout(ctx: ToolContext) -> None:
+    stop = threading.Event()
+    _answer_actions(ctx.ipc_dir, lambda b: {"status": "error", "error": "path not allowed"},
+                    stop)
+    try:
+        reply, err = run_tool(tools_for(False), ctx, "memory_get", {"path": "../etc/passwd"})
+        assert err and "path not allowed" in reply
+    finally:
+        stop.set()
+    time.sleep(0.05)
+    quick = ToolContext(**{**ctx.__dict__, "action_timeout": 0.3})
+    t0 = time.monotonic()
+    reply, err = run_tool(tools_for(False), quick, "memory_search", {"query": "x"})
+    assert err and "no answer from the host" in reply
+    assert 0.25 < time.monotonic() - t0 < 2
+
+
+def test_every_tool_schema_is_an_object_schema() -> None:
+    for t in TOOLS:
+        assert t.parameters["type"] == "object"
+        assert set(t.parameters["required"]) <= set(t.parameters["properties"])
+        assert t.description
