@@ -26,6 +26,7 @@ class Daemon:
         self.notifier = sdnotify.SystemdNotifier()
         self.stop_event = asyncio.Event()
         self.db: Database | None = None
+        self.ipc_failed = False
 
     def notify(self, state: str) -> None:
         self.notifier.notify(state)
@@ -43,13 +44,39 @@ class Daemon:
             return 1
         log.info("reconciled: %d change(s); %d group(s) configured", len(plan.actions),
                  len(self.cfg.groups))
+        ipc_task = self.start_ipc()
         self.notify("READY=1")
         self.notify(f"STATUS=serving {len(self.cfg.groups)} group(s)")
         await self.stop_event.wait()
         self.notify("STOPPING=1")
         log.info("stopping")
+        await self.stop_ipc(ipc_task)
         self.db.close()
-        return 0
+        return 1 if self.ipc_failed else 0
+
+    # ---------------------------------------------------------------- IPC engine
+    def start_ipc(self) -> asyncio.Task[None]:
+        """Run the IPC loop (mdclaw.ipc.watcher) until stop_event; if it dies, stop too."""
+        from mdclaw.ipc.watcher import run_ipc
+
+        assert self.db is not None
+        task = asyncio.create_task(run_ipc(self.cfg, self.db, self.stop_event), name="ipc")
+
+        def _done(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("IPC loop failed: %r", t.exception())
+                self.ipc_failed = True
+                self.stop_event.set()
+
+        task.add_done_callback(_done)
+        return task
+
+    async def stop_ipc(self, task: asyncio.Task[None]) -> None:
+        """Wait for the IPC loop to finish its current batch and close."""
+        try:
+            await asyncio.wait_for(task, timeout=30)
+        except Exception:  # already logged by the done callback, or a timeout
+            task.cancel()
 
 
 def run_daemon(cfg: Config, config_path: str | None = None) -> int:

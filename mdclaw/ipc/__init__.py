@@ -1,0 +1,1 @@
+"""The IPC engine: agent command files in, state changes and host files out."""

@@ -1,0 +1,524 @@
+"""Applying command files: read, parse, authorize, change state, record, remove.
+
+A batch of files (fair shares from every group with work) is applied in one SQLite
+transaction. Each file gets its own SAVEPOINT, so a command that fails rolls back alone, and
+its own ledger row keyed by (group, sub/name, sha256@inode.ctime). Only after COMMIT are
+applied files removed and rejected ones quarantined. After a crash anywhere, a file whose
+ledger row exists is only finished (removed or quarantined), never applied again; a file
+without one was not applied and is processed normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from mdclaw import schedule
+from mdclaw.config import Config
+from mdclaw.ipc import protocol as P
+from mdclaw.ipc.actions import ActionContext, ActionFailed, run_action
+from mdclaw.ipc.auth import (
+    Caller,
+    Unauthorized,
+    check_chat_target,
+    check_group_admin,
+    check_identity,
+    check_task_access,
+)
+from mdclaw.ipc.files import (
+    COMMAND_DIRS,
+    SEND_FILE_MAX_BYTES,
+    GroupDirs,
+    Rejected,
+    UnsafePath,
+    Vanished,
+    decode_json,
+    lstat_generation,
+    open_beneath,
+    open_dir_path,
+    read_command_file,
+    split_container_path,
+)
+from mdclaw.ipc.quarantine import Quarantine
+from mdclaw.ipc.writers import write_action_result, write_snapshots
+from mdclaw.paths import GROUP_DIR_MODE, IPC_DIR_MODE, IPC_SUBDIRS, PRIVATE_DIR_MODE, Layout
+from mdclaw.schedule import to_iso, utc_now
+from mdclaw.state import Database
+from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
+from mdclaw.state.outbox import enqueue
+from mdclaw.state.tasks import TaskError, delete_task, get_task, insert_task, update_task_fields
+
+log = logging.getLogger("mdclaw.ipc")
+
+LEDGER_KEEP = timedelta(days=7)
+SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
+
+
+class ApplyError(Exception):
+    """A well-formed, authorized command that cannot be carried out (unknown task...)."""
+
+
+@dataclass
+class Item:
+    folder: str
+    sub: str
+    name: str
+    dir_fd: int
+    key: str = ""
+    gen: str = ""
+    cmd: Any = None
+    claimed: str | None = None
+    reason: str | None = None
+    outcome: str = ""  # applied | rejected | gone | done (already in the ledger)
+    ledger_outcome: str = ""
+
+    @property
+    def ledger_name(self) -> str:
+        return f"{self.sub}/{self.name}"
+
+    @property
+    def ctype(self) -> str | None:
+        return getattr(self.cmd, "type", None)
+
+
+@dataclass
+class Effects:
+    task_folders: set[str] = field(default_factory=set)
+    groups_changed: bool = False
+
+
+@dataclass
+class BatchResult:
+    applied: int = 0
+    rejected: int = 0
+    finished: int = 0  # already in the ledger: only removed / quarantined now
+    vanished: int = 0
+    deferred: int = 0  # unparsable but just written: looked at again after SETTLE_NS
+
+    def add(self, other: BatchResult) -> None:
+        self.applied += other.applied
+        self.rejected += other.rejected
+        self.finished += other.finished
+        self.vanished += other.vanished
+        self.deferred += other.deferred
+
+
+class IpcEngine:
+    """The synchronous core shared by the watcher loop and `mdclaw ipc drain`."""
+
+    def __init__(self, cfg: Config, db: Database, *, batch_per_group: int = 64,
+                 batch_max: int = 1024, settle_ns: int = 0) -> None:
+        self.cfg = cfg
+        self.settle_ns = settle_ns
+        self.db = db
+        self.layout = Layout(cfg.data_dir)
+        self.batch_per_group = batch_per_group
+        self.batch_max = batch_max
+        self.layout.ipc_dir.mkdir(parents=True, exist_ok=True)
+        self.ipc_root_fd = open_dir_path(self.layout.ipc_dir)
+        self.quarantine = Quarantine(self.layout.errors_dir, cfg.limits.errors_max_files,
+                                     cfg.limits.errors_max_bytes)
+        self.dirs: dict[str, GroupDirs] = {}
+        self.rows: dict[str, GroupRow] = {}
+        self.refresh_groups()
+
+    def close(self) -> None:
+        for gd in self.dirs.values():
+            gd.close()
+        self.dirs.clear()
+        self.quarantine.close()
+        os.close(self.ipc_root_fd)
+
+    # ------------------------------------------------------------------ groups
+    def refresh_groups(self) -> bool:
+        """Re-read registered groups; open folders of new ones, close removed ones.
+
+        Returns True if the set of folders changed."""
+        self.rows = {g.folder: g for g in list_groups(self.db)}
+        changed = False
+        for folder in list(self.dirs):
+            if folder not in self.rows:
+                self.dirs.pop(folder).close()
+                changed = True
+        for folder in self.rows:
+            if folder not in self.dirs:
+                self.dirs[folder] = GroupDirs(self.ipc_root_fd, folder)
+                changed = True
+        return changed
+
+    def main_folder(self) -> str | None:
+        return next((f for f, g in self.rows.items() if g.is_main), None)
+
+    # ------------------------------------------------------------------ listing
+    def collect(self, targets: dict[str, tuple[str, ...]] | None = None, *,
+                cheap: bool = False) -> dict[str, list[tuple[str, str]]]:
+        """Pending files per group, in order: {folder: [(name, sub), ...]}.
+
+        `targets` limits the listing to some folders of some groups (inotify said so)."""
+        out: dict[str, list[tuple[str, str]]] = {}
+        for folder, gd in self.dirs.items():
+            subs = COMMAND_DIRS if targets is None else targets.get(folder)
+            if not subs:
+                continue
+            found = gd.pending(subs, cheap=cheap)
+            if found:
+                out[folder] = found
+        return out
+
+    def take_fair(self, pending: dict[str, list[tuple[str, str]]]
+                  ) -> dict[str, list[tuple[str, str]]]:
+        """A fair batch: the first few files of every group with work, bounded in total."""
+        if not pending:
+            return {}
+        share = max(1, min(self.batch_per_group, self.batch_max // len(pending)))
+        return {f: files[:share] for f, files in pending.items()}
+
+    # ------------------------------------------------------------------ processing
+    def _prepare(self, folder: str, name: str, sub: str) -> Item | None:
+        gd = self.dirs[folder]
+        fd = gd.dir_fd(sub)
+        if fd is None:
+            return None
+        item = Item(folder, sub, name, fd)
+        try:
+            data = read_command_file(fd, name)
+        except Vanished:
+            item.outcome = "gone"
+            return item
+        except Rejected as e:
+            item.reason, item.gen = e.reason, e.generation
+            item.key = f"unread@{e.generation}"
+            return item
+        item.gen, item.key = data.generation, data.ledger_key
+        try:
+            body = decode_json(data.data)
+        except Rejected as e:
+            if time.time_ns() - data.mtime_ns < self.settle_ns:
+                # Written in place (not renamed) and maybe still being written: look again
+                # once it has settled instead of quarantining half a file.
+                item.outcome = "deferred"
+                return item
+            item.reason = e.reason
+            return item
+        try:
+            item.cmd, item.claimed = P.parse_command(body)
+        except P.ProtocolError as e:
+            item.reason = str(e)
+        return item
+
+    def process(self, batch: dict[str, list[tuple[str, str]]]) -> BatchResult:
+        """Apply one batch (see module doc). Returns the counts."""
+        res = BatchResult()
+        items = [it for folder, files in batch.items() for name, sub in files
+                 if (it := self._prepare(folder, name, sub)) is not None]
+        fx = Effects()
+        if not items:
+            return res
+        now = to_iso(utc_now())
+        with self.db.transaction() as conn:
+            jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
+            for it in items:
+                if it.outcome in ("gone", "deferred"):
+                    continue
+                hit = conn.execute(
+                    "SELECT outcome, detail FROM ipc_ledger WHERE group_folder = ? AND "
+                    "file_name = ? AND content_hash = ?",
+                    (it.folder, it.ledger_name, it.key)).fetchone()
+                if hit is not None:
+                    it.outcome, it.ledger_outcome = "done", hit["outcome"]
+                    it.reason = hit["detail"]
+                    continue
+                if it.reason is None:
+                    conn.execute("SAVEPOINT cmd")
+                    try:
+                        self._apply(conn, it, fx, jid_to_folder)
+                        conn.execute("RELEASE cmd")
+                    except (Unauthorized, ApplyError, TaskError, schedule.ScheduleError,
+                            UnsafePath) as e:
+                        conn.execute("ROLLBACK TO cmd")
+                        conn.execute("RELEASE cmd")
+                        it.reason = _reason(e)
+                    except Exception as e:  # a bug must not stop the loop or lose the file
+                        conn.execute("ROLLBACK TO cmd")
+                        conn.execute("RELEASE cmd")
+                        log.exception("ipc: internal error applying %s/%s/%s", it.folder,
+                                      it.sub, it.name)
+                        it.reason = f"internal error: {type(e).__name__}: {e}"
+                it.outcome = "rejected" if it.reason is not None else "applied"
+                conn.execute(
+                    "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
+                    " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (it.folder, it.ledger_name, it.key, it.ctype, it.outcome, it.reason, now))
+        # Committed: now finish every file. A crash from here on is finished on restart.
+        for it in items:
+            if it.outcome == "deferred":
+                res.deferred += 1
+                continue
+            if it.outcome == "gone":
+                res.vanished += 1
+                continue
+            final = it.ledger_outcome if it.outcome == "done" else it.outcome
+            if final == "applied":
+                self._remove_if_same(it)
+            else:
+                self.quarantine.put(it.folder, it.dir_fd, it.sub, it.name,
+                                    it.reason or "rejected", now)
+            if it.outcome == "done":
+                res.finished += 1
+            elif final == "applied":
+                res.applied += 1
+                log.debug("ipc: applied %s from %s/%s/%s", it.ctype, it.folder, it.sub,
+                          it.name)
+            else:
+                res.rejected += 1
+        self._after(fx)
+        return res
+
+    def _remove_if_same(self, it: Item) -> None:
+        # Only remove the file that was applied: if the container put a new file under the
+        # same name meanwhile, it is a new command and stays.
+        if lstat_generation(it.dir_fd, it.name) == it.gen:
+            try:
+                os.unlink(it.name, dir_fd=it.dir_fd)
+            except FileNotFoundError:
+                pass
+
+    def _after(self, fx: Effects) -> None:
+        if fx.groups_changed:
+            self.refresh_groups()
+        main = self.main_folder()
+        if fx.task_folders:
+            folders = set(fx.task_folders) | ({main} if main else set())
+            write_snapshots(self.db, self.layout, folders, tasks=True, groups=False)
+        if fx.groups_changed:
+            # Group changes show in every group's task view too (a removed group's tasks).
+            write_snapshots(self.db, self.layout, {main} if main else set(), tasks=True,
+                            groups=True)
+
+    def drain(self, max_rounds: int | None = None) -> BatchResult:
+        """Process every pending file (in fair rounds) until none is left."""
+        total = BatchResult()
+        rounds = 0
+        while max_rounds is None or rounds < max_rounds:
+            batch = self.take_fair(self.collect())
+            if not batch:
+                break
+            total.add(self.process(batch))
+            rounds += 1
+        return total
+
+    def pending_count(self) -> int:
+        return sum(len(v) for v in self.collect().values())
+
+    def start(self) -> None:
+        """Start-up chores: forget old ledger rows, write every snapshot."""
+        cutoff = to_iso(utc_now() - LEDGER_KEEP)
+        with self.db.transaction() as conn:
+            conn.execute("DELETE FROM ipc_ledger WHERE processed_at < ?", (cutoff,))
+        write_snapshots(self.db, self.layout)
+
+    # ------------------------------------------------------------------ commands
+    def _caller(self, folder: str) -> Caller:
+        g = self.rows[folder]
+        return Caller(folder, g.is_main, g.jid)
+
+    def _apply(self, conn: sqlite3.Connection, it: Item, fx: Effects,
+               jid_to_folder: dict[str, str]) -> None:
+        caller = self._caller(it.folder)
+        check_identity(caller, it.claimed)
+        cmd = it.cmd
+        if isinstance(cmd, P.SendMessage):
+            chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "message")
+            enqueue(conn, chat_jid=chat, kind="text", text=cmd.text, sender=cmd.sender,
+                    reply_to=cmd.reply_to, source_group=caller.folder)
+        elif isinstance(cmd, P.React):
+            chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "react")
+            enqueue(conn, chat_jid=chat, kind="reaction", message_id=cmd.message_id,
+                    emoji=cmd.emoji, source_group=caller.folder)
+        elif isinstance(cmd, P.SendFile):
+            chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "send_file")
+            path, name = self._spool_file(caller, cmd.file_path)
+            enqueue(conn, chat_jid=chat, kind="file", file_path=str(path),
+                    file_name=cmd.file_name or name, text=cmd.caption,
+                    source_group=caller.folder)
+        elif isinstance(cmd, P.ScheduleTask):
+            chat, target = check_chat_target(caller, cmd.chat_jid, jid_to_folder,
+                                             "schedule_task")
+            tz = cmd.timezone or self.cfg.assistant.timezone
+            insert_task(conn, group_folder=target, chat_jid=chat, prompt=cmd.prompt,
+                        schedule_type=cmd.schedule_type, schedule_value=cmd.schedule_value,
+                        timezone=tz, context_mode=cmd.context_mode, task_id=cmd.task_id,
+                        source="ipc", task_timezone=cmd.timezone)
+            fx.task_folders.add(target)
+        elif isinstance(cmd, (P.UpdateTask, P.PauseTask, P.ResumeTask, P.CancelTask,
+                              P.DeleteTask)):
+            self._task_op(conn, caller, cmd, fx)
+        elif isinstance(cmd, (P.RegisterGroup, P.UnregisterGroup, P.RefreshGroups)):
+            check_group_admin(caller, cmd.type)
+            self._group_op(conn, cmd, jid_to_folder)
+            fx.groups_changed = True
+        elif isinstance(cmd, P.ActionRequest):
+            self._action(conn, caller, cmd, it)
+        else:  # pragma: no cover - the union is exhaustive
+            raise ApplyError(f"no handler for {cmd.type}")
+
+    def _task_op(self, conn: sqlite3.Connection, caller: Caller, cmd: Any, fx: Effects) -> None:
+        task = get_task(conn, cmd.task_id)
+        check_task_access(caller, cmd.task_id, task.group_folder if task else None, cmd.type)
+        assert task is not None
+        fx.task_folders.add(task.group_folder)
+        if isinstance(cmd, P.DeleteTask):
+            delete_task(conn, task.id)
+            return
+        if task.status == "completed":
+            raise ApplyError(f"{cmd.type}: task {task.id!r} is completed; schedule a new one")
+        if isinstance(cmd, P.CancelTask):
+            update_task_fields(conn, task.id, status="completed", next_run=None)
+        elif isinstance(cmd, P.PauseTask):
+            update_task_fields(conn, task.id, status="paused")
+        elif isinstance(cmd, P.ResumeTask):
+            fields: dict[str, Any] = {"status": "active"}
+            now = utc_now()
+            if task.schedule_type != "once" and (
+                    task.next_run is None or schedule.from_iso(task.next_run) < now):
+                tz = task.timezone or self.cfg.assistant.timezone
+                fields["next_run"] = to_iso(schedule.first_run(
+                    task.schedule_type, task.schedule_value, tz, now))
+            update_task_fields(conn, task.id, **fields)
+        elif isinstance(cmd, P.UpdateTask):
+            changes = cmd.changes()
+            if {"schedule_type", "schedule_value", "timezone"} & set(changes):
+                stype = changes.get("schedule_type", task.schedule_type)
+                if "schedule_type" in changes and "schedule_value" not in changes:
+                    raise ApplyError("update_task: a new schedule_type needs a schedule_value")
+                value = changes.get("schedule_value", task.schedule_value)
+                tz = changes.get("timezone", task.timezone) or self.cfg.assistant.timezone
+                changes["schedule_value"] = schedule.validate(stype, value, tz)
+                changes["next_run"] = to_iso(schedule.first_run(stype,
+                                                                changes["schedule_value"], tz))
+            update_task_fields(conn, task.id, **changes)
+
+    def _group_op(self, conn: sqlite3.Connection, cmd: Any,
+                  jid_to_folder: dict[str, str]) -> None:
+        if isinstance(cmd, P.RefreshGroups):
+            return
+        if isinstance(cmd, P.RegisterGroup):
+            if cmd.folder in self.rows or conn.execute(
+                    "SELECT 1 FROM registered_groups WHERE folder = ?", (cmd.folder,)).fetchone():
+                raise ApplyError(f"register_group: folder {cmd.folder!r} is already registered")
+            if cmd.jid in jid_to_folder or conn.execute(
+                    "SELECT 1 FROM registered_groups WHERE jid = ?", (cmd.jid,)).fetchone():
+                raise ApplyError(f"register_group: chat {cmd.jid!r} is already registered")
+            upsert_group(self.db, GroupRow(
+                folder=cmd.folder, name=cmd.name, jid=cmd.jid,
+                trigger=cmd.trigger or f"@{self.cfg.assistant.name}",
+                requires_trigger=cmd.requires_trigger, is_main=False, source="ipc"))
+            self._make_group_dirs(cmd.folder)
+            jid_to_folder[cmd.jid] = cmd.folder
+            self.rows[cmd.folder] = GroupRow(cmd.folder, cmd.name, cmd.jid, "", True, False,
+                                             "ipc")
+            return
+        assert isinstance(cmd, P.UnregisterGroup)
+        if cmd.folder is not None:
+            r = conn.execute("SELECT * FROM registered_groups WHERE folder = ?",
+                             (cmd.folder,)).fetchone()
+        else:
+            r = conn.execute("SELECT * FROM registered_groups WHERE jid = ?",
+                             (cmd.jid,)).fetchone()
+        if r is None:
+            raise ApplyError(f"unregister_group: no registered group {cmd.folder or cmd.jid!r}")
+        if r["is_main"]:
+            raise ApplyError("unregister_group: the main group cannot be unregistered")
+        if r["source"] == "config":
+            raise ApplyError(f"unregister_group: group {r['folder']!r} comes from config.yaml; "
+                             "remove it there")
+        delete_group(self.db, r["folder"])
+        jid_to_folder.pop(r["jid"], None)
+        self.rows.pop(r["folder"], None)
+
+    def _make_group_dirs(self, folder: str) -> None:
+        for path, mode in ([(self.layout.group_dir(folder), GROUP_DIR_MODE),
+                            (self.layout.group_ipc_dir(folder), IPC_DIR_MODE)]
+                           + [(self.layout.group_ipc_dir(folder) / s, IPC_DIR_MODE)
+                              for s in IPC_SUBDIRS]):
+            try:
+                path.mkdir(mode=0o700)
+                os.chmod(path, mode)
+            except FileExistsError:
+                pass
+
+    def _spool_file(self, caller: Caller, container_path: str) -> tuple[Path, str]:
+        """Copy the file the agent named into the host's spool; returns (copy, base name).
+
+        Raises UnsafePath if the path leaves the group's folder or mounts, or the file is not
+        a regular file within the limit."""
+        mounts = {m.get("container"): m.get("host")
+                  for m in self.rows[caller.folder].container_config.get("mounts", [])
+                  if isinstance(m, dict)}
+        base, parts = split_container_path(container_path, mounts)
+        base_path = (self.layout.group_dir(caller.folder) if base == "group"
+                     else Path(str(mounts[base.split(":", 1)[1]])))
+        try:
+            base_fd = os.open(base_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise UnsafePath(f"send_file: {base_path} cannot be opened: {e.strerror}") from None
+        try:
+            src, _st = open_beneath(base_fd, parts, SEND_FILE_MAX_BYTES)
+        except UnsafePath as e:
+            raise UnsafePath(f"send_file {container_path!r}: {e}") from None
+        finally:
+            os.close(base_fd)
+        spool = self.layout.data_dir / "spool" / "outbox"
+        spool.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+        dest = spool / f"{uuid.uuid4().hex}-{parts[-1]}"
+        try:
+            with os.fdopen(src, "rb") as fsrc, open(dest, "xb") as fdst:
+                shutil.copyfileobj(fsrc, fdst, 1 << 20)
+                if fdst.tell() > SEND_FILE_MAX_BYTES:
+                    raise UnsafePath(f"send_file {container_path!r}: grew beyond the limit")
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+        return dest, parts[-1]
+
+    def _action(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
+                it: Item) -> None:
+        ctx = ActionContext(caller, self.layout, conn)
+        body: dict[str, Any] = {"requestId": cmd.request_id}
+        conn.execute("SAVEPOINT action")
+        try:
+            body.update(status="success", result=run_action(ctx, cmd.action, cmd.params))
+            conn.execute("RELEASE action")
+        except Unauthorized:
+            conn.execute("ROLLBACK TO action")
+            conn.execute("RELEASE action")
+            raise
+        except ActionFailed as e:
+            conn.execute("ROLLBACK TO action")
+            conn.execute("RELEASE action")
+            body.update(status="error", error=str(e))
+        except Exception as e:
+            conn.execute("ROLLBACK TO action")
+            conn.execute("RELEASE action")
+            log.exception("ipc: action %s of %s failed", cmd.action, caller.folder)
+            body.update(status="error", error=f"{cmd.action} failed: {type(e).__name__}")
+        body["executedAt"] = to_iso(utc_now())
+        gfd = self.dirs[caller.folder].group_fd
+        if gfd is None:
+            raise ApplyError("the group's IPC folder is not open")
+        write_action_result(gfd, cmd.request_id, body)
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, Unauthorized):
+        return f"unauthorized: {e}"
+    return str(e)
+

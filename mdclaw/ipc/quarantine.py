@@ -1,0 +1,186 @@
+"""The IPC error quarantine: ipc/errors/<group>-<name>.error and .error.json beside it.
+
+A rejected file is moved (not copied) out of the container's reach. Only a regular
+single-link file small enough is kept as the `.error` payload; anything else (a directory,
+FIFO, socket, symlink, hard link, a huge file) is removed and an empty `.error` stands in,
+so a container cannot fill the host's disk through the quarantine. The folder is capped by
+entry count and bytes; the oldest entries go first and the log says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import stat
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mdclaw.ipc.files import open_dir_path
+from mdclaw.ipc.writers import atomic_write_at
+from mdclaw.schedule import to_iso, utc_now
+
+log = logging.getLogger("mdclaw.ipc")
+
+META_SUFFIX = ".error.json"
+PAYLOAD_SUFFIX = ".error"
+
+
+@dataclass(frozen=True)
+class ErrorEntry:
+    name: str  # <group>-<file>.error
+    original_file: str
+    source_group: str
+    error: str
+    processed_at: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "original_file": self.original_file,
+                "source_group": self.source_group, "error": self.error,
+                "processed_at": self.processed_at}
+
+
+class Quarantine:
+    """ipc/errors/ with its caps. Not thread-safe; one per IPC engine."""
+
+    def __init__(self, errors_dir: Path, max_files: int, max_bytes: int) -> None:
+        self.errors_dir = errors_dir
+        self.max_files = max_files
+        self.max_bytes = max_bytes
+        self.keep_limit = max(1024, max_bytes // 16)  # largest payload kept
+        errors_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.fd = open_dir_path(errors_dir)
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # base -> bytes, oldest first
+        self._bytes = 0
+        self._load()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _load(self) -> None:
+        entries = []
+        for name in os.listdir(self.fd):
+            if not name.endswith(META_SUFFIX):
+                continue
+            base = name[: -len(META_SUFFIX)]
+            try:
+                mtime = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            entries.append((mtime, base))
+        for _, base in sorted(entries):
+            self._sizes[base] = self._entry_bytes(base)
+            self._bytes += self._sizes[base]
+
+    def _entry_bytes(self, base: str) -> int:
+        total = 0
+        for suffix in (PAYLOAD_SUFFIX, META_SUFFIX):
+            try:
+                total += os.stat(base + suffix, dir_fd=self.fd, follow_symlinks=False).st_size
+            except OSError:
+                pass
+        return total
+
+    def _remove_entry_files(self, base: str) -> None:
+        for suffix in (PAYLOAD_SUFFIX, META_SUFFIX):
+            _remove(self.fd, base + suffix)
+
+    def put(self, group: str, src_dir_fd: int, sub: str, name: str, reason: str,
+            processed_at: str | None = None) -> str:
+        """Move `name` out of the open folder `src_dir_fd` into the quarantine with its
+        reason. Returns the `.error` name. Never raises for a vanished source; raises
+        OSError only if the errors folder itself cannot be written."""
+        base = f"{group}-{name}"
+        processed_at = processed_at or to_iso(utc_now())
+        meta = {"original_file": f"{sub}/{name}", "source_group": group, "error": reason,
+                "processed_at": processed_at}
+        if base in self._sizes:
+            self._bytes -= self._sizes.pop(base)
+        atomic_write_at(self.fd, base + META_SUFFIX,
+                        (json.dumps(meta, ensure_ascii=False) + "\n").encode(), 0o600)
+        _remove(self.fd, base + PAYLOAD_SUFFIX)
+        kept = False
+        try:
+            st = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if (stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+                    and st.st_size <= self.keep_limit):
+                try:
+                    os.rename(name, base + PAYLOAD_SUFFIX, src_dir_fd=src_dir_fd,
+                              dst_dir_fd=self.fd)
+                    kept = True
+                except OSError:
+                    kept = False
+            if not kept:
+                _remove(src_dir_fd, name)
+        if not kept:
+            fd = os.open(base + PAYLOAD_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                         | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+            os.close(fd)
+        log.warning("ipc: quarantined %s/%s/%s: %s", group, sub, name, reason)
+        size = self._entry_bytes(base)
+        self._sizes[base] = size
+        self._bytes += size
+        self._prune()
+        return base + PAYLOAD_SUFFIX
+
+    def _prune(self) -> None:
+        pruned = 0
+        while self._sizes and (len(self._sizes) > self.max_files
+                               or self._bytes > self.max_bytes):
+            base, size = self._sizes.popitem(last=False)
+            self._bytes -= size
+            self._remove_entry_files(base)
+            pruned += 1
+        if pruned:
+            log.warning("ipc: errors/ over its cap (%d files, %d bytes): pruned the %d oldest "
+                        "entr%s", self.max_files, self.max_bytes, pruned,
+                        "y" if pruned == 1 else "ies")
+
+    @property
+    def count(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+
+def _remove(dir_fd: int, name: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def list_errors(errors_dir: Path) -> list[ErrorEntry]:
+    """Every quarantined file with its reason, oldest first (unreadable entries skipped)."""
+    out = []
+    try:
+        names = os.listdir(errors_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if not name.endswith(META_SUFFIX):
+            continue
+        try:
+            meta = json.loads((errors_dir / name).read_text(encoding="utf-8"))
+            out.append(ErrorEntry(name[: -len(META_SUFFIX)] + PAYLOAD_SUFFIX,
+                                  str(meta.get("original_file")), str(meta.get("source_group")),
+                                  str(meta.get("error")), str(meta.get("processed_at"))))
+        except (OSError, ValueError):
+            continue
+    out.sort(key=lambda e: (e.processed_at, e.name))
+    return out

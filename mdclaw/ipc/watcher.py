@@ -1,0 +1,230 @@
+"""The IPC loop: inotify wakes it, a slow poll keeps it correct.
+
+inotify (close-after-write and moved-to on every group's command folders) tells the loop
+which folders to look at, so a command is applied within a millisecond or two of its rename.
+Watches are placed on the folder the engine actually opened (via /proc/self/fd), never on a
+path a container could have swapped. The poll (limits.ipc_poll_interval, default 1 s) is the
+correctness baseline: it catches anything inotify missed (queue overflow, watch limits,
+network file systems), and is cheap when nothing changed (folders whose mtime did not move
+are not listed). Work is taken in fair, bounded batches per group, and the loop yields
+between batches, so one group's flood neither starves the others nor blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from inotify_simple import INotify
+from inotify_simple import flags as F
+
+from mdclaw.config import Config
+from mdclaw.ipc.apply import SETTLE_NS, BatchResult, IpcEngine
+from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
+from mdclaw.state import Database
+
+log = logging.getLogger("mdclaw.ipc")
+
+DIR_MASK = F.CLOSE_WRITE | F.MOVED_TO | F.DELETE_SELF | F.MOVE_SELF | F.ONLYDIR
+GROUP_MASK = F.CREATE | F.MOVED_TO | F.MOVED_FROM | F.DELETE | F.ONLYDIR
+
+
+class IpcWatcher:
+    """Runs an IpcEngine until stopped. `use_inotify=False` leaves only the poll."""
+
+    def __init__(self, cfg: Config, db: Database, *, use_inotify: bool = True,
+                 poll_interval: float | None = None, engine: IpcEngine | None = None) -> None:
+        self.cfg = cfg
+        self.engine = engine or IpcEngine(cfg, db, settle_ns=SETTLE_NS)
+        self.poll_interval = (poll_interval if poll_interval is not None
+                              else cfg.limits.ipc_poll_interval.total_seconds())
+        self.inotify: INotify | None = None
+        if use_inotify:
+            try:
+                self.inotify = INotify(nonblocking=True)
+            except OSError as e:
+                log.warning("ipc: inotify unavailable (%s); polling every %.3fs", e,
+                            self.poll_interval)
+        self._wd: dict[int, tuple[str, str | None]] = {}  # wd -> (folder, sub or None=group)
+        self._watched: dict[tuple[str, str | None], tuple[int, int]] = {}  # -> (wd, ino)
+        self._dirty: dict[str, set[str]] = {}
+        self._resync: set[str] = set()
+        self._full_scan = True
+        self._wake = asyncio.Event()
+        self._watch_limit_logged = False
+        self._synced_groups: set[str] = set()
+        self.totals = BatchResult()
+        self.idle = asyncio.Event()  # set while nothing is known to be pending
+
+    # ------------------------------------------------------------------ watches
+    def _add_watch(self, key: tuple[str, str | None], fd: int, mask: int) -> None:
+        assert self.inotify is not None
+        ino = os.fstat(fd).st_ino
+        cur = self._watched.get(key)
+        if cur is not None and cur[1] == ino:
+            return
+        if cur is not None:
+            self._drop_watch(key)
+        try:
+            wd = self.inotify.add_watch(f"/proc/self/fd/{fd}", mask)
+        except OSError as e:
+            if not self._watch_limit_logged:
+                log.warning("ipc: cannot add inotify watch (%s); the %.3fs poll covers it",
+                            e, self.poll_interval)
+                self._watch_limit_logged = True
+            return
+        self._wd[wd] = key
+        self._watched[key] = (wd, ino)
+
+    def _drop_watch(self, key: tuple[str, str | None]) -> None:
+        cur = self._watched.pop(key, None)
+        if cur is None:
+            return
+        self._wd.pop(cur[0], None)
+        try:
+            assert self.inotify is not None
+            self.inotify.rm_watch(cur[0])
+        except OSError:
+            pass  # already gone with its directory
+
+    def sync_watches(self, folders: set[str] | None = None) -> None:
+        """Watch the command folders the engine has open (for `folders`, or all groups)."""
+        if self.inotify is None:
+            return
+        self._synced_groups = set(self.engine.dirs)
+        for key in [k for k in self._watched if k[0] not in self.engine.dirs]:
+            self._drop_watch(key)
+        for folder, gd in self.engine.dirs.items():
+            if folders is not None and folder not in folders:
+                continue
+            for sub in COMMAND_DIRS:
+                fd = gd.dir_fd(sub)
+                if fd is None:
+                    self._drop_watch((folder, sub))
+                else:
+                    self._add_watch((folder, sub), fd, DIR_MASK)
+            if gd.group_fd is not None:
+                self._add_watch((folder, None), gd.group_fd, GROUP_MASK)
+            else:
+                self._drop_watch((folder, None))
+
+    def _on_inotify(self) -> None:
+        assert self.inotify is not None
+        try:
+            events = self.inotify.read(timeout=0)
+        except OSError:
+            return
+        for ev in events:
+            if ev.mask & F.Q_OVERFLOW:
+                log.warning("ipc: inotify queue overflowed; scanning every folder")
+                self._full_scan = True
+                continue
+            key = self._wd.get(ev.wd)
+            if key is None:
+                continue
+            folder, sub = key
+            if ev.mask & F.IGNORED:
+                self._watched.pop(key, None)
+                self._wd.pop(ev.wd, None)
+                self._resync.add(folder)
+                continue
+            if sub is None:  # the group's IPC folder: a command folder came or went
+                if ev.name in COMMAND_DIRS:
+                    self._resync.add(folder)
+                    self._dirty.setdefault(folder, set()).add(ev.name)
+                continue
+            if ev.mask & (F.DELETE_SELF | F.MOVE_SELF):
+                self._resync.add(folder)
+                continue
+            if is_candidate(ev.name):
+                self._dirty.setdefault(folder, set()).add(sub)
+        if self._dirty or self._resync or self._full_scan:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ loop
+    def _work_once(self) -> bool:
+        """Process one fair batch of what is known to be pending. True if more may remain."""
+        if self._resync:
+            folders, self._resync = self._resync, set()
+            self.sync_watches(folders)
+        if self._full_scan:
+            self._full_scan = False
+            pending = self.engine.collect(cheap=False)
+        elif self._dirty:
+            targets = {f: tuple(sorted(subs)) for f, subs in self._dirty.items()}
+            self._dirty = {}
+            pending = self.engine.collect(targets)
+        else:
+            return False
+        batch = self.engine.take_fair(pending)
+        if not batch:
+            return False
+        res = self.engine.process(batch)
+        self.totals.add(res)
+        if set(self.engine.dirs) != self._synced_groups:
+            self.sync_watches()
+        if not (res.applied or res.rejected or res.finished or res.vanished):
+            return False  # only files still being written: the poll comes back for them
+        # Whatever was not taken stays dirty; so does every folder just processed, since
+        # files may have arrived while the batch ran.
+        for folder, files in pending.items():
+            self._dirty.setdefault(folder, set()).update(sub for _, sub in files)
+        return True
+
+    def _poll(self) -> None:
+        pending = self.engine.collect(cheap=True)
+        for folder, files in pending.items():
+            self._dirty.setdefault(folder, set()).update(sub for _, sub in files)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set. Start-up writes every snapshot and drains the backlog."""
+        loop = asyncio.get_running_loop()
+        self.engine.start()
+        self.sync_watches()
+        if self.inotify is not None:
+            loop.add_reader(self.inotify.fd, self._on_inotify)
+        log.info("ipc: watching %d group(s) (%s, poll every %.3fs)", len(self.engine.dirs),
+                 "inotify" if self.inotify is not None else "polling only", self.poll_interval)
+        stop_task = asyncio.ensure_future(stop.wait())
+        next_poll = time.monotonic() + self.poll_interval
+        try:
+            while not stop.is_set():
+                busy = self._work_once()
+                if busy:
+                    self.idle.clear()
+                    await asyncio.sleep(0)  # let other tasks (and inotify reads) run
+                    continue
+                self.idle.set()
+                now = time.monotonic()
+                if now >= next_poll:
+                    self._poll()
+                    next_poll = now + self.poll_interval
+                    if self._dirty:
+                        continue
+                self._wake.clear()
+                wake_task = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({wake_task, stop_task}, timeout=max(0.0, next_poll - now),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                wake_task.cancel()
+        finally:
+            stop_task.cancel()
+            if self.inotify is not None:
+                loop.remove_reader(self.inotify.fd)
+
+    def close(self) -> None:
+        if self.inotify is not None:
+            self.inotify.close()
+            self.inotify = None
+        self.engine.close()
+
+
+async def run_ipc(cfg: Config, db: Database, stop: asyncio.Event, *,
+                  use_inotify: bool = True) -> None:
+    """Run the IPC loop for the daemon until `stop` is set."""
+    watcher = IpcWatcher(cfg, db, use_inotify=use_inotify)
+    try:
+        await watcher.run(stop)
+    finally:
+        watcher.close()

@@ -1,0 +1,204 @@
+"""Host -> container files, always written atomically.
+
+A temp file is created (O_EXCL|O_NOFOLLOW) in the target folder itself, fsynced and renamed
+over the final name, so the agent never reads half a file. Folders inside a group's IPC
+folder are opened without following symlinks: a container that swaps `input/` for a symlink
+to somewhere on the host gets a refusal, not a write there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from mdclaw.ipc.files import UnsafePath, open_dir, open_dir_path
+from mdclaw.paths import Layout
+from mdclaw.schedule import to_iso, utc_now
+from mdclaw.state import Database
+from mdclaw.state.chats import list_chats
+from mdclaw.state.groups import GroupRow, list_groups
+from mdclaw.state.tasks import TaskRow, list_tasks
+
+log = logging.getLogger("mdclaw.ipc")
+
+FILE_MODE = 0o640
+
+
+def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE) -> None:
+    """Write `data` to `name` in the open folder `dir_fd` atomically (temp, fsync, rename).
+
+    Raises OSError if the folder cannot be written or `name` is a directory.
+    """
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode, dir_fd=dir_fd)
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask must not take the group's read bit away
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+
+
+def _dump(obj: Any) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+
+
+def _open_group_ipc(layout: Layout, folder: str, sub: str | None = None) -> int:
+    """Open ipc/<folder>[/<sub>] refusing symlinks at both levels (creating `sub` if absent).
+
+    Raises UnsafePath or OSError.
+    """
+    root = open_dir_path(layout.ipc_dir)
+    try:
+        gfd = open_dir(folder, root)
+    finally:
+        os.close(root)
+    if sub is None:
+        return gfd
+    try:
+        try:
+            return open_dir(sub, gfd)
+        except FileNotFoundError:
+            os.mkdir(sub, 0o2770, dir_fd=gfd)
+            return open_dir(sub, gfd)
+    finally:
+        os.close(gfd)
+
+
+def write_in_group(layout: Layout, folder: str, sub: str | None, name: str, data: bytes,
+                   mode: int = FILE_MODE) -> None:
+    """Atomically write ipc/<folder>/[<sub>/]<name>. Raises UnsafePath or OSError."""
+    fd = _open_group_ipc(layout, folder, sub)
+    try:
+        atomic_write_at(fd, name, data, mode)
+    finally:
+        os.close(fd)
+
+
+def write_follow_up(layout: Layout, folder: str, *, sender: str, sender_name: str,
+                    content: str, timestamp: str | None = None) -> str:
+    """Queue a follow-up message for the group's running agent in ipc/<folder>/input/.
+
+    Returns the file name. Raises UnsafePath (input/ swapped for a symlink) or OSError.
+    """
+    name = f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(4)}.json"
+    body = {"sender": sender, "sender_name": sender_name, "content": content,
+            "timestamp": timestamp or to_iso(utc_now())}
+    write_in_group(layout, folder, "input", name, _dump(body), 0o660)
+    return name
+
+
+def write_close(layout: Layout, folder: str) -> None:
+    """Write the empty ipc/<folder>/input/_close sentinel. Raises UnsafePath or OSError."""
+    write_in_group(layout, folder, "input", "_close", b"", 0o660)
+
+
+def write_action_result(group_fd: int, request_id: str, body: dict[str, Any]) -> None:
+    """Write action_results/<request_id>.json under the open group IPC folder `group_fd`.
+
+    Raises UnsafePath if action_results/ is a symlink, OSError if it cannot be written.
+    """
+    try:
+        fd = open_dir("action_results", group_fd)
+    except FileNotFoundError:
+        os.mkdir("action_results", 0o2770, dir_fd=group_fd)
+        fd = open_dir("action_results", group_fd)
+    try:
+        atomic_write_at(fd, f"{request_id}.json", _dump(body))
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def task_snapshot_entry(t: TaskRow) -> dict[str, Any]:
+    return {"id": t.id, "groupFolder": t.group_folder, "chat_jid": t.chat_jid,
+            "prompt": t.prompt, "schedule_type": t.schedule_type,
+            "schedule_value": t.schedule_value, "context_mode": t.context_mode,
+            "status": t.status, "next_run": t.next_run, "last_run": t.last_run,
+            "timezone": t.timezone}
+
+
+def tasks_snapshot(tasks: list[TaskRow], folder: str, is_main: bool) -> list[dict[str, Any]]:
+    """What current_tasks.json holds for `folder`: every task for main, else its own."""
+    return [task_snapshot_entry(t) for t in tasks if is_main or t.group_folder == folder]
+
+
+def groups_snapshot(groups: list[GroupRow], chats: list[dict[str, Any]], is_main: bool,
+                    now: str | None = None) -> dict[str, Any]:
+    """What available_groups.json holds: registered groups and known chats (main only)."""
+    now = now or to_iso(utc_now())
+    if not is_main:
+        return {"groups": [], "lastSync": now}
+    activity = {c["jid"]: c for c in chats}
+    out = []
+    seen: set[str] = set()
+    for g in groups:
+        if not g.jid:
+            continue
+        seen.add(g.jid)
+        chat = activity.get(g.jid)
+        out.append({"jid": g.jid, "name": g.name, "folder": g.folder,
+                    "lastActivity": chat["last_activity"] if chat else None,
+                    "isRegistered": True})
+    for c in chats:
+        if c["jid"] in seen:
+            continue
+        out.append({"jid": c["jid"], "name": c["name"] or c["jid"], "folder": None,
+                    "lastActivity": c["last_activity"], "isRegistered": False})
+    return {"groups": out, "lastSync": now}
+
+
+def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = None, *,
+                    tasks: bool = True, groups: bool = True) -> list[str]:
+    """Rewrite current_tasks.json and/or available_groups.json for `folders` (None: every
+    registered group). Returns the folders written; a folder that cannot be written (absent,
+    swapped for a symlink) is logged and skipped."""
+    all_groups = list_groups(db)
+    task_rows = list_tasks(db) if tasks else []
+    chats = list_chats(db) if groups else []
+    now = to_iso(utc_now())
+    written = []
+    for g in all_groups:
+        if folders is not None and g.folder not in folders:
+            continue
+        try:
+            fd = _open_group_ipc(layout, g.folder)
+        except (UnsafePath, OSError) as e:
+            log.debug("ipc: no snapshots for %s: %s", g.folder, e)
+            continue
+        try:
+            if tasks:
+                atomic_write_at(fd, "current_tasks.json",
+                                _dump(tasks_snapshot(task_rows, g.folder, g.is_main)))
+            if groups:
+                atomic_write_at(fd, "available_groups.json",
+                                _dump(groups_snapshot(all_groups, chats, g.is_main, now)))
+            written.append(g.folder)
+        except OSError as e:
+            log.warning("ipc: cannot write snapshots for %s: %s", g.folder, e)
+        finally:
+            os.close(fd)
+    return written
+
+
+def snapshot_path(layout: Layout, folder: str, name: str) -> Path:
+    return layout.group_ipc_dir(folder) / name
