@@ -50,6 +50,11 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
+        # The container is the sandbox; this also lets the CLI skip permission prompts when
+        # the runner runs as root (tests on a host; the image runs as uid 1000).
+        "IS_SANDBOX": "1",
+        # A dozen tools: give the model all of them up front instead of a tool search.
+        "ENABLE_TOOL_SEARCH": "false",
     }
     return ClaudeBackend(model=inp.model, system=system, tools=tools, ctx=ctx,
                          cwd=settings.group_dir, session_id=inp.session_id, env=env,

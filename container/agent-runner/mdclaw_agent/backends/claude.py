@@ -81,8 +81,10 @@ def build_options(*, model: str | None, system: str, tools: list[Tool], ctx: Too
         resume=resume,
         env=env,
         add_dirs=[str(d) for d in (extra_dirs or []) if d.is_dir()],
-        # Project-level settings and CLAUDE.md of the group folder; the user's home has none.
-        setting_sources=["project"],
+        # No settings sources: the memory files are already in the system prompt (loading
+        # them again from disk would send them twice), and nothing else should change the
+        # CLI's behaviour from inside the group folder.
+        setting_sources=[],
     )
 
 
