@@ -100,16 +100,55 @@ def parse_once(value: str, tz: str) -> datetime:
     return dt.astimezone(UTC)
 
 
+def repeats_wall_clock(expr: str) -> bool:
+    """True if `expr` follows real time through a repeated (fall-back) hour.
+
+    Like classic cron: a job whose hour field is a wildcard (`*`, `*/2`...) runs by the clock
+    on the wall and so also fires in the repeated hour; a job with fixed hours (`0 2 * * *`)
+    fires only at the first occurrence of its wall-clock time.
+    """
+    fields = expr.split()
+    return len(fields) == 5 and fields[1].startswith("*")
+
+
+def _is_second_occurrence(local: datetime) -> bool:
+    """`local` is the later of two instants that share the same wall-clock time."""
+    if not local.fold:
+        return False
+    return local.replace(fold=0).utcoffset() != local.utcoffset()
+
+
 def next_cron(expr: str, tz: str, after: datetime) -> datetime:
     """The first time strictly after `after` that matches `expr` in zone `tz`, as UTC.
 
-    croniter is given a zone-aware start; it handles the spring-forward gap (skipped local
-    times) and the fall-back repeat (a wall-clock time that occurs twice fires once).
+    croniter walks the zone-aware local clock: a wall-clock time skipped by the spring-forward
+    gap fires once, at the end of the gap. On the fall-back day croniter would return a
+    repeated wall-clock time twice; unless the hour field is a wildcard (see
+    repeats_wall_clock) the second occurrence is skipped, so `0 2 * * *` fires once.
+    Raises ScheduleError for an unknown zone.
     """
     zone = get_zone(tz)
+    both_folds = repeats_wall_clock(expr)
     it = croniter(expr, after.astimezone(zone))
-    nxt = it.get_next(datetime)
-    return nxt.astimezone(UTC)
+    for _ in range(1000):
+        nxt = it.get_next(datetime)
+        local = nxt.astimezone(zone)
+        if both_folds or not _is_second_occurrence(local):
+            return nxt.astimezone(UTC)
+    raise ScheduleError(f"cron expression {expr!r} never fires in {tz}")
+
+
+def count_cron_slots(expr: str, tz: str, start: datetime, end: datetime,
+                     limit: int = 10_000) -> int:
+    """How many times `expr` fires in the half-open span (start, end], capped at `limit`."""
+    n = 0
+    t = start
+    while n < limit:
+        t = next_cron(expr, tz, t)
+        if t > end:
+            break
+        n += 1
+    return n
 
 
 def next_interval(anchor: datetime, interval_ms: int, now: datetime) -> tuple[datetime, int]:
@@ -156,4 +195,27 @@ def first_run(schedule_type: str, value: str, tz: str, now: datetime | None = No
         return now + timedelta(milliseconds=parse_interval_ms(value))
     if schedule_type == "once":
         return parse_once(value, tz)
+    raise ScheduleError(f"unknown schedule_type {schedule_type!r}")
+
+
+MISSED_COUNT_LIMIT = 10_000
+
+
+def advance(schedule_type: str, value: str, tz: str, scheduled: datetime,
+            now: datetime) -> tuple[datetime | None, int]:
+    """When a run due at `scheduled` is started at `now`: the next run time and missed slots.
+
+    Returns (next_run, missed). `next_run` is the first slot strictly after `now` (None for a
+    one-shot task), so a backlog collapses into the one run being started; `missed` counts
+    the further slots in (scheduled, now] that will not run (capped at MISSED_COUNT_LIMIT).
+    Interval slots stay on the grid anchored at `scheduled`, so runs do not drift.
+    """
+    if schedule_type == "once":
+        return None, 0
+    if schedule_type == "interval":
+        nxt, missed = next_interval(scheduled, parse_interval_ms(value), max(now, scheduled))
+        return nxt, min(missed, MISSED_COUNT_LIMIT)
+    if schedule_type == "cron":
+        missed = count_cron_slots(value, tz, scheduled, now, MISSED_COUNT_LIMIT)
+        return next_cron(value, tz, max(now, scheduled)), missed
     raise ScheduleError(f"unknown schedule_type {schedule_type!r}")

@@ -123,3 +123,94 @@ def update_task_fields(conn: sqlite3.Connection, task_id: str, **fields: Any) ->
 def delete_task(conn: sqlite3.Connection, task_id: str) -> bool:
     conn.execute("DELETE FROM task_run_logs WHERE task_id = ?", (task_id,))
     return conn.execute("DELETE FROM scheduled_tasks WHERE id = ?", (task_id,)).rowcount > 0
+
+
+# --------------------------------------------------------------------------- scheduling
+# The scheduler's queries. Each one is served by idx_scheduled_tasks_due (status, next_run):
+# next_run is stored in one fixed-width UTC format, so text order is time order.
+
+RUN_STATUSES = ("success", "error", "running", "interrupted")
+
+
+@dataclass(frozen=True)
+class RunLog:
+    id: int
+    task_id: str
+    run_at: str
+    duration_ms: int
+    status: str
+    result: str | None
+    error: str | None
+    missed: int
+    finished_at: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def earliest_next_run(db_or_conn: Database | sqlite3.Connection) -> str | None:
+    """The smallest next_run of any active task (an index seek), or None if there is none."""
+    q = ("SELECT next_run FROM scheduled_tasks WHERE status = 'active' AND next_run IS NOT NULL"
+         " ORDER BY next_run LIMIT 1")
+    r = (db_or_conn.query_one(q) if isinstance(db_or_conn, Database)
+         else db_or_conn.execute(q).fetchone())
+    return r[0] if r else None
+
+
+def due_task_ids(db_or_conn: Database | sqlite3.Connection, now: datetime,
+                 limit: int = 100) -> list[str]:
+    """Ids of active tasks with next_run <= now, earliest first (an index range scan)."""
+    q = ("SELECT id FROM scheduled_tasks WHERE status = 'active' AND next_run IS NOT NULL"
+         " AND next_run <= ? ORDER BY next_run LIMIT ?")
+    params = (schedule.to_iso(now), limit)
+    rows = (db_or_conn.query(q, params) if isinstance(db_or_conn, Database)
+            else db_or_conn.execute(q, params).fetchall())
+    return [r[0] for r in rows]
+
+
+def running_run_id(conn: sqlite3.Connection | Database, task_id: str) -> int | None:
+    """The id of this task's run still marked 'running', if any.
+
+    Runs of one task never overlap, so only the newest log row can be running; reading just
+    that row is an index seek however long the task's history is.
+    """
+    q = ("SELECT id, status FROM task_run_logs WHERE task_id = ?"
+         " ORDER BY run_at DESC, id DESC LIMIT 1")
+    r = (conn.query_one(q, (task_id,)) if isinstance(conn, Database)
+         else conn.execute(q, (task_id,)).fetchone())
+    return r[0] if r and r[1] == "running" else None
+
+
+def insert_run(conn: sqlite3.Connection, task_id: str, run_at: datetime, missed: int = 0) -> int:
+    """Record the start of a run (status 'running'); return the run log id."""
+    cur = conn.execute(
+        "INSERT INTO task_run_logs (task_id, run_at, duration_ms, status, missed)"
+        " VALUES (?, ?, 0, 'running', ?)", (task_id, schedule.to_iso(run_at), missed))
+    return int(cur.lastrowid)
+
+
+def finish_run(conn: sqlite3.Connection, run_id: int, status: str, finished_at: datetime, *,
+               result: str | None = None, error: str | None = None) -> bool:
+    """Close a 'running' run log row with its outcome; False if it was not running any more."""
+    if status not in RUN_STATUSES or status == "running":
+        raise TaskError(f"a run cannot end with status {status!r}")
+    r = conn.execute("SELECT run_at FROM task_run_logs WHERE id = ? AND status = 'running'",
+                     (run_id,)).fetchone()
+    if r is None:
+        return False
+    duration = max(0, int((finished_at - schedule.from_iso(r[0])).total_seconds() * 1000))
+    conn.execute(
+        "UPDATE task_run_logs SET status = ?, duration_ms = ?, result = ?, error = ?,"
+        " finished_at = ? WHERE id = ?",
+        (status, duration, result, error, schedule.to_iso(finished_at), run_id))
+    return True
+
+
+def list_runs(db: Database, task_id: str, limit: int | None = None) -> list[RunLog]:
+    """Run logs of one task, newest first."""
+    sql = "SELECT * FROM task_run_logs WHERE task_id = ? ORDER BY run_at DESC, id DESC"
+    params: tuple[Any, ...] = (task_id,)
+    if limit is not None:
+        sql += " LIMIT ?"
+        params = (task_id, limit)
+    return [RunLog(**dict(r)) for r in db.query(sql, params)]

@@ -1,0 +1,324 @@
+"""The scheduler: fire each due task once, on time, and record how each run ended.
+
+Claiming is the heart of it. A due task (`active`, `next_run <= now`) is claimed in one
+transaction that inserts its 'running' run-log row and either advances `next_run` to the next
+slot (recurring tasks) or marks it 'running' (one-shot tasks). Only then is it handed to
+`execute`. A crash after the claim therefore cannot fire the same slot again: on the next
+start `recover()` marks the left-over 'running' rows 'interrupted', and a one-shot task left
+'running' is marked 'completed' (at most once: its agent may already have acted; the log shows
+the interrupted run, and `mdclaw tasks run-now` fires it again if a person wants that).
+
+After downtime an overdue task fires once, not once per missed slot; its run log's `missed`
+says how many further slots passed. With `catch_up: false` a task found more than
+`late_grace` late is not run at all: it is moved to its next slot and `last_result` says so.
+
+The loop sleeps until the earliest `next_run` (one index seek), at most `max_sleep` seconds so
+changes made by other processes (the CLI, a reconcile) are noticed; code in this process calls
+`wake()` after changing the task table so the new times take effect at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from mdclaw import schedule
+from mdclaw.state import Database
+from mdclaw.state.tasks import (
+    TaskRow,
+    due_task_ids,
+    earliest_next_run,
+    finish_run,
+    get_task,
+    insert_run,
+)
+
+log = logging.getLogger("mdclaw.scheduler")
+
+Execute = Callable[[TaskRow], Awaitable[Any]]
+
+MAX_TEXT = 64 * 1024  # result / error text kept per run
+MAX_SUMMARY = 2000  # last_result kept on the task
+INTERRUPTED = "mdclaw stopped while this run was in progress; the run is not repeated"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run that has been claimed: the task as it is after the claim, and its log row."""
+
+    task: TaskRow
+    run_id: int
+    scheduled_for: datetime
+    started_at: datetime
+    missed: int
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A due slot that was not run, and why (catch_up: false, or the previous run is busy)."""
+
+    task_id: str
+    reason: str
+    next_run: datetime | None
+
+
+def _clip(text: str | None, limit: int) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return text[: limit - 15] + " ...[truncated]"
+
+
+def result_text(result: Any) -> str | None:
+    """What `execute` returned, as the text kept in the run log."""
+    if result is None or isinstance(result, str):
+        return result
+    return str(result)
+
+
+class Scheduler:
+    """Claims due tasks and hands them to `execute(task)`, an async callable.
+
+    `execute` returns the run's result (kept as text) or raises to report an error. Runs go
+    on concurrently; a task is never started while its previous run is still going.
+    """
+
+    def __init__(self, db: Database, execute: Execute, *, default_timezone: str = "UTC",
+                 clock: Callable[[], datetime] = schedule.utc_now,
+                 late_grace: timedelta = timedelta(seconds=60), max_sleep: float = 1.0,
+                 batch: int = 100) -> None:
+        self.db = db
+        self.execute = execute
+        self.default_timezone = default_timezone
+        self.clock = clock
+        self.late_grace = late_grace
+        self.max_sleep = max_sleep
+        self.batch = batch
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop_thread: int | None = None
+        self._stopping = False
+        self.ticks = 0
+
+    # ------------------------------------------------------------------ start-up
+    def recover(self) -> list[int]:
+        """Mark runs left 'running' by a crash as 'interrupted'; return their log ids.
+
+        One-shot tasks left 'running' become 'completed' and are not fired again.
+        Call once at start-up, before the loop claims anything.
+        """
+        now = self.clock()
+        with self.db.transaction() as conn:
+            rows = conn.execute(
+                "SELECT id, task_id FROM task_run_logs WHERE status = 'running'").fetchall()
+            for run_id, task_id in rows:
+                finish_run(conn, run_id, "interrupted", now, error=INTERRUPTED)
+                conn.execute("UPDATE scheduled_tasks SET last_result = ?, updated_at = ?"
+                             " WHERE id = ?", (f"interrupted: {INTERRUPTED}",
+                                               schedule.to_iso(now), task_id))
+            stuck = conn.execute(
+                "UPDATE scheduled_tasks SET status = 'completed', next_run = NULL,"
+                " updated_at = ? WHERE status = 'running'", (schedule.to_iso(now),)).rowcount
+        if rows or stuck:
+            log.warning("start-up: %d run(s) interrupted by the last stop marked 'interrupted';"
+                        " %d one-shot task(s) left running marked completed (not re-fired)",
+                        len(rows), stuck)
+        return [r[0] for r in rows]
+
+    # ------------------------------------------------------------------ claiming
+    def zone_of(self, task: TaskRow) -> str:
+        return task.timezone or self.default_timezone
+
+    def claim(self, task_id: str, now: datetime | None = None) -> Claim | Skip | None:
+        """Claim one task if it is due. None if it is not (any more) due.
+
+        Everything happens in one transaction: the task is read again, its next slot written
+        (or a one-shot marked 'running') and the 'running' run-log row inserted.
+        """
+        now = now or self.clock()
+        with self.db.transaction() as conn:
+            task = get_task(conn, task_id)
+            if task is None or task.status != "active" or task.next_run is None:
+                return None
+            scheduled = schedule.from_iso(task.next_run)
+            if scheduled > now:
+                return None
+            stamp = schedule.to_iso(now)
+            try:
+                nxt, missed = schedule.advance(task.schedule_type, task.schedule_value,
+                                               self.zone_of(task), scheduled, now)
+            except schedule.ScheduleError as e:
+                # A schedule that no longer computes (edited by hand, zone removed): stop it
+                # rather than spin on it, and say why.
+                conn.execute("UPDATE scheduled_tasks SET status = 'paused', last_result = ?,"
+                             " updated_at = ? WHERE id = ?",
+                             (_clip(f"paused: bad schedule: {e}", MAX_SUMMARY), stamp, task_id))
+                log.error("task %s paused: %s", task_id, e)
+                return Skip(task_id, f"bad schedule: {e}", None)
+            nxt_iso = schedule.to_iso(nxt) if nxt else None
+            once = task.schedule_type == "once"
+
+            if task_id in self._running:
+                reason = "the previous run is still in progress; this slot is skipped"
+                conn.execute("UPDATE scheduled_tasks SET next_run = ?, updated_at = ?"
+                             " WHERE id = ?", (nxt_iso, stamp, task_id))
+                log.warning("task %s: %s", task_id, reason)
+                return Skip(task_id, reason, nxt)
+
+            late = now - scheduled
+            if not task.catch_up and late > self.late_grace:
+                slots = missed + 1
+                reason = (f"skipped: {slots} slot(s) missed while mdclaw was not running "
+                          f"(catch_up: false)")
+                if once:
+                    conn.execute("UPDATE scheduled_tasks SET status = 'completed', next_run ="
+                                 " NULL, last_result = ?, updated_at = ? WHERE id = ?",
+                                 (reason, stamp, task_id))
+                else:
+                    conn.execute("UPDATE scheduled_tasks SET next_run = ?, last_result = ?,"
+                                 " updated_at = ? WHERE id = ?", (nxt_iso, reason, stamp, task_id))
+                log.info("task %s %s; next run %s", task_id, reason, nxt_iso or "none")
+                return Skip(task_id, reason, nxt)
+
+            run_id = insert_run(conn, task_id, now, missed)
+            if once:
+                conn.execute("UPDATE scheduled_tasks SET status = 'running', last_run = ?,"
+                             " updated_at = ? WHERE id = ?", (stamp, stamp, task_id))
+            else:
+                conn.execute("UPDATE scheduled_tasks SET next_run = ?, last_run = ?,"
+                             " updated_at = ? WHERE id = ?", (nxt_iso, stamp, stamp, task_id))
+            claimed = get_task(conn, task_id)
+            assert claimed is not None
+        if missed:
+            log.info("task %s: running once for %d missed slot(s) too", task_id, missed)
+        return Claim(claimed, run_id, scheduled, now, missed)
+
+    def claim_due(self, now: datetime | None = None) -> list[Claim]:
+        """Claim every task due at `now` (up to `batch`); skipped slots are not returned."""
+        now = now or self.clock()
+        out = []
+        for task_id in due_task_ids(self.db, now, self.batch):
+            c = self.claim(task_id, now)
+            if isinstance(c, Claim):
+                out.append(c)
+        return out
+
+    def next_wakeup(self) -> datetime | None:
+        """The earliest next_run of any active task (one index seek), or None."""
+        nxt = earliest_next_run(self.db)
+        return schedule.from_iso(nxt) if nxt else None
+
+    # ------------------------------------------------------------------ running
+    def finish(self, claim: Claim, status: str, *, result: str | None = None,
+               error: str | None = None) -> None:
+        """Record how a run ended: the run log row, last_result, and a one-shot's completion."""
+        now = self.clock()
+        result, error = _clip(result, MAX_TEXT), _clip(error, MAX_TEXT)
+        summary = result if status == "success" else f"{status}: {error}"
+        with self.db.transaction() as conn:
+            finish_run(conn, claim.run_id, status, now, result=result, error=error)
+            conn.execute("UPDATE scheduled_tasks SET last_result = ?, updated_at = ?"
+                         " WHERE id = ?", (_clip(summary, MAX_SUMMARY), schedule.to_iso(now),
+                                           claim.task.id))
+            if claim.task.schedule_type == "once":
+                conn.execute("UPDATE scheduled_tasks SET status = 'completed', next_run = NULL"
+                             " WHERE id = ? AND status = 'running'", (claim.task.id,))
+
+    async def _run(self, claim: Claim) -> None:
+        try:
+            result = await self.execute(claim.task)
+        except asyncio.CancelledError:
+            self.finish(claim, "interrupted", error=INTERRUPTED)
+            raise
+        except Exception as e:  # the run failed; the scheduler goes on
+            log.warning("task %s failed: %s", claim.task.id, e)
+            self.finish(claim, "error", error=f"{type(e).__name__}: {e}" if str(e)
+                        else type(e).__name__)
+        else:
+            self.finish(claim, "success", result=result_text(result))
+        finally:
+            self._running.pop(claim.task.id, None)
+            self.wake()
+
+    def dispatch(self, claim: Claim) -> asyncio.Task[None]:
+        """Start the run of a claimed task on the running loop."""
+        t = asyncio.get_running_loop().create_task(self._run(claim),
+                                                   name=f"task-run-{claim.task.id}")
+        self._running[claim.task.id] = t
+        return t
+
+    def tick(self) -> int:
+        """Claim and start everything due now; return how many runs were started."""
+        claims = self.claim_due()
+        for c in claims:
+            log.info("task %s: run %d started (slot %s)", c.task.id, c.run_id,
+                     schedule.to_iso(c.scheduled_for))
+            self.dispatch(c)
+        self.ticks += 1
+        return len(claims)
+
+    def running(self) -> list[str]:
+        """Ids of tasks whose run is in progress in this process."""
+        return list(self._running)
+
+    # ------------------------------------------------------------------ the loop
+    def wake(self) -> None:
+        """Re-read the task table now (call after adding or changing tasks). Thread-safe."""
+        loop, event = self._loop, self._wake
+        if loop is None or event is None or loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            event.set()
+        else:
+            loop.call_soon_threadsafe(event.set)
+
+    def _delay(self) -> float:
+        nxt = self.next_wakeup()
+        if nxt is None:
+            return self.max_sleep
+        return max(0.0, min(self.max_sleep, (nxt - self.clock()).total_seconds()))
+
+    async def run(self) -> None:
+        """Recover, then claim and start due tasks until `stop()` is called."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.recover()
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                started = self.tick()
+                delay = 0.0 if started >= self.batch else self._delay()
+            except Exception:  # a locked or broken database must not kill the loop
+                log.exception("scheduler tick failed; retrying")
+                delay = self.max_sleep
+            if delay > 0 and not self._stopping:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(0)
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Stop claiming; wait up to `timeout` s for runs in progress, then cancel them
+        (they are recorded as 'interrupted')."""
+        self._stopping = True
+        self.wake()
+        await self.drain(timeout)
+        for t in list(self._running.values()):
+            t.cancel()
+        if self._running:
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until no run is in progress (or `timeout` seconds pass)."""
+        pending = list(self._running.values())
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
