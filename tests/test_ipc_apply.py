@@ -1,0 +1,488 @@
+"""Applying commands: state changes, the ledger, quarantine format and caps, snapshots,
+ordering, actions and the host -> container writers. Real files, real SQLite."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
+
+from mdclaw.ipc.apply import IpcEngine
+from mdclaw.ipc.files import UnsafePath, generation
+from mdclaw.ipc.writers import write_close, write_follow_up, write_snapshots
+from mdclaw.schedule import from_iso
+
+
+@pytest.fixture
+def env(tmp_path: Path):  # noqa: ANN201
+    e = Env(tmp_path)
+    yield e
+    e.close()
+
+
+def apply_one(env: Env, group: str, body: dict, sub: str = "tasks") -> dict | None:
+    """Write and drain one command; returns its quarantine record (None if applied)."""
+    name = env.write(group, body, sub=sub)
+    env.drain()
+    assert not (env.ipc / group / sub / name).exists()
+    return env.errors_for(group, name)
+
+
+# --------------------------------------------------------------------------- tasks
+
+def test_schedule_cron_in_configured_timezone(env: Env) -> None:
+    assert apply_one(env, "family", schedule_body("t1", context_mode="isolated")) is None
+    t = env.task("t1")
+    assert (t["group_folder"], t["chat_jid"], t["status"], t["source"]) == (
+        "family", FAMILY_JID, "active", "ipc")
+    assert t["context_mode"] == "isolated" and t["timezone"] is None
+    nxt = from_iso(t["next_run"]).astimezone(ZoneInfo("Europe/Berlin"))
+    assert (nxt.hour, nxt.minute) == (8, 0)
+    assert from_iso(t["next_run"]) > datetime.now(timezone.utc)
+    # the task's own timezone wins
+    assert apply_one(env, "family", schedule_body("t2", timezone="America/New_York")) is None
+    ny = from_iso(env.task("t2")["next_run"]).astimezone(ZoneInfo("America/New_York"))
+    assert (ny.hour, env.task("t2")["timezone"]) == (8, "America/New_York")
+
+
+def test_schedule_interval_and_once(env: Env) -> None:
+    before = datetime.now(timezone.utc)
+    assert apply_one(env, "family", schedule_body("i1", schedule_type="interval",
+                                                  schedule_value=3600000)) is None
+    delta = from_iso(env.task("i1")["next_run"]) - before
+    assert timedelta(minutes=59) < delta < timedelta(minutes=61)
+    at = (datetime.now(timezone.utc) + timedelta(days=2)).replace(microsecond=0)
+    assert apply_one(env, "family", schedule_body("o1", schedule_type="once",
+                                                  schedule_value=at.isoformat())) is None
+    assert from_iso(env.task("o1")["next_run"]) == at
+
+
+@pytest.mark.parametrize("body, reason", [
+    (schedule_body("b1", schedule_value="61 * * * *"), "not valid"),
+    (schedule_body("b2", schedule_value="* * *"), "five are needed"),
+    (schedule_body("b3", schedule_type="interval", schedule_value="10"), "too short"),
+    (schedule_body("b4", schedule_type="once", schedule_value="2001-01-01T00:00:00Z"), "past"),
+    (schedule_body("b5", schedule_type="once", schedule_value="tomorrow"), "ISO-8601"),
+    (schedule_body("b6", timezone="Mars/Olympus"), "unknown timezone"),
+])
+def test_bad_schedules_are_quarantined(env: Env, body: dict, reason: str) -> None:
+    meta = apply_one(env, "family", body)
+    assert meta is not None and reason in meta["error"]
+    assert env.tasks() == []
+
+
+def test_caller_chosen_task_id_duplicate_rejected(env: Env) -> None:
+    assert apply_one(env, "family", schedule_body("dup")) is None
+    meta = apply_one(env, "family", schedule_body("dup", prompt="other"))
+    assert meta and "already exists" in meta["error"]
+    assert env.task("dup")["prompt"] == "water the plants"
+
+
+def test_task_lifecycle(env: Env) -> None:
+    apply_one(env, "family", schedule_body("t", schedule_type="interval",
+                                           schedule_value="60000"))
+    assert apply_one(env, "family", {"type": "pause_task", "taskId": "t"}) is None
+    assert env.task("t")["status"] == "paused"
+    # resume after the next_run has passed computes a fresh one
+    env.db.conn.execute("UPDATE scheduled_tasks SET next_run = '2001-01-01T00:00:00.000Z'")
+    assert apply_one(env, "family", {"type": "resume_task", "taskId": "t"}) is None
+    t = env.task("t")
+    assert t["status"] == "active" and from_iso(t["next_run"]) > datetime.now(timezone.utc)
+    assert apply_one(env, "family", {"type": "update_task", "taskId": "t", "updates": {
+        "schedule_type": "cron", "schedule_value": "30 6 * * *", "prompt": "new"}}) is None
+    t = env.task("t")
+    assert (t["schedule_type"], t["schedule_value"], t["prompt"]) == ("cron", "30 6 * * *",
+                                                                      "new")
+    assert from_iso(t["next_run"]).astimezone(ZoneInfo("Europe/Berlin")).hour == 6
+    meta = apply_one(env, "family", {"type": "update_task", "taskId": "t",
+                                     "updates": {"schedule_value": "bogus"}})
+    assert meta and "cron expression" in meta["error"]
+    assert env.task("t")["schedule_value"] == "30 6 * * *"  # rolled back alone
+    assert apply_one(env, "family", {"type": "cancel_task", "taskId": "t"}) is None
+    t = env.task("t")
+    assert t["status"] == "completed" and t["next_run"] is None
+    meta = apply_one(env, "family", {"type": "resume_task", "taskId": "t"})
+    assert meta and "completed" in meta["error"]
+    assert apply_one(env, "family", {"type": "delete_task", "taskId": "t"}) is None
+    assert env.task("t") is None
+    meta = apply_one(env, "family", {"type": "pause_task", "taskId": "t"})
+    assert meta and "no task 't'" in meta["error"]
+
+
+# --------------------------------------------------------------------------- outbound
+
+def test_message_and_react_go_to_the_outbox(env: Env) -> None:
+    apply_one(env, "family", {"type": "send_message", "chatJid": FAMILY_JID, "message": "hi",
+                              "groupFolder": "family"}, sub="messages")
+    apply_one(env, "family", {"type": "message", "text": "yo", "sender": "Bot",
+                              "replyTo": "m7"}, sub="messages")
+    apply_one(env, "main", {"type": "react", "chatJid": WORK_JID, "messageId": "m1",
+                            "emoji": "👍"}, sub="messages")
+    rows = env.outbox()
+    assert [(r["chat_jid"], r["kind"], r["text"], r["source_group"], r["status"])
+            for r in rows] == [(FAMILY_JID, "text", "hi", "family", "pending"),
+                               (FAMILY_JID, "text", "yo", "family", "pending"),
+                               (WORK_JID, "reaction", None, "main", "pending")]
+    assert (rows[1]["sender"], rows[1]["reply_to"]) == ("Bot", "m7")
+    assert (rows[2]["message_id"], rows[2]["emoji"]) == ("m1", "👍")
+
+
+def test_send_file_is_copied_to_a_host_spool(env: Env, tmp_path: Path) -> None:
+    out = env.data / "groups" / "family" / "out"
+    out.mkdir()
+    (out / "chart.png").write_bytes(b"PNG" * 1000)
+    assert apply_one(env, "family", {"type": "send_file", "filePath": "/workspace/group/out/"
+                                     "chart.png", "caption": "here"}, sub="messages") is None
+    assert apply_one(env, "family", {"type": "send_file", "filePath": "out/chart.png",
+                                     "fileName": "renamed.png"}, sub="messages") is None
+    rows = env.outbox()
+    assert [(r["kind"], r["file_name"], r["text"]) for r in rows] == [
+        ("file", "chart.png", "here"), ("file", "renamed.png", None)]
+    copy = Path(rows[0]["file_path"])
+    assert copy.is_relative_to(env.data / "spool") and copy.read_bytes() == b"PNG" * 1000
+    (out / "chart.png").write_bytes(b"changed")  # the agent changing it later changes nothing
+    assert copy.read_bytes() == b"PNG" * 1000
+    # refusals: escaping, symlinks, oversized, missing
+    os.symlink(tmp_path / "config.yaml", out / "link.png")
+    with open(out / "big.bin", "wb") as f:
+        f.truncate(64 * 1024 * 1024 + 1)
+    for path, why in [("/workspace/group/../main/x", "'..'"), ("out/link.png", "symlink"),
+                      ("out/big.bin", "too large"), ("out/none.png", "does not exist"),
+                      ("/workspace/ipc/tasks/x.json", "outside")]:
+        meta = apply_one(env, "family", {"type": "send_file", "filePath": path},
+                         sub="messages")
+        assert meta and why in meta["error"], (path, meta)
+    assert len(env.outbox()) == 2
+
+
+def test_send_file_from_a_configured_extra_mount(tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "cat.jpg").write_bytes(b"JPEG")
+    e = Env(tmp_path)
+    try:
+        e.db.conn.execute("UPDATE registered_groups SET container_config = ? WHERE folder = ?",
+                          (json.dumps({"mounts": [{"host": str(photos), "container": "photos",
+                                                   "readonly": True}]}), "family"))
+        e.engine.refresh_groups()
+        assert apply_one(e, "family", {"type": "send_file",
+                                       "filePath": "/workspace/extra/photos/cat.jpg"}) is None
+        meta = apply_one(e, "work", {"type": "send_file",
+                                     "filePath": "/workspace/extra/photos/cat.jpg"})
+        assert meta and "not a mount of this group" in meta["error"]
+    finally:
+        e.close()
+
+
+# --------------------------------------------------------------------------- groups
+
+def test_register_group_creates_it_and_its_folders(env: Env) -> None:
+    assert apply_one(env, "main", {"type": "register_group", "jid": "tg:9", "name": "Garden",
+                                   "folder": "garden", "groupFolder": "main"},
+                     sub="groups") is None
+    row = env.db.query_one("SELECT * FROM registered_groups WHERE folder = 'garden'")
+    assert (row["jid"], row["name"], row["trigger"], row["is_main"], row["source"]) == (
+        "tg:9", "Garden", "@Andy", 0, "ipc")
+    for sub in ("messages", "tasks", "input", "actions", "action_results"):
+        p = env.ipc / "garden" / sub
+        assert p.is_dir() and stat.S_IMODE(p.stat().st_mode) == 0o2770
+    assert (env.data / "groups" / "garden").is_dir()
+    # the new group is served at once
+    assert apply_one(env, "garden", {"type": "message", "text": "hello"}, sub="messages") is None
+    assert env.outbox()[-1]["chat_jid"] == "tg:9"
+    # and shows in main's snapshot
+    snap = json.loads((env.ipc / "main" / "available_groups.json").read_text())
+    assert {"jid": "tg:9", "name": "Garden", "folder": "garden", "lastActivity": None,
+            "isRegistered": True} in snap["groups"]
+    for body, why in [({"folder": "garden", "jid": "tg:10"}, "folder 'garden' is already"),
+                      ({"folder": "other", "jid": FAMILY_JID}, "already registered")]:
+        meta = apply_one(env, "main", {"type": "register_group", "name": "x", **body})
+        assert meta and why in meta["error"]
+
+
+# --------------------------------------------------------------------------- ordering
+
+def test_files_run_in_filename_order_across_folders(env: Env) -> None:
+    env.write("family", {"type": "pause_task", "taskId": "o1"}, sub="messages",
+              name="0002-b.json")
+    env.write("family", schedule_body("o1"), sub="tasks", name="0001-a.json")
+    env.write("family", {"type": "message", "text": "third"}, sub="tasks", name="0003-c.json")
+    env.write("family", {"type": "message", "text": "fourth"}, sub="messages",
+              name="0004-d.json")
+    res = env.drain()
+    assert (res.applied, res.rejected) == (4, 0)
+    assert env.task("o1")["status"] == "paused"
+    assert [r["text"] for r in env.outbox()] == ["third", "fourth"]
+
+
+def test_fair_batches_do_not_starve_a_quiet_group(tmp_path: Path) -> None:
+    e = Env(tmp_path)
+    try:
+        engine = IpcEngine(e.cfg, e.db, batch_per_group=8, batch_max=64)
+        for i in range(200):
+            e.write("family", {"type": "message", "text": f"flood {i}"}, sub="messages")
+        e.write("work", {"type": "message", "text": "quiet"}, sub="messages")
+        batch = engine.take_fair(engine.collect())
+        assert len(batch["family"]) == 8 and len(batch["work"]) == 1
+        engine.process(batch)
+        texts = [r["text"] for r in e.outbox()]
+        assert "quiet" in texts and len(texts) == 9
+        assert engine.drain().applied == 192
+        engine.close()
+    finally:
+        e.close()
+
+
+# --------------------------------------------------------------------------- ledger
+
+def test_ledger_hit_after_a_crash_only_removes_the_file(env: Env) -> None:
+    """A crash after COMMIT and before unlink leaves the file and its ledger row: on restart
+    it is removed, not applied again."""
+    name = env.write("family", {"type": "message", "text": "once"}, sub="messages")
+    path = env.ipc / "family" / "messages" / name
+    data = path.read_bytes()
+    key = f"{hashlib.sha256(data).hexdigest()}@{generation(os.stat(path))}"
+    with env.db.transaction() as c:  # what the crashed run had committed
+        c.execute("INSERT INTO ipc_ledger VALUES ('family', ?, ?, 'message', 'applied', NULL,"
+                  " '2026-01-01T00:00:00.000Z')", (f"messages/{name}", key))
+    res = env.drain()
+    assert (res.applied, res.finished) == (0, 1)
+    assert not path.exists() and env.outbox() == []
+
+
+def test_ledger_hit_rejected_is_quarantined_with_the_stored_reason(env: Env) -> None:
+    name = env.write("family", {"type": "message", "text": "x"}, sub="messages")
+    path = env.ipc / "family" / "messages" / name
+    key = f"{hashlib.sha256(path.read_bytes()).hexdigest()}@{generation(os.stat(path))}"
+    with env.db.transaction() as c:
+        c.execute("INSERT INTO ipc_ledger VALUES ('family', ?, ?, 'message', 'rejected', "
+                  "'unauthorized: earlier', '2026-01-01T00:00:00.000Z')",
+                  (f"messages/{name}", key))
+    env.drain()
+    assert env.errors_for("family", name)["error"] == "unauthorized: earlier"
+    assert env.outbox() == []
+
+
+def test_same_name_same_content_written_again_is_a_new_command(env: Env) -> None:
+    for _ in range(2):
+        env.write("family", {"type": "message", "text": "again"}, sub="messages",
+                  name="fixed.json")
+        env.drain()
+    assert [r["text"] for r in env.outbox()] == ["again", "again"]
+    assert env.db.query_one("SELECT count(*) FROM ipc_ledger")[0] == 2
+
+
+# --------------------------------------------------------------------------- quarantine
+
+def test_quarantine_is_capped_and_pruning_is_logged(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    e = Env(tmp_path, max_files=10, max_bytes=1024 * 1024)
+    try:
+        names = [e.write("family", {"type": "bogus", "n": i}) for i in range(15)]
+        with caplog.at_level(logging.WARNING, logger="mdclaw.ipc"):
+            assert e.drain().rejected == 15
+        left = sorted(p.name for p in e.errors.iterdir() if p.name.endswith(".error.json"))
+        assert left == sorted(f"family-{n}.error.json" for n in names[5:])
+        assert "pruned the 1 oldest entry" in caplog.text
+        assert "unknown command type 'bogus'" in caplog.text
+        assert e.engine.quarantine.count == 10
+    finally:
+        e.close()
+    # bytes cap: big (but keepable) payloads push old entries out
+    (tmp_path / "b").mkdir()
+    e2 = Env(tmp_path / "b", max_files=1000, max_bytes=100_000)
+    try:
+        for i in range(10):
+            e2.write("family", None, raw=b"x" * 6000 + str(i).encode())
+        e2.drain()
+        assert e2.engine.quarantine.total_bytes <= 100_000
+        assert sum(p.stat().st_size for p in e2.errors.iterdir()) <= 100_000
+        # the cap survives a restart: a new engine counts what is there
+        again = IpcEngine(e2.cfg, e2.db)
+        assert again.quarantine.count == e2.engine.quarantine.count
+        again.close()
+    finally:
+        e2.close()
+
+
+def test_nothing_is_written_back_into_the_container_on_rejection(env: Env) -> None:
+    before = sorted(str(p.relative_to(env.ipc / "family")) for p in
+                    (env.ipc / "family").rglob("*"))
+    apply_one(env, "family", {"type": "register_group", "jid": "j", "name": "n",
+                              "folder": "f"})
+    after = sorted(str(p.relative_to(env.ipc / "family")) for p in
+                   (env.ipc / "family").rglob("*"))
+    assert after == before
+
+
+def test_just_written_unparsable_file_waits_then_is_quarantined(env: Env) -> None:
+    engine = IpcEngine(env.cfg, env.db, settle_ns=10 ** 9)
+    try:
+        p = env.ipc / "family" / "tasks" / "partial.json"
+        p.write_text('{"type": "mess')
+        res = engine.drain(max_rounds=1)
+        assert res.deferred == 1 and p.exists()
+        old = time.time_ns() - 5 * 10 ** 9
+        os.utime(p, ns=(old, old))
+        res = engine.drain()
+        assert res.rejected == 1 and not p.exists()
+    finally:
+        engine.close()
+
+
+# --------------------------------------------------------------------------- snapshots
+
+def test_snapshots_main_sees_all_others_their_own(env: Env) -> None:
+    with env.db.transaction() as c:
+        c.execute("INSERT INTO chats (jid, name, last_activity, channel, is_group) VALUES "
+                  "('tg:77', 'Book club', '2026-02-23T12:00:00.000Z', 'telegram', 1), "
+                  "(?, 'Family chat', '2026-02-24T12:00:00.000Z', 'telegram', 1)",
+                  (FAMILY_JID,))
+    env.engine.start()
+    apply_one(env, "family", schedule_body("f"))
+    apply_one(env, "work", schedule_body("w"))
+    main_tasks = json.loads((env.ipc / "main" / "current_tasks.json").read_text())
+    fam_tasks = json.loads((env.ipc / "family" / "current_tasks.json").read_text())
+    assert sorted(t["id"] for t in main_tasks) == ["f", "w"]
+    assert [t["id"] for t in fam_tasks] == ["f"]
+    assert set(fam_tasks[0]) == {"id", "groupFolder", "chat_jid", "prompt", "schedule_type",
+                                 "schedule_value", "context_mode", "status", "next_run",
+                                 "last_run", "timezone"}
+    apply_one(env, "family", {"type": "pause_task", "taskId": "f"})
+    fam_tasks = json.loads((env.ipc / "family" / "current_tasks.json").read_text())
+    assert fam_tasks[0]["status"] == "paused"  # refreshed after the change
+    groups = json.loads((env.ipc / "main" / "available_groups.json").read_text())
+    assert set(groups) == {"groups", "lastSync"}
+    by_jid = {g["jid"]: g for g in groups["groups"]}
+    assert by_jid["tg:77"] == {"jid": "tg:77", "name": "Book club", "folder": None,
+                               "lastActivity": "2026-02-23T12:00:00.000Z",
+                               "isRegistered": False}
+    assert by_jid[FAMILY_JID]["isRegistered"] and by_jid[FAMILY_JID]["folder"] == "family"
+    assert by_jid[FAMILY_JID]["lastActivity"] == "2026-02-24T12:00:00.000Z"
+    assert {MAIN_JID, WORK_JID} <= set(by_jid)
+    for g in ("family", "work"):
+        assert json.loads((env.ipc / g / "available_groups.json").read_text())["groups"] == []
+    # atomic writes leave no temp files behind
+    assert not [p for p in (env.ipc / "main").iterdir() if p.name.endswith(".tmp")]
+    mode = stat.S_IMODE((env.ipc / "main" / "current_tasks.json").stat().st_mode)
+    assert mode == 0o640
+
+
+def test_snapshot_target_swapped_for_symlink_is_replaced_not_followed(env: Env,
+                                                                      tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    os.symlink(victim, env.ipc / "family" / "current_tasks.json")
+    write_snapshots(env.db, env.engine.layout)
+    assert victim.read_text() == "keep me"
+    assert not (env.ipc / "family" / "current_tasks.json").is_symlink()
+
+
+# --------------------------------------------------------------------------- writers
+
+def test_follow_up_and_close_sentinel(env: Env, tmp_path: Path) -> None:
+    layout = env.engine.layout
+    name = write_follow_up(layout, "family", sender="tg:42", sender_name="Alice",
+                           content="and another thing", timestamp="2026-01-01T00:00:00.000Z")
+    body = json.loads((env.ipc / "family" / "input" / name).read_text())
+    assert body == {"sender": "tg:42", "sender_name": "Alice", "content": "and another thing",
+                    "timestamp": "2026-01-01T00:00:00.000Z"}
+    write_close(layout, "family")
+    close = env.ipc / "family" / "input" / "_close"
+    assert close.exists() and close.read_bytes() == b""
+    assert not [p for p in (env.ipc / "family" / "input").iterdir()
+                if p.name.startswith(".")]
+    # input/ swapped for a symlink: refused, nothing written where it points
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    os.rename(env.ipc / "work" / "input", tmp_path / "work-input")
+    os.symlink(target, env.ipc / "work" / "input")
+    with pytest.raises(UnsafePath):
+        write_follow_up(layout, "work", sender="a", sender_name="b", content="c")
+    with pytest.raises(UnsafePath):
+        write_close(layout, "work")
+    assert list(target.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- actions
+
+def _result(env: Env, group: str, rid: str) -> dict:
+    return json.loads((env.ipc / group / "action_results" / f"{rid}.json").read_text())
+
+
+def test_memory_actions(env: Env, tmp_path: Path) -> None:
+    g = env.data / "groups" / "family"
+    (g / "MEMORY.md").write_text("# Memory\nTomatoes need water daily.\nCats: two.\n")
+    (g / "memory").mkdir()
+    (g / "memory" / "garden.md").write_text("tomatoes tomatoes in the greenhouse\n")
+    (tmp_path / "secret.md").write_text("tomatoes secret")
+    os.symlink(tmp_path / "secret.md", g / "memory" / "leak.md")
+    apply_one(env, "family", {"type": "memory_action", "requestId": "s1",
+                              "action": "memory_search",
+                              "params": {"query": "Tomatoes", "topK": 5}}, sub="actions")
+    res = _result(env, "family", "s1")
+    assert res["status"] == "success" and res["requestId"] == "s1" and res["executedAt"]
+    hits = res["result"]["hits"]
+    assert [(h["path"], h["line"]) for h in hits] == [("memory/garden.md", 1), ("MEMORY.md", 2)]
+    assert all("secret" not in h["snippet"] for h in hits)
+    apply_one(env, "family", {"type": "memory_action", "requestId": "g1",
+                              "action": "memory_get", "params": {"path": "memory/garden.md"}},
+              sub="actions")
+    assert _result(env, "family", "g1")["result"]["content"].startswith("tomatoes tomatoes")
+    for rid, params, why in [("g2", {"path": "../main/MEMORY.md"}, "not allowed"),
+                             ("g3", {"path": "memory/leak.md"}, "does not exist"),
+                             ("g4", {"path": "/etc/passwd"}, "not allowed"),
+                             ("g5", {"path": "memory/sub/x.md"}, "not allowed")]:
+        apply_one(env, "family", {"type": "action", "request_id": rid, "action": "memory_get",
+                                  "params": params}, sub="actions")
+        r = _result(env, "family", rid)
+        assert r["status"] == "error" and why in r["error"], r
+    apply_one(env, "family", {"type": "farm_action", "requestId": "f1", "action": "ha_restart",
+                              "params": {}}, sub="actions")
+    r = _result(env, "family", "f1")
+    assert r["status"] == "error" and "unknown action 'ha_restart'" in r["error"]
+
+
+def test_action_results_swapped_for_symlink(env: Env, tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    target.mkdir()
+    os.rmdir(env.ipc / "family" / "action_results")
+    os.symlink(target, env.ipc / "family" / "action_results")
+    meta = apply_one(env, "family", {"type": "action", "request_id": "r1",
+                                     "action": "memory_search", "params": {"query": "x"}},
+                     sub="actions")
+    assert meta and "symlink" in meta["error"]
+    assert list(target.iterdir()) == []
+
+
+def test_adding_an_action_handler(env: Env) -> None:
+    from mdclaw.ipc.actions import HANDLERS, ActionFailed, action
+
+    @action("test_echo")
+    def echo(ctx, params):  # noqa: ANN001, ANN202
+        if params.get("fail"):
+            raise ActionFailed("asked to fail")
+        ctx.conn.execute("INSERT INTO router_state (key, value) VALUES ('echo', ?)",
+                         (ctx.caller.folder,))
+        return {"echo": params.get("say"), "from": ctx.caller.folder}
+
+    try:
+        apply_one(env, "work", {"type": "action", "request_id": "e1", "action": "test_echo",
+                                "params": {"say": "hi"}}, sub="actions")
+        assert _result(env, "work", "e1")["result"] == {"echo": "hi", "from": "work"}
+        assert env.db.query_one("SELECT value FROM router_state WHERE key='echo'")[0] == "work"
+        apply_one(env, "work", {"type": "action", "request_id": "e2", "action": "test_echo",
+                                "params": {"fail": True}}, sub="actions")
+        assert _result(env, "work", "e2") | {"executedAt": None} == {
+            "requestId": "e2", "status": "error", "error": "asked to fail", "executedAt": None}
+    finally:
+        HANDLERS.pop("test_echo", None)
