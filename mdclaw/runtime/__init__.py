@@ -1,0 +1,288 @@
+"""Container runtimes: one small interface, one class per kind of engine.
+
+`DockerRuntime` speaks the Docker Engine API through the `docker` SDK, so it serves dockerd and
+Podman's Docker-compatible service alike; `AppleContainerRuntime` drives Apple's `container`
+CLI. Everything here is blocking: the daemon calls it through `asyncio.to_thread` (or a thread
+of its own for a running container's output).
+
+The runner describes a container with a `RunSpec`; `start` creates it, attaches to its
+streams, starts it and writes the spec's stdin, then returns a `RunningContainer` whose
+`chunks()` yields the output as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from mdclaw.config import Config, Runtime
+
+log = logging.getLogger("mdclaw.runtime")
+
+LABEL = "mdclaw"  # every container mdclaw starts has mdclaw=true
+INSTALL_LABEL = "mdclaw.install"  # ...and mdclaw.install=<install id>
+GROUP_LABEL = "mdclaw.group"
+
+STDOUT, STDERR = 1, 2
+Stream = Literal[1, 2]
+
+# Where users expect the engine's API socket, in the order they expect it to win.
+SOCKET_CANDIDATES = (
+    "/run/docker.sock",
+    "/var/run/docker.sock",
+    "/run/podman/podman.sock",
+)
+
+
+class RuntimeError_(Exception):
+    """Base of the errors a runtime raises; the message is for a person."""
+
+
+class EngineUnavailable(RuntimeError_):
+    """The engine's API cannot be reached (not installed, not started, wrong socket)."""
+
+
+class ImageError(RuntimeError_):
+    """An image could not be built, loaded or found."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A bind mount. `host` must be absolute; `container` is the absolute path inside."""
+
+    host: str
+    container: str
+    readonly: bool = True
+
+
+@dataclass
+class RunSpec:
+    """Everything needed to start one container. Mutable on purpose: the runner's spec hooks
+    add mounts and environment variables before the container starts."""
+
+    name: str
+    image: str
+    labels: dict[str, str]
+    command: list[str] | None = None
+    stdin: bytes = b""
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    user: str | None = "1000:1000"
+    group_add: list[str] = field(default_factory=list)
+    network: str = "none"
+    read_only: bool = True
+    tmpfs: dict[str, str] = field(default_factory=lambda: {"/tmp": "rw,nosuid,nodev,size=256m"})
+    cap_drop: list[str] = field(default_factory=lambda: ["ALL"])
+    security_opt: list[str] = field(default_factory=lambda: ["no-new-privileges"])
+    memory: str | None = None  # docker syntax: "2g", "512m"
+    cpus: float | None = None
+    pids: int | None = None
+    workdir: str | None = None
+    init: bool = True  # a tiny init as PID 1: signals reach the agent, zombies are reaped
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    id: str
+    name: str
+    state: str
+    image: str
+    labels: dict[str, str]
+    created: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"id": self.id[:12], "name": self.name, "state": self.state, "image": self.image,
+                "group": self.labels.get(GROUP_LABEL, ""),
+                "install": self.labels.get(INSTALL_LABEL, ""), "created": self.created}
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    ref: str
+    id: str
+    tags: tuple[str, ...]
+    created: str
+    size: int
+
+
+class RunningContainer(ABC):
+    """A started container. `chunks()` must be consumed (from one thread) until it ends."""
+
+    id: str
+    name: str
+
+    @abstractmethod
+    def chunks(self) -> Iterator[tuple[Stream, bytes]]:
+        """Yield (STDOUT|STDERR, bytes) as the container writes; ends when it exits."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the container has exited; return its exit status."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the output stream (idempotent); unblocks a reader of chunks()."""
+
+
+class ContainerRuntime(ABC):
+    """What mdclaw needs from a container engine. All methods block; all raise
+    EngineUnavailable when the engine cannot be reached."""
+
+    engine: str
+    description: str  # where it talks to, for status lines
+
+    @abstractmethod
+    def ping(self) -> str:
+        """Return a one-line engine description (name and version); raise EngineUnavailable."""
+
+    @abstractmethod
+    def image_info(self, ref: str) -> ImageInfo | None:
+        """The image `ref` if the engine has it, else None."""
+
+    @abstractmethod
+    def build_image(self, tag: str, dockerfile: Path, context: Path,
+                    progress: Callable[[str], None] | None = None) -> str:
+        """Build `dockerfile` with `context`, tag it, return the image id; raise ImageError."""
+
+    @abstractmethod
+    def load_image(self, tarball: Path,
+                   progress: Callable[[str], None] | None = None) -> list[str]:
+        """Load an image tarball (docker-archive/OCI, maybe gzipped); return loaded refs."""
+
+    @abstractmethod
+    def start(self, spec: RunSpec) -> RunningContainer:
+        """Create, attach, start, write stdin; raise ImageError if the image is missing."""
+
+    @abstractmethod
+    def stop(self, container_id: str, grace: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds. A container already gone is fine."""
+
+    @abstractmethod
+    def kill(self, container_id: str) -> None:
+        """SIGKILL now. A container already gone is fine."""
+
+    @abstractmethod
+    def remove(self, container_id: str) -> None:
+        """Remove (force). A container already gone is fine."""
+
+    @abstractmethod
+    def list(self, labels: dict[str, str], *, all: bool = True) -> list[ContainerInfo]:
+        """Containers carrying every one of `labels` (running and, with all, stopped)."""
+
+    def cleanup(self, labels: dict[str, str]) -> list[str]:
+        """Remove every container carrying all of `labels`; return the names removed."""
+        removed = []
+        for info in self.list(labels, all=True):
+            try:
+                self.remove(info.id)
+                removed.append(info.name)
+            except RuntimeError_ as e:
+                log.warning("could not remove container %s: %s", info.name, e)
+        return removed
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def install_id(cfg: Config) -> str:
+    """The value of the install label: runtime.install_id, else a hash of data_dir (two
+    installs on one host have different data dirs, so they never reap each other)."""
+    if cfg.runtime.install_id:
+        return cfg.runtime.install_id
+    return hashlib.sha256(str(cfg.data_dir).encode()).hexdigest()[:12]
+
+
+def install_labels(cfg: Config) -> dict[str, str]:
+    return {LABEL: "true", INSTALL_LABEL: install_id(cfg)}
+
+
+def find_socket(configured: str | None = None, env: dict[str, str] | None = None,
+                exists: Callable[[str], bool] | None = None) -> str:
+    """The engine API address as a URL (unix://..., tcp://...).
+
+    Order: the configured socket, $DOCKER_HOST, /run/docker.sock, /var/run/docker.sock,
+    /run/podman/podman.sock, $XDG_RUNTIME_DIR/podman/podman.sock. When none exists the
+    first candidate is returned, so the error names where mdclaw looked first.
+    """
+    env = dict(os.environ) if env is None else env
+    exists = exists or _is_socket
+    if configured:
+        return configured if "://" in configured else f"unix://{configured}"
+    if env.get("DOCKER_HOST"):
+        return env["DOCKER_HOST"]
+    candidates = list(SOCKET_CANDIDATES)
+    if env.get("XDG_RUNTIME_DIR"):
+        candidates.append(os.path.join(env["XDG_RUNTIME_DIR"], "podman", "podman.sock"))
+    for path in candidates:
+        if exists(path):
+            return f"unix://{path}"
+    return f"unix://{candidates[0]}"
+
+
+def _is_socket(path: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def create_runtime(rt: Runtime) -> ContainerRuntime:
+    """The runtime the config asks for (nothing is contacted yet)."""
+    if rt.engine == "apple-container":
+        from mdclaw.runtime.apple import AppleContainerRuntime
+
+        return AppleContainerRuntime()
+    from mdclaw.runtime.docker_engine import DockerRuntime
+
+    return DockerRuntime(find_socket(rt.socket), engine=rt.engine)
+
+
+async def wait_for_engine(runtime: ContainerRuntime, *,
+                          status: Callable[[str], None] | None = None,
+                          stop: asyncio.Event | None = None,
+                          first_delay: float = 1.0, max_delay: float = 60.0) -> str | None:
+    """Ping the engine until it answers, backing off (1 s doubling up to `max_delay`).
+
+    Each failure is logged and passed to `status` as a sentence ("container engine
+    unreachable at ...: ...; retrying in 8 s"), so a down engine shows in systemd's status
+    instead of a crash loop. Returns the engine description, or None if `stop` was set first.
+    """
+    delay = first_delay
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await asyncio.to_thread(runtime.ping)
+        except EngineUnavailable as e:
+            line = (f"container engine unreachable at {runtime.description}: {e}; "
+                    f"retrying in {delay:g} s (attempt {attempt})")
+            log.warning("%s", line)
+            if status:
+                status(line)
+        if stop is None:
+            await asyncio.sleep(delay)
+        else:
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return None
+            except TimeoutError:
+                pass
+        delay = min(delay * 2, max_delay)
+
+
+__all__ = [
+    "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
+    "ContainerRuntime", "EngineUnavailable", "ImageError", "ImageInfo", "Mount", "RunSpec",
+    "RunningContainer", "RuntimeError_", "create_runtime", "find_socket", "install_id",
+    "install_labels", "wait_for_engine",
+]

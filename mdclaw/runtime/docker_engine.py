@@ -1,0 +1,342 @@
+"""`DockerRuntime`: the Docker Engine API through the `docker` SDK (dockerd or Podman).
+
+A run attaches to the container's stdin/stdout/stderr with one hijacked connection before the
+container starts, so no output can be missed; stdin is written by a short-lived thread (a
+container that never reads stdin cannot block the caller) and then half-closed, which is the
+container's end of input. Output frames are demultiplexed as they arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import Mount as DockerMount
+
+from mdclaw.runtime import (
+    STDERR,
+    STDOUT,
+    ContainerInfo,
+    ContainerRuntime,
+    EngineUnavailable,
+    ImageError,
+    ImageInfo,
+    RunningContainer,
+    RunSpec,
+    RuntimeError_,
+    Stream,
+)
+
+log = logging.getLogger("mdclaw.runtime.docker")
+
+API_TIMEOUT = 60  # seconds for ordinary API calls; a build or load gets longer
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    if isinstance(e, requests.exceptions.ConnectionError | ConnectionError | FileNotFoundError):
+        return True
+    return isinstance(e, docker.errors.DockerException) and not isinstance(
+        e, docker.errors.APIError | docker.errors.ImageNotFound | docker.errors.NotFound)
+
+
+class DockerRuntime(ContainerRuntime):
+    """One class for dockerd and Podman: both serve the Docker Engine API on a socket."""
+
+    def __init__(self, base_url: str, engine: str = "docker") -> None:
+        self.base_url = base_url
+        self.engine = engine
+        self.description = base_url
+        self._client: docker.DockerClient | None = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _api(self) -> docker.APIClient:
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = docker.DockerClient(base_url=self.base_url,
+                                                       timeout=API_TIMEOUT)
+                except Exception as e:  # noqa: BLE001 - every way of not connecting
+                    raise EngineUnavailable(_reason(e)) from None
+            return self._client.api
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if _is_connection_error(e):
+                with self._lock:
+                    self._client = None  # reconnect (and re-negotiate) next time
+                raise EngineUnavailable(_reason(e)) from None
+            raise
+
+    # ----------------------------------------------------------------- interface
+
+    def ping(self) -> str:
+        api = self._api()
+        v = self._call(api.version)
+        names = [c.get("Name", "") for c in v.get("Components") or []]
+        name = next((n for n in names if n), "Docker Engine")
+        return f"{name} {v.get('Version', '?')} (API {v.get('ApiVersion', '?')}) at {self.base_url}"
+
+    def image_info(self, ref: str) -> ImageInfo | None:
+        api = self._api()
+        try:
+            d = self._call(api.inspect_image, ref)
+        except (docker.errors.ImageNotFound, docker.errors.NotFound):
+            return None
+        return ImageInfo(ref=ref, id=d.get("Id", ""), tags=tuple(d.get("RepoTags") or ()),
+                         created=str(d.get("Created", "")), size=int(d.get("Size") or 0))
+
+    def build_image(self, tag: str, dockerfile: Path, context: Path,
+                    progress: Callable[[str], None] | None = None) -> str:
+        context = context.resolve()
+        dockerfile = dockerfile.resolve()
+        try:
+            rel = dockerfile.relative_to(context)
+        except ValueError:
+            raise ImageError(f"{dockerfile} is not inside the build context {context}") from None
+        if not dockerfile.is_file():
+            raise ImageError(f"no Dockerfile at {dockerfile}")
+        api = self._api()
+        image_id = ""
+        try:
+            stream = self._call(api.build, path=str(context), dockerfile=str(rel), tag=tag,
+                                rm=True, forcerm=True, decode=True, pull=False,
+                                timeout=3600)
+            for item in stream:
+                if "error" in item:
+                    detail = item.get("errorDetail", {}).get("message") or item["error"]
+                    raise ImageError(f"build of {tag} failed: {str(detail).strip()}")
+                text = item.get("stream") or item.get("status")
+                if text and progress:
+                    for line in str(text).splitlines():
+                        if line.strip():
+                            progress(line.rstrip())
+                aux = item.get("aux")
+                if isinstance(aux, dict) and aux.get("ID"):
+                    image_id = aux["ID"]
+        except docker.errors.APIError as e:
+            raise ImageError(f"build of {tag} failed: {e.explanation or e}") from None
+        info = self.image_info(tag)
+        if info is None:
+            raise ImageError(f"build of {tag} finished but the engine has no image {tag}")
+        return info.id or image_id
+
+    def load_image(self, tarball: Path,
+                   progress: Callable[[str], None] | None = None) -> list[str]:
+        api = self._api()
+        refs: list[str] = []
+        try:
+            with open(tarball, "rb") as f:
+                result = self._call(api.load_image, f)
+                items = [result] if isinstance(result, dict) else result
+                for item in items:
+                    if "error" in item:
+                        raise ImageError(f"loading {tarball} failed: {item['error']}")
+                    text = str(item.get("stream") or item.get("status") or "")
+                    for line in text.splitlines():
+                        line = line.strip()
+                        if not line:
+                            continue
+                        if progress:
+                            progress(line)
+                        for prefix in ("Loaded image:", "Loaded image ID:", "Loaded image(s):"):
+                            if line.startswith(prefix):
+                                refs.extend(r.strip() for r in line[len(prefix):].split(","))
+        except OSError as e:
+            raise ImageError(f"cannot read {tarball}: {e.strerror or e}") from None
+        except docker.errors.APIError as e:
+            raise ImageError(f"loading {tarball} failed: {e.explanation or e}") from None
+        return [r for r in refs if r]
+
+    def start(self, spec: RunSpec) -> RunningContainer:
+        api = self._api()
+        host_config = api.create_host_config(
+            mounts=[DockerMount(target=m.container, source=m.host, type="bind",
+                                read_only=m.readonly) for m in spec.mounts],
+            network_mode=spec.network,
+            read_only=spec.read_only,
+            tmpfs=dict(spec.tmpfs),
+            cap_drop=list(spec.cap_drop),
+            security_opt=list(spec.security_opt),
+            group_add=list(spec.group_add) or None,
+            mem_limit=spec.memory,
+            nano_cpus=int(spec.cpus * 1e9) if spec.cpus else None,
+            pids_limit=spec.pids,
+            init=spec.init or None,
+        )
+        config = api.create_container_config(
+            spec.image, spec.command, user=spec.user, stdin_open=True, tty=False,
+            environment=dict(spec.env), labels=dict(spec.labels), working_dir=spec.workdir,
+            host_config=host_config, network_disabled=spec.network == "none",
+        )
+        config["StdinOnce"] = True  # half-closing our stdin closes the container's
+        config["AttachStdin"] = config["AttachStdout"] = config["AttachStderr"] = True
+        try:
+            created = self._call(api.create_container_from_config, config, spec.name)
+        except docker.errors.ImageNotFound:
+            raise ImageError(f"image {spec.image} not found: build it with `mdclaw image build` "
+                             "or load it with `mdclaw image load`") from None
+        except docker.errors.APIError as e:
+            if e.status_code == 404:
+                raise ImageError(f"image {spec.image} not found: {e.explanation}") from None
+            raise RuntimeError_(f"cannot create container {spec.name}: "
+                                f"{e.explanation or e}") from None
+        cid = created["Id"]
+        try:
+            sock_io = self._call(api.attach_socket, cid,
+                                 params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+            sock: socket.socket = getattr(sock_io, "_sock", sock_io)
+            sock.settimeout(None)
+            self._call(api.start, cid)
+        except Exception as e:
+            self._quiet(api.remove_container, cid, force=True)
+            if isinstance(e, docker.errors.APIError):
+                raise RuntimeError_(f"cannot start container {spec.name}: "
+                                    f"{e.explanation or e}") from None
+            raise
+        return _DockerRun(self, cid, spec.name, sock, sock_io, spec.stdin)
+
+    def stop(self, container_id: str, grace: float = 2.0) -> None:
+        api = self._api()
+        self._quiet(api.stop, container_id, timeout=max(0, int(round(grace))))
+
+    def kill(self, container_id: str) -> None:
+        api = self._api()
+        self._quiet(api.kill, container_id)
+
+    def remove(self, container_id: str) -> None:
+        api = self._api()
+        self._quiet(api.remove_container, container_id, force=True)
+
+    def list(self, labels: dict[str, str], *, all: bool = True) -> list[ContainerInfo]:
+        api = self._api()
+        rows = self._call(api.containers, all=all,
+                          filters={"label": [f"{k}={v}" for k, v in labels.items()]})
+        out = []
+        for r in rows:
+            row_labels = r.get("Labels") or {}
+            # Filter again here: engines differ in how they match several label filters.
+            if any(row_labels.get(k) != v for k, v in labels.items()):
+                continue
+            names = r.get("Names") or [""]
+            out.append(ContainerInfo(
+                id=r.get("Id", ""), name=str(names[0]).lstrip("/"), state=r.get("State", ""),
+                image=r.get("Image", ""), labels=dict(row_labels),
+                created=str(r.get("Created", ""))))
+        return out
+
+    def inspect(self, container_id: str) -> dict[str, Any]:
+        """The engine's raw inspect document (tests and `containers list` use it)."""
+        api = self._api()
+        return self._call(api.inspect_container, container_id)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _quiet(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Call fn, treating "no such container" and "not running" as done."""
+        try:
+            self._call(fn, *args, **kwargs)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if e.status_code in (304, 404, 409):
+                return
+            raise RuntimeError_(str(e.explanation or e)) from None
+
+
+class _DockerRun(RunningContainer):
+    def __init__(self, rt: DockerRuntime, cid: str, name: str, sock: socket.socket,
+                 sock_io: Any, stdin: bytes) -> None:
+        self.rt = rt
+        self.id = cid
+        self.name = name
+        self._sock = sock
+        self._sock_io = sock_io
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_stdin, args=(stdin,),
+                                        name=f"stdin-{name}", daemon=True)
+        self._writer.start()
+
+    def _write_stdin(self, data: bytes) -> None:
+        try:
+            if data:
+                self._sock.sendall(data)
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError as e:  # the container exited without reading all of it
+            log.debug("stdin of %s not fully written: %s", self.name, e)
+
+    def chunks(self) -> Iterator[tuple[Stream, bytes]]:
+        """Demultiplex the attach stream: 8-byte headers (stream, 0, 0, 0, big-endian size)."""
+        buf = bytearray()
+        stream: Stream = STDOUT
+        remaining = 0  # payload bytes still to come for the current frame
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                return
+            buf += data
+            while buf:
+                if remaining:
+                    take = min(remaining, len(buf))
+                    chunk = bytes(buf[:take])
+                    del buf[:take]
+                    remaining -= take
+                    yield stream, chunk
+                    continue
+                if len(buf) < 8:
+                    break
+                kind, size = buf[0], struct.unpack(">I", bytes(buf[4:8]))[0]
+                del buf[:8]
+                stream = STDERR if kind == 2 else STDOUT
+                remaining = size
+
+    def wait(self, timeout: float | None = None) -> int:
+        api = self.rt._api()
+        try:
+            res = self.rt._call(api.wait, self.id, timeout=timeout or API_TIMEOUT)
+        except docker.errors.NotFound:
+            return -1
+        return int(res.get("StatusCode", -1))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        try:
+            self._sock_io.close()
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    if "FileNotFoundError" in text or "No such file" in text:
+        return "no socket there (is the engine running?)"
+    if "Connection refused" in text:
+        return "connection refused (is the engine running?)"
+    if "Permission denied" in text:
+        return f"permission denied (is user {os.getuid()} in the engine's group?)"
+    return text.splitlines()[0][:300]

@@ -1,0 +1,110 @@
+"""A real container engine for the end-to-end tests.
+
+The engine is found the way mdclaw finds it (DOCKER_HOST, then the usual sockets). When none
+answers but `podman` is installed, a private `podman system service` is started on a socket in
+a temporary directory for the session. When there is still no engine, or the test base image
+`mdclaw-test-base` (made by .ci/setup-engine) is missing, the tests FAIL under CI=true and are
+skipped with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mdclaw.runtime import EngineUnavailable, find_socket
+from mdclaw.runtime.docker_engine import DockerRuntime
+
+BASE_IMAGE = os.environ.get("MDCLAW_TEST_BASE_IMAGE", "mdclaw-test-base")
+HERE = Path(__file__).resolve().parent
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true but {reason}; .ci/setup-engine should have provided it",
+                    pytrace=False)
+    pytest.skip(f"{reason} (run `. .ci/setup-engine` to set one up)")
+
+
+def _try(url: str) -> DockerRuntime | None:
+    rt = DockerRuntime(url, engine="podman" if "podman" in url else "docker")
+    try:
+        rt.ping()
+    except EngineUnavailable:
+        return None
+    return rt
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """A DockerRuntime connected to a live engine (dockerd or Podman)."""
+    url = find_socket()
+    rt = _try(url)
+    proc = None
+    tmp = None
+    if rt is None and shutil.which("podman"):
+        tmp = tempfile.mkdtemp(prefix="mdclaw-podman-")
+        sock = os.path.join(tmp, "podman.sock")
+        proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and rt is None:
+            time.sleep(0.2)
+            if os.path.exists(sock):
+                rt = _try(f"unix://{sock}")
+        if rt is not None:
+            os.environ["DOCKER_HOST"] = f"unix://{sock}"  # for CLI subprocesses
+    if rt is None:
+        if proc:
+            proc.terminate()
+            proc.wait(10)
+        _unavailable(f"no container engine answers at {url}")
+    if rt.image_info(BASE_IMAGE) is None:
+        _unavailable(f"the engine at {rt.base_url} has no test base image {BASE_IMAGE!r}")
+    yield rt
+    if proc:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def agent_image(engine: DockerRuntime, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small image on the base: python3 and tests/e2e/fake_agent.py (no network needed)."""
+    ctx = tmp_path_factory.mktemp("image")
+    shutil.copy(HERE / "fake_agent.py", ctx / "fake_agent.py")
+    (ctx / "Dockerfile").write_text(
+        f"FROM {BASE_IMAGE}\n"
+        "COPY fake_agent.py /opt/fake_agent.py\n"
+        'ENTRYPOINT ["python3", "-u", "/opt/fake_agent.py"]\n'
+    )
+    tag = "mdclaw-e2e-agent:test"
+    engine.build_image(tag, ctx / "Dockerfile", ctx)
+    return tag
+
+
+@pytest.fixture
+def install_id() -> str:
+    """A fresh install label per test, so tests never see each other's containers."""
+    return f"e2e-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def reap(engine: DockerRuntime):
+    """Label sets registered here are cleaned up after the test, whatever happened."""
+    sets: list[dict[str, str]] = []
+    yield sets.append
+    for labels in sets:
+        engine.cleanup(labels)

@@ -1,0 +1,232 @@
+"""The real agent image on a real engine, with the openai backend and a scripted fake model
+server on the host's loopback, reached only through the credential proxy's unix socket.
+
+The image is built offline from container/Dockerfile on the debootstrap test base with a
+wheelhouse made by container/build-wheelhouse.sh. The host side is the real thing: the
+container runner, the credential proxy, the reconciler and the IPC engine (through the CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from mdclaw.config import load_config
+from mdclaw.ipc.writers import write_close, write_follow_up
+from mdclaw.paths import Layout
+from mdclaw.proxy import CredentialProxy, container_model_fields
+from mdclaw.runner import ContainerInput, ContainerRunner
+from mdclaw.runtime import install_labels
+from mdclaw.state import Database
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from fake_models import FakeOpenAI, call, say  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+BASE_IMAGE = os.environ.get("MDCLAW_TEST_BASE_IMAGE", "mdclaw-test-base")
+AGENT_TAG = "mdclaw-agent:e2e"
+REAL_KEY = "sk-e2e-REAL-9f3c1a7b"
+
+
+@pytest.fixture(scope="session")
+def real_agent_image(engine) -> str:
+    """container/Dockerfile built offline on the test base, with a fresh wheelhouse."""
+    wheelhouse = REPO / "container" / "wheelhouse"
+    if not any(wheelhouse.glob("inotify_simple-*.whl")):
+        subprocess.run([str(REPO / "container" / "build-wheelhouse.sh")], check=True,
+                       timeout=600)
+    api = docker.APIClient(base_url=engine.base_url, timeout=900)
+    for item in api.build(path=str(REPO), dockerfile="container/Dockerfile", tag=AGENT_TAG,
+                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
+                          pull=False, decode=True):
+        if "error" in item:
+            pytest.fail(f"image build failed: {item['error']}")
+    return AGENT_TAG
+
+
+def cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "mdclaw", *args, "--config", str(config)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+async def wait_until(pred, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+# Run inside the container: look for the key (given in two halves, so this process's own
+# command line does not hold it) in every process's environment and command line and in
+# every file under the writable and configuration folders.
+SCAN_FOR_KEY = """
+import os, sys
+key = (sys.argv[1] + sys.argv[2]).encode()
+hits, n = [], 0
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    for what in ('environ', 'cmdline'):
+        try:
+            data = open(f'/proc/{pid}/{what}', 'rb').read()
+        except OSError:
+            continue
+        n += 1
+        if key in data:
+            hits.append(f'/proc/{pid}/{what}')
+for top in ('/workspace', '/home', '/tmp', '/opt', '/etc'):
+    for root, dirs, files in os.walk(top):
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                if os.path.islink(p) or not os.path.isfile(p):
+                    continue
+                n += 1
+                if key in open(p, 'rb').read():
+                    hits.append(p)
+            except OSError:
+                pass
+print('scanned', n, *(['FOUND'] + hits if hits else []))
+"""
+
+
+def container_exec(engine, name: str, cmd: list[str]) -> tuple[int, str]:
+    client = docker.DockerClient(base_url=engine.base_url)
+    res = client.containers.get(name).exec_run(cmd, user="1000")
+    return res.exit_code, res.output.decode("utf-8", "replace")
+
+
+def test_openai_agent_end_to_end(tmp_path, engine, real_agent_image, install_id, reap) -> None:
+    key_file = tmp_path / "model.key"
+    key_file.write_text(REAL_KEY + "\n")
+    key_file.chmod(0o600)
+    server = FakeOpenAI([
+        call("send_message", text="Hello from the container"),
+        call("schedule_task", prompt="water the plants", schedule_type="cron",
+             schedule_value="0 8 * * *", task_id="water-plants"),
+        say("first turn done"),
+        say("second turn done"),
+    ]).start()
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(textwrap.dedent(f"""\
+        data_dir: {tmp_path / 'data'}
+        assistant: {{name: Andy, timezone: UTC, model: local}}
+        models:
+          local: {{backend: openai, model: fake-model, base_url: "{server.url}/v1",
+                   api_key_file: {key_file}}}
+        groups:
+          main: {{name: Admin, jid: "tg:1", main: true}}
+          family: {{name: Family, jid: "tg:2"}}
+        limits: {{container_timeout: 120s, idle_timeout: 60s, memory: 256m, cpus: 1.0, pids: 128}}
+        runtime: {{image: {real_agent_image}, install_id: {install_id}}}
+        """))
+    r = cli("reconcile", config=cfg_path)
+    assert r.returncode == 0, r.stderr
+    cfg = load_config(cfg_path)
+    reap(install_labels(cfg))
+    layout = Layout(cfg.data_dir)
+
+    async def scenario() -> dict:
+        db = Database(cfg.db_path)
+        proxy = CredentialProxy(layout, db)
+        runner = ContainerRunner(cfg, engine)
+        outputs: list[dict] = []
+        names: list[str] = []
+        try:
+            await proxy.start_for_config(cfg, "family")
+            fields = container_model_fields(cfg, "family")
+            inp = ContainerInput(prompt="please greet and schedule watering",
+                                 group_folder="family", chat_jid="tg:2",
+                                 assistant_name="Andy", **fields)
+            run = asyncio.create_task(runner.run(
+                "family", inp, on_output=lambda block: outputs.append(json.loads(block))))
+            await wait_until(lambda: outputs, 120, "the first result")
+            assert outputs[0]["status"] == "success", outputs
+            assert outputs[0]["result"] == "first turn done"
+            handle = runner.active("family")
+            assert handle is not None
+            names.append(handle.name)
+
+            # The tool calls left canonical command files; the host applies them.
+            msgs = sorted((layout.group_ipc_dir("family") / "messages").glob("*.json"))
+            assert [json.loads(p.read_text()) for p in msgs] == [
+                {"type": "message", "chat_jid": "tg:2", "text": "Hello from the container"}]
+            drained = await asyncio.to_thread(cli, "ipc", "drain", "--json", config=cfg_path)
+            assert drained.returncode == 0, drained.stderr
+            assert json.loads(drained.stdout)["applied"] == 2
+
+            # A follow-up mid-session becomes the second turn.
+            write_follow_up(layout, "family", sender="tg:42", sender_name="Alice",
+                            content="and the roses?", timestamp="2026-01-01T00:00:00Z")
+            await wait_until(lambda: len(outputs) >= 2, 60, "the second result")
+            assert outputs[1]["result"] == "second turn done"
+
+            # Inside the running container: no real key anywhere, and no way out but the
+            # proxy socket.
+            half = len(REAL_KEY) // 2
+            code, out = await asyncio.to_thread(container_exec, engine, handle.name, [
+                "python3", "-c", SCAN_FOR_KEY, REAL_KEY[:half], REAL_KEY[half:]])
+            assert code == 0 and out.startswith("scanned"), out
+            assert "FOUND" not in out, out
+            code, out = await asyncio.to_thread(container_exec, engine, handle.name, [
+                "python3", "-c",
+                "import socket,sys\n"
+                f"for host in ('127.0.0.1', '10.0.2.2', '172.17.0.1'):\n"
+                f"    try:\n"
+                f"        socket.create_connection((host, {server.port}), timeout=3)\n"
+                f"        print('CONNECTED', host)\n"
+                f"    except OSError as e:\n"
+                f"        print('refused', host, type(e).__name__)\n"])
+            assert "CONNECTED" not in out and out.count("refused") == 3, out
+
+            write_close(layout, "family")
+            result = await asyncio.wait_for(run, 60)
+            return {"result": result, "outputs": outputs}
+        finally:
+            await proxy.flush()
+            await proxy.close()
+            await runner.aclose()
+            db.close()
+
+    out = asyncio.run(scenario())
+    server.stop()
+    result = out["result"]
+    assert result.exit_code == 0 and not result.timed_out and not result.closed_idle
+    assert result.status == "success"
+
+    # The outbox holds the text; the task is in the database.
+    listed = cli("outbox", "list", "--json", config=cfg_path)
+    assert listed.returncode == 0, listed.stderr
+    assert [row["text"] for row in json.loads(listed.stdout)] == ["Hello from the container"]
+    db = Database(cfg.db_path)
+    try:
+        task = db.query_one("SELECT * FROM scheduled_tasks WHERE id = 'water-plants'")
+        usage = db.query("SELECT * FROM model_usage WHERE group_folder = 'family'")
+    finally:
+        db.close()
+    assert task is not None and task["group_folder"] == "family"
+    assert task["schedule_value"] == "0 8 * * *" and task["chat_jid"] == "tg:2"
+
+    # The fake provider got the real key on every request; the container never held it.
+    assert len(server.requests) == 4
+    assert all(q.headers.get("Authorization") == f"Bearer {REAL_KEY}"
+               for q in server.requests)
+    assert sum(r["requests"] for r in usage) == 4
+    assert REAL_KEY not in result.stderr_tail
+    history = server.requests[-1].body["messages"]
+    assert history[-1] == {"role": "user", "content": "and the roses?"}
+    used = cli("usage", "--json", config=cfg_path)
+    assert json.loads(used.stdout)[0]["requests"] == 4
