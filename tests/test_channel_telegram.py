@@ -273,9 +273,18 @@ def test_errors_are_classified_and_never_show_the_token(tmp_path: Path,
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             dead_port = s.getsockname()[1]
-        gone = TelegramChannel(TOKEN, api_base=f"http://127.0.0.1:{dead_port}")
-        with pytest.raises(ChannelError) as e4:
-            await gone.connect()
+        gone = TelegramChannel(TOKEN, api_base=f"http://127.0.0.1:{dead_port}",
+                               poll_timeout=1)
+        await gone.connect()  # starts anyway, not connected, keeps polling
+        try:
+            assert not gone.is_connected()
+            with pytest.raises(ChannelError) as e4:
+                await gone.send_message("tg:1", "x")
+            assert not e4.value.permanent
+            await asyncio.sleep(1.2)  # a failed poll and its warning
+        finally:
+            await gone.disconnect()
+        assert "rejected the bot token" in str(e3.value)
         errors += [str(e3.value), str(e4.value)]
         for text in errors + [r.getMessage() for r in caplog.records]:
             assert "SECRET" not in text and "WRONG-token" not in text, text

@@ -52,10 +52,11 @@ class ChannelError(Exception):
     """
 
     def __init__(self, message: str, *, permanent: bool = False,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, code: int | None = None) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.retry_after = retry_after
+        self.code = code  # the service's status code, when it gave one
 
 
 class Channel(abc.ABC):

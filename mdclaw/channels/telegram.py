@@ -63,7 +63,8 @@ class TelegramChannel(Channel):
         self._poller: asyncio.Task[None] | None = None
         self._typing: dict[str, asyncio.Task[None]] = {}
         self._offset: int | None = None
-        self._connected = False
+        self._running = False  # between connect() and disconnect()
+        self._connected = False  # running, and the last call reached Telegram
         self.bot_username: str | None = None
 
     @classmethod
@@ -89,23 +90,33 @@ class TelegramChannel(Channel):
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> None:
-        """Check the token with getMe, then start long polling. Raises ChannelError."""
+        """Check the token with getMe, then start long polling.
+
+        Raises ChannelError if Telegram rejects the token. When Telegram cannot be reached
+        the channel starts anyway, not connected, and connects as soon as a poll succeeds
+        (sends wait in the outbox meanwhile).
+        """
         if self._session is not None:
             return
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._running = True
         try:
             me = await self.call("getMe")
-        except ChannelError:
-            await self._session.close()
-            self._session = None
-            raise
-        self.bot_username = me.get("username") if isinstance(me, dict) else None
-        self._connected = True
+            self.bot_username = me.get("username") if isinstance(me, dict) else None
+            log.info("telegram: connected as @%s", self.bot_username or "?")
+        except ChannelError as e:
+            if e.code in (401, 403, 404):  # the token is wrong or revoked
+                self._running = self._connected = False
+                await self._session.close()
+                self._session = None
+                raise ChannelError(f"Telegram rejected the bot token ({e}); check "
+                                   "channels.telegram.token_file") from None
+            log.warning("%s; will keep trying", e)
         self._poller = asyncio.create_task(self._poll_loop(), name="telegram-poll")
-        log.info("telegram: connected as @%s", self.bot_username or "?")
 
     async def disconnect(self) -> None:
+        self._running = False
         self._connected = False
         tasks = [t for t in (self._poller, *self._typing.values()) if t is not None]
         self._poller = None
@@ -142,9 +153,12 @@ class TelegramChannel(Channel):
                 except (ValueError, aiohttp.ContentTypeError):
                     body = None
         except asyncio.TimeoutError:
+            self._connected = False
             raise ChannelError(f"telegram {method}: no answer in time") from None
         except aiohttp.ClientError as e:
+            self._connected = False
             raise ChannelError(self.redact(f"telegram {method}: {type(e).__name__}: {e}")) from None
+        self._connected = self._running  # any HTTP answer: Telegram is reachable
         if isinstance(body, dict) and body.get("ok") is True:
             return body.get("result")
         desc = body.get("description") if isinstance(body, dict) else None
@@ -158,12 +172,12 @@ class TelegramChannel(Channel):
         # 401 (token revoked) is left retryable so a fixed token lets the backlog through.
         permanent = status in (400, 403, 404) or code in (400, 403, 404)
         raise ChannelError(text, permanent=permanent and retry_after is None,
-                           retry_after=retry_after)
+                           retry_after=retry_after, code=code if isinstance(code, int) else None)
 
     # ------------------------------------------------------------------ inbound
     async def _poll_loop(self) -> None:
         delay = 1.0
-        while self._connected:
+        while self._running:
             try:
                 params: dict[str, Any] = {"timeout": self.poll_timeout,
                                           "allowed_updates": ["message"]}
@@ -304,7 +318,7 @@ class TelegramChannel(Channel):
         if not self.owns_jid(jid) or not JID_RE.match(jid):
             return
         self._stop_typing(jid)
-        if typing and self._connected:
+        if typing and self._running:
             self._typing[jid] = asyncio.create_task(self._typing_loop(jid),
                                                     name=f"telegram-typing-{jid}")
 

@@ -1,0 +1,55 @@
+"""Make the channels the config enables, and start them together."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from mdclaw.channels.base import Channel, ChannelError, InboundCallback
+from mdclaw.channels.http import HttpChannel
+from mdclaw.channels.telegram import TelegramChannel
+from mdclaw.config import Config
+from mdclaw.state import Database
+
+log = logging.getLogger("mdclaw.channels")
+
+
+def build_channels(cfg: Config, db: Database,
+                   on_inbound: InboundCallback | None = None) -> list[Channel]:
+    """The enabled channels of `cfg`, not yet connected (local HTTP first).
+
+    Raises ChannelError if a channel's secret file cannot be read (the message names the
+    file, never its content).
+    """
+    channels: list[Channel] = []
+    http = cfg.channels.http
+    if http is not None and http.enabled:
+        channels.append(HttpChannel.from_config(http, db, assistant_name=cfg.assistant.name,
+                                                on_inbound=on_inbound))
+    tg = cfg.channels.telegram
+    if tg is not None and tg.enabled:
+        channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound))
+    return channels
+
+
+async def connect_all(channels: Iterable[Channel]) -> dict[str, str]:
+    """Connect every channel; return {channel name: reason} for those that could not start
+    (they are logged; the others run)."""
+    problems: dict[str, str] = {}
+    for ch in channels:
+        try:
+            await ch.connect()
+        except ChannelError as e:
+            problems[ch.name] = ch.redact(str(e))
+            log.error("channel %s did not start: %s", ch.name, problems[ch.name])
+    return problems
+
+
+async def disconnect_all(channels: Iterable[Channel]) -> None:
+    """Disconnect every channel; errors are logged, never raised."""
+    for ch in channels:
+        try:
+            await ch.disconnect()
+        except Exception as e:  # shutting down: keep going
+            log.warning("channel %s did not stop cleanly: %s", ch.name,
+                        ch.redact(f"{type(e).__name__}: {e}"))
