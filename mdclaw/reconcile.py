@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mdclaw.config import Config, Group
+from mdclaw import schedule
+from mdclaw.config import Config, Group, TaskSpec
 from mdclaw.paths import (
     DATA_DIR_MODE,
     GLOBAL_DIR_MODE,
@@ -26,6 +27,7 @@ from mdclaw.paths import (
 )
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
+from mdclaw.state.tasks import delete_task, insert_task, list_tasks, update_task_fields
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class Action:
             return f"add group {self.target} (jid {self.detail.get('jid')!r})"
         if self.kind == "deregister_group":
             return f"deregister group {self.target} (its files are kept)"
+        if self.kind == "add_task":
+            return (f"add task {self.target} (group {self.detail.get('group_folder')!r}, "
+                    f"{self.detail.get('schedule_type')} {self.detail.get('schedule_value')!r})")
+        if self.kind == "update_task":
+            changes = ", ".join(f"{k}: {v['from']!r} -> {v['to']!r}"
+                                for k, v in self.detail.get("changes", {}).items())
+            again = "; new next_run" if self.detail.get("reschedule") else ""
+            return f"update task {self.target} ({changes}){again}"
+        if self.kind == "remove_task":
+            return f"remove task {self.target} (no longer in the config)"
         if self.kind == "create_dir":
             return f"create {self.target} (mode {self.detail['mode']})"
         if self.kind == "fix_mode":
@@ -55,7 +67,7 @@ class Action:
 
 
 ACTION_KINDS = ("create_dir", "fix_mode", "replace_path", "add_group", "update_group",
-                "deregister_group")
+                "deregister_group", "add_task", "update_task", "remove_task")
 
 
 @dataclass
@@ -93,6 +105,81 @@ def desired_row(folder: str, g: Group, cfg: Config) -> GroupRow:
 
 
 _COMPARED = ("name", "jid", "trigger", "requires_trigger", "is_main", "source", "container_config")
+
+# Declarative tasks. The stored timezone of a config task is its effective zone (its own or
+# the assistant's), so changing assistant.timezone reschedules the tasks that follow it.
+_TASK_COMPARED = ("group_folder", "chat_jid", "prompt", "schedule_type", "schedule_value",
+                  "context_mode", "timezone", "catch_up", "source")
+_TASK_SCHEDULE = ("schedule_type", "schedule_value", "timezone")
+
+
+def desired_task(spec: TaskSpec, cfg: Config) -> dict[str, Any]:
+    """The scheduled_tasks fields that config task `spec` should have."""
+    group = cfg.groups.get(spec.group)
+    return {"group_folder": spec.group, "chat_jid": group.jid if group else "",
+            "prompt": spec.prompt, "schedule_type": spec.schedule_type,
+            "schedule_value": spec.schedule_value, "context_mode": spec.context_mode,
+            "timezone": spec.timezone or cfg.assistant.timezone, "catch_up": spec.catch_up,
+            "source": "config"}
+
+
+def _plan_tasks(cfg: Config, db: Database, p: Plan) -> None:
+    actual = {t.id: t for t in list_tasks(db)}
+    for spec in cfg.tasks:
+        want = desired_task(spec, cfg)
+        have = actual.get(spec.id)
+        if have is None:
+            p.actions.append(Action("add_task", spec.id, dict(want)))
+            continue
+        if have.source != "config":
+            p.conflicts.append(
+                f"task {spec.id!r}: the id is already used by a task scheduled at runtime "
+                f"(group {have.group_folder!r}); cancel that task or rename the config task")
+            continue
+        changes = {k: {"from": getattr(have, k), "to": want[k]}
+                   for k in _TASK_COMPARED if getattr(have, k) != want[k]}
+        if changes:
+            p.actions.append(Action("update_task", spec.id, {
+                "changes": changes,
+                "reschedule": any(k in changes for k in _TASK_SCHEDULE)}))
+    wanted = {t.id for t in cfg.tasks}
+    for tid, have in actual.items():
+        if have.source == "config" and tid not in wanted:
+            p.actions.append(Action("remove_task", tid, {"group_folder": have.group_folder}))
+
+
+def _apply_task(cfg: Config, conn: Any, a: Action) -> None:
+    """One task action inside the reconcile transaction. Raises ReconcileError for a schedule
+    that cannot be used any more (e.g. a `once` time that passed since the config was read)."""
+    try:
+        if a.kind == "add_task":
+            spec = next(t for t in cfg.tasks if t.id == a.target)
+            want = desired_task(spec, cfg)
+            insert_task(conn, group_folder=want["group_folder"], chat_jid=want["chat_jid"],
+                        prompt=want["prompt"], schedule_type=want["schedule_type"],
+                        schedule_value=want["schedule_value"], timezone=want["timezone"],
+                        context_mode=want["context_mode"], task_id=spec.id, source="config",
+                        catch_up=want["catch_up"], task_timezone=want["timezone"])
+        elif a.kind == "update_task":
+            spec = next(t for t in cfg.tasks if t.id == a.target)
+            want = desired_task(spec, cfg)
+            fields = {k: (int(v["to"]) if k == "catch_up" else v["to"])
+                      for k, v in a.detail["changes"].items()}
+            if a.detail.get("reschedule"):
+                value = schedule.validate(want["schedule_type"], want["schedule_value"],
+                                          want["timezone"])
+                fields["schedule_value"] = value
+                fields["next_run"] = schedule.to_iso(schedule.first_run(
+                    want["schedule_type"], value, want["timezone"]))
+                row = conn.execute("SELECT status FROM scheduled_tasks WHERE id = ?",
+                                   (a.target,)).fetchone()
+                if row and row[0] == "completed":
+                    fields["status"] = "active"  # a finished one-shot given a new time
+            update_task_fields(conn, a.target, **fields)
+        elif a.kind == "remove_task":
+            delete_task(conn, a.target)
+    except schedule.ScheduleError as e:
+        raise ReconcileError(f"task {a.target!r}: {e}") from None
 
 
 def _dirs(cfg: Config, folders: list[str]) -> list[tuple[Path, int, bool]]:
@@ -167,6 +254,7 @@ def plan(cfg: Config, db: Database) -> Plan:
         if have_mode != mode:
             p.actions.append(Action("fix_mode", str(path),
                                     {"mode": f"{mode:04o}", "was": f"{have_mode:04o}"}))
+    _plan_tasks(cfg, db, p)
     return p
 
 
@@ -201,6 +289,8 @@ def apply_plan(cfg: Config, db: Database, p: Plan) -> None:
                                     (a.target,))
             elif a.kind == "deregister_group":
                 delete_group(db, a.target)
+            elif a.kind in ("add_task", "update_task", "remove_task"):
+                _apply_task(cfg, db.conn, a)
 
 
 def reconcile(cfg: Config, db: Database, *, dry_run: bool = False) -> Plan:
