@@ -1,26 +1,289 @@
 {
-  description = "mdclaw: self-hosted personal AI assistant host";
+  description = "mdclaw: self-hosted personal AI assistant host, one sandboxed agent container per chat group";
 
-  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-25.05";
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-25.11";
 
-  outputs = { self, nixpkgs }:
+  outputs =
+    { self, nixpkgs }:
     let
-      systems = [ "x86_64-linux" "aarch64-linux" ];
-      forAllSystems = f: nixpkgs.lib.genAttrs systems (system: f nixpkgs.legacyPackages.${system});
+      inherit (nixpkgs) lib;
+      systems = [
+        "x86_64-linux"
+        "aarch64-linux"
+      ];
+
+      pkgsFor =
+        system:
+        import nixpkgs {
+          inherit system;
+          overlays = [ self.overlays.default ];
+          # The claude backend runs Anthropic's Claude Code CLI (unfree); nothing else is.
+          config.allowUnfreePredicate = pkg: lib.getName pkg == "claude-code";
+        };
+      forAllSystems = f: lib.genAttrs systems (system: f (pkgsFor system));
+
+      pyproject = lib.importTOML ./pyproject.toml;
+      agentPyproject = lib.importTOML ./container/agent-runner/pyproject.toml;
+
+      # "name[extra]>=1.0 ; marker  # comment" -> "name" (PEP 503 normalised), for each line
+      # that names a package; pip options (-r, --hash, ...) and blank lines are skipped.
+      requirementName =
+        line:
+        let
+          m = builtins.match "[[:space:]]*([A-Za-z0-9][A-Za-z0-9._-]*).*" line;
+        in
+        if m == null then
+          null
+        else
+          lib.toLower (
+            builtins.replaceStrings
+              [
+                "_"
+                "."
+              ]
+              [
+                "-"
+                "-"
+              ]
+              (builtins.head m)
+          );
+      parseRequirements =
+        text:
+        builtins.filter (n: n != null) (
+          map (
+            line:
+            let
+              code = builtins.head (lib.splitString "#" line);
+            in
+            if lib.hasPrefix "-" (lib.trim code) then null else requirementName code
+          ) (lib.splitString "\n" text)
+        );
+
+      # The agent image's Python packages: the one list the Dockerfile installs too,
+      # container/requirements.txt; without it, the agent runner's own dependencies with all
+      # its extras (what `pip install 'container/agent-runner[claude]'` brings).
+      imageRequirements =
+        if builtins.pathExists ./container/requirements.txt then
+          parseRequirements (builtins.readFile ./container/requirements.txt)
+        else
+          map requirementName (
+            agentPyproject.project.dependencies
+            ++ lib.concatLists (lib.attrValues (agentPyproject.project.optional-dependencies or { }))
+          );
+
+      # PyPI name -> nixpkgs python package, where the attribute differs from the name.
+      # The agent runner itself is built from container/agent-runner, not taken from here.
+      pythonAttr = {
+        pytest = "pytestCheckHook";
+      };
+      skipInImage = [ "mdclaw-agent" ];
+      pythonPackage =
+        ps: name:
+        let
+          attr = pythonAttr.${name} or name;
+        in
+        ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
+
+      # Programs a Python package needs next to it in the image (the SDK drives the CLI).
+      imageExtraPrograms = pkgs: {
+        claude-agent-sdk = [ pkgs.claude-code ];
+      };
     in
     {
-      packages = forAllSystems (pkgs: rec {
-        mdclaw = pkgs.python3Packages.buildPythonApplication {
-          pname = "mdclaw";
-          version = "0.1.0";
+      lib = {
+        inherit parseRequirements imageRequirements;
+        hostRequirements = map requirementName pyproject.project.dependencies;
+      };
+
+      overlays.default = final: prev: {
+        mdclaw = final.python3Packages.callPackage (
+          {
+            buildPythonApplication,
+            setuptools,
+          }:
+          buildPythonApplication {
+            pname = "mdclaw";
+            inherit (pyproject.project) version;
+            pyproject = true;
+            src = lib.cleanSource ./.;
+
+            build-system = [ setuptools ];
+            dependencies =
+              map (pythonPackage final.python3Packages) self.lib.hostRequirements
+              # zoneinfo's data where the system has none (build sandbox, minimal images).
+              ++ [ final.python3Packages.tzdata ];
+            nativeCheckInputs = map (pythonPackage final.python3Packages) (
+              map requirementName (pyproject.project.optional-dependencies.test or [ ])
+            );
+
+            # The engine tests (marked e2e) need a container engine: the VM test covers them.
+            disabledTestMarks = [ "e2e" ];
+            disabledTestPaths = [
+              # These compare committed files with what the developers' pydantic generates;
+              # nixpkgs' pydantic may format the schema differently. CI runs them.
+              "tests/test_config_schema.py"
+              # Nix inside the Nix build sandbox: not available there. CI runs them.
+              "tests/test_nix_parse.py"
+              "tests/test_nix_module.py"
+              "tests/test_nix_flake.py"
+            ];
+            preCheck = ''
+              export HOME="$TMPDIR"
+            '';
+            pythonImportsCheck = [ "mdclaw" ];
+
+            meta = {
+              description = pyproject.project.description;
+              license = lib.licenses.mit;
+              mainProgram = "mdclaw";
+              platforms = lib.platforms.linux;
+            };
+          }
+        ) { };
+
+        mdclaw-agent-runner = final.python3Packages.buildPythonPackage {
+          pname = "mdclaw-agent";
+          inherit (agentPyproject.project) version;
           pyproject = true;
-          src = ./.;
-          build-system = [ pkgs.python3Packages.setuptools ];
-          dependencies = with pkgs.python3Packages; [
-            pydantic pydantic-settings pyyaml docker croniter inotify-simple sdnotify aiohttp
-          ];
+          src = lib.cleanSource ./container/agent-runner;
+          build-system = [ final.python3Packages.setuptools ];
+          dependencies = map (pythonPackage final.python3Packages) (
+            lib.subtractLists skipInImage imageRequirements
+          );
+          # Its tests live in the host's test suite (they drive it against the host).
+          doCheck = false;
+          pythonImportsCheck = [ "mdclaw_agent" ];
         };
-        default = mdclaw;
+
+        # The agent image: reproducible (no timestamps, content-derived tag), non-root.
+        mdclaw-agent-image =
+          let
+            python = final.python3.withPackages (
+              ps:
+              [ final.mdclaw-agent-runner ]
+              ++ map (pythonPackage ps) (lib.subtractLists skipInImage imageRequirements)
+            );
+            extraPrograms = lib.concatLists (
+              lib.attrValues (lib.getAttrs (lib.intersectLists imageRequirements (
+                lib.attrNames (imageExtraPrograms final)
+              )) (imageExtraPrograms final))
+            );
+            etc = final.runCommand "mdclaw-agent-etc" { } ''
+              mkdir -p $out/etc
+              cat > $out/etc/passwd <<'EOF'
+              root:x:0:0:root:/root:/bin/sh
+              node:x:1000:1000:agent:/home/node:/bin/sh
+              nobody:x:65534:65534:nobody:/var/empty:/bin/false
+              EOF
+              cat > $out/etc/group <<'EOF'
+              root:x:0:
+              node:x:1000:
+              nobody:x:65534:
+              EOF
+              echo 'hosts: files dns' > $out/etc/nsswitch.conf
+            '';
+          in
+          final.dockerTools.buildLayeredImage {
+            name = "mdclaw-agent";
+            # No tag: the tag is derived from the image's content, so every change is a new
+            # reference and the NixOS module switches agents to it (settings.runtime.image).
+            created = "1970-01-01T00:00:01Z";
+            contents = [
+              python
+              etc
+              final.cacert
+              final.tzdata
+              final.bashInteractive
+              final.coreutils
+            ]
+            ++ extraPrograms;
+            extraCommands = ''
+              mkdir -p tmp workspace/group workspace/ipc workspace/global workspace/extra
+              chmod 1777 tmp
+            '';
+            fakeRootCommands = ''
+              mkdir -p home/node/.claude
+              chown -R 1000:1000 home/node
+            '';
+            config = {
+              User = "1000:1000";
+              WorkingDirectory = "/workspace/group";
+              Cmd = [ "/bin/mdclaw-agent" ];
+              Env = [
+                "PATH=/bin"
+                "HOME=/home/node"
+                "LANG=C.UTF-8"
+                "PYTHONUNBUFFERED=1"
+                "PYTHONDONTWRITEBYTECODE=1"
+                "SSL_CERT_FILE=/etc/ssl/certs/ca-bundle.crt"
+                "TZDIR=/share/zoneinfo"
+                "PYTHONTZPATH=/share/zoneinfo"
+              ];
+              Labels = {
+                "org.opencontainers.image.title" = "mdclaw-agent";
+                "org.opencontainers.image.description" = "mdclaw's in-container agent runner";
+              };
+            };
+          };
+      };
+
+      packages = forAllSystems (pkgs: {
+        default = pkgs.mdclaw;
+        mdclaw = pkgs.mdclaw;
+        container-image = pkgs.mdclaw-agent-image;
+      });
+
+      apps = forAllSystems (pkgs: {
+        default = {
+          type = "app";
+          program = lib.getExe pkgs.mdclaw;
+          meta.description = "mdclaw's command line (mdclaw run, check-config, status, ...)";
+        };
+      });
+
+      devShells = forAllSystems (pkgs: {
+        default = pkgs.mkShell {
+          inputsFrom = [ pkgs.mdclaw ];
+          packages = [
+            (pkgs.python3.withPackages (
+              ps:
+              map (pythonPackage ps) (
+                self.lib.hostRequirements
+                ++ map requirementName (pyproject.project.optional-dependencies.test or [ ])
+              )
+            ))
+            pkgs.nixfmt
+            pkgs.podman
+            pkgs.gnumake
+          ];
+          shellHook = ''
+            export PYTHONPATH="$PWD''${PYTHONPATH:+:$PYTHONPATH}"
+          '';
+        };
+      });
+
+      # RFC 166 style (called nixfmt-rfc-style before nixpkgs 25.11).
+      formatter = forAllSystems (pkgs: pkgs.nixfmt);
+
+      # The module with this flake's package and image as defaults (no overlay needed).
+      nixosModules.default =
+        { pkgs, lib, ... }:
+        {
+          imports = [ ./nixos-module ];
+          services.mdclaw.package = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.mdclaw;
+          services.mdclaw.image = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.container-image;
+        };
+
+      checks = forAllSystems (pkgs: {
+        # The package with its test suite (checkPhase).
+        mdclaw = pkgs.mdclaw;
+        container-image = pkgs.mdclaw-agent-image;
+        # A VM with the module, Podman's Docker socket, the image, a fake model server:
+        # a message posted to the local HTTP channel gets the agent's reply.
+        nixos = import ./nixos-module/vm-test.nix {
+          inherit pkgs;
+          module = self.nixosModules.default;
+        };
       });
     };
 }

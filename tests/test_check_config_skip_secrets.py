@@ -54,3 +54,21 @@ def test_skip_is_scoped_to_the_block(tmp_path) -> None:
     assert str(cfg.channels.telegram.token_file) == "/nonexistent/t"
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "c.yaml", text=text)
+
+
+def test_skip_host_checks_leaves_out_the_checks_beyond_the_schema(write_config, capsys) -> None:
+    from mdclaw.cli import main
+    from mdclaw.commands.core import CONFIG_CHECKS
+
+    def looks_at_this_machine(cfg):
+        yield "groups.main.mounts.0: mount refused: host path '/srv/x' does not exist"
+
+    CONFIG_CHECKS.append(looks_at_this_machine)
+    try:
+        path = str(write_config())
+        assert main(["check-config", "--config", path]) == 1
+        assert "/srv/x" in capsys.readouterr().err
+        assert main(["check-config", "--skip-host-checks", "--config", path]) == 0
+        assert "config ok" in capsys.readouterr().out
+    finally:
+        CONFIG_CHECKS.remove(looks_at_this_machine)

@@ -13,7 +13,8 @@ from mdclaw.config import Config, iter_secret_files, secret_checks_skipped
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.state.groups import list_groups
 
-# Checks beyond the schema (each yields problem lines); areas add theirs here.
+# Checks beyond the schema (each yields problem lines); areas add theirs here. They may look
+# at this machine (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
 CONFIG_CHECKS: list[Callable[[Config], Iterable[str]]] = []
 
 GROUP_FIELDS = ("folder", "name", "jid", "trigger", "requires_trigger", "is_main", "source")
@@ -26,6 +27,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--skip-secrets", action="store_true",
                    help="check everything except that secret files exist and are readable "
                         "(for build-time checks, e.g. NixOS, where secrets appear at run time)")
+    p.add_argument("--skip-host-checks", action="store_true",
+                   help="check only the config itself, not what it names on this machine "
+                        "(group mount paths...); for checks on another machine or at build time")
     p.set_defaults(func=cmd_check_config)
 
     p = sub.add_parser("reconcile", parents=[common],
@@ -48,7 +52,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def cmd_check_config(args: argparse.Namespace) -> int:
     with secret_checks_skipped() if args.skip_secrets else nullcontext():
         cfg = load_or_exit(args)
-        problems = [line for check in CONFIG_CHECKS for line in check(cfg)]
+        checks = [] if args.skip_host_checks else CONFIG_CHECKS
+        problems = [line for check in checks for line in check(cfg)]
     for line in problems:
         print(f"mdclaw: {line}", file=sys.stderr)
     if problems:

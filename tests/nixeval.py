@@ -1,0 +1,91 @@
+"""Helpers for the Nix tests: find nix-instantiate, evaluate the test harnesses in tests/nix/.
+
+nixpkgs cannot be fetched on the machines these tests run on, so nothing is built. What can
+be checked: every .nix file parses (Debian's nix-bin is enough, and CI installs it), and,
+when NIXPKGS_LIB names a checkout of nixpkgs' lib (the nix-community/nixpkgs.lib repository),
+the NixOS module and the flake's outputs evaluate against it with stubbed packages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NIX_DIR = REPO / "tests" / "nix"
+
+
+def nix_instantiate() -> str:
+    """Path of nix-instantiate. Skips the test when it is missing, except in CI (fails)."""
+    exe = shutil.which("nix-instantiate")
+    if exe:
+        return exe
+    if os.environ.get("CI") == "true":
+        pytest.fail("nix-instantiate is missing in CI: .ci/setup-nix should have installed "
+                    "Debian's nix-bin")
+    pytest.skip("nix-instantiate not installed (apt-get install nix-bin)")
+
+
+def nixpkgs_lib() -> Path:
+    """The nixpkgs.lib checkout named by NIXPKGS_LIB; skips the test when it is unset.
+
+    Set but unusable (no lib/default.nix, or nix-instantiate missing) is a failure, never a
+    skip: whoever set it wants these tests to run.
+    """
+    value = os.environ.get("NIXPKGS_LIB")
+    if not value:
+        pytest.skip("NIXPKGS_LIB is not set (point it at a nix-community/nixpkgs.lib checkout)")
+    path = Path(value)
+    if not (path / "lib" / "default.nix").is_file():
+        pytest.fail(f"NIXPKGS_LIB={value} has no lib/default.nix; point it at a "
+                    "nix-community/nixpkgs.lib checkout")
+    if shutil.which("nix-instantiate") is None:
+        pytest.fail("NIXPKGS_LIB is set but nix-instantiate is missing (apt-get install nix-bin)")
+    return path
+
+
+def nix_env(lib: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["NIXPKGS_LIB"] = str(lib)
+    return env
+
+
+def eval_json(file: Path, args: dict[str, str], lib: Path,
+              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """nix-instantiate --eval --strict --json FILE --arg NAME EXPR... (not raising)."""
+    cmd = [nix_instantiate(), "--eval", "--strict", "--json", str(file)]
+    for name, expr in args.items():
+        cmd += ["--arg", name, expr]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=nix_env(lib))
+
+
+def eval_module(lib: Path, tmp_path: Path, configuration: str) -> dict[str, Any]:
+    """Evaluate nixos-module/ with `configuration` (a NixOS module as Nix text); the result."""
+    r = eval_module_raw(lib, tmp_path, configuration)
+    assert r.returncode == 0, f"evaluation failed:\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+def eval_module_raw(lib: Path, tmp_path: Path,
+                    configuration: str) -> subprocess.CompletedProcess[str]:
+    case = tmp_path / "configuration.nix"
+    case.write_text(configuration)
+    return eval_json(NIX_DIR / "eval-module.nix",
+                     {"nixpkgsLib": str(lib), "configuration": str(case)}, lib)
+
+
+def nix_files() -> list[Path]:
+    """Every .nix file of the project (tracked or not), outside build and tool directories."""
+    skip = {".git", ".venv", "node_modules", "result", ".direnv", "data"}
+    out = []
+    for p in sorted(REPO.rglob("*.nix")):
+        rel = p.relative_to(REPO)
+        if not skip.intersection(rel.parts[:-1]):
+            out.append(p)
+    return out

@@ -1,0 +1,158 @@
+"""flake.nix's outputs, evaluated against a stub nixpkgs with nixpkgs' real lib.
+
+Runs whenever NIXPKGS_LIB is set (tests/nix/eval-flake.nix, tests/nix/fake-nixpkgs/). Nothing
+is built: the stub builders record their arguments, and these tests check them.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from nixeval import NIX_DIR, REPO, eval_json, nixpkgs_lib
+
+SYSTEMS = ["aarch64-linux", "x86_64-linux"]
+
+
+@pytest.fixture(scope="module")
+def flake() -> dict:
+    lib = nixpkgs_lib()
+    r = eval_json(NIX_DIR / "eval-flake.nix", {"nixpkgsLib": str(lib)}, lib)
+    assert r.returncode == 0, f"flake.nix does not evaluate:\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+def test_outputs_for_both_systems(flake: dict) -> None:
+    assert flake["nixpkgsUrl"].startswith("github:NixOS/nixpkgs/nixos-")
+    for kind in ("packages", "apps", "devShells", "formatter", "checks"):
+        assert flake["systems"][kind] == SYSTEMS, kind
+    assert set(flake["packages"]) == {"default", "mdclaw", "container-image"}
+    assert flake["defaultIsMdclaw"]
+    assert set(flake["checks"]) == {"mdclaw", "container-image", "nixos"}
+    assert {"overlays", "nixosModules", "lib"} <= set(flake["outputs"])
+    assert flake["app"]["type"] == "app" and flake["app"]["program"].endswith("/bin/mdclaw")
+    assert flake["formatter"].startswith("nixfmt")
+    assert set(flake["overlayAttrs"]) == {"mdclaw", "mdclaw-agent-runner", "mdclaw-agent-image"}
+
+
+def test_package_is_the_pyproject(flake: dict) -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pkg = flake["mdclaw"]
+    assert pkg["pname"] == "mdclaw" and pkg["version"] == pyproject["project"]["version"]
+    assert pkg["pyproject"] is True and pkg["mainProgram"] == "mdclaw"
+    assert pkg["buildSystem"] == ["python3.12-setuptools"]
+    # every runtime dependency of pyproject.toml, from nixpkgs (plus zoneinfo's data)
+    assert flake["lib"]["hostRequirements"] == [
+        _name(d) for d in pyproject["project"]["dependencies"]]
+    assert pkg["dependencies"] == [f"python3.12-{n}" for n in flake["lib"]["hostRequirements"]] \
+        + ["python3.12-tzdata"]
+    assert "python3.12-pytestCheckHook" in pkg["checkInputs"]
+    # tests run in checkPhase, except the ones that need an engine (the VM test has one)
+    assert pkg["disabledTestMarks"] == ["e2e"]
+    for path in pkg["disabledTestPaths"]:
+        assert (REPO / path).is_file(), f"disabledTestPaths names a missing file: {path}"
+
+
+def _name(requirement: str) -> str:
+    import re
+
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    assert m
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower()
+
+
+def test_image_is_reproducible_non_root_with_certificates(flake: dict) -> None:
+    img = flake["image"]
+    assert img["imageName"] == "mdclaw-agent" and img["name"] == "mdclaw-agent.tar.gz"
+    assert img["created"] == "1970-01-01T00:00:01Z"  # fixed: bit-for-bit reproducible
+    assert img["tag"] is None  # the tag comes from the content
+    cfg = img["config"]
+    assert cfg["User"] == "1000:1000"
+    assert cfg["Cmd"] == ["/bin/mdclaw-agent"]
+    assert "HOME=/home/node" in cfg["Env"]
+    assert "SSL_CERT_FILE=/etc/ssl/certs/ca-bundle.crt" in cfg["Env"]
+    assert any(c.startswith("nss-cacert") for c in img["contents"])
+    assert "chmod 1777 tmp" in img["extraCommands"]
+    assert "chown -R 1000:1000 home/node" in img["fakeRootCommands"]
+
+
+def test_image_holds_the_shared_requirement_list(flake: dict) -> None:
+    """The image's Python packages are the list the Dockerfile installs too."""
+    reqs = flake["lib"]["imageRequirements"]
+    shared = REPO / "container" / "requirements.txt"
+    if shared.exists():
+        expected = [_name(line.split("#")[0]) for line in shared.read_text().splitlines()
+                    if line.split("#")[0].strip() and not line.strip().startswith("-")]
+    else:
+        agent = tomllib.loads((REPO / "container/agent-runner/pyproject.toml").read_text())
+        project = agent["project"]
+        expected = [_name(d) for d in project["dependencies"]] + [
+            _name(d) for extra in project.get("optional-dependencies", {}).values() for d in extra]
+    assert reqs == expected
+    python = flake["image"]["python"]
+    assert python[0].startswith("python3.12-mdclaw-agent-")
+    assert python[1:] == [f"python3.12-{n}" for n in reqs if n != "mdclaw-agent"]
+    if "claude-agent-sdk" in reqs:  # the SDK drives the Claude Code CLI
+        assert any(c.startswith("claude-code") for c in flake["image"]["contents"])
+
+
+def test_requirement_parsing(flake: dict) -> None:
+    assert flake["lib"]["parsed"] == ["inotify-simple", "claude-agent-sdk", "zope-interface"]
+
+
+def test_nixos_module_output_brings_package_and_image(flake: dict) -> None:
+    mod = flake["nixosModule"]
+    assert mod["imports"] == [str(REPO / "nixos-module")]
+    assert mod["package"].startswith("mdclaw-") and mod["packagePriority"] == 1000  # mkDefault
+    assert mod["image"] == "mdclaw-agent.tar.gz"
+
+
+def test_vm_test_script_is_valid_python(flake: dict) -> None:
+    vm = flake["vmTest"]
+    assert vm["name"] == "mdclaw"
+    tree = ast.parse(vm["testScript"])
+    calls = {n.func.attr for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert {"wait_for_unit", "succeed", "wait_until_succeeds"} <= calls
+    assert "/message" in vm["testScript"] and "/messages?jid=hl:main" in vm["testScript"]
+
+
+def test_vm_fake_model_server_answers(tmp_path: Path) -> None:
+    """The scripted model server the VM test runs, here on loopback."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "requests.log"
+    proc = subprocess.Popen([sys.executable, str(REPO / "nixos-module/vm-test-fake-model.py"),
+                             str(port), str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in proc.stdout.readline()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps({"model": "fake-model", "messages": []}).encode(),
+            headers={"Authorization": "Bearer real-secret-key",
+                     "Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    body = json.loads(r.read())
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert body["choices"][0]["message"]["content"] == "Hello from the fake model"
+        assert "Bearer real-secret-key" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

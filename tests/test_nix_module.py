@@ -1,0 +1,294 @@
+"""services.mdclaw evaluated with nixpkgs' lib (runs whenever NIXPKGS_LIB is set).
+
+Checks that the options type-check, that mistakes fail at evaluation, that the rendered
+config is what `mdclaw check-config` accepts, and that the systemd unit carries the notify,
+watchdog, reload and hardening settings. See tests/nix/eval-module.nix for the stubs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from nixeval import eval_module, eval_module_raw, nixpkgs_lib
+
+from mdclaw.commands.schema import config_json_schema
+
+
+@pytest.fixture(scope="module")
+def lib() -> Path:
+    return nixpkgs_lib()
+
+
+BASIC = """
+{
+  services.mdclaw = {
+    enable = true;
+    credentials.anthropic = "/run/secrets/anthropic";
+    settings = {
+      assistant = { name = "Andy"; timezone = "Europe/Berlin"; model = "claude"; };
+      models.claude = {
+        backend = "claude";
+        model = "claude-sonnet-4-5";
+        api_key_file = "$CREDENTIALS_DIRECTORY/anthropic";
+      };
+      models.local = { backend = "openai"; model = "qwen2.5:7b"; base_url = "http://127.0.0.1:11434/v1"; };
+      groups.main = { name = "Admin"; jid = "hl:main"; main = true; requires_trigger = false; };
+      groups.family = { name = "Family"; jid = "tg:-1001234"; trigger = "@Andy"; timeout = "10m"; model = "local"; };
+      limits = { max_concurrent_containers = 3; container_timeout = "1h"; cpus = 1.5; };
+      channels.http.listen = "127.0.0.1:3000";
+      tasks = [ { id = "morning"; group = "main"; prompt = "Good morning"; cron = "0 8 * * *"; } ];
+    };
+  };
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def basic(lib: Path, tmp_path_factory) -> dict:
+    return eval_module(lib, tmp_path_factory.mktemp("basic"), BASIC)
+
+
+def module(body: str) -> str:
+    return "{ services.mdclaw = { enable = true; %s }; }" % body
+
+
+MAIN = 'settings.groups.main = { name = "Admin"; jid = "hl:main"; main = true; };'
+
+
+# --------------------------------------------------------------------------- the unit
+
+def test_unit_is_notify_with_watchdog_reload_restart(basic: dict) -> None:
+    unit = basic["unit"]
+    sc = unit["serviceConfig"]
+    assert sc["Type"] == "notify" and sc["NotifyAccess"] == "main"
+    assert sc["WatchdogSec"] == "60s"
+    assert sc["ExecReload"].endswith("/bin/kill -HUP $MAINPID")
+    assert sc["Restart"] == "on-failure"
+    assert sc["ExecStart"].endswith("/bin/mdclaw run --config /etc/mdclaw/config.yaml")
+    assert unit["environment"]["MDCLAW_CONFIG"] == "/etc/mdclaw/config.yaml"
+    assert unit["wantedBy"] == ["multi-user.target"]
+    # a settings change reloads (SIGHUP) rather than restarts
+    assert unit["reloadTriggers"] == [basic["etc"]["mdclaw/config.yaml"]]
+
+
+def test_unit_hardening(basic: dict) -> None:
+    sc = basic["unit"]["serviceConfig"]
+    expected = {
+        "ProtectSystem": "strict", "ProtectHome": True, "NoNewPrivileges": True,
+        "PrivateDevices": True, "ProtectKernelTunables": True, "ProtectKernelModules": True,
+        "ProtectKernelLogs": True, "ProtectControlGroups": True, "ProtectClock": True,
+        "ProtectHostname": True, "RestrictNamespaces": True, "RestrictRealtime": True,
+        "RestrictSUIDSGID": True, "LockPersonality": True, "CapabilityBoundingSet": "",
+        "SystemCallArchitectures": "native", "User": "mdclaw", "Group": "mdclaw",
+    }
+    assert {k: sc.get(k) for k in expected} == expected
+    assert sc["RestrictAddressFamilies"] == ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
+    assert sc["SystemCallFilter"][0] == "@system-service"
+    # the engine resolves bind mounts in its own namespace: data must not be in a private /tmp
+    assert sc["PrivateTmp"] is False
+    assert sc["StateDirectory"] == ["mdclaw"] and sc["WorkingDirectory"] == "/var/lib/mdclaw"
+
+
+def test_static_user_and_group(basic: dict) -> None:
+    assert basic["users"]["mdclaw"]["isSystemUser"] is True
+    assert basic["users"]["mdclaw"]["group"] == "mdclaw"
+    assert "mdclaw" in basic["groups"]
+
+
+def test_credentials_are_loaded_not_copied(basic: dict) -> None:
+    sc = basic["unit"]["serviceConfig"]
+    assert sc["LoadCredential"] == ["anthropic:/run/secrets/anthropic"]
+    assert basic["settings"]["models"]["claude"]["api_key_file"] == \
+        "$CREDENTIALS_DIRECTORY/anthropic"
+    assert "/run/secrets/anthropic" not in json.dumps(basic["settings"])
+
+
+def test_podman_engine_wiring_and_image_load(basic: dict) -> None:
+    sc = basic["unit"]["serviceConfig"]
+    assert basic["podman"] == {"enable": True, "dockerSocket": {"enable": True}}
+    assert sc["SupplementaryGroups"] == ["podman"]
+    assert "podman.socket" in basic["unit"]["requires"]
+    assert basic["settings"]["runtime"] == {
+        "engine": "podman", "socket": "unix:///run/podman/podman.sock",
+        "image": "mdclaw-agent:0123abcd"}  # the image's content-derived tag
+    [pre] = sc["ExecStartPre"]
+    assert "/bin/mdclaw image load /nix/store/" in pre and pre.endswith("-mdclaw-agent.tar.gz")
+
+
+def test_docker_engine(lib: Path, tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, module('containerEngine = "docker"; ' + MAIN))
+    sc = r["unit"]["serviceConfig"]
+    assert r["docker"] == {"enable": True} and r["podman"] == {}
+    assert sc["SupplementaryGroups"] == ["docker"]
+    assert r["unit"]["requires"] == ["docker.service"]
+    assert r["settings"]["runtime"]["engine"] == "docker"
+    assert r["settings"]["runtime"]["socket"] == "unix:///run/docker.sock"
+
+
+def test_custom_data_dir_and_home_mounts(lib: Path, tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, module(MAIN + """
+      settings.data_dir = "/srv/mdclaw";
+      settings.mount_policy.allowed_roots = [ { path = "/home/alice/projects"; } ];
+    """))
+    sc = r["unit"]["serviceConfig"]
+    assert sc["ReadWritePaths"] == ["/srv/mdclaw"] and sc["StateDirectory"] == []
+    assert r["tmpfiles"] == ["d '/srv/mdclaw' 0750 mdclaw mdclaw - -"]
+    assert sc["ProtectHome"] == "read-only"  # mdclaw must see the mount roots it checks
+
+
+def test_without_image(lib: Path, tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, module(
+        MAIN + ' image = null; settings.runtime.image = "localhost/mdclaw-agent:dev";'))
+    assert r["unit"]["serviceConfig"]["ExecStartPre"] == []
+    assert r["settings"]["runtime"]["image"] == "localhost/mdclaw-agent:dev"
+    r = eval_module_raw(lib, tmp_path, module(MAIN + " image = null;"))
+    assert r.returncode != 0 and "settings.runtime.image" in r.stderr
+
+
+def test_disabled_module_adds_nothing(lib: Path, tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, "{ services.mdclaw.settings.log_level = \"debug\"; }")
+    assert r["enabled"] is False and r["unit"] is None and r["users"] == {}
+
+
+# --------------------------------------------------------------------------- the config file
+
+def test_unset_keys_are_left_to_mdclaw(basic: dict) -> None:
+    s = basic["settings"]
+    assert s["limits"] == {"max_concurrent_containers": 3, "container_timeout": "1h", "cpus": 1.5}
+    assert s["groups"]["main"] == {"name": "Admin", "jid": "hl:main", "main": True,
+                                   "requires_trigger": False}
+    assert "mount_policy" not in s and "log_level" not in s
+    assert s["data_dir"] == "/var/lib/mdclaw"
+
+
+def test_rendered_config_passes_check_config(basic: dict, cli, tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(basic["settings"]))  # JSON is YAML, as pkgs.formats.yaml's
+    r = cli("check-config", "--skip-secrets", "--config", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "config ok: 2 group(s), main: main, 1 task(s)" in r.stdout
+    # without --skip-secrets the credential does not exist here, as at build time
+    r = cli("check-config", "--config", str(path))
+    assert r.returncode == 1 and "api_key_file" in r.stderr
+
+
+def test_config_is_validated_at_build_time(basic: dict) -> None:
+    built = basic["configFile"]
+    assert "mdclaw check-config --skip-secrets --skip-host-checks --config config.yaml" in \
+        built["script"]
+    assert built["env"]["nativeBuildInputs"][0].endswith("-mdclaw-0.1.0")
+    assert "zoneinfo" in built["env"]["PYTHONTZPATH"]
+    assert basic["etc"]["mdclaw/config.yaml"].endswith("-mdclaw-config.yaml")
+
+
+def test_check_config_can_be_turned_off(lib: Path, tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, module(MAIN + " checkConfig = false;"))
+    assert r["configFile"]["script"] is None
+
+
+# --------------------------------------------------------------------------- mistakes
+
+BAD = [
+    ("misspelt key", 'settings.groups.main = { name = "A"; jid = "hl:main"; main = true; tigger = "@x"; };',
+     "tigger' does not exist"),
+    ("unknown section", MAIN + ' settings.limit.cpus = 1;', "settings.limit' does not exist"),
+    ("wrong type", 'settings.groups.main = { name = "A"; jid = "hl:main"; main = "yes"; };',
+     "main' is not of type `null or boolean'"),
+    ("out of range", MAIN + " settings.limits.max_concurrent_containers = 0;",
+     "max_concurrent_containers' is not of type"),
+    ("bad enum", MAIN + ' settings.models.m = { backend = "gpt"; model = "x"; };',
+     "backend' is not of type `one of \"claude\", \"openai\"'"),
+    ("pattern", MAIN + ' settings.channels.http.listen = "everywhere";', "listen' is not of type"),
+    ("url pattern", MAIN + ' settings.models.m = { backend = "openai"; model = "x"; base_url = "ftp://x"; };',
+     "base_url' is not of type"),
+    ("bad duration", MAIN + ' settings.limits.idle_timeout = "ten minutes";', "idle_timeout' is not of type"),
+    ("empty name", 'settings.groups.main = { name = ""; jid = "hl:main"; main = true; };',
+     "name' is not of type"),
+    ("missing required", 'settings.groups.main = { name = "A"; main = true; };',
+     "settings.groups.main.jid'"),
+    ("secret in the store", MAIN + ' settings.channels.telegram.token_file = "/nix/store/abc-token";',
+     "token_file' is not of type"),
+    ("secret as a Nix path", MAIN + " settings.channels.telegram.token_file = ./token;",
+     "token_file' is not of type"),
+    ("credential in the store", MAIN + ' credentials.x = "/nix/store/abc-key";', "credentials.x' is not of type"),
+    ("two main groups", 'settings.groups = { a = { name = "A"; jid = "hl:a"; main = true; }; '
+     'b = { name = "B"; jid = "hl:b"; main = true; }; };', "exactly one group must have main = true; found 2"),
+    ("no main group", 'settings.groups.a = { name = "A"; jid = "hl:a"; };', "found 0"),
+    ("reserved folder", 'settings.groups.global = { name = "G"; jid = "hl:g"; main = true; };',
+     "group names are folder names"),
+    ("bad folder", 'settings.groups."my group" = { name = "G"; jid = "hl:g"; main = true; };',
+     "got my group"),
+    ("unknown model", MAIN + ' settings.assistant.model = "gpt";',
+     'assistant.model = "gpt" is not in settings.models'),
+    ("engine mismatch", MAIN + ' settings.runtime.engine = "docker";', "set containerEngine instead"),
+    ("unknown engine", MAIN + ' containerEngine = "lxc";', "containerEngine' is not of type"),
+]
+
+
+@pytest.mark.parametrize("body,message", [(b, m) for _, b, m in BAD], ids=[n for n, _, _ in BAD])
+def test_mistakes_fail_evaluation(lib: Path, tmp_path: Path, body: str, message: str) -> None:
+    r = eval_module_raw(lib, tmp_path, module(body))
+    assert r.returncode != 0, f"evaluation should fail for: {body}"
+    assert message in r.stderr, r.stderr[-2000:]
+
+
+def test_a_good_config_of_every_kind_evaluates(lib: Path, tmp_path: Path, cli) -> None:
+    r = eval_module(lib, tmp_path, module("""
+      credentials.tg = "/run/secrets/tg";
+      settings = {
+        log_level = "debug";
+        assistant.name = "Bob";
+        groups.main = { name = "Admin"; jid = "tg:1"; main = true; network = "bridge";
+                        mounts = [ { host = "/srv/notes"; container = "notes"; readonly = false; } ]; };
+        mount_policy = { allowed_roots = [ { path = "/srv"; allow_read_write = true; description = "data"; } ];
+                         blocked_patterns = [ "secret" ]; non_main_read_only = true; };
+        channels.telegram = { token_file = "$CREDENTIALS_DIRECTORY/tg"; api_base = "http://127.0.0.1:8081"; };
+        channels.http = { enabled = false; secret_file = "/run/credentials/mdclaw.service/web"; };
+        limits = { idle_timeout = 60000; ipc_poll_interval = "500ms"; memory = "1g"; pids = 256; };
+        runtime.install_id = "home-1";
+        tasks = [ { id = "t1"; group = "main"; prompt = "p"; interval = "1h"; context_mode = "group"; }
+                  { id = "t2"; group = "main"; prompt = "p"; once = "2030-01-01T08:00:00"; timezone = "UTC"; catch_up = false; } ];
+      };
+    """))
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(r["settings"]))
+    # as at build time: the mount's host path and the secrets exist only on the server
+    res = cli("check-config", "--skip-secrets", "--skip-host-checks", "--config", str(path))
+    assert res.returncode == 0, res.stderr
+
+
+# --------------------------------------------------------------------------- descriptions
+
+def _schema_descriptions() -> dict[str, str]:
+    """Option path under settings (as the NixOS manual names it) -> the schema's description."""
+    schema = config_json_schema()
+    out: dict[str, str] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        if "$ref" in node:
+            node = schema["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+        for key, prop in node.get("properties", {}).items():
+            path = f"{prefix}{key}"
+            out[path] = prop.get("description", "")
+            for alt in [prop, *prop.get("anyOf", ())]:
+                if "$ref" in alt:
+                    walk(alt, f"{path}.")
+                if isinstance(alt.get("additionalProperties"), dict):
+                    walk(alt["additionalProperties"], f"{path}.<name>.")
+                if "$ref" in alt.get("items", {}):
+                    walk(alt["items"], f"{path}.*.")
+
+    walk(schema, "")
+    return out
+
+
+def test_option_descriptions_come_from_the_schema(basic: dict) -> None:
+    options = basic["options"]
+    expected = _schema_descriptions()
+    assert set(options) == set(expected), "every config key is an option, and nothing else"
+    for path, description in expected.items():
+        assert options[path]["description"].startswith(description), path
+    assert "When unset (null), mdclaw uses `5`" in \
+        options["limits.max_concurrent_containers"]["description"]
