@@ -42,7 +42,14 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
                              sessions_dir=settings.group_dir / ".mdclaw" / "sessions")
     from mdclaw_agent.backends.claude import ClaudeBackend
 
+    # The CLI keeps its config and sessions here; the host mounts a per-group folder at
+    # ~/.claude (the rest of the root filesystem is read-only), so sessions survive the
+    # container and can be resumed. Set for this process too: the SDK's session lookup
+    # reads it.
+    config_dir = os.environ.get("CLAUDE_CONFIG_DIR") or str(Path.home() / ".claude")
+    os.environ["CLAUDE_CONFIG_DIR"] = config_dir
     env = {
+        "CLAUDE_CONFIG_DIR": config_dir,
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": PLACEHOLDER_KEY,
         # Nothing but the model API is reachable; do not let the CLI try anything else.
