@@ -134,7 +134,11 @@ class OutputParser:
                         self._skipping = True
                     del self.buf[:len(self.buf) - (len(self._end) - 1)]
                 return blocks
-            if not self._skipping:
+            if self._skipping:
+                pass
+            elif j > self.max_block_bytes:
+                self.dropped_blocks += 1
+            else:
                 blocks.append(self.buf[:j].decode("utf-8", "replace").strip())
             del self.buf[:j + len(self._end)]
             self.in_block = False

@@ -24,6 +24,16 @@ from mdclaw.runtime.docker_engine import DockerRuntime
 
 BASE_IMAGE = os.environ.get("MDCLAW_TEST_BASE_IMAGE", "mdclaw-test-base")
 HERE = Path(__file__).resolve().parent
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
+log_driver = "k8s-file"
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
 
 
 def _unavailable(reason: str) -> None:
@@ -52,9 +62,16 @@ def engine():
     if rt is None and shutil.which("podman"):
         tmp = tempfile.mkdtemp(prefix="mdclaw-podman-")
         sock = os.path.join(tmp, "podman.sock")
+        env = dict(os.environ)
+        if not env.get("CONTAINERS_CONF"):
+            # The settings .ci/setup-engine uses: podman's default ulimits are refused in
+            # some sandboxes, and systemd is not always there for cgroups or events.
+            conf = os.path.join(tmp, "containers.conf")
+            Path(conf).write_text(CONTAINERS_CONF)
+            env["CONTAINERS_CONF"] = conf
         proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and rt is None:
             time.sleep(0.2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +21,15 @@ import pytest
 from mdclaw.config import Config
 from mdclaw.queue import GroupQueue, Job
 from mdclaw.runner import ContainerInput, ContainerRunner
-from mdclaw.runtime import GROUP_LABEL, INSTALL_LABEL, LABEL, RunSpec, install_labels
+from mdclaw.runtime import (
+    GROUP_LABEL,
+    INSTALL_LABEL,
+    LABEL,
+    RunSpec,
+    install_labels,
+    wait_for_engine,
+)
+from mdclaw.runtime.docker_engine import DockerRuntime
 
 pytestmark = pytest.mark.e2e
 
@@ -379,3 +388,36 @@ def test_cli_image_status_reports_an_unreachable_engine(tmp_path):
     p = _cli("image", "status", config=cfg_path)
     assert p.returncode == 1
     assert "unreachable" in p.stdout
+
+
+# --------------------------------------------------------------------------- engine start-up
+
+
+@pytest.mark.skipif(shutil.which("podman") is None, reason="needs podman to start an engine late")
+def test_an_engine_that_comes_up_late_is_waited_for_not_crashed_on(tmp_path, engine):
+    sock = tmp_path / "late.sock"
+    rt = DockerRuntime(f"unix://{sock}", engine="podman")
+    lines: list[str] = []
+    procs: list[subprocess.Popen] = []
+
+    async def go():
+        async def start_late() -> None:
+            await asyncio.sleep(1.0)
+            procs.append(subprocess.Popen(
+                ["podman", "system", "service", "--time=0", f"unix://{sock}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+
+        starter = asyncio.create_task(start_late())
+        desc = await asyncio.wait_for(
+            wait_for_engine(rt, status=lines.append, first_delay=0.2, max_delay=0.5), 60)
+        await starter
+        return desc
+
+    try:
+        desc = run(go())
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    assert "Podman" in desc or "Engine" in desc
+    assert lines and all("unreachable" in line for line in lines)

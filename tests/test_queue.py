@@ -1,0 +1,228 @@
+"""The per-group queue on a real event loop; jobs are small coroutines that record what ran."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mdclaw.queue import GroupQueue, Job
+
+
+class Recorder:
+    """A run_job that records start/end order and concurrency; jobs named in `fail` raise."""
+
+    def __init__(self, duration: float = 0.02, fail: dict[str, int] | None = None) -> None:
+        self.duration = duration
+        self.fail = dict(fail or {})  # job id -> how many times it fails before succeeding
+        self.started: list[tuple[str, str]] = []
+        self.running: set[str] = set()
+        self.groups_running: set[str] = set()
+        self.peak = 0
+        self.overlap: list[str] = []
+        self.attempt_times: dict[str, list[float]] = {}
+
+    async def __call__(self, job: Job) -> None:
+        if job.group in self.groups_running:
+            self.overlap.append(job.group)
+        self.groups_running.add(job.group)
+        self.running.add(job.id)
+        self.peak = max(self.peak, len(self.running))
+        self.started.append((job.group, job.id))
+        self.attempt_times.setdefault(job.id, []).append(time.monotonic())
+        try:
+            await asyncio.sleep(self.duration)
+            if self.fail.get(job.id, 0) > 0:
+                self.fail[job.id] -= 1
+                raise RuntimeError(f"boom {job.id}")
+        finally:
+            self.running.discard(job.id)
+            self.groups_running.discard(job.group)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_one_job_per_group_and_the_global_cap() -> None:
+    rec = Recorder(duration=0.03)
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=3)
+        for g in range(6):
+            for i in range(3):
+                q.enqueue_message(f"g{g}", job_id=f"g{g}-m{i}")
+        await q.join()
+        return q
+
+    q = run(go())
+    assert len(rec.started) == 18
+    assert rec.overlap == []
+    assert rec.peak == 3 and q.peak_running == 3
+
+
+def test_fifo_within_a_group_and_tasks_before_messages() -> None:
+    rec = Recorder()
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1)
+        q.enqueue_message("a", job_id="m1")  # starts at once (the queue is empty)
+        q.enqueue_message("a", job_id="m2")
+        q.enqueue_message("a", job_id="m3")
+        q.enqueue_task("a", "t1")
+        q.enqueue_task("a", "t2")
+        await q.join()
+
+    run(go())
+    assert [i for _, i in rec.started] == ["m1", "t1", "t2", "m2", "m3"]
+
+
+def test_groups_with_a_task_waiting_get_the_free_slot_first() -> None:
+    rec = Recorder()
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1)
+        q.enqueue_message("busy", job_id="first")
+        q.enqueue_message("b", job_id="b-msg")
+        q.enqueue_task("c", "c-task")
+        await q.join()
+
+    run(go())
+    assert [i for _, i in rec.started] == ["first", "c-task", "b-msg"]
+
+
+def test_a_task_id_is_never_queued_or_run_twice_at_once() -> None:
+    rec = Recorder(duration=0.05)
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=2)
+        assert q.enqueue_task("a", "daily") is True
+        assert q.enqueue_task("a", "daily") is False  # running
+        assert q.enqueue_task("b", "daily") is False  # same task id, any group
+        assert q.enqueue_task("a", "other") is True
+        assert q.enqueue_task("a", "other") is False  # queued
+        await q.join()
+        assert q.enqueue_task("a", "daily") is True  # finished: may run again
+        await q.join()
+
+    run(go())
+    assert [i for _, i in rec.started] == ["daily", "other", "daily"]
+
+
+def test_retries_with_exponential_backoff_then_success() -> None:
+    rec = Recorder(duration=0.0, fail={"t": 2})
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1, retry_base=0.1)
+        q.enqueue_task("a", "t")
+        await q.join()
+        return q
+
+    q = run(go())
+    times = rec.attempt_times["t"]
+    assert len(times) == 3
+    assert times[1] - times[0] >= 0.09
+    assert times[2] - times[1] >= 0.19  # doubled
+    assert q.failures == []
+
+
+def test_after_five_tries_the_failure_is_recorded_and_reported() -> None:
+    rec = Recorder(duration=0.0, fail={"t": 99})
+    told: list[tuple[str, str]] = []
+
+    async def tell(job: Job, err: BaseException) -> None:
+        told.append((job.id, str(err)))
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1, retry_base=0.01, on_failure=tell)
+        q.enqueue_task("a", "t")
+        await q.join()
+        return q
+
+    q = run(go())
+    assert len(rec.attempt_times["t"]) == 5
+    assert told == [("t", "boom t")]
+    assert len(q.failures) == 1 and q.failures[0].job.attempts == 5
+    assert "boom t" in q.failures[0].error
+
+
+def test_a_retrying_job_keeps_its_group_order_and_does_not_block_others() -> None:
+    rec = Recorder(duration=0.0, fail={"m1": 1})
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=2, retry_base=0.2)
+        q.enqueue_message("a", job_id="m1")
+        q.enqueue_message("a", job_id="m2")
+        await asyncio.sleep(0.05)
+        q.enqueue_message("b", job_id="b1")  # runs while a waits for its retry
+        await q.join()
+
+    run(go())
+    order = [i for _, i in rec.started]
+    assert order == ["m1", "b1", "m1", "m2"]
+
+
+def test_shutdown_drains_running_jobs_and_returns_the_rest() -> None:
+    rec = Recorder(duration=0.2)
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1)
+        q.enqueue_message("a", job_id="m1")
+        q.enqueue_message("a", job_id="m2")
+        q.enqueue_task("b", "t1")
+        await asyncio.sleep(0.05)
+        left = await q.shutdown(grace=5)
+        assert q.enqueue_message("a", job_id="late") is False
+        return left
+
+    left = run(go())
+    assert [i for _, i in rec.started] == ["m1"]  # finished inside the grace period
+    assert sorted(j.id for j in left) == ["m2", "t1"]
+
+
+def test_shutdown_cancels_jobs_that_outlive_the_grace() -> None:
+    cancelled: list[str] = []
+
+    async def slow(job: Job) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(job.id)
+            raise
+
+    async def go():
+        q = GroupQueue(slow, max_concurrent=2)
+        q.enqueue_message("a", job_id="m1")
+        q.enqueue_message("b", job_id="m2")
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        left = await q.shutdown(grace=0.2)
+        assert time.monotonic() - t0 < 2
+        return left
+
+    left = run(go())
+    assert sorted(cancelled) == ["m1", "m2"]
+    assert sorted(j.id for j in left) == ["m1", "m2"]
+
+
+def test_shutdown_cancels_pending_retries() -> None:
+    rec = Recorder(duration=0.0, fail={"t": 99})
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1, retry_base=30)
+        q.enqueue_task("a", "t")
+        await asyncio.sleep(0.05)
+        assert q.status()["retrying"] == ["a"]
+        return await q.shutdown(grace=1)
+
+    left = run(go())
+    assert [j.id for j in left] == ["t"] and len(rec.attempt_times["t"]) == 1
+
+
+def test_bad_settings_are_refused() -> None:
+    async def nothing(job: Job) -> None:
+        return None
+
+    with pytest.raises(ValueError):
+        GroupQueue(nothing, max_concurrent=0)
