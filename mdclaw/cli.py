@@ -15,6 +15,7 @@ from mdclaw import __version__
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES = [
     "mdclaw.commands.core",
+    "mdclaw.commands.tasks",
     "mdclaw.commands.channels",
     "mdclaw.commands.containers",
     "mdclaw.commands.ipc",

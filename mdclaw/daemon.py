@@ -14,6 +14,7 @@ import sdnotify
 
 from mdclaw.config import Config
 from mdclaw.reconcile import ReconcileError, reconcile
+from mdclaw.scheduler import Execute, Scheduler
 from mdclaw.state import Database
 
 log = logging.getLogger("mdclaw.daemon")
@@ -27,6 +28,10 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.db: Database | None = None
         self.ipc_failed = False
+        self.scheduler: Scheduler | None = None
+        self.scheduler_failed = False
+        # The async callable that runs a due task; the container queue plugs in here.
+        self.task_executor: Execute | None = None
 
     def notify(self, state: str) -> None:
         self.notifier.notify(state)
@@ -45,14 +50,16 @@ class Daemon:
         log.info("reconciled: %d change(s); %d group(s) configured", len(plan.actions),
                  len(self.cfg.groups))
         ipc_task = self.start_ipc()
+        scheduler_task = self.start_scheduler()
         self.notify("READY=1")
         self.notify(f"STATUS=serving {len(self.cfg.groups)} group(s)")
         await self.stop_event.wait()
         self.notify("STOPPING=1")
         log.info("stopping")
         await self.stop_ipc(ipc_task)
+        await self.stop_scheduler(scheduler_task)
         self.db.close()
-        return 1 if self.ipc_failed else 0
+        return 1 if self.ipc_failed or self.scheduler_failed else 0
 
     # ---------------------------------------------------------------- IPC engine
     def start_ipc(self) -> asyncio.Task[None]:
@@ -77,6 +84,41 @@ class Daemon:
             await asyncio.wait_for(task, timeout=30)
         except Exception:  # already logged by the done callback, or a timeout
             task.cancel()
+
+    # ---------------------------------------------------------------- scheduler
+    def start_scheduler(self) -> asyncio.Task[None]:
+        """Run the task scheduler (mdclaw.scheduler) until stopped; if it dies, stop too.
+
+        Code that changes the task table calls `self.scheduler.wake()` afterwards.
+        """
+        assert self.db is not None
+        self.scheduler = Scheduler(self.db, self.task_executor or no_runner,
+                                   default_timezone=self.cfg.assistant.timezone)
+        task = asyncio.create_task(self.scheduler.run(), name="scheduler")
+
+        def _done(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("scheduler failed: %r", t.exception())
+                self.scheduler_failed = True
+                self.stop_event.set()
+
+        task.add_done_callback(_done)
+        return task
+
+    async def stop_scheduler(self, task: asyncio.Task[None]) -> None:
+        """Stop claiming; give runs in progress 10 s, then record them as interrupted."""
+        assert self.scheduler is not None
+        await self.scheduler.stop(timeout=10)
+        try:
+            await asyncio.wait_for(task, timeout=10)
+        except Exception:  # already logged by the done callback, or a timeout
+            task.cancel()
+
+
+async def no_runner(task) -> None:  # noqa: ANN001 - TaskRow
+    """The executor until a container runner is wired in: the run is recorded as an error."""
+    log.warning("task %s is due but no container runner is configured; not run", task.id)
+    raise RuntimeError("no container runner is configured; the task was not run")
 
 
 def run_daemon(cfg: Config, config_path: str | None = None) -> int:

@@ -214,3 +214,76 @@ def list_runs(db: Database, task_id: str, limit: int | None = None) -> list[RunL
         sql += " LIMIT ?"
         params = (task_id, limit)
     return [RunLog(**dict(r)) for r in db.query(sql, params)]
+
+
+# --------------------------------------------------------------------------- task operations
+# Shared by the CLI and IPC: each runs in the caller's transaction and raises TaskError with a
+# reason a person can act on. After committing, wake the scheduler if it runs in-process.
+
+def _require(conn: sqlite3.Connection, task_id: str) -> TaskRow:
+    t = get_task(conn, task_id)
+    if t is None:
+        raise TaskError(f"no task with id {task_id!r}")
+    return t
+
+
+def pause_task(conn: sqlite3.Connection, task_id: str) -> TaskRow:
+    """Stop an active task from firing until resumed (a run in progress goes on)."""
+    t = _require(conn, task_id)
+    if t.status == "paused":
+        return t
+    if t.status != "active":
+        raise TaskError(f"task {task_id!r} is {t.status}; only an active task can be paused")
+    update_task_fields(conn, task_id, status="paused")
+    return _require(conn, task_id)
+
+
+def resume_task(conn: sqlite3.Connection, task_id: str, default_timezone: str,
+                now: datetime | None = None) -> TaskRow:
+    """Make a paused task active again, with its next slot after now.
+
+    Cron: the next matching time; interval: the next slot of its old grid; once: its time
+    (fired at once if it passed while paused).
+    """
+    t = _require(conn, task_id)
+    if t.status == "active":
+        return t
+    if t.status != "paused":
+        raise TaskError(f"task {task_id!r} is {t.status}; only a paused task can be resumed")
+    now = now or schedule.utc_now()
+    tz = t.timezone or default_timezone
+    old = schedule.from_iso(t.next_run) if t.next_run else None
+    if t.schedule_type == "cron":
+        nxt = schedule.next_cron(t.schedule_value, tz, now)
+    elif t.schedule_type == "interval":
+        ms = schedule.parse_interval_ms(t.schedule_value)
+        nxt = (schedule.next_interval(old, ms, now)[0] if old
+               else schedule.first_run("interval", t.schedule_value, tz, now))
+    else:
+        nxt = schedule.parse_once(t.schedule_value, tz)
+    update_task_fields(conn, task_id, status="active", next_run=schedule.to_iso(nxt))
+    return _require(conn, task_id)
+
+
+def cancel_task(conn: sqlite3.Connection, task_id: str) -> TaskRow:
+    """End a task for good: status 'completed', no next run. Its run logs are kept."""
+    t = _require(conn, task_id)
+    if t.status == "completed":
+        return t
+    update_task_fields(conn, task_id, status="completed", next_run=None)
+    return _require(conn, task_id)
+
+
+def run_now(conn: sqlite3.Connection, task_id: str, now: datetime | None = None) -> TaskRow:
+    """Make a task due now, so the scheduler runs it on its next look (within a second or
+    two). An interval task's grid restarts from now. A finished one-shot is re-armed."""
+    t = _require(conn, task_id)
+    if running_run_id(conn, task_id) is not None or t.status == "running":
+        raise TaskError(f"task {task_id!r} is running now; wait for the run to end")
+    if t.status == "paused":
+        raise TaskError(f"task {task_id!r} is paused; resume it first")
+    if t.status == "completed" and t.schedule_type != "once":
+        raise TaskError(f"task {task_id!r} was cancelled; it cannot run again")
+    update_task_fields(conn, task_id, status="active",
+                       next_run=schedule.to_iso(now or schedule.utc_now()))
+    return _require(conn, task_id)
