@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import time
@@ -59,6 +60,7 @@ from mdclaw.state.tasks import TaskError, delete_task, get_task, insert_task, up
 log = logging.getLogger("mdclaw.ipc")
 
 LEDGER_KEEP = timedelta(days=7)
+_OUR_TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # what writers.atomic_write_at makes
 SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
 
 
@@ -319,11 +321,33 @@ class IpcEngine:
         return sum(len(v) for v in self.collect().values())
 
     def start(self) -> None:
-        """Start-up chores: forget old ledger rows, write every snapshot."""
+        """Start-up chores: forget old ledger rows, remove temp files a crash left behind,
+        write every snapshot."""
         cutoff = to_iso(utc_now() - LEDGER_KEEP)
         with self.db.transaction() as conn:
             conn.execute("DELETE FROM ipc_ledger WHERE processed_at < ?", (cutoff,))
+        self._remove_stale_temps()
         write_snapshots(self.db, self.layout)
+
+    def _remove_stale_temps(self) -> None:
+        folders = [self.layout.errors_dir]
+        for folder in self.rows:
+            base = self.layout.group_ipc_dir(folder)
+            folders += [base, base / "input", base / "action_results"]
+        for path in folders:
+            try:
+                fd = open_dir_path(path)
+            except (OSError, UnsafePath):
+                continue
+            try:
+                for name in os.listdir(fd):
+                    if _OUR_TEMP.match(name):
+                        try:
+                            os.unlink(name, dir_fd=fd)
+                        except OSError:
+                            pass
+            finally:
+                os.close(fd)
 
     # ------------------------------------------------------------------ commands
     def _caller(self, folder: str) -> Caller:

@@ -1,0 +1,222 @@
+"""The IPC loop with real inotify (and with polling only), the daemon in a subprocess, and
+the CLI commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from ipc_helpers import Env, schedule_body
+
+from mdclaw.ipc.watcher import IpcWatcher
+
+
+@pytest.fixture
+def env(tmp_path: Path):  # noqa: ANN201
+    e = Env(tmp_path)
+    yield e
+    e.close()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - t0
+
+
+def run_loop(env: Env, body: Callable[[IpcWatcher], Awaitable[None]], **kw) -> IpcWatcher:  # noqa: ANN003
+    async def main() -> IpcWatcher:
+        stop = asyncio.Event()
+        w = IpcWatcher(env.cfg, env.db, **kw)
+        task = asyncio.create_task(w.run(stop))
+        try:
+            await _until(lambda: w.idle.is_set())
+            await body(w)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+            w.close()
+        return w
+
+    return asyncio.run(main())
+
+
+def test_inotify_wakes_the_loop_long_before_the_poll(env: Env) -> None:
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None
+        for i in range(20):
+            env.write("family", {"type": "message", "text": f"m{i}"}, sub="messages")
+            took = await _until(lambda: len(env.outbox()) == i + 1, timeout=2)
+            assert took < 1.0  # the poll is 30 s away
+        env.write("work", schedule_body("w1"))
+        await _until(lambda: env.task("w1") is not None, timeout=2)
+
+    w = run_loop(env, body, poll_interval=30)
+    assert w.totals.applied == 21
+
+
+def test_polling_alone_is_correct(env: Env) -> None:
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is None
+        for g in ("family", "work", "main"):
+            env.write(g, {"type": "message", "text": g}, sub="messages")
+        env.write("family", schedule_body("p1"))
+        await _until(lambda: len(env.outbox()) == 3 and env.task("p1") is not None)
+
+    run_loop(env, body, use_inotify=False, poll_interval=0.05)
+
+
+def test_swapped_dir_while_running_is_refused_then_rewatched(env: Env, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tasks = env.ipc / "family" / "tasks"
+
+    async def body(w: IpcWatcher) -> None:
+        os.rename(tasks, env.ipc / "family" / "tasks.old")
+        os.symlink(elsewhere, tasks)
+        (elsewhere / "evil.json").write_text(json.dumps(schedule_body("evil")))
+        env.write("family", {"type": "message", "text": "alive"}, sub="messages")
+        await _until(lambda: len(env.outbox()) == 1)
+        await asyncio.sleep(0.1)
+        assert env.task("evil") is None and (elsewhere / "evil.json").exists()
+        # put a real folder back: it is watched again (the poll is 30 s away)
+        os.unlink(tasks)
+        os.mkdir(tasks)
+        await asyncio.sleep(0.05)
+        env.write("family", schedule_body("back"))
+        await _until(lambda: env.task("back") is not None, timeout=2)
+
+    with caplog.at_level(logging.WARNING, logger="mdclaw.ipc"):
+        run_loop(env, body, poll_interval=30)
+    assert "ipc/family/tasks is a symlink, not a directory; refused" in caplog.text
+
+
+def test_group_registered_over_ipc_is_watched_at_once(env: Env) -> None:
+    async def body(w: IpcWatcher) -> None:
+        env.write("main", {"type": "register_group", "jid": "tg:9", "name": "G",
+                           "folder": "garden"}, sub="groups")
+        await _until(lambda: (env.ipc / "garden" / "messages").is_dir())
+        await asyncio.sleep(0.05)
+        env.write("garden", {"type": "message", "text": "from garden"}, sub="messages")
+        await _until(lambda: any(r["text"] == "from garden" for r in env.outbox()), timeout=2)
+
+    run_loop(env, body, poll_interval=30)
+
+
+def test_hostile_files_do_not_stop_the_loop(env: Env) -> None:
+    async def body(w: IpcWatcher) -> None:
+        tasks = env.ipc / "family" / "tasks"
+        os.mkfifo(tasks / "fifo.json")
+        (tasks / "deep.json").write_bytes(b"[" * 100_000)
+        old = time.time_ns() - 5 * 10 ** 9
+        os.utime(tasks / "deep.json", ns=(old, old))  # settled: not still being written
+        with open(tasks / "huge.json", "wb") as f:
+            f.truncate(2 * 1024 ** 3)
+        env.write("family", {"type": "message", "text": "after"}, sub="messages")
+        await _until(lambda: len(env.outbox()) == 1)
+        await _until(lambda: all(env.errors_for("family", n) for n in
+                                 ("fifo.json", "deep.json", "huge.json")), timeout=3)
+
+    run_loop(env, body, poll_interval=0.2)
+
+
+def test_a_flood_from_one_group_does_not_starve_another(tmp_path: Path) -> None:
+    e = Env(tmp_path)
+    try:
+        for i in range(3000):
+            e.write("family", {"type": "message", "text": f"flood {i}"}, sub="messages")
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            w = IpcWatcher(e.cfg, e.db, poll_interval=30)
+            w.engine.batch_per_group = 16
+            task = asyncio.create_task(w.run(stop))
+            await _until(lambda: len(e.outbox()) > 0)
+            e.write("work", {"type": "message", "text": "quiet"}, sub="messages")
+            await _until(lambda: any(r["text"] == "quiet" for r in e.outbox()))
+            done_flood = sum(1 for r in e.outbox() if r["text"].startswith("flood"))
+            assert done_flood < 3000  # served while the flood was still going
+            await _until(lambda: len(e.outbox()) == 3001, timeout=30)
+            stop.set()
+            await task
+            w.close()
+
+        asyncio.run(main())
+    finally:
+        e.close()
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def test_mdclaw_run_applies_commands_until_sigterm(env: Env) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config",
+                             str(env.config_path)], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        snap = env.ipc / "family" / "current_tasks.json"
+        while time.monotonic() < deadline and not snap.exists():
+            time.sleep(0.02)
+        env.write("family", schedule_body("from-daemon"))
+        env.write("family", {"type": "message", "text": "hello"}, sub="messages")
+        while time.monotonic() < deadline and (env.task("from-daemon") is None
+                                               or not env.outbox()):
+            time.sleep(0.02)
+        assert env.task("from-daemon") is not None and env.outbox()[0]["text"] == "hello"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "ipc: watching" in err
+
+
+def test_cli_drain_errors_outbox(env: Env, cli) -> None:  # noqa: ANN001
+    cfg = str(env.config_path)
+    env.write("family", {"type": "message", "text": "one"}, sub="messages")
+    env.write("family", {"type": "message", "chatJid": "tg:1", "text": "not yours"},
+              sub="messages")
+    env.write("work", schedule_body("cli-task"))
+    r = cli("ipc", "drain", "--json", "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"applied": 2, "rejected": 1, "pending": 0}
+    r = cli("ipc", "drain", "--config", cfg)
+    assert r.stdout.strip() == "applied 0, rejected 0, pending 0"
+    r = cli("ipc", "errors", "--json", "--config", cfg)
+    errors = json.loads(r.stdout)
+    assert len(errors) == 1
+    assert set(errors[0]) == {"name", "original_file", "source_group", "error",
+                              "processed_at"}
+    assert errors[0]["source_group"] == "family" and "own chat" in errors[0]["error"]
+    table = cli("ipc", "errors", "--config", cfg).stdout
+    assert table.splitlines()[0].split() == ["NAME", "SOURCE_GROUP", "ORIGINAL_FILE", "ERROR",
+                                             "PROCESSED_AT"]
+    r = cli("outbox", "list", "--json", "--config", cfg)
+    rows = json.loads(r.stdout)
+    assert rows == [{"id": 1, "chat_jid": "tg:2", "kind": "text", "text": "one",
+                     "status": "pending", "source_group": "family"}]
+    assert cli("outbox", "list", "--status", "sent", "--json", "--config",
+               cfg).stdout.strip() == "[]"
+    assert "ID" in cli("outbox", "list", "--config", cfg).stdout
