@@ -191,21 +191,33 @@ class UsageCounter:
             self._json.clear()
 
 
-def record_usage(db: Database, folder: str, model: str, *, ok: bool, input_tokens: int,
-                 output_tokens: int, when: str | None = None) -> None:
-    """Add one request to the group's row for today."""
-    stamp = when or now_iso()
-    with db.transaction() as conn:
-        conn.execute(
-            """INSERT INTO model_usage (group_folder, day, model, requests, errors,
+_UPSERT = """INSERT INTO model_usage (group_folder, day, model, requests, errors,
                    input_tokens, output_tokens, updated_at)
-               VALUES (?, ?, ?, 1, ?, ?, ?, ?)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (group_folder, day, model) DO UPDATE SET
-                   requests = requests + 1, errors = errors + excluded.errors,
+                   requests = requests + excluded.requests,
+                   errors = errors + excluded.errors,
                    input_tokens = input_tokens + excluded.input_tokens,
                    output_tokens = output_tokens + excluded.output_tokens,
-                   updated_at = excluded.updated_at""",
-            (folder, stamp[:10], model, 0 if ok else 1, input_tokens, output_tokens, stamp))
+                   updated_at = excluded.updated_at"""
+
+
+def record_usage(db: Database, folder: str, model: str, *, ok: bool, input_tokens: int,
+                 output_tokens: int, when: str | None = None) -> None:
+    """Add one request to the group's row for its day."""
+    stamp = when or now_iso()
+    with db.transaction() as conn:
+        conn.execute(_UPSERT, (folder, stamp[:10], model, 1, 0 if ok else 1, input_tokens,
+                               output_tokens, stamp))
+
+
+def record_usage_batch(db: Database, rows: dict[tuple[str, str, str], list[int]]) -> None:
+    """Add accumulated counts {(folder, day, model): [requests, errors, in, out]} in one
+    transaction."""
+    stamp = now_iso()
+    with db.transaction() as conn:
+        conn.executemany(_UPSERT, [(f, d, m, r, e, i, o, stamp)
+                                   for (f, d, m), (r, e, i, o) in rows.items()])
 
 
 def usage_rows(db: Database, *, group: str | None = None,
@@ -243,17 +255,26 @@ class CredentialProxy:
 
     `start_group` before the container starts, `stop_group` after it ended, `close` at
     shutdown. `db` may be None (then nothing is persisted; counts stay in `stats`).
+
+    Usage is added up in memory and written every `flush_interval` seconds, when a group's
+    proxy stops, and at `close` — one small transaction instead of one per request, which
+    keeps database work off the request path (a crash loses at most one interval's counts).
     """
 
     def __init__(self, layout: Layout, db: Database | None = None, *,
-                 connect_timeout: float = 30.0, read_timeout: float = 600.0) -> None:
+                 connect_timeout: float = 30.0, read_timeout: float = 600.0,
+                 flush_interval: float = 5.0) -> None:
         self.layout = layout
         self.db = db
+        self.flush_interval = flush_interval
         self._sites: dict[str, _GroupSite] = {}
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout,
                                               sock_read=read_timeout)
-        self._pending: set[asyncio.Task] = set()
+        self._unflushed: dict[tuple[str, str, str], list[int]] = {}
+        self._flusher: asyncio.Task | None = None
+        self._flush_lock = asyncio.Lock()
+        self._keys: dict[Path, tuple[float, int, dict[str, str]]] = {}
         self.stats: dict[str, dict[str, int]] = {}
 
     def socket_path(self, folder: str) -> Path:
@@ -297,6 +318,8 @@ class CredentialProxy:
         self._sites[folder] = _GroupSite(folder, upstream, path, runner)
         self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
                                        "output_tokens": 0})
+        if self.db is not None and (self._flusher is None or self._flusher.done()):
+            self._flusher = asyncio.ensure_future(self._flush_loop())
         return path
 
     async def start_for_config(self, cfg: Config, folder: str) -> Path:
@@ -311,12 +334,17 @@ class CredentialProxy:
         await site.runner.cleanup()
         with contextlib.suppress(FileNotFoundError):
             site.socket_path.unlink()
+        await self.flush()
 
     async def close(self) -> None:
         for folder in list(self._sites):
             await self.stop_group(folder)
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        await self.flush()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -350,7 +378,7 @@ class CredentialProxy:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in DROP_REQUEST_HEADERS}
         try:
-            headers.update(upstream.auth_headers())
+            headers.update(self._auth_headers(upstream))
         except OSError:
             log.error("group %s: the model key file %s cannot be read", folder,
                       upstream.api_key_file)
@@ -391,6 +419,18 @@ class CredentialProxy:
             self._count(folder, model, ok=ok, usage=counter)
         return response
 
+    def _auth_headers(self, upstream: Upstream) -> dict[str, str]:
+        """The credential headers, re-read only when the key file changed (rotation)."""
+        path = upstream.api_key_file
+        if path is None:
+            return {}
+        st = os.stat(path)
+        cached = self._keys.get(path)
+        if cached is None or cached[:2] != (st.st_mtime, st.st_ino):
+            cached = (st.st_mtime, st.st_ino, upstream.auth_headers())
+            self._keys[path] = cached
+        return cached[2]
+
     def _count(self, folder: str, model: str, *, ok: bool, usage: UsageCounter | None) -> None:
         tin = usage.input_tokens if usage else 0
         tout = usage.output_tokens if usage else 0
@@ -404,17 +444,30 @@ class CredentialProxy:
             self._sites[folder].requests += 1
         if self.db is None:
             return
-        task = asyncio.ensure_future(asyncio.to_thread(
-            record_usage, self.db, folder, model, ok=ok, input_tokens=tin, output_tokens=tout))
-        self._pending.add(task)
-        task.add_done_callback(self._done)
+        row = self._unflushed.setdefault((folder, now_iso()[:10], model), [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += 0 if ok else 1
+        row[2] += tin
+        row[3] += tout
 
-    def _done(self, task: asyncio.Task) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("could not record model usage: %s", task.exception())
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval)
+            await self.flush()
 
     async def flush(self) -> None:
-        """Wait until every counted request is in the database."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        """Write every counted request to the database now."""
+        if self.db is None:
+            return
+        async with self._flush_lock:
+            if not self._unflushed:
+                return
+            rows, self._unflushed = self._unflushed, {}
+            try:
+                await asyncio.to_thread(record_usage_batch, self.db, rows)
+            except Exception as e:  # noqa: BLE001 - keep the counts for the next try
+                log.error("could not record model usage: %s", e)
+                for k, v in rows.items():
+                    cur = self._unflushed.setdefault(k, [0, 0, 0, 0])
+                    for i in range(4):
+                        cur[i] += v[i]

@@ -198,3 +198,19 @@ def test_usage_cli(tmp_path, write_config, cli, data_dir) -> None:
     assert "family" in r.stdout and "main " not in r.stdout and "total: 2 request(s)" in r.stdout
     r = cli("usage", "--group", "nobody", "--config", str(cfg_path))
     assert "no model requests recorded" in r.stdout
+
+
+def test_key_rotation_and_counts_persisted_on_stop(env) -> None:
+    layout, db, proxy, key = env
+    with FakeAnthropic([say("a"), say("b")]) as up:
+        sock = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
+        request(sock, "POST", "/v1/messages", body={"model": "claude-x"})
+        key.write_text("sk-ant-ROTATED\n")  # a new key file content is picked up
+        import os
+        os.utime(key, (1, 1))
+        request(sock, "POST", "/v1/messages", body={"model": "claude-x"})
+        assert [q.headers["x-api-key"] for q in up.requests] == ["sk-ant-REAL", "sk-ant-ROTATED"]
+    assert db.query("SELECT * FROM model_usage") == []  # not yet flushed (5 s interval)
+    proxy.call(proxy.proxy.stop_group("family"))
+    row = dict(db.query("SELECT * FROM model_usage")[0])
+    assert row["requests"] == 2 and row["input_tokens"] == 50

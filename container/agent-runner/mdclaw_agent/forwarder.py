@@ -55,7 +55,12 @@ class Forwarder:
             client_w.close()
             return
         try:
-            await asyncio.gather(_pipe(client_r, up_w), _pipe(up_r, client_w))
+            await asyncio.gather(_pipe(client_r, up_w), _pipe(up_r, client_w),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:
+            # Shutdown: end quietly (the stream server inspects a cancelled handler's
+            # exception and would log it).
+            pass
         finally:
             for w in (up_w, client_w):
                 with contextlib.suppress(Exception):
@@ -78,9 +83,19 @@ class Forwarder:
         self._loop = asyncio.new_event_loop()
 
         def run() -> None:
-            asyncio.set_event_loop(self._loop)
-            with contextlib.suppress(asyncio.CancelledError):
-                self._loop.run_until_complete(self._main())
+            loop = self._loop
+            asyncio.set_event_loop(loop)
+            try:
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(self._main())
+            finally:
+                # Let open connections see their cancellation before the loop goes away.
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.close()
 
         self._thread = threading.Thread(target=run, name="mdclaw-forwarder", daemon=True)
         self._thread.start()
