@@ -1,0 +1,190 @@
+"""The chat page in headless Chromium, driven over the DevTools protocol: a person types a
+message, the host receives it, the reply goes through the outbox and appears on the page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from mdclaw.channels.base import InboundMessage
+from mdclaw.channels.http import HttpChannel
+from mdclaw.outbox import OutboxWorker, RetryPolicy
+from mdclaw.state import Database
+from mdclaw.state.groups import GroupRow, upsert_group
+from mdclaw.state.outbox import enqueue
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync",
+                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"]
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI") == "true":
+        pytest.fail("chromium is missing; .ci/setup-tools installs it")
+    pytest.skip("chromium is not installed (apt-get install chromium)")
+
+
+class DevTools:
+    """The few DevTools protocol calls the test needs, over one page's websocket."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws = ws
+        self.next_id = 0
+
+    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        my_id = self.next_id
+        await self.ws.send_json({"id": my_id, "method": method, "params": params})
+        while True:
+            msg = await self.ws.receive_json(timeout=30)
+            if msg.get("id") == my_id:
+                if "error" in msg:
+                    raise AssertionError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    async def js(self, expression: str) -> Any:
+        r = await self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                            awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise AssertionError(f"{expression}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    async def wait_for(self, expression: str, timeout: float = 20.0) -> Any:
+        deadline = time.monotonic() + timeout
+        guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }})()"
+        while True:
+            value = await self.js(guarded)  # the page may still be loading
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                body = await self.js("document.body.innerText")
+                raise AssertionError(f"page never satisfied {expression!r}; page shows:\n{body}")
+            await asyncio.sleep(0.1)
+
+    async def type_into(self, element_id: str, text: str) -> None:
+        await self.js(f"document.getElementById({json.dumps(element_id)}).focus()")
+        await self.call("Input.insertText", text=text)
+
+    async def click(self, element_id: str) -> None:
+        await self.js(f"document.getElementById({json.dumps(element_id)}).click()")
+
+
+async def open_page(url: str, user_data: Path) -> tuple[asyncio.subprocess.Process, str]:
+    """Start Chromium on `url`; return the process and the page's DevTools websocket URL."""
+    proc = await asyncio.create_subprocess_exec(
+        chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={user_data}", url,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True)
+    port_file = user_data / "DevToolsActivePort"
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.returncode is not None or time.monotonic() > deadline:
+            raise AssertionError("chromium did not open its DevTools port")
+        await asyncio.sleep(0.1)
+    port = int(port_file.read_text().split()[0])
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
+                pages = [t for t in await r.json()
+                         if t.get("type") == "page" and t.get("url", "").startswith(url)]
+            if pages:
+                return proc, pages[0]["webSocketDebuggerUrl"]
+            if time.monotonic() > deadline:
+                raise AssertionError("chromium did not open the page")
+            await asyncio.sleep(0.1)
+
+
+async def close_browser(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> None:
+    chromium()
+
+    async def main() -> None:
+        db = Database(tmp_path / "state.db")
+        upsert_group(db, GroupRow("main", "Admin chat", "hl:main", "@Andy", False, True,
+                                  "config"))
+        upsert_group(db, GroupRow("family", "Family", "hl:family", "@Andy", True, False,
+                                  "config"))
+        worker: OutboxWorker
+        got: list[InboundMessage] = []
+
+        def host(msg: InboundMessage) -> None:
+            # what the orchestrator will do, in short: take the message, answer via outbox
+            got.append(msg)
+            with db.transaction() as c:
+                enqueue(c, chat_jid=msg.chat_jid, kind="text",
+                        text=f"echo: {msg.content} <b>not bold</b>", source_group="main")
+            worker.wake()
+
+        ch = HttpChannel(db, listen="127.0.0.1:0", secret="page-token", on_inbound=host,
+                         assistant_name="Andy")
+        await ch.connect()
+        worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
+        await worker.start()
+        proc, ws_url = await open_page(f"{ch.url}/", tmp_path / "chromium-profile")
+        try:
+            async with aiohttp.ClientSession() as http, http.ws_connect(
+                    ws_url, max_msg_size=0) as ws:
+                page = DevTools(ws)
+                # the channel has a secret: the page asks for it
+                await page.wait_for("document.getElementById('auth').classList"
+                                    ".contains('shown')")
+                await page.type_into("token", "page-token")
+                await page.click("save-token")
+                await page.wait_for("document.getElementById('chat').value === 'hl:main' && "
+                                    "document.getElementById('status').textContent === "
+                                    "'connected'")
+                options = await page.js("[...document.querySelectorAll('#chat option')]"
+                                        ".map(o => o.value)")
+                assert options == ["hl:main", "hl:family"]
+
+                await page.type_into("text", "hello from chromium")
+                await page.click("send")
+                replies = await page.wait_for(
+                    "(() => { const r = [...document.querySelectorAll('.msg.out .body')]"
+                    ".map(e => e.textContent); return r.length ? r : null })()")
+                assert replies == ["echo: hello from chromium <b>not bold</b>"]
+                assert await page.js("document.querySelectorAll('.msg.out b').length") == 0
+                mine = await page.js("[...document.querySelectorAll('.msg.in .body')]"
+                                     ".map(e => e.textContent)")
+                assert mine == ["hello from chromium"]
+                assert await page.js("document.getElementById('text').value") == ""
+                assert [(m.chat_jid, m.sender_name, m.content) for m in got] == [
+                    ("hl:main", "me", "hello from chromium")]
+
+                # typing shows while the assistant works, and goes with its reply
+                await ch.set_typing("hl:main", True)
+                await page.wait_for("document.getElementById('typing').textContent !== ''")
+                await ch.send_message("hl:main", "done thinking")
+                await page.wait_for("[...document.querySelectorAll('.msg.out .body')]"
+                                    ".some(e => e.textContent === 'done thinking')")
+                await page.wait_for("document.getElementById('typing').textContent === ''")
+        finally:
+            await close_browser(proc)
+            await worker.stop()
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
