@@ -11,7 +11,7 @@ DATA_DIR ?= $(CURDIR)/data
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,claude]'
 	touch $@
 
 run: $(VENV)/.installed

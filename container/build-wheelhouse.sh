@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Download the wheels the agent image installs into container/wheelhouse/, for the image's
+# Download the wheels the agent image installs (container/requirements.txt) into container/wheelhouse/, for the image's
 # Python (not this machine's), so `docker build -f container/Dockerfile .` needs no network.
 #
 #   container/build-wheelhouse.sh [--claude] [--python-version X.Y] [--arch ARCH] [--dest DIR]
 #
-#   --claude           also the claude backend's wheels (container/requirements-claude.txt;
-#                      the Agent SDK bundles the Claude Code CLI, ~170 MB download)
+#   --claude           also the lines of container/requirements.txt tagged "optional: claude"
+#                      (the Agent SDK, which bundles the Claude Code CLI: ~170 MB download)
 #   --python-version   the image's Python (default 3.11: Debian bookworm, python:3.11-slim)
 #   --arch             x86_64 or aarch64 (default: this machine's)
 #   --dest             output directory (default: container/wheelhouse)
+#   PYTHON=...         the interpreter whose pip downloads (default python3)
 #
 # The directory is emptied of wheels first, so it holds exactly what the requirement files
 # ask for. Only binary wheels are taken (--only-binary=:all:): nothing is built.
@@ -29,15 +30,19 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-pip=(python3 -m pip)
+pip=("${PYTHON:-python3}" -m pip)
 if ! "${pip[@]}" --version >/dev/null 2>&1; then
-  echo "build-wheelhouse: needs pip on this machine (python3 -m pip)" >&2
+  echo "build-wheelhouse: needs pip on this machine (${PYTHON:-python3} -m pip)" >&2
   exit 1
 fi
-reqs=(-r "$here/requirements.txt")
+reqfile=$(mktemp)
+trap 'rm -f "$reqfile"' EXIT
 if [ "$claude" = 1 ]; then
-  reqs+=(-r "$here/requirements-claude.txt")
+  cp "$here/requirements.txt" "$reqfile"
+else
+  grep -v '#[[:space:]]*optional:[[:space:]]*claude' "$here/requirements.txt" >"$reqfile" || true
 fi
+reqs=(-r "$reqfile")
 abi=cp${pyver/./}
 mkdir -p "$dest"
 rm -f "$dest"/*.whl

@@ -327,6 +327,22 @@ class CredentialProxy:
         _key, spec = model_for_group(cfg, folder)
         return await self.start_group(folder, Upstream.from_spec(spec))
 
+    @contextlib.asynccontextmanager
+    async def for_run(self, cfg: Config, folder: str):  # noqa: ANN201 - async generator
+        """Serve `folder`'s socket around one container run:
+
+            async with proxy.for_run(cfg, folder) as fields:
+                await runner.run(folder, ContainerInput(..., **fields))
+
+        `fields` are the ContainerInput's `backend` and `model`. The socket is removed and
+        the usage written when the block ends. Raises ProxyError if it cannot be served.
+        """
+        await self.start_for_config(cfg, folder)
+        try:
+            yield container_model_fields(cfg, folder)
+        finally:
+            await self.stop_group(folder)
+
     async def stop_group(self, folder: str) -> None:
         site = self._sites.pop(folder, None)
         if site is None:

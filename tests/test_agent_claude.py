@@ -5,6 +5,7 @@ credential proxy). Skipped only where claude-agent-sdk is not installed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,14 @@ import pytest
 from agent_helpers import ProxyThread, RunnerProcess, write_input
 from fake_models import FakeAnthropic, call, say
 
-sdk = pytest.importorskip("claude_agent_sdk")
+try:
+    import claude_agent_sdk  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the machine
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail("CI=true but claude-agent-sdk is not installed (make installs "
+                    "'.[test,claude]')", pytrace=False)
+    pytest.skip("claude-agent-sdk is not installed (pip install -e '.[claude]')",
+                allow_module_level=True)
 
 from mdclaw_agent.backends.claude import MCP_SERVER_NAME, build_options, tool_names  # noqa: E402
 from mdclaw_agent.protocol import PLACEHOLDER_KEY  # noqa: E402

@@ -214,3 +214,28 @@ def test_key_rotation_and_counts_persisted_on_stop(env) -> None:
     proxy.call(proxy.proxy.stop_group("family"))
     row = dict(db.query("SELECT * FROM model_usage")[0])
     assert row["requests"] == 2 and row["input_tokens"] == 50
+
+
+def test_for_run_serves_only_during_the_block(tmp_path, write_config) -> None:
+    cfg = load_config(write_config("""\
+        data_dir: {data_dir}
+        models:
+          local: {backend: openai, model: "qwen2.5:7b", base_url: "http://127.0.0.1:9/v1"}
+        groups:
+          main: {name: Main, jid: "tg:1", main: true, model: local}
+        """))
+    layout = Layout(cfg.data_dir)
+    layout.group_ipc_dir("main").mkdir(parents=True)
+    sock = layout.group_ipc_dir("main") / SOCKET_NAME
+
+    async def scenario() -> dict:
+        from mdclaw.proxy import CredentialProxy
+
+        proxy = CredentialProxy(layout)
+        async with proxy.for_run(cfg, "main") as fields:
+            assert sock.is_socket() and proxy.running() == ["main"]
+        assert not sock.exists() and proxy.running() == []
+        await proxy.close()
+        return fields
+
+    assert asyncio.run(scenario()) == {"backend": "openai", "model": "qwen2.5:7b"}

@@ -46,7 +46,7 @@ def real_agent_image(engine) -> str:
     wheelhouse = REPO / "container" / "wheelhouse"
     if not any(wheelhouse.glob("inotify_simple-*.whl")):
         subprocess.run([str(REPO / "container" / "build-wheelhouse.sh")], check=True,
-                       timeout=600)
+                       timeout=600, env={**os.environ, "PYTHON": sys.executable})
     api = docker.APIClient(base_url=engine.base_url, timeout=900)
     for item in api.build(path=str(REPO), dockerfile="container/Dockerfile", tag=AGENT_TAG,
                           buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
