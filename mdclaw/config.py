@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -287,13 +287,21 @@ class Channels(Frozen):
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
 
 
+def _iso_text(value: Any) -> Any:
+    """YAML reads an unquoted 2026-12-01T09:00:00 as a datetime: take it as ISO text again."""
+    return value.isoformat() if isinstance(value, date) else value
+
+
+IsoTime = Annotated[str, BeforeValidator(_iso_text)]
+
+
 class TaskSpec(Frozen):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$", description="Task id.")
     group: str = Field(description="Folder of the group the task runs in.")
     prompt: str = Field(min_length=1, description="What the agent is asked to do.")
     cron: str | None = Field(None, description="Cron expression, in the task's timezone.")
     interval: Duration | None = Field(None, description="Run every this long, e.g. '1h'.")
-    once: str | None = Field(None, description="Run once at this local time (ISO 8601).")
+    once: IsoTime | None = Field(None, description="Run once at this local time (ISO 8601).")
     context_mode: Literal["group", "isolated"] = Field(
         "isolated", description="group: continue the group's session; isolated: a fresh one.")
     timezone: TimeZone | None = Field(None, description="Default: assistant.timezone.")

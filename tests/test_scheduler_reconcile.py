@@ -187,3 +187,23 @@ def test_reconcile_cli_plan_lists_task_actions(write_config, cli) -> None:
     assert r.returncode == 0 and "add task weather" in r.stdout
     r = cli("reconcile", "--config", str(path))
     assert "nothing to do" in r.stdout
+
+
+def test_unquoted_once_time_in_yaml_is_read_in_task_timezone(setup) -> None:
+    year = schedule.utc_now().year + 1
+    cfg, db = setup(HEAD + f"""\
+tasks:
+  - id: remind
+    group: main
+    prompt: Call the plumber
+    once: {year}-07-01T17:00:00
+    timezone: America/New_York
+  - id: remind-utc
+    group: main
+    prompt: Call the plumber
+    once: {year}-07-01T17:00:00Z
+""")
+    reconcile(cfg, db)
+    assert get_task(db, "remind").next_run == f"{year}-07-01T21:00:00.000Z"
+    assert get_task(db, "remind-utc").next_run == f"{year}-07-01T17:00:00.000Z"
+    assert plan(cfg, db).empty
