@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from mdclaw.config import Config, ModelSpec, read_secret
-from mdclaw.paths import Layout
+from mdclaw.paths import IPC_DIR_MODE, Layout
 from mdclaw.state import Database, now_iso
 
 log = logging.getLogger("mdclaw.proxy")
@@ -299,8 +299,12 @@ class CredentialProxy:
         if len(os.fsencode(path)) > UNIX_PATH_MAX:
             raise ProxyError(f"proxy socket path {path} is longer than {UNIX_PATH_MAX} bytes; "
                              "use a shorter data_dir")
-        if not path.parent.is_dir():
-            raise ProxyError(f"IPC folder {path.parent} does not exist; reconcile first")
+        try:
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.chmod(path.parent, IPC_DIR_MODE)
+        except OSError as e:
+            raise ProxyError(f"cannot make the IPC folder {path.parent}: {e.strerror}") from None
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)

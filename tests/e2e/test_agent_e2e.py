@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -230,3 +231,101 @@ def test_openai_agent_end_to_end(tmp_path, engine, real_agent_image, install_id,
     assert history[-1] == {"role": "user", "content": "and the roses?"}
     used = cli("usage", "--json", config=cfg_path)
     assert json.loads(used.stdout)[0]["requests"] == 4
+
+
+@pytest.fixture(scope="session")
+def claude_agent_image(engine, tmp_path_factory) -> str:
+    """container/Dockerfile with the claude backend's wheels (the Agent SDK and its bundled
+    CLI), built offline in a copy of container/ so the repository's wheelhouse stays small."""
+    ctx = tmp_path_factory.mktemp("claude-image")
+    shutil.copytree(REPO / "container", ctx / "container",
+                    ignore=shutil.ignore_patterns("wheelhouse", "__pycache__", "tests"))
+    subprocess.run([str(ctx / "container" / "build-wheelhouse.sh"), "--claude"], check=True,
+                   timeout=900, env={**os.environ, "PYTHON": sys.executable},
+                   stdout=subprocess.DEVNULL)
+    tag = "mdclaw-agent:e2e-claude"
+    api = docker.APIClient(base_url=engine.base_url, timeout=1800)
+    for item in api.build(path=str(ctx), dockerfile="container/Dockerfile", tag=tag,
+                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
+                          pull=False, decode=True):
+        if "error" in item:
+            pytest.fail(f"image build failed: {item['error']}")
+    return tag
+
+
+@pytest.mark.slow
+def test_claude_agent_in_container(tmp_path, engine, claude_agent_image, install_id,
+                                   reap) -> None:
+    """The bundled Claude Code CLI inside the image, network none, read-only root: tool
+    call, follow-up turn, _close, session kept in the mounted ~/.claude and resumed by the
+    next container; the fake Messages API got the real key."""
+    from fake_models import FakeAnthropic
+
+    key_file = tmp_path / "anthropic.key"
+    key_file.write_text(REAL_KEY)
+    key_file.chmod(0o600)
+    api = FakeAnthropic([call("mcp__mdclaw__send_message", text="hi from claude"),
+                         say("first"), say("second"), say("resumed")]).start()
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(textwrap.dedent(f"""\
+        data_dir: {tmp_path / 'data'}
+        assistant: {{name: Andy, timezone: UTC, model: claude}}
+        models:
+          claude: {{backend: claude, model: claude-sonnet-4-5, base_url: "{api.url}",
+                    api_key_file: {key_file}}}
+        groups:
+          main: {{name: Admin, jid: "tg:1", main: true}}
+          family: {{name: Family, jid: "tg:2"}}
+        limits: {{container_timeout: 300s, idle_timeout: 120s, memory: 1g, pids: 256}}
+        runtime: {{image: {claude_agent_image}, install_id: {install_id}}}
+        """))
+    cfg = load_config(cfg_path)
+    reap(install_labels(cfg))
+    layout = Layout(cfg.data_dir)
+
+    async def scenario() -> list:
+        runner = ContainerRunner(cfg, engine)
+        proxy = CredentialProxy(layout)
+        results = []
+        try:
+            outs: list[dict] = []
+            async with proxy.for_run(cfg, "family") as fields:
+                assert fields == {"backend": "claude", "model": "claude-sonnet-4-5"}
+                run = asyncio.create_task(runner.run(
+                    "family", ContainerInput(prompt="hi", group_folder="family",
+                                             chat_jid="tg:2", **fields),
+                    on_output=lambda b: outs.append(json.loads(b))))
+                await wait_until(lambda: outs or run.done(), 180, "the first result")
+                write_follow_up(layout, "family", sender="tg:42", sender_name="Alice",
+                                content="more please", timestamp="2026-01-01T00:00:00Z")
+                await wait_until(lambda: len(outs) >= 2 or run.done(), 120, "second result")
+                write_close(layout, "family")
+                results.append((await asyncio.wait_for(run, 120), list(outs)))
+            outs2: list[dict] = []
+            async with proxy.for_run(cfg, "family") as fields:
+                res = await runner.run(
+                    "family", ContainerInput(prompt="again", group_folder="family",
+                                             chat_jid="tg:2", is_scheduled_task=True,
+                                             session_id=outs[0]["newSessionId"], **fields),
+                    on_output=lambda b: outs2.append(json.loads(b)))
+                results.append((res, outs2))
+        finally:
+            await proxy.close()
+            await runner.aclose()
+        return results
+
+    (first, outs), (second, outs2) = asyncio.run(scenario())
+    api.stop()
+    assert first.exit_code == 0 and first.status == "success", first.stderr_tail
+    assert [o["result"] for o in outs] == ["first", "second"]
+    sid = outs[0]["newSessionId"]
+    assert outs[1]["newSessionId"] == sid
+    msgs = [json.loads(p.read_text())
+            for p in (layout.group_ipc_dir("family") / "messages").glob("*.json")]
+    assert msgs == [{"type": "message", "chat_jid": "tg:2", "text": "hi from claude"}]
+    assert second.exit_code == 0, second.stderr_tail
+    assert outs2 == [{"status": "success", "result": "resumed", "newSessionId": sid}]
+    assert "first" in json.dumps(api.requests[-1].body["messages"])
+    assert all(q.headers.get("x-api-key") == REAL_KEY for q in api.requests)
+    stored = list((cfg.data_dir / "sessions" / "family").rglob(f"{sid}.jsonl"))
+    assert stored and REAL_KEY not in stored[0].read_text()
