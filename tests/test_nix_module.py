@@ -292,3 +292,27 @@ def test_option_descriptions_come_from_the_schema(basic: dict) -> None:
         assert options[path]["description"].startswith(description), path
     assert "When unset (null), mdclaw uses `5`" in \
         options["limits.max_concurrent_containers"]["description"]
+
+
+# --------------------------------------------------------------------------- the docs
+
+def _doc_blocks() -> list[str]:
+    import re
+
+    from nixeval import REPO
+
+    text = (REPO / "docs" / "nixos.md").read_text()
+    return re.findall(r"```nix\n(.*?)```", text, flags=re.S)
+
+
+def test_documented_configuration_evaluates_and_passes_check_config(
+        lib: Path, tmp_path: Path, cli) -> None:
+    [example] = [b for b in _doc_blocks() if "services.mdclaw = {" in b]
+    r = eval_module(lib, tmp_path, example)
+    assert r["unit"]["serviceConfig"]["LoadCredential"] == [
+        "anthropic:/run/secrets/anthropic-api-key", "telegram:/run/secrets/telegram-bot-token"]
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(r["settings"]))
+    res = cli("check-config", "--skip-secrets", "--skip-host-checks", "--config", str(path))
+    assert res.returncode == 0, res.stderr
+    assert "config ok: 3 group(s), main: main, 1 task(s)" in res.stdout

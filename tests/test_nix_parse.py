@@ -29,3 +29,17 @@ def test_a_syntax_error_is_caught(tmp_path) -> None:
     bad.write_text("{ services.mdclaw = { enable = true; }\n")  # missing closing brace
     r = subprocess.run([exe, "--parse", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "error" in r.stderr
+
+
+def test_the_nix_in_the_docs_parses(tmp_path) -> None:
+    import re
+
+    exe = nix_instantiate()
+    text = (REPO / "docs" / "nixos.md").read_text()
+    blocks = re.findall(r"```nix\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        f = tmp_path / f"block{i}.nix"
+        f.write_text(block)
+        r = subprocess.run([exe, "--parse", str(f)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"docs/nixos.md nix block {i} does not parse:\n{r.stderr}"
