@@ -134,11 +134,13 @@ class FakeOpenAI(_Server):
 
     def __init__(self, script: list[Step] | None = None,
                  fallback: Callable[[dict[str, Any]], Step] | None = None,
-                 usage: tuple[int, int] = (11, 7)) -> None:
+                 usage: tuple[int, int] = (11, 7), object_arguments: bool = False) -> None:
         super().__init__()
         self.script = list(script or [])
         self.fallback = fallback
         self.usage = usage
+        # Some servers send tool-call arguments as a JSON object instead of a string.
+        self.object_arguments = object_arguments
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -172,7 +174,8 @@ class FakeOpenAI(_Server):
         if step.tool_calls:
             message["tool_calls"] = [
                 {"id": f"call_{n}_{i}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args)}}
+                 "function": {"name": name, "arguments": args if self.object_arguments
+                              else json.dumps(args)}}
                 for i, (name, args) in enumerate(step.tool_calls)]
         usage = {"prompt_tokens": self.usage[0], "completion_tokens": self.usage[1],
                  "total_tokens": sum(self.usage)}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import agent_helpers
 from agent_helpers import ProxyThread, RunnerProcess, write_input
 from fake_models import FakeOpenAI, call, say
 from mdclaw_agent.protocol import PLACEHOLDER_KEY, ContainerInput, InputError, parse_outputs
@@ -261,3 +262,27 @@ def test_watcher_latency_with_inotify(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 0.5
     finally:
         w.close()
+
+
+def test_claude_backend_missing_from_image_is_reported(dirs, tmp_path) -> None:
+    """An image built without the claude wheels: a clear error, not a hang."""
+    blocker = tmp_path / "blocker" / "claude_agent_sdk"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not in this image')\n")
+    r = RunnerProcess(base_input(backend="claude", isScheduledTask=True), ipc_dir=dirs["ipc"],
+                      group_dir=dirs["group"], global_dir=dirs["global"],
+                      env={"MDCLAW_MODEL_BASE_URL": "http://127.0.0.1:9",
+                           "PYTHONPATH": f"{blocker.parent}:{agent_helpers.RUNNER_SRC}"})
+    assert r.wait_exit(30) == 1
+    assert "claude-agent-sdk is missing" in r.results[0]["error"]
+
+
+def test_tool_arguments_given_as_object(dirs) -> None:
+    """Some servers send tool arguments as an object instead of a JSON string."""
+    with FakeOpenAI([call("send_message", text="obj args"), say("ok")],
+                    object_arguments=True) as server:
+        r = runner(dirs, base_input(isScheduledTask=True), server)
+        assert r.wait_exit(20) == 0
+        sent_back = server.requests[1].body["messages"][2]["tool_calls"][0]["function"]
+        assert json.loads(sent_back["arguments"]) == {"text": "obj args"}
+    assert command_files(dirs["ipc"] / "messages")[0]["text"] == "obj args"

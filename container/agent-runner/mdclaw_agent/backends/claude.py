@@ -135,12 +135,17 @@ class ClaudeBackend:
                              extra_dirs=self.extra_dirs)
 
     async def _session(self, ready: concurrent.futures.Future) -> None:
-        from claude_agent_sdk import ClaudeSDKClient, ResultMessage
-
         self._queue = asyncio.Queue()
         try:
+            from claude_agent_sdk import ClaudeSDKClient, ResultMessage
+
             client = ClaudeSDKClient(self.options())
             await client.connect()
+        except ImportError:
+            ready.set_exception(BackendError(
+                "the claude backend is not in this image (claude-agent-sdk is missing); "
+                "rebuild it with container/build-wheelhouse.sh --claude"))
+            return
         except Exception as e:  # noqa: BLE001 - reported to the caller of start()
             ready.set_exception(BackendError(f"cannot start the Claude CLI: {e}"))
             return

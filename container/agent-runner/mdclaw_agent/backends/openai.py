@@ -32,6 +32,13 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _SESSION_RE = re.compile(r"^oai-[0-9a-f]{16}$")
 
 
+def _normalized_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if not isinstance(fn.get("arguments"), str):
+        fn["arguments"] = json.dumps(fn.get("arguments") or {})
+    return {**call, "type": call.get("type", "function"), "function": fn}
+
+
 class OpenAIBackend:
     def __init__(self, *, base_url: str, api_key: str, model: str, system: str,
                  tools: list[Tool], ctx: ToolContext, max_tool_rounds: int = 16,
@@ -121,7 +128,9 @@ class OpenAIBackend:
             calls = message.get("tool_calls") or []
             entry: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
             if calls:
-                entry["tool_calls"] = calls
+                # The history goes back to the server: arguments as the JSON string the API
+                # defines, whatever form this server answered with.
+                entry["tool_calls"] = [_normalized_call(c) for c in calls]
             self.messages.append(entry)
             if not calls:
                 self._save()
@@ -129,9 +138,12 @@ class OpenAIBackend:
             for call in calls:
                 fn = call.get("function") or {}
                 name = fn.get("name", "")
+                raw_args = fn.get("arguments")
                 try:
-                    args = json.loads(fn.get("arguments") or "{}")
-                except json.JSONDecodeError:
+                    # Most servers send a JSON string; some send the object itself.
+                    args = raw_args if isinstance(raw_args, dict) else json.loads(
+                        raw_args or "{}")
+                except (json.JSONDecodeError, TypeError):
                     reply, is_error = "The arguments were not valid JSON.", True
                 else:
                     reply, is_error = run_tool(self.tools, self.ctx, name, args)
