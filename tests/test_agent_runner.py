@@ -286,3 +286,20 @@ def test_tool_arguments_given_as_object(dirs) -> None:
         sent_back = server.requests[1].body["messages"][2]["tool_calls"][0]["function"]
         assert json.loads(sent_back["arguments"]) == {"text": "obj args"}
     assert command_files(dirs["ipc"] / "messages")[0]["text"] == "obj args"
+
+
+def test_openai_history_window_drops_oldest_whole_turns(dirs) -> None:
+    with FakeOpenAI() as server:  # echo
+        r = runner(dirs, base_input(prompt="x" * 400), server, MDCLAW_HISTORY_CHARS="3000")
+        r.wait_results(1)
+        inbox = dirs["ipc"] / "input"
+        for i in range(8):
+            write_input(inbox, {"text": f"turn {i} " + "y" * 400}, f"17000000000{i:02d}-x.json")
+        r.wait_results(9)
+        write_input(inbox, None, "_close")
+        assert r.wait_exit(10) == 0
+        last = server.requests[-1].body["messages"]
+    assert last[0]["role"] == "system" and last[1]["role"] == "user"
+    assert len(json.dumps(last)) <= 3000 + 600
+    assert last[-1]["content"].startswith("turn 7")
+    assert not any(m["content"].startswith("x") for m in last[1:])  # the oldest turn went

@@ -99,6 +99,7 @@ class Settings:
     input_poll_seconds: float
     action_timeout_seconds: float
     max_tool_rounds: int
+    history_chars: int = 200_000
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -113,6 +114,7 @@ class Settings:
             input_poll_seconds=float(env.get("MDCLAW_INPUT_POLL_MS", "500")) / 1000,
             action_timeout_seconds=float(env.get("MDCLAW_ACTION_TIMEOUT", "30")),
             max_tool_rounds=int(env.get("MDCLAW_MAX_TOOL_ROUNDS", "16")),
+            history_chars=int(env.get("MDCLAW_HISTORY_CHARS", "200000")),
         )
 
 

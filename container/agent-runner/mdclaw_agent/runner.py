@@ -39,7 +39,8 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
                              model=inp.model or DEFAULT_MODELS["openai"], system=system,
                              tools=tools, ctx=ctx, max_tool_rounds=settings.max_tool_rounds,
                              session_id=inp.session_id,
-                             sessions_dir=settings.group_dir / ".mdclaw" / "sessions")
+                             sessions_dir=settings.group_dir / ".mdclaw" / "sessions",
+                             history_chars=settings.history_chars)
     from mdclaw_agent.backends.claude import ClaudeBackend
 
     # The CLI keeps its config and sessions here; the host mounts a per-group folder at

@@ -43,7 +43,7 @@ class OpenAIBackend:
     def __init__(self, *, base_url: str, api_key: str, model: str, system: str,
                  tools: list[Tool], ctx: ToolContext, max_tool_rounds: int = 16,
                  timeout: float = 300.0, session_id: str | None = None,
-                 sessions_dir: Path | None = None) -> None:
+                 sessions_dir: Path | None = None, history_chars: int = 200_000) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
         self.model = model
@@ -53,6 +53,7 @@ class OpenAIBackend:
         self.timeout = timeout
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
         self.sessions_dir = sessions_dir
+        self.history_chars = history_chars
         self.session_id = f"oai-{secrets.token_hex(8)}"
         self.resumed = False
         if session_id and _SESSION_RE.match(session_id) and sessions_dir is not None:
@@ -81,6 +82,25 @@ class OpenAIBackend:
             write_json_atomic(self.sessions_dir, self.messages[1:], f"{self.session_id}.json")
         except OSError as e:
             log.warning("could not save the conversation: %s", e.strerror)
+
+    def _window(self) -> list[dict[str, Any]]:
+        """The system prompt and as many of the latest turns as fit in `history_chars`.
+
+        Local models have small context windows and a group's conversation only grows; the
+        oldest turns go first, always whole (a window starts at a user message, so no tool
+        result is sent without the call it answers). The current turn is always kept.
+        """
+        system, history = self.messages[0], self.messages[1:]
+        budget = self.history_chars - len(json.dumps(system))
+        start = len(history)
+        used = 0
+        for i in range(len(history) - 1, -1, -1):
+            used += len(json.dumps(history[i]))
+            if history[i].get("role") == "user":
+                if used > budget and start < len(history):
+                    break
+                start = i
+        return [system] + history[start:]
 
     def start(self) -> None:
         pass
@@ -121,7 +141,7 @@ class OpenAIBackend:
         self.messages.append({"role": "user", "content": text})
         tool_specs = self._tool_specs()
         for _ in range(self.max_tool_rounds):
-            body: dict[str, Any] = {"model": self.model, "messages": self.messages}
+            body: dict[str, Any] = {"model": self.model, "messages": self._window()}
             if tool_specs:
                 body["tools"] = tool_specs
             message = self._post(body)["choices"][0].get("message") or {}
@@ -151,7 +171,7 @@ class OpenAIBackend:
                 self.messages.append({"role": "tool", "tool_call_id": call.get("id", ""),
                                       "content": reply})
         # Out of rounds: ask once more without tools so the user still gets an answer.
-        body = {"model": self.model, "messages": self.messages + [{
+        body = {"model": self.model, "messages": self._window() + [{
             "role": "user", "content": "Tool-call limit reached; answer with what you have."}]}
         message = self._post(body)["choices"][0].get("message") or {}
         self.messages.append({"role": "assistant", "content": message.get("content")})
