@@ -69,6 +69,7 @@ def test_post_message_reaches_callback_and_reply_is_readable(tmp_path: Path) -> 
                     "hl:main", "u1", "Alice", "hi there")
                 assert m.id == body["message_id"] and m.id.startswith("hl:main:")
                 assert m.timestamp.endswith("Z") and m.channel == "http"
+                assert m.chat_name == "Admin" and not m.is_group
                 # `channel` picks the chat; `text` is the other spelling
                 async with http.post("/message", json={"text": "to family",
                                                        "channel": "family"}) as r:

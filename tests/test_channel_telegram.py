@@ -139,6 +139,7 @@ def test_inbound_text_and_captions_reach_the_callback() -> None:
                   "chat": {"id": 99, "type": "private"}, "from": {"id": 99},
                   "sticker": {"file_id": "y"}})
         await wait_until(lambda: len(got) == 2 and api.offsets[-1] == 503)
+        assert not got[0].addressed
         a, b = got
         assert (a.id, a.chat_jid, a.sender, a.sender_name, a.content) == (
             "tg:-1001234:7", "tg:-1001234", "42", "Alice B", "@Andy what's up?")
@@ -302,3 +303,44 @@ def test_from_config_reads_the_token_file(tmp_path: Path) -> None:
     assert ch.api_base == "http://127.0.0.1:9" and ch.redact(f"/bot{TOKEN}/x") == "/bot***/x"
     with pytest.raises(ChannelError):
         TelegramChannel("bad token with spaces")
+
+
+def test_mentions_and_replies_to_the_bot_address_the_assistant() -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        ch.trigger = "@Andy"
+        await ch.connect()
+        group = {"id": -100, "type": "group", "title": "G"}
+        who = {"id": 42, "first_name": "Alice"}
+        api.push({"message_id": 1, "date": 1, "chat": group, "from": who,
+                  "text": "@MDCLAW_test_bot what time is it?"})
+        api.push({"message_id": 2, "date": 2, "chat": group, "from": who,
+                  "text": "thanks!", "reply_to_message": {"message_id": 1001,
+                                                          "from": {"id": 1, "is_bot": True}}})
+        api.push({"message_id": 3, "date": 3, "chat": group, "from": who,
+                  "text": "@andy and @mdclaw_test_bot"})
+        api.push({"message_id": 4, "date": 4, "chat": group, "from": who,
+                  "text": "mail me at x@mdclaw_test_botnet.org"})
+        await wait_until(lambda: len(got) == 4)
+        assert [(m.addressed, m.content) for m in got] == [
+            (True, "@Andy @MDCLAW_test_bot what time is it?"),
+            (True, "@Andy thanks!"),
+            (True, "@andy and @mdclaw_test_bot"),  # the trigger is there already
+            (False, "mail me at x@mdclaw_test_botnet.org"),
+        ]
+
+    run(body)
+
+
+def test_an_image_telegram_refuses_as_photo_goes_as_document(tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        img = tmp_path / "wide.png"
+        img.write_bytes(b"\x89PNG very wide")
+        api.fail["sendPhoto"] = [(400, {"ok": False, "error_code": 400,
+                                        "description": "Bad Request: PHOTO_INVALID_DIMENSIONS"})]
+        assert await ch.send_file("tg:5", img, caption="chart")
+        doc = api.of("sendDocument")[0]
+        assert doc["document"] == ("wide.png", b"\x89PNG very wide")
+        assert doc["caption"] == "chart"
+
+    run(body)

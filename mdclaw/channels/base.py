@@ -36,6 +36,9 @@ class InboundMessage:
     chat_name: str | None = None
     is_group: bool = False
     channel: str = ""
+    #: The person addressed the assistant by the chat service's own means (a @mention of
+    #: the bot, a reply to one of its messages): treat it as triggered.
+    addressed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,10 +161,16 @@ def split_text(text: str, limit: int, *, measure: Callable[[str], int] = len) ->
     pieces: list[str] = []
     rest = text
     while measure(rest) > limit:
-        # Longest prefix that fits: code points never exceed the measure, so start there.
-        end = min(len(rest), limit)
-        while end > 1 and measure(rest[:end]) > limit:
-            end -= 1
+        # Longest prefix that fits (binary search: the measure grows with the prefix, and
+        # is never below the number of code points, so no prefix longer than `limit` fits).
+        lo, hi = 1, min(len(rest), limit)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if measure(rest[:mid]) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        end = lo
         window = rest[:end]
         cut = -1
         for sep in ("\n\n", "\n", " "):

@@ -44,7 +44,7 @@ from aiohttp import web
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
 from mdclaw.config import read_secret
 from mdclaw.state import Database, now_iso
-from mdclaw.state.groups import list_groups, main_group
+from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
 
 log = logging.getLogger("mdclaw.channels.http")
 
@@ -360,9 +360,11 @@ class HttpChannel(Channel):
         message_id = f"{jid}:{request_id}"
         seq, _ = self._record(jid, "in", "text", content=text, sender=sender,
                               sender_name=sender_name, message_id=message_id)
+        group = get_group_by_jid(self.db, jid)
         msg = InboundMessage(id=message_id, chat_jid=jid, sender=sender,
                              sender_name=sender_name, content=text, timestamp=now_iso(),
-                             chat_name=jid[3:], is_group=False, channel=self.name)
+                             chat_name=group.name if group else jid[3:], is_group=False,
+                             channel=self.name)
         try:
             await self.deliver_inbound(msg)
         except Exception:

@@ -28,7 +28,8 @@ def build_channels(cfg: Config, db: Database,
                                                 on_inbound=on_inbound))
     tg = cfg.channels.telegram
     if tg is not None and tg.enabled:
-        channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound))
+        channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,
+                                                    trigger=f"@{cfg.assistant.name}"))
     return channels
 
 

@@ -51,7 +51,7 @@ class TelegramChannel(Channel):
 
     def __init__(self, token: str, *, api_base: str = "https://api.telegram.org",
                  on_inbound: InboundCallback | None = None, poll_timeout: int = 25,
-                 request_timeout: float = 30.0) -> None:
+                 request_timeout: float = 30.0, trigger: str | None = None) -> None:
         super().__init__(on_inbound)
         if not token or "/" in token or any(c.isspace() for c in token):
             raise ChannelError("the Telegram bot token is empty or malformed")
@@ -66,10 +66,15 @@ class TelegramChannel(Channel):
         self._running = False  # between connect() and disconnect()
         self._connected = False  # running, and the last call reached Telegram
         self.bot_username: str | None = None
+        self.bot_id: int | None = None
+        # A message that @mentions the bot (or replies to it) but not the trigger gets the
+        # trigger put in front, so "@mdclaw_bot hi" reaches a group that needs "@Andy".
+        self.trigger = trigger
 
     @classmethod
     def from_config(cls, section: Any, *,
-                    on_inbound: InboundCallback | None = None) -> TelegramChannel:
+                    on_inbound: InboundCallback | None = None,
+                    trigger: str | None = None) -> TelegramChannel:
         """Build from the `channels.telegram` config section; reads the token file now.
 
         Raises ChannelError naming the file (never its content) if it cannot be read.
@@ -79,7 +84,7 @@ class TelegramChannel(Channel):
         except OSError as e:
             raise ChannelError(f"cannot read channels.telegram.token_file "
                                f"{section.token_file}: {e.strerror}") from None
-        return cls(token, api_base=section.api_base, on_inbound=on_inbound)
+        return cls(token, api_base=section.api_base, on_inbound=on_inbound, trigger=trigger)
 
     def redact(self, text: str) -> str:
         """`text` with the token replaced by ***."""
@@ -103,7 +108,9 @@ class TelegramChannel(Channel):
         self._running = True
         try:
             me = await self.call("getMe")
-            self.bot_username = me.get("username") if isinstance(me, dict) else None
+            if isinstance(me, dict):
+                self.bot_username = me.get("username")
+                self.bot_id = me.get("id") if isinstance(me.get("id"), int) else None
             log.info("telegram: connected as @%s", self.bot_username or "?")
         except ChannelError as e:
             if e.code in (401, 403, 404):  # the token is wrong or revoked
@@ -232,11 +239,26 @@ class TelegramChannel(Channel):
         ts = (now_iso(datetime.fromtimestamp(date, UTC)) if isinstance(date, int)
               else now_iso())
         jid = f"tg:{chat['id']}"
+        addressed = self._addresses_bot(msg, text)
+        if addressed and self.trigger and not re.search(
+                rf"(?<!\w){re.escape(self.trigger)}(?!\w)", text, re.IGNORECASE):
+            text = f"{self.trigger} {text}"
         return InboundMessage(
             id=f"{jid}:{msg.get('message_id')}", chat_jid=jid,
             sender=str(sender.get("id", "")), sender_name=name, content=text, timestamp=ts,
             chat_name=chat_name, is_group=chat.get("type") in ("group", "supergroup"),
-            channel=self.name)
+            channel=self.name, addressed=addressed)
+
+    def _addresses_bot(self, msg: dict[str, Any], text: str) -> bool:
+        """True if `msg` @mentions this bot or replies to one of its messages."""
+        replied = msg.get("reply_to_message")
+        if (self.bot_id is not None and isinstance(replied, dict)
+                and (replied.get("from") or {}).get("id") == self.bot_id):
+            return True
+        if not self.bot_username:
+            return False
+        mention = rf"(?<!\w)@{re.escape(self.bot_username)}\b"
+        return re.search(mention, text, re.IGNORECASE) is not None
 
     # ------------------------------------------------------------------ outbound
     def _chat_id(self, jid: str) -> int:
@@ -303,7 +325,20 @@ class TelegramChannel(Channel):
         form.add_field(field, content, filename=name,
                        content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
         self._stop_typing(jid)
-        result = await self.call(method, data=form, timeout=max(self.request_timeout, 120))
+        try:
+            result = await self.call(method, data=form, timeout=max(self.request_timeout, 120))
+        except ChannelError as e:
+            if not (as_photo and e.code == 400):
+                raise
+            # Telegram refuses some images as photos (size, ratio): send them as documents.
+            form = aiohttp.FormData()
+            form.add_field("chat_id", str(chat_id))
+            if caption and not long_caption:
+                form.add_field("caption", caption)
+            form.add_field("document", content, filename=name,
+                           content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+            result = await self.call("sendDocument", data=form,
+                                     timeout=max(self.request_timeout, 120))
         mid = result.get("message_id") if isinstance(result, dict) else None
         if long_caption and caption:  # too long for a caption: it follows as text
             await self.send_message(jid, caption)
