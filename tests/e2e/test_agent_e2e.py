@@ -78,7 +78,8 @@ async def wait_until(pred, timeout: float = 60.0, what: str = "condition") -> No
 SCAN_FOR_KEY = """
 import os, sys
 key = (sys.argv[1] + sys.argv[2]).encode()
-hits, n = [], 0
+placeholder = b'ANTHROPIC_API_KEY=mdclaw-placeholder-key'
+hits, n, with_placeholder = [], 0, 0
 for pid in filter(str.isdigit, os.listdir('/proc')):
     for what in ('environ', 'cmdline'):
         try:
@@ -86,6 +87,7 @@ for pid in filter(str.isdigit, os.listdir('/proc')):
         except OSError:
             continue
         n += 1
+        with_placeholder += placeholder in data
         if key in data:
             hits.append(f'/proc/{pid}/{what}')
 for top in ('/workspace', '/home', '/tmp', '/opt', '/etc'):
@@ -100,7 +102,7 @@ for top in ('/workspace', '/home', '/tmp', '/opt', '/etc'):
                     hits.append(p)
             except OSError:
                 pass
-print('scanned', n, *(['FOUND'] + hits if hits else []))
+print('scanned', n, 'placeholder', with_placeholder, *(['FOUND'] + hits if hits else []))
 """
 
 
@@ -296,11 +298,17 @@ def test_claude_agent_in_container(tmp_path, engine, claude_agent_image, install
                                              chat_jid="tg:2", **fields),
                     on_output=lambda b: outs.append(json.loads(b))))
                 await wait_until(lambda: outs or run.done(), 180, "the first result")
+                # The CLI process holds the placeholder key and nothing holds the real one.
+                half = len(REAL_KEY) // 2
+                handle = runner.active("family")
+                code, scan = await asyncio.to_thread(
+                    container_exec, engine, handle.name,
+                    ["python3", "-c", SCAN_FOR_KEY, REAL_KEY[:half], REAL_KEY[half:]])
                 write_follow_up(layout, "family", sender="tg:42", sender_name="Alice",
                                 content="more please", timestamp="2026-01-01T00:00:00Z")
                 await wait_until(lambda: len(outs) >= 2 or run.done(), 120, "second result")
                 write_close(layout, "family")
-                results.append((await asyncio.wait_for(run, 120), list(outs)))
+                results.append((await asyncio.wait_for(run, 120), list(outs), scan))
             outs2: list[dict] = []
             async with proxy.for_run(cfg, "family") as fields:
                 res = await runner.run(
@@ -308,14 +316,16 @@ def test_claude_agent_in_container(tmp_path, engine, claude_agent_image, install
                                              chat_jid="tg:2", is_scheduled_task=True,
                                              session_id=outs[0]["newSessionId"], **fields),
                     on_output=lambda b: outs2.append(json.loads(b)))
-                results.append((res, outs2))
+                results.append((res, outs2, None))
         finally:
             await proxy.close()
             await runner.aclose()
         return results
 
-    (first, outs), (second, outs2) = asyncio.run(scenario())
+    (first, outs, scan), (second, outs2, _) = asyncio.run(scenario())
     api.stop()
+    assert scan.startswith("scanned") and "FOUND" not in scan, scan
+    assert int(scan.split()[3]) >= 1, scan  # the CLI's environment: placeholder only
     assert first.exit_code == 0 and first.status == "success", first.stderr_tail
     assert [o["result"] for o in outs] == ["first", "second"]
     sid = outs[0]["newSessionId"]
