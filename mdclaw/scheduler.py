@@ -2,7 +2,7 @@
 
 Claiming is the heart of it. A due task (`active`, `next_run <= now`) is claimed in one
 transaction that inserts its 'running' run-log row and either advances `next_run` to the next
-slot (recurring tasks) or marks it 'running' (one-shot tasks). Only then is it handed to
+slot (recurring tasks) or marks it 'running' and clears `next_run` (one-shot tasks). Only then is it handed to
 `execute`. A crash after the claim therefore cannot fire the same slot again: on the next
 start `recover()` marks the left-over 'running' rows 'interrupted', and a one-shot task left
 'running' is marked 'completed' (at most once: its agent may already have acted; the log shows
@@ -121,6 +121,10 @@ class Scheduler:
                 conn.execute("UPDATE scheduled_tasks SET last_result = ?, updated_at = ?"
                              " WHERE id = ?", (f"interrupted: {INTERRUPTED}",
                                                schedule.to_iso(now), task_id))
+                # A one-shot paused while it ran must not fire again when resumed either.
+                conn.execute("UPDATE scheduled_tasks SET status = 'completed', next_run = NULL"
+                             " WHERE id = ? AND schedule_type = 'once' AND status = 'paused'",
+                             (task_id,))
             stuck = conn.execute(
                 "UPDATE scheduled_tasks SET status = 'completed', next_run = NULL,"
                 " updated_at = ? WHERE status = 'running'", (schedule.to_iso(now),)).rowcount
@@ -187,8 +191,8 @@ class Scheduler:
 
             run_id = insert_run(conn, task_id, now, missed)
             if once:
-                conn.execute("UPDATE scheduled_tasks SET status = 'running', last_run = ?,"
-                             " updated_at = ? WHERE id = ?", (stamp, stamp, task_id))
+                conn.execute("UPDATE scheduled_tasks SET status = 'running', next_run = NULL,"
+                             " last_run = ?, updated_at = ? WHERE id = ?", (stamp, stamp, task_id))
             else:
                 conn.execute("UPDATE scheduled_tasks SET next_run = ?, last_run = ?,"
                              " updated_at = ? WHERE id = ?", (nxt_iso, stamp, stamp, task_id))
@@ -226,8 +230,11 @@ class Scheduler:
                          " WHERE id = ?", (_clip(summary, MAX_SUMMARY), schedule.to_iso(now),
                                            claim.task.id))
             if claim.task.schedule_type == "once":
+                # Completed even if paused or resumed meanwhile (it did run), unless it was
+                # given a new time while running.
                 conn.execute("UPDATE scheduled_tasks SET status = 'completed', next_run = NULL"
-                             " WHERE id = ? AND status = 'running'", (claim.task.id,))
+                             " WHERE id = ? AND schedule_type = 'once' AND schedule_value = ?",
+                             (claim.task.id, claim.task.schedule_value))
 
     async def _run(self, claim: Claim) -> None:
         try:

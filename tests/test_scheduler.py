@@ -369,3 +369,33 @@ def test_earliest_next_run_ignores_paused_and_completed(db) -> None:
     for _ in range(100):
         s.next_wakeup()
     assert (time.perf_counter() - t0) / 100 < 0.005
+
+
+def test_one_shot_paused_and_resumed_while_running_does_not_fire_again(db) -> None:
+    add(db, "o1", "once", once_value(60), due_in=0)
+    rec = Recorder(sleep=1.0)
+    s = Scheduler(db, rec)
+
+    async def during(sched: Scheduler) -> None:
+        await asyncio.sleep(0.3)
+        assert rec.ids() == ["o1"]
+        with db.transaction() as c:  # what a careless pause + resume would do mid-run
+            update_task_fields(c, "o1", status="paused")
+            update_task_fields(c, "o1", status="active")
+        sched.wake()
+        await asyncio.sleep(1.2)
+
+    run_for(s, 0.2, during)
+    assert rec.ids() == ["o1"]
+    o1 = get_task(db, "o1")
+    assert o1.status == "completed" and o1.next_run is None
+    assert [r.status for r in list_runs(db, "o1")] == ["success"]
+
+
+def test_recover_completes_one_shot_paused_during_interrupted_run(db) -> None:
+    add(db, "o1", "once", once_value(60), due_in=-1)
+    assert isinstance(Scheduler(db, Recorder()).claim("o1"), Claim)
+    with db.transaction() as c:
+        update_task_fields(c, "o1", status="paused")
+    Scheduler(db, Recorder()).recover()
+    assert get_task(db, "o1").status == "completed"
