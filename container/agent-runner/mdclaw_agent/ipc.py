@@ -129,13 +129,16 @@ class InputWatcher:
     `input/.rejected/` so it is neither retried forever nor silently lost.
     """
 
-    def __init__(self, input_dir: Path, poll_seconds: float = 0.5) -> None:
+    def __init__(self, input_dir: Path, poll_seconds: float = 0.5, *,
+                 use_inotify: bool = True) -> None:
         self.input_dir = input_dir
         self.poll_seconds = poll_seconds
         self.closed = False
         self._pending: list[FollowUp] = []
         self._inotify = None
         self.input_dir.mkdir(parents=True, exist_ok=True)
+        if not use_inotify:
+            return
         try:
             import inotify_simple  # optional: without it the watcher only polls
 
@@ -160,11 +163,25 @@ class InputWatcher:
 
         Follow-ups present in the same scan as `_close` are still returned (none is lost).
         """
+        found: list[FollowUp] = []
+        saw_close = self._take(found)
+        if saw_close:
+            # A directory listing made while files were being renamed in may show `_close`
+            # but miss a follow-up renamed in just before it; a listing started after
+            # `_close` was seen shows every such file.
+            self._take(found)
+            _unlink_quietly(self.input_dir / CLOSE_SENTINEL)
+            self.closed = True
+        found.sort(key=lambda f: f.name)
+        return found
+
+    def _take(self, found: list[FollowUp]) -> bool:
+        """Read and remove the follow-ups listed now, appending to `found`; return whether
+        `_close` was listed."""
         try:
             names = sorted(os.listdir(self.input_dir))
         except FileNotFoundError:
-            return []
-        found: list[FollowUp] = []
+            return False
         saw_close = False
         for name in names:
             if name == CLOSE_SENTINEL:
@@ -183,10 +200,7 @@ class InputWatcher:
                 continue
             _unlink_quietly(path)
             found.append(FollowUp(name=name, text=text, sender_name=sender))
-        if saw_close:
-            _unlink_quietly(self.input_dir / CLOSE_SENTINEL)
-            self.closed = True
-        return found
+        return saw_close
 
     def _reject(self, path: Path) -> None:
         rejected = self.input_dir / ".rejected"
