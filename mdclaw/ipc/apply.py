@@ -17,6 +17,7 @@ import shutil
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -130,6 +131,11 @@ class IpcEngine:
                                      cfg.limits.errors_max_bytes)
         self.dirs: dict[str, GroupDirs] = {}
         self.rows: dict[str, GroupRow] = {}
+        # Where snapshot rewrites go: written at once by default; the watcher hands them to a
+        # background SnapshotWriter instead.
+        self.snapshots: Callable[..., None] = self._write_snapshots
+        # Called with the batch's items right after COMMIT (benchmarks time commits with it).
+        self.on_commit: Callable[[list[Item]], None] | None = None
         self.refresh_groups()
 
     def close(self) -> None:
@@ -259,6 +265,8 @@ class IpcEngine:
                     "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
                     " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (it.folder, it.ledger_name, it.key, it.ctype, it.outcome, it.reason, now))
+        if self.on_commit is not None:
+            self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
         for it in items:
             if it.outcome == "deferred":
@@ -293,17 +301,18 @@ class IpcEngine:
             except FileNotFoundError:
                 pass
 
+    def _write_snapshots(self, folders: set[str] | None, *, tasks: bool, groups: bool) -> None:
+        write_snapshots(self.db, self.layout, folders, tasks=tasks, groups=groups)
+
     def _after(self, fx: Effects) -> None:
         if fx.groups_changed:
             self.refresh_groups()
         main = self.main_folder()
         if fx.task_folders:
             folders = set(fx.task_folders) | ({main} if main else set())
-            write_snapshots(self.db, self.layout, folders, tasks=True, groups=False)
+            self.snapshots(folders, tasks=True, groups=False)
         if fx.groups_changed:
-            # Group changes show in every group's task view too (a removed group's tasks).
-            write_snapshots(self.db, self.layout, {main} if main else set(), tasks=True,
-                            groups=True)
+            self.snapshots({main} if main else set(), tasks=True, groups=True)
 
     def drain(self, max_rounds: int | None = None) -> BatchResult:
         """Process every pending file (in fair rounds) until none is left."""

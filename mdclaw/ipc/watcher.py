@@ -23,6 +23,7 @@ from inotify_simple import flags as F
 from mdclaw.config import Config
 from mdclaw.ipc.apply import SETTLE_NS, BatchResult, IpcEngine
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
+from mdclaw.ipc.writers import SnapshotWriter
 from mdclaw.state import Database
 
 log = logging.getLogger("mdclaw.ipc")
@@ -38,6 +39,8 @@ class IpcWatcher:
                  poll_interval: float | None = None, engine: IpcEngine | None = None) -> None:
         self.cfg = cfg
         self.engine = engine or IpcEngine(cfg, db, settle_ns=SETTLE_NS)
+        self.snapshot_writer = SnapshotWriter(cfg.db_path, self.engine.layout)
+        self.engine.snapshots = self.snapshot_writer.request
         self.poll_interval = (poll_interval if poll_interval is not None
                               else cfg.limits.ipc_poll_interval.total_seconds())
         self.inotify: INotify | None = None
@@ -214,6 +217,7 @@ class IpcWatcher:
                 loop.remove_reader(self.inotify.fd)
 
     def close(self) -> None:
+        self.snapshot_writer.close()
         if self.inotify is not None:
             self.inotify.close()
             self.inotify = None

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from mdclaw.state.tasks import TaskRow, list_tasks
 log = logging.getLogger("mdclaw.ipc")
 
 FILE_MODE = 0o640
+MIN_ROUND_GAP = 0.005  # seconds between two snapshot rounds, at least
+CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
 
 
 def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE) -> None:
@@ -57,7 +60,9 @@ def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE) 
 
 
 def _dump(obj: Any) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+    # Compact on purpose: with `indent` the json module falls back to its pure-Python
+    # encoder, ten times slower for a snapshot of every task.
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def _open_group_ipc(layout: Layout, folder: str, sub: str | None = None) -> int:
@@ -202,3 +207,95 @@ def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = Non
 
 def snapshot_path(layout: Layout, folder: str, name: str) -> Path:
     return layout.group_ipc_dir(folder) / name
+
+
+class SnapshotWriter:
+    """Rewrites snapshots on a background thread, so the IPC loop never waits for them.
+
+    Requests are coalesced: while one round is written, later requests pile up and the next
+    round writes each affected folder once, from the database as it is then. The thread
+    reads through its own SQLite connection (WAL lets it read while the loop writes).
+    """
+
+    def __init__(self, db_path: Path, layout: Layout) -> None:
+        self.db_path = db_path
+        self.layout = layout
+        self._cond = threading.Condition()
+        self._tasks: set[str] | None = set()  # None: every group
+        self._groups: set[str] | None = set()
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="ipc-snapshots", daemon=True)
+        self._thread.start()
+
+    def request(self, folders: set[str] | None, *, tasks: bool, groups: bool) -> None:
+        """Ask for the snapshots of `folders` (None: all) to be rewritten soon."""
+        with self._cond:
+            if tasks:
+                self._tasks = None if folders is None or self._tasks is None else (
+                    self._tasks | folders)
+            if groups:
+                self._groups = None if folders is None or self._groups is None else (
+                    self._groups | folders)
+            self._cond.notify()
+
+    def _has_work(self) -> bool:
+        return self._tasks is None or self._groups is None or bool(self._tasks or self._groups)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every request so far is written. False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._busy and not self._has_work(),
+                                       timeout)
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    @staticmethod
+    def _checkpoint(db: Database) -> None:
+        try:
+            db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except Exception as e:  # busy or locked: the next quiet moment tries again
+            log.debug("ipc: WAL checkpoint skipped: %s", e)
+
+    def _run(self) -> None:
+        db = Database(self.db_path, migrate=False)
+        try:
+            while True:
+                with self._cond:
+                    woke = self._cond.wait_for(lambda: self._stop or self._has_work(),
+                                               CHECKPOINT_EVERY)
+                    if not woke:
+                        # Quiet moment: fold the WAL into the database here, so the loop's
+                        # own commits rarely hit SQLite's auto-checkpoint (and its fsync).
+                        self._checkpoint(db)
+                        continue
+                    if not self._has_work():
+                        return
+                    tasks, groups = self._tasks, self._groups
+                    self._tasks, self._groups = set(), set()
+                    self._busy = True
+                started = time.monotonic()
+                try:
+                    if tasks is None or tasks:
+                        write_snapshots(db, self.layout, tasks, tasks=True, groups=False)
+                    if groups is None or groups:
+                        write_snapshots(db, self.layout, groups, tasks=False, groups=True)
+                except Exception:  # keep serving; the next change or start-up rewrites them
+                    log.exception("ipc: writing snapshots failed")
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
+                # Under a burst, rewriting every snapshot after every batch would take more
+                # time than applying the commands: pause in proportion to the last round, so
+                # the snapshots lag a burst by a few rounds at most and never starve the loop.
+                pause = min(0.2, MIN_ROUND_GAP + 2 * (time.monotonic() - started))
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop, pause)
+        finally:
+            db.close()

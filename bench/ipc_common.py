@@ -1,0 +1,136 @@
+"""Shared set-up for the IPC benchmarks: a data dir with N groups, the real IPC loop in a
+child process, and a clock for "file removed" (the engine removes a file only after the
+transaction that applied it has committed, so rename -> removal bounds rename -> commit from
+above)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from inotify_simple import INotify  # noqa: E402
+from inotify_simple import flags as F  # noqa: E402
+
+
+def make_data_dir(root: Path, groups: int) -> Path:
+    """Write config.yaml for `groups` groups (g000 is main) and reconcile; returns it."""
+    from mdclaw.config import load_config
+    from mdclaw.reconcile import reconcile
+    from mdclaw.state import Database
+
+    lines = [f"data_dir: {root / 'data'}", "assistant: {name: Andy, timezone: UTC}",
+             "limits: {errors_max_files: 100000}", "groups:"]
+    for i in range(groups):
+        lines.append(f"  g{i:03d}: {{name: G{i}, jid: 'tg:{i}'{', main: true' if i == 0 else ''}}}")
+    cfg_path = root / "config.yaml"
+    cfg_path.write_text("\n".join(lines) + "\n")
+    cfg = load_config(cfg_path)
+    with Database(cfg.db_path) as db:
+        reconcile(cfg, db)
+    return cfg_path
+
+
+SERVE = """
+import asyncio, json, signal, sys, time
+sys.path.insert(0, {repo!r})
+from mdclaw.config import load_config
+from mdclaw.state import Database
+from mdclaw.ipc.watcher import IpcWatcher
+cfg = load_config({cfg!r})
+commits = {{}}
+def on_commit(items):
+    now = time.monotonic_ns()
+    for it in items:
+        commits[it.name] = now
+async def main():
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    w = IpcWatcher(cfg, Database(cfg.db_path), use_inotify={inotify}, poll_interval={poll})
+    w.engine.on_commit = on_commit
+    t = asyncio.create_task(w.run(stop))
+    while not w.idle.is_set():
+        await asyncio.sleep(0.01)
+    print("ready", flush=True)
+    await t
+    w.close()
+    with open({commits_file!r}, "w") as f:
+        json.dump(commits, f)
+asyncio.run(main())
+"""
+
+
+class Server:
+    """The real IPC loop in a child process, recording when each file's batch committed
+    (CLOCK_MONOTONIC, comparable across processes)."""
+
+    def __init__(self, cfg_path: Path, *, inotify: bool = True, poll: float = 1.0) -> None:
+        self.commits_file = cfg_path.parent / f"commits-{time.monotonic_ns()}.json"
+        code = SERVE.format(repo=str(REPO), cfg=str(cfg_path), inotify=inotify, poll=poll,
+                            commits_file=str(self.commits_file))
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", line
+        self.pid = self.proc.pid
+
+    def stop(self) -> dict[str, int]:
+        """Stop it; returns {file name: commit time in ns}."""
+        stop(self.proc)
+        return json.loads(self.commits_file.read_text())
+
+
+def serve(cfg_path: Path, *, inotify: bool = True, poll: float = 1.0) -> Server:
+    """Start the real IPC loop in a child process; returns once it is idle and watching."""
+    return Server(cfg_path, inotify=inotify, poll=poll)
+
+
+def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Removals:
+    """Timestamps (perf_counter) of command files disappearing from watched folders."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        self.ino = INotify()
+        self.wd = {self.ino.add_watch(str(d), F.DELETE | F.MOVED_FROM): d for d in dirs}
+
+    def wait_for(self, name: str, timeout: float = 10.0) -> float:
+        deadline = time.perf_counter() + timeout
+        while True:
+            for ev in self.ino.read(timeout=int(max(0, deadline - time.perf_counter()) * 1000)):
+                if ev.name == name:
+                    return time.perf_counter()
+            if time.perf_counter() > deadline:
+                raise TimeoutError(name)
+
+
+def stage(path: Path, body: dict) -> Path:
+    """Write a command as a dot-file (ignored by the engine) ready to be renamed in."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(body))
+    return tmp
+
+
+def emit(figure: str, value: float, unit: str, **extra: object) -> None:
+    print(json.dumps({"figure": figure, "value": round(value, 4), "unit": unit, **extra}),
+          flush=True)
