@@ -189,10 +189,17 @@ class ClaudeBackend:
             raise BackendError("the Claude backend was not started")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (text, fut))
-        try:
-            messages = fut.result()
-        except Exception as e:  # noqa: BLE001 - SDK and CLI errors alike
-            raise BackendError(f"the Claude CLI failed: {e}") from None
+        while True:
+            try:
+                messages = fut.result(timeout=1.0)
+                break
+            except concurrent.futures.TimeoutError:
+                # The session coroutine ended (it only does so on close or a crash): nobody
+                # will answer this turn.
+                if self._thread is None or not self._thread.is_alive():
+                    raise BackendError("the Claude session ended unexpectedly") from None
+            except Exception as e:  # noqa: BLE001 - SDK and CLI errors alike
+                raise BackendError(f"the Claude CLI failed: {e}") from None
         result, session_id, error = collect_result(messages)
         if session_id:
             self.session_id = session_id
