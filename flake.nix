@@ -1,7 +1,7 @@
 {
   description = "mdclaw: self-hosted personal AI assistant host, one sandboxed agent container per chat group";
 
-  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-25.11";
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
 
   outputs =
     { self, nixpkgs }:
@@ -83,6 +83,19 @@
           attr = pythonAttr.${name} or name;
         in
         ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
+      # Backends the image can do without: if nixpkgs lacks one, the image is built without
+      # it (with a warning) rather than not at all; groups using it then fail with a clear error.
+      optionalInImage = [ "claude-agent-sdk" ];
+      imageNames =
+        ps:
+        builtins.filter (
+          name:
+          if builtins.elem name optionalInImage && !(ps ? ${pythonAttr.${name} or name}) then
+            lib.warn "mdclaw flake: nixpkgs has no python package '${name}'; the agent image is built without it" false
+          else
+            true
+        ) (lib.subtractLists skipInImage imageRequirements);
+      imagePythonPackages = ps: map (pythonPackage ps) (imageNames ps);
 
       # Programs a Python package needs next to it in the image (the SDK drives the CLI).
       imageExtraPrograms = pkgs: {
@@ -147,9 +160,7 @@
           pyproject = true;
           src = lib.cleanSource ./container/agent-runner;
           build-system = [ final.python3Packages.setuptools ];
-          dependencies = map (pythonPackage final.python3Packages) (
-            lib.subtractLists skipInImage imageRequirements
-          );
+          dependencies = imagePythonPackages final.python3Packages;
           # Its tests live in the host's test suite (they drive it against the host).
           doCheck = false;
           pythonImportsCheck = [ "mdclaw_agent" ];
@@ -159,14 +170,13 @@
         mdclaw-agent-image =
           let
             python = final.python3.withPackages (
-              ps:
-              [ final.mdclaw-agent-runner ]
-              ++ map (pythonPackage ps) (lib.subtractLists skipInImage imageRequirements)
+              ps: [ final.mdclaw-agent-runner ] ++ imagePythonPackages ps
             );
+            inImage = imageNames final.python3Packages;
             extraPrograms = lib.concatLists (
-              lib.attrValues (lib.getAttrs (lib.intersectLists imageRequirements (
-                lib.attrNames (imageExtraPrograms final)
-              )) (imageExtraPrograms final))
+              lib.mapAttrsToList (name: programs: lib.optionals (builtins.elem name inImage) programs) (
+                imageExtraPrograms final
+              )
             );
             etc = final.runCommand "mdclaw-agent-etc" { } ''
               mkdir -p $out/etc
@@ -262,7 +272,7 @@
         };
       });
 
-      # RFC 166 style (called nixfmt-rfc-style before nixpkgs 25.11).
+      # RFC 166 style (nixpkgs called it nixfmt-rfc-style before 25.11).
       formatter = forAllSystems (pkgs: pkgs.nixfmt);
 
       # The module with this flake's package and image as defaults (no overlay needed).

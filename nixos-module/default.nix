@@ -327,6 +327,8 @@ in
       environment = {
         MDCLAW_CONFIG = configPath;
         PYTHONUNBUFFERED = "1";
+        # /tmp is read-only under ProtectSystem=strict (and must not be private, see below).
+        TMPDIR = "/run/mdclaw";
       };
       serviceConfig = {
         Type = "notify";
@@ -347,6 +349,8 @@ in
         SupplementaryGroups = [ eng.group ];
         StateDirectory = lib.optional dataDirIsStateDir stateDirName;
         StateDirectoryMode = "0750";
+        RuntimeDirectory = "mdclaw";
+        RuntimeDirectoryMode = "0750";
         ReadWritePaths = lib.optional (!dataDirIsStateDir) dataDir;
         WorkingDirectory = dataDir;
         LoadCredential = lib.mapAttrsToList (name: path: "${name}:${path}") cfg.credentials;

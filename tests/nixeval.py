@@ -56,13 +56,14 @@ def nix_env(lib: Path) -> dict[str, str]:
     return env
 
 
-def eval_json(file: Path, args: dict[str, str], lib: Path,
-              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def eval_json(file: Path, args: dict[str, str], lib: Path, timeout: float = 120,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """nix-instantiate --eval --strict --json FILE --arg NAME EXPR... (not raising)."""
     cmd = [nix_instantiate(), "--eval", "--strict", "--json", str(file)]
     for name, expr in args.items():
         cmd += ["--arg", name, expr]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=nix_env(lib))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**nix_env(lib), **(env or {})})
 
 
 def eval_module(lib: Path, tmp_path: Path, configuration: str) -> dict[str, Any]:

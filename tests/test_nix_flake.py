@@ -156,3 +156,23 @@ def test_vm_fake_model_server_answers(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_image_without_an_optional_backend_still_evaluates() -> None:
+    """A nixpkgs without claude-agent-sdk gives an image without it, and says so."""
+    lib = nixpkgs_lib()
+    r = eval_json(NIX_DIR / "eval-flake.nix", {"nixpkgsLib": str(lib)}, lib,
+                  env={"FAKE_NIXPKGS_WITHOUT": "claude-agent-sdk"})
+    assert r.returncode == 0, r.stderr
+    image = json.loads(r.stdout)["image"]
+    assert not any("claude" in p for p in image["python"] + image["contents"])
+    if "claude-agent-sdk" in json.loads(r.stdout)["lib"]["imageRequirements"]:
+        assert "built without it" in r.stderr
+
+
+def test_a_requirement_nixpkgs_lacks_fails_evaluation() -> None:
+    lib = nixpkgs_lib()
+    r = eval_json(NIX_DIR / "eval-flake.nix", {"nixpkgsLib": str(lib)}, lib,
+                  env={"FAKE_NIXPKGS_WITHOUT": "croniter"})
+    assert r.returncode != 0
+    assert "no nixpkgs python package 'croniter'" in r.stderr

@@ -89,6 +89,9 @@ def test_unit_hardening(basic: dict) -> None:
     # the engine resolves bind mounts in its own namespace: data must not be in a private /tmp
     assert sc["PrivateTmp"] is False
     assert sc["StateDirectory"] == ["mdclaw"] and sc["WorkingDirectory"] == "/var/lib/mdclaw"
+    # ...and /tmp is read-only there, so temporary files go to the runtime directory
+    assert sc["RuntimeDirectory"] == "mdclaw"
+    assert basic["unit"]["environment"]["TMPDIR"] == "/run/mdclaw"
 
 
 def test_static_user_and_group(basic: dict) -> None:

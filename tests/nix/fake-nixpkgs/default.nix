@@ -39,7 +39,9 @@ let
     "tzdata"
   ];
 
-  pythonPackages = lib.genAttrs pythonNames (n: drv "python3.12-${n}" { }) // {
+  # FAKE_NIXPKGS_WITHOUT="a b": pretend nixpkgs lacks these python packages.
+  missing = lib.splitString " " (builtins.getEnv "FAKE_NIXPKGS_WITHOUT");
+  pythonPackages = lib.genAttrs (lib.subtractLists missing pythonNames) (n: drv "python3.12-${n}" { }) // {
     buildPythonApplication =
       args:
       drv "${args.pname}-${args.version}" {
