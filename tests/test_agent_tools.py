@@ -231,3 +231,37 @@ def test_every_tool_schema_is_an_object_schema() -> None:
         assert t.parameters["type"] == "object"
         assert set(t.parameters["required"]) <= set(t.parameters["properties"])
         assert t.description
+
+
+def test_memory_tools_answered_by_the_real_ipc_engine(tmp_path, write_config, cli,
+                                                      data_dir) -> None:
+    """The tools' action requests, answered by `mdclaw ipc drain` (the host's IPC engine)."""
+    cfg = write_config()
+    assert cli("reconcile", "--config", str(cfg)).returncode == 0
+    group = data_dir / "groups" / "family"
+    (group / "MEMORY.md").write_text("# Family\nTomatoes need water every morning.\n")
+    ctx = ToolContext(ipc_dir=data_dir / "ipc" / "family", group_folder="family",
+                      chat_jid="tg:-1001234", is_main=False, group_dir=group,
+                      action_timeout=30.0)
+    replies: dict[str, tuple[str, bool]] = {}
+
+    def ask(name: str, args: dict) -> threading.Thread:
+        t = threading.Thread(target=lambda: replies.__setitem__(
+            name, run_tool(tools_for(False), ctx, name, args)))
+        t.start()
+        return t
+
+    for name, args in [("memory_search", {"query": "tomatoes water"}),
+                       ("memory_get", {"path": "MEMORY.md"})]:
+        t = ask(name, args)
+        deadline = time.monotonic() + 10
+        while not list((ctx.ipc_dir / "actions").glob("*.json")):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = cli("ipc", "drain", "--config", str(cfg))
+        assert r.returncode == 0, r.stderr
+        t.join(30)
+    text, err = replies["memory_search"]
+    assert not err and "MEMORY.md line 2: Tomatoes need water every morning." in text
+    text, err = replies["memory_get"]
+    assert not err and text.startswith("# Family")
