@@ -265,3 +265,63 @@ def test_memory_tools_answered_by_the_real_ipc_engine(tmp_path, write_config, cl
     assert not err and "MEMORY.md line 2: Tomatoes need water every morning." in text
     text, err = replies["memory_get"]
     assert not err and text.startswith("# Family")
+
+
+def test_every_command_applied_by_the_real_ipc_engine(write_config, cli, data_dir) -> None:
+    """What the tools write is what the host applies: task life cycle, outbox rows, groups."""
+    from mdclaw.state import Database
+
+    cfg = write_config()
+    assert cli("reconcile", "--config", str(cfg)).returncode == 0
+    group = data_dir / "groups" / "family"
+    (group / "chart.png").write_bytes(b"\x89PNG fake")
+    fam = ToolContext(ipc_dir=data_dir / "ipc" / "family", group_folder="family",
+                      chat_jid="tg:-1001234", is_main=False, group_dir=group)
+    main = ToolContext(ipc_dir=data_dir / "ipc" / "main", group_folder="main",
+                       chat_jid="tg:123456", is_main=True, group_dir=data_dir / "groups" / "main")
+
+    def do(ctx: ToolContext, tool: str, **args) -> None:
+        reply, err = run_tool(tools_for(ctx.is_main), ctx, tool, args)
+        assert not err, reply
+        r = cli("ipc", "drain", "--json", "--config", str(cfg))
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["rejected"] == 0 and out["applied"] >= 1, (tool, out)
+
+    def task() -> dict | None:
+        db = Database(data_dir / "state.db")
+        try:
+            row = db.query_one("SELECT * FROM scheduled_tasks WHERE id = 'plants'")
+            return dict(row) if row else None
+        finally:
+            db.close()
+
+    do(fam, "schedule_task", prompt="water", schedule_type="interval",
+       schedule_value="3600000", task_id="plants")
+    assert task()["status"] == "active" and task()["group_folder"] == "family"
+    do(fam, "pause_task", task_id="plants")
+    assert task()["status"] == "paused"
+    do(fam, "resume_task", task_id="plants")
+    assert task()["status"] == "active"
+    do(fam, "update_task", task_id="plants", prompt="water twice")
+    assert task()["prompt"] == "water twice"
+    do(fam, "cancel_task", task_id="plants")
+    assert task()["status"] == "completed"
+    do(fam, "delete_task", task_id="plants")
+    assert task() is None
+
+    do(fam, "send_message", text="hi all")
+    do(fam, "react", message_id="42", emoji="👍")
+    do(fam, "send_file", file_path="chart.png", caption="the chart")
+    r = cli("outbox", "list", "--json", "--config", str(cfg))
+    rows = sorted(json.loads(r.stdout), key=lambda x: x["id"])
+    assert [(x["kind"], x["chat_jid"]) for x in rows] == [
+        ("text", "tg:-1001234"), ("reaction", "tg:-1001234"), ("file", "tg:-1001234")]
+
+    do(main, "register_group", jid="tg:777", name="Club", folder="club")
+    r = cli("groups", "list", "--json", "--config", str(cfg))
+    assert "club" in {g["folder"] for g in json.loads(r.stdout)}
+    do(main, "unregister_group", folder="club")
+    do(main, "refresh_groups")
+    r = cli("groups", "list", "--json", "--config", str(cfg))
+    assert "club" not in {g["folder"] for g in json.loads(r.stdout)}
