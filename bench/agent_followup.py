@@ -14,7 +14,6 @@ Target (issue 6): ≤ 20 ms. Run: python bench/agent_followup.py [N]
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile
