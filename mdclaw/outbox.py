@@ -4,7 +4,8 @@ The worker takes the oldest unfinished row of each chat (rows of one chat go out
 different chats go out side by side), finds the channel that owns the chat's JID, splits text
 at the channel's limit and sends it. A failed send is retried with exponential backoff (the
 chat service's own "retry after" wins when longer); after the last try, or at once for an
-error retrying cannot fix, the row becomes `failed` with the reason. Pieces of a split text
+error retrying cannot fix, the row becomes `failed` with the reason. While the owning channel
+is not connected, rows wait without using up their tries. Pieces of a split text
 already delivered are remembered (`outbox_progress`), so a retry resumes where it stopped.
 
 Crash safety: a row is `sending` only while a send is under way; `recover()` (run by
@@ -41,8 +42,8 @@ class RetryPolicy:
     """
 
     max_attempts: int = 5
-    base_delay: float = 2.0
-    factor: float = 2.0
+    base_delay: float = 5.0
+    factor: float = 3.0
     max_delay: float = 600.0
 
     def __post_init__(self) -> None:
@@ -64,13 +65,16 @@ class OutboxWorker:
     def __init__(self, db: Database, channels: Iterable[Channel] = (), *,
                  policy: RetryPolicy | None = None, on_sent: RowCallback | None = None,
                  on_failed: RowCallback | None = None, max_idle: float = 60.0,
-                 max_parallel_chats: int = 8) -> None:
+                 max_parallel_chats: int = 8, disconnected_recheck: float = 10.0) -> None:
         self.db = db
         self.channels: list[Channel] = list(channels)
         self.policy = policy or RetryPolicy()
         self.on_sent = on_sent
         self.on_failed = on_failed
         self.max_idle = max_idle
+        # How often rows for a channel that is down are looked at again (they keep their
+        # tries: a chat outage delays messages, it does not fail them).
+        self.disconnected_recheck = disconnected_recheck
         self._sem = asyncio.Semaphore(max_parallel_chats)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -231,15 +235,18 @@ class OutboxWorker:
 
     async def _deliver(self, row: OutboxRow) -> bool:
         """One attempt at `row`. True if it reached sent or failed, False if rescheduled."""
+        ch = channel_for(self.channels, row.chat_jid)
+        if ch is not None and not ch.is_connected():
+            # An outage delays messages, it does not use up their tries: look again soon.
+            self._defer(row, f"waiting: the {ch.name} channel is not connected")
+            return False
         if not self._claim(row):
             return False
         attempt = row.attempts + 1
-        ch = channel_for(self.channels, row.chat_jid)
         try:
             if ch is None:
-                raise ChannelError(f"no channel serves {row.chat_jid}")
-            if not ch.is_connected():
-                raise ChannelError(f"the {ch.name} channel is not connected")
+                raise ChannelError(f"no channel serves {row.chat_jid} (is its channel "
+                                   "configured under channels:?)")
             await self._send(ch, row)
         except asyncio.CancelledError:
             raise  # stays `sending`; recover() puts it back
@@ -261,6 +268,14 @@ class OutboxWorker:
         log.debug("outbox: message %d sent to %s", row.id, row.chat_jid)
         self._callback(self.on_sent, row.id)
         return True
+
+    def _defer(self, row: OutboxRow, reason: str) -> None:
+        now = utc_now()
+        wait = min(self.disconnected_recheck, self.policy.delay(row.attempts + 1))
+        with self.db.transaction() as c:
+            c.execute("UPDATE outbox SET last_error = ?, next_attempt_at = ?, updated_at = ? "
+                      "WHERE id = ? AND status = 'pending'",
+                      (reason, now_iso(now + timedelta(seconds=wait)), now_iso(now), row.id))
 
     def _failed_attempt(self, row: OutboxRow, attempt: int, reason: str, permanent: bool,
                         retry_after: float | None) -> bool:

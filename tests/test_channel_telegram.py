@@ -37,18 +37,19 @@ class FakeBotApi:
         self.runner: web.AppRunner | None = None
         self.base = ""
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/bot{token}/{method}", self.handle)
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True)
         await site.start()
         self.base = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
     async def stop(self) -> None:
         if self.runner:
             await self.runner.cleanup()
+            self.runner = None
 
     def push(self, message: dict[str, Any]) -> None:
         uid = 500 + len(self.updates)
@@ -342,5 +343,34 @@ def test_an_image_telegram_refuses_as_photo_goes_as_document(tmp_path: Path) -> 
         doc = api.of("sendDocument")[0]
         assert doc["document"] == ("wide.png", b"\x89PNG very wide")
         assert doc["caption"] == "chart"
+
+    run(body)
+
+
+def test_an_outage_delays_messages_without_using_up_their_tries(tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        port = int(api.base.rsplit(":", 1)[1])
+        db = Database(tmp_path / "s.db")
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=2, base_delay=0.1),
+                         disconnected_recheck=0.2)
+        await w.start()
+        try:
+            await api.stop()  # Telegram goes away
+            await wait_until(lambda: not ch.is_connected())
+            with db.transaction() as c:
+                rid = enqueue(c, chat_jid="tg:7", kind="text", text="after the outage",
+                              source_group="main")
+            w.wake()
+            await asyncio.sleep(1.5)  # far longer than two tries would take
+            row = get_row(db, rid)
+            assert row.status == "pending" and row.attempts == 0
+            assert "not connected" in row.last_error
+            await api.start(port)  # back; the poller reconnects, the row goes out
+            await wait_until(lambda: get_row(db, rid).status == "sent", timeout=20)
+            assert [p["text"] for p in api.of("sendMessage")] == ["after the outage"]
+        finally:
+            await w.stop()
+            db.close()
 
     run(body)

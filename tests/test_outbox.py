@@ -240,7 +240,14 @@ def test_order_within_a_chat_and_independence_across_chats(tmp_path: Path) -> No
         assert ch.sent == [("fk:1", "up")] and status(db, u1) == "sent"
         r1 = get_row(db, d1)
         assert r1.status == "pending" and "not connected" in r1.last_error
+        assert r1.attempts == 0  # an outage does not use up tries
         assert get_row(db, d2).attempts == 0  # waits behind the first of its chat
+        for _ in range(20):  # however long the outage lasts
+            with db.transaction() as c:
+                c.execute("UPDATE outbox SET next_attempt_at = '2000-01-01T00:00:00.000Z'")
+            await w.run_once()
+        assert get_row(db, d1).status == "pending" and get_row(db, d1).attempts == 0
+        assert get_row(db, nobody).status == "failed"  # no channel at all: tries run out
         assert "no channel serves zz:1" in get_row(db, nobody).last_error
         # outage over: both go out, in order
         down.connected = True
