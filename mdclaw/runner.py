@@ -194,7 +194,8 @@ class ContainerResult:
     stderr_tail: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # milliseconds
     # time.perf_counter() at: call (run entered), start_call (engine asked to start),
-    # started (engine answered), eof (output ended: container exited), done (result built)
+    # started (engine answered), eof (output ended: container exited), wait_call/waited
+    # (asking the engine for the exit status), done (result built)
     marks: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -285,9 +286,8 @@ class ContainerRunner:
         path = d / "settings.json"
         tmp = d / f".settings.json.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
+            # No fsync: the file is rewritten before every run, so a crash loses nothing.
             json.dump(AGENT_SETTINGS, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
         os.chmod(tmp, 0o660)
         os.replace(tmp, path)
         return path
@@ -464,7 +464,7 @@ class ContainerRunner:
                         except Exception:
                             log.exception("output callback for %s failed", spec.name)
                 elif kind == "eof":
-                    eof_at = time.perf_counter()
+                    eof_at = value  # when the reader thread saw the stream end
                     break
         except asyncio.CancelledError:
             # Shutdown or a cancelled job: do not leave the container running.
@@ -474,10 +474,12 @@ class ContainerRunner:
             raise
 
         error = reader.error
+        t_wait = time.perf_counter()
         try:
             exit_code = await asyncio.to_thread(running.wait, 30)
         except RuntimeError_ as e:
             exit_code, error = -1, error or str(e)
+        t_waited = time.perf_counter()
         running.close()
         if reader.dropped:
             log.warning("container %s: output cap of %d bytes reached; dropped %d byte(s)",
@@ -497,11 +499,13 @@ class ContainerRunner:
         self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, running.id))
         done_at = time.perf_counter()
         result.marks = {"call": t_call, "start_call": t_start_call, "started": t_started,
-                        "eof": eof_at, "done": done_at}
+                        "eof": eof_at, "wait_call": t_wait, "waited": t_waited,
+                        "done": done_at}
         result.timings = {
             "prepare_ms": (t_start_call - t_call) * 1000,
             "engine_start_ms": (t_started - t_start_call) * 1000,
             "exit_to_result_ms": (done_at - eof_at) * 1000,
+            "exit_status_ms": (t_waited - t_wait) * 1000,
         }
         log.info("container %s: %s (exit %d, %d block(s), %d stdout bytes)", spec.name,
                  status, exit_code, len(outputs), reader.total)
@@ -556,7 +560,7 @@ class _Reader(threading.Thread):
         except Exception as e:  # noqa: BLE001 - reported in the result
             self.error = f"reading container output failed: {e}"
         finally:
-            self._post("eof")
+            self._post("eof", time.perf_counter())
 
 
 def _mkdir(path: Path, mode: int) -> None:

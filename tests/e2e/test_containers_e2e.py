@@ -113,9 +113,9 @@ def test_hard_timeout_stops_the_container_and_reports(setup, engine):
 
     res = run(go())
     took = time.monotonic() - t0
-    assert res.timed_out and res.status == "timeout"
-    assert res.exit_code != 0
-    assert took < 20, took
+    assert res.timed_out and res.status == "timeout", res
+    assert res.exit_code != 0, res
+    assert took < 30, (took, res)
     assert engine.list({INSTALL_LABEL: cfg.runtime.install_id}) == []
 
 
