@@ -233,16 +233,14 @@ class IpcEngine:
         now = to_iso(utc_now())
         with self.db.transaction() as conn:
             jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
+            hits = self._ledger_hits(conn, items)
             for it in items:
                 if it.outcome in ("gone", "deferred"):
                     continue
-                hit = conn.execute(
-                    "SELECT outcome, detail FROM ipc_ledger WHERE group_folder = ? AND "
-                    "file_name = ? AND content_hash = ?",
-                    (it.folder, it.ledger_name, it.key)).fetchone()
+                hit = hits.get((it.folder, it.ledger_name, it.key))
                 if hit is not None:
-                    it.outcome, it.ledger_outcome = "done", hit["outcome"]
-                    it.reason = hit["detail"]
+                    it.outcome, it.ledger_outcome = "done", hit[0]
+                    it.reason = hit[1]
                     continue
                 if it.reason is None:
                     conn.execute("SAVEPOINT cmd")
@@ -292,6 +290,27 @@ class IpcEngine:
         self._after(fx)
         return res
 
+    @staticmethod
+    def _ledger_hits(conn: sqlite3.Connection, items: list[Item]
+                     ) -> dict[tuple[str, str, str], tuple[str, str | None]]:
+        """Ledger rows of this batch's files, looked up per group in one query each (inside
+        the transaction, so a concurrent `ipc drain` cannot slip in between)."""
+        by_group: dict[str, list[str]] = {}
+        for it in items:
+            if it.outcome not in ("gone", "deferred"):
+                by_group.setdefault(it.folder, []).append(it.ledger_name)
+        hits: dict[tuple[str, str, str], tuple[str, str | None]] = {}
+        for folder, names in by_group.items():
+            for i in range(0, len(names), 500):
+                chunk = names[i:i + 500]
+                rows = conn.execute(
+                    "SELECT file_name, content_hash, outcome, detail FROM ipc_ledger WHERE "
+                    f"group_folder = ? AND file_name IN ({','.join('?' * len(chunk))})",
+                    (folder, *chunk)).fetchall()
+                for r in rows:
+                    hits[(folder, r[0], r[1])] = (r[2], r[3])
+        return hits
+
     def _remove_if_same(self, it: Item) -> None:
         # Only remove the file that was applied: if the container put a new file under the
         # same name meanwhile, it is a new command and stays.
@@ -332,11 +351,17 @@ class IpcEngine:
     def start(self) -> None:
         """Start-up chores: forget old ledger rows, remove temp files a crash left behind,
         write every snapshot."""
-        cutoff = to_iso(utc_now() - LEDGER_KEEP)
-        with self.db.transaction() as conn:
-            conn.execute("DELETE FROM ipc_ledger WHERE processed_at < ?", (cutoff,))
+        self.prune_ledger()
         self._remove_stale_temps()
         write_snapshots(self.db, self.layout)
+
+    def prune_ledger(self) -> int:
+        """Forget ledger rows older than LEDGER_KEEP (their files are long gone); returns
+        how many. A row only matters between COMMIT and the file's removal."""
+        cutoff = to_iso(utc_now() - LEDGER_KEEP)
+        with self.db.transaction() as conn:
+            return conn.execute("DELETE FROM ipc_ledger WHERE processed_at < ?",
+                                (cutoff,)).rowcount
 
     def _remove_stale_temps(self) -> None:
         folders = [self.layout.errors_dir]

@@ -29,6 +29,7 @@ from mdclaw.state import Database
 log = logging.getLogger("mdclaw.ipc")
 
 DIR_MASK = F.CLOSE_WRITE | F.MOVED_TO | F.DELETE_SELF | F.MOVE_SELF | F.ONLYDIR
+LEDGER_PRUNE_EVERY = 3600.0  # seconds
 GROUP_MASK = F.CREATE | F.MOVED_TO | F.MOVED_FROM | F.DELETE | F.ONLYDIR
 
 
@@ -192,6 +193,7 @@ class IpcWatcher:
                  "inotify" if self.inotify is not None else "polling only", self.poll_interval)
         stop_task = asyncio.ensure_future(stop.wait())
         next_poll = time.monotonic() + self.poll_interval
+        next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
         try:
             while not stop.is_set():
                 busy = self._work_once()
@@ -204,6 +206,9 @@ class IpcWatcher:
                 if now >= next_poll:
                     self._poll()
                     next_poll = now + self.poll_interval
+                    if now >= next_prune:
+                        self.engine.prune_ledger()
+                        next_prune = now + LEDGER_PRUNE_EVERY
                     if self._dirty:
                         continue
                 self._wake.clear()

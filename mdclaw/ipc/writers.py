@@ -28,7 +28,7 @@ from mdclaw.state.tasks import TaskRow, list_tasks
 log = logging.getLogger("mdclaw.ipc")
 
 FILE_MODE = 0o640
-MIN_ROUND_GAP = 0.005  # seconds between two snapshot rounds, at least
+MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
 CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
 
 
@@ -294,7 +294,7 @@ class SnapshotWriter:
                 # Under a burst, rewriting every snapshot after every batch would take more
                 # time than applying the commands: pause in proportion to the last round, so
                 # the snapshots lag a burst by a few rounds at most and never starve the loop.
-                pause = min(0.2, MIN_ROUND_GAP + 2 * (time.monotonic() - started))
+                pause = min(0.5, MIN_ROUND_GAP + 4 * (time.monotonic() - started))
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop, pause)
         finally:
