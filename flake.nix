@@ -59,17 +59,10 @@
           ) (lib.splitString "\n" text)
         );
 
-      # The agent image's Python packages: the one list the Dockerfile installs too,
-      # container/requirements.txt; without it, the agent runner's own dependencies with all
-      # its extras (what `pip install 'container/agent-runner[claude]'` brings).
-      imageRequirements =
-        if builtins.pathExists ./container/requirements.txt then
-          parseRequirements (builtins.readFile ./container/requirements.txt)
-        else
-          map requirementName (
-            agentPyproject.project.dependencies
-            ++ lib.concatLists (lib.attrValues (agentPyproject.project.optional-dependencies or { }))
-          );
+      # The agent image's Python packages: container/requirements.txt, the one list the
+      # Dockerfile's wheelhouse is built from too. Versions are nixpkgs' (the pins are pip's);
+      # lines tagged "optional: claude" are included, with nixpkgs' claude-code CLI.
+      imageRequirements = parseRequirements (builtins.readFile ./container/requirements.txt);
 
       # PyPI name -> nixpkgs python package, where the attribute differs from the name.
       # The agent runner itself is built from container/agent-runner, not taken from here.
@@ -218,7 +211,12 @@
             config = {
               User = "1000:1000";
               WorkingDirectory = "/workspace/group";
-              Cmd = [ "/bin/mdclaw-agent" ];
+              # As container/Dockerfile: a command given at run time becomes the runner's arguments.
+              Entrypoint = [
+                "/bin/python3"
+                "-m"
+                "mdclaw_agent"
+              ];
               Env = [
                 "PATH=/bin"
                 "HOME=/home/node"
