@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta, timezone
+from collections.abc import Iterator
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -18,6 +19,7 @@ ScheduleType = Literal["cron", "interval", "once"]
 SCHEDULE_TYPES: tuple[str, ...] = ("cron", "interval", "once")
 
 UTC = timezone.utc
+MISSED_COUNT_LIMIT = 1000  # bounds the work of counting a long outage's cron slots
 
 
 class ScheduleError(ValueError):
@@ -118,34 +120,42 @@ def _is_second_occurrence(local: datetime) -> bool:
     return local.replace(fold=0).utcoffset() != local.utcoffset()
 
 
+def _cron_times(expr: str, tz: str, after: datetime) -> Iterator[datetime]:
+    """The firing times of `expr` in zone `tz` strictly after `after`, as UTC, in order."""
+    zone = get_zone(tz)
+    both_folds = repeats_wall_clock(expr)
+    it = croniter(expr, after.astimezone(zone))
+    skipped = 0
+    while True:
+        local = it.get_next(datetime).astimezone(zone)
+        if both_folds or not _is_second_occurrence(local):
+            skipped = 0
+            yield local.astimezone(UTC)
+        else:
+            skipped += 1
+            if skipped > 1000:
+                raise ScheduleError(f"cron expression {expr!r} never fires in {tz}")
+
+
 def next_cron(expr: str, tz: str, after: datetime) -> datetime:
     """The first time strictly after `after` that matches `expr` in zone `tz`, as UTC.
 
     croniter walks the zone-aware local clock: a wall-clock time skipped by the spring-forward
-    gap fires once, at the end of the gap. On the fall-back day croniter would return a
-    repeated wall-clock time twice; unless the hour field is a wildcard (see
-    repeats_wall_clock) the second occurrence is skipped, so `0 2 * * *` fires once.
-    Raises ScheduleError for an unknown zone.
+    gap fires once, at the end of the gap (unless the wall time one gap-length later is itself
+    a slot, as for an hourly job: then that slot stands for it). On
+    the fall-back day croniter would return a repeated wall-clock time twice; unless the hour
+    field is a wildcard (see repeats_wall_clock) the second occurrence is skipped, so
+    `0 2 * * *` fires once. Raises ScheduleError for an unknown zone.
     """
-    zone = get_zone(tz)
-    both_folds = repeats_wall_clock(expr)
-    it = croniter(expr, after.astimezone(zone))
-    for _ in range(1000):
-        nxt = it.get_next(datetime)
-        local = nxt.astimezone(zone)
-        if both_folds or not _is_second_occurrence(local):
-            return nxt.astimezone(UTC)
-    raise ScheduleError(f"cron expression {expr!r} never fires in {tz}")
+    return next(_cron_times(expr, tz, after))
 
 
 def count_cron_slots(expr: str, tz: str, start: datetime, end: datetime,
-                     limit: int = 10_000) -> int:
+                     limit: int = MISSED_COUNT_LIMIT) -> int:
     """How many times `expr` fires in the half-open span (start, end], capped at `limit`."""
     n = 0
-    t = start
-    while n < limit:
-        t = next_cron(expr, tz, t)
-        if t > end:
+    for t in _cron_times(expr, tz, start):
+        if t > end or n >= limit:
             break
         n += 1
     return n
@@ -197,8 +207,6 @@ def first_run(schedule_type: str, value: str, tz: str, now: datetime | None = No
         return parse_once(value, tz)
     raise ScheduleError(f"unknown schedule_type {schedule_type!r}")
 
-
-MISSED_COUNT_LIMIT = 10_000
 
 
 def advance(schedule_type: str, value: str, tz: str, scheduled: datetime,
