@@ -57,18 +57,24 @@ def test_skip_is_scoped_to_the_block(tmp_path) -> None:
 
 
 def test_skip_host_checks_leaves_out_the_checks_beyond_the_schema(write_config, capsys) -> None:
-    from mdclaw.cli import main
-    from mdclaw.commands.core import CONFIG_CHECKS
+    import argparse
+
+    from mdclaw.commands.core import CONFIG_CHECKS, cmd_check_config, register
 
     def looks_at_this_machine(cfg):
         yield "groups.main.mounts.0: mount refused: host path '/srv/x' does not exist"
 
+    parser = argparse.ArgumentParser()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config")
+    register(parser.add_subparsers(), common)
+    path = str(write_config())
     CONFIG_CHECKS.append(looks_at_this_machine)
     try:
-        path = str(write_config())
-        assert main(["check-config", "--config", path]) == 1
+        assert cmd_check_config(parser.parse_args(["check-config", "--config", path])) == 1
         assert "/srv/x" in capsys.readouterr().err
-        assert main(["check-config", "--skip-host-checks", "--config", path]) == 0
+        args = parser.parse_args(["check-config", "--skip-host-checks", "--config", path])
+        assert cmd_check_config(args) == 0
         assert "config ok" in capsys.readouterr().out
     finally:
         CONFIG_CHECKS.remove(looks_at_this_machine)
