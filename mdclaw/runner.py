@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import mounts as mount_rules
-from mdclaw.config import Config
+from mdclaw.config import Config, validate_folder
 from mdclaw.paths import GROUP_DIR_MODE, IPC_DIR_MODE, IPC_SUBDIRS, Layout
 from mdclaw.runtime import (
     GROUP_LABEL,
@@ -303,6 +303,7 @@ class ContainerRunner:
                    extra_mounts: list[Mount] | None = None,
                    command: list[str] | None = None, image: str | None = None) -> RunSpec:
         """The RunSpec for one run of `folder` (also prepares the folders it mounts)."""
+        validate_folder(folder)  # it becomes a path and a container name
         cfg = self.cfg
         group = cfg.groups.get(folder)
         is_main = bool(group and group.main) or input.is_main
@@ -379,6 +380,10 @@ class ContainerRunner:
             (group.timeout if group and group.timeout else cfg.limits.container_timeout)
             .total_seconds())
         idle = cfg.limits.idle_timeout.total_seconds()
+        if idle >= hard:
+            # A group timeout (or a per-run one) at or below the idle timeout: close the
+            # conversation before the hard stop rather than never.
+            idle = hard * 0.8
         spec = await asyncio.to_thread(self.build_spec, folder, input, extra_env=extra_env,
                                        extra_mounts=extra_mounts, command=command, image=image)
         close_file = self.layout.group_ipc_dir(folder) / "input" / CLOSE_SENTINEL

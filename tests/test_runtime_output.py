@@ -79,3 +79,58 @@ def test_container_input_has_no_secrets_and_uses_the_seed_names() -> None:
     assert body == {"prompt": "hi", "groupFolder": "fam", "chatJid": "tg:2", "isMain": False,
                     "isScheduledTask": False, "assistantName": "Andy", "sessionId": "s",
                     "traceId": "t1"}
+
+
+def test_the_runner_refuses_a_folder_that_is_not_a_folder_name(tmp_path) -> None:
+    import pytest
+
+    from mdclaw.config import Config
+    from mdclaw.runner import ContainerRunner
+    from mdclaw.runtime.docker_engine import DockerRuntime
+
+    runner = ContainerRunner(Config(data_dir=tmp_path / "data"),
+                             DockerRuntime(f"unix://{tmp_path}/none.sock"))
+    for bad in ("../etc", "a/b", "global", ""):
+        with pytest.raises(ValueError):
+            runner.build_spec(bad, ContainerInput("p", bad, "tg:1"))
+    assert not (tmp_path / "etc").exists()
+
+
+def test_build_spec_applies_hooks_limits_and_the_defaults(tmp_path) -> None:
+    from mdclaw.config import Config
+    from mdclaw.runner import ContainerRunner
+    from mdclaw.runtime import Mount
+    from mdclaw.runtime.docker_engine import DockerRuntime
+
+    cfg = Config(data_dir=tmp_path / "data", groups={
+        "main": {"name": "A", "jid": "tg:1", "main": True},
+        "fam": {"name": "F", "jid": "tg:2", "network": "bridge"}},
+        limits={"memory": "1g", "cpus": 1.5, "pids": 100})
+    runner = ContainerRunner(cfg, DockerRuntime(f"unix://{tmp_path}/none.sock"))
+    seen = []
+
+    def hook(ctx, spec):
+        seen.append((ctx.folder, ctx.is_main))
+        spec.env["ANTHROPIC_BASE_URL"] = "http://proxy"
+        spec.mounts.append(Mount(str(ctx.ipc_dir / ".proxy.sock"), "/run/proxy.sock"))
+
+    runner.add_spec_hook(hook)
+    spec = runner.build_spec("main", ContainerInput("p", "main", "tg:1"),
+                             extra_env={"X": "1"})
+    assert seen == [("main", True)]
+    assert spec.name.startswith("mdclaw-main-") and spec.network == "none"
+    assert spec.user == "1000:1000" and spec.read_only and spec.cap_drop == ["ALL"]
+    assert spec.security_opt == ["no-new-privileges"] and "/tmp" in spec.tmpfs
+    assert (spec.memory, spec.cpus, spec.pids) == ("1g", 1.5, 100)
+    assert spec.env["ANTHROPIC_BASE_URL"] == "http://proxy" and spec.env["X"] == "1"
+    targets = {m.container: m.readonly for m in spec.mounts}
+    assert targets == {"/workspace/group": False, "/workspace/ipc": False,
+                       "/workspace/global": False, "/home/node/.claude": False,
+                       "/run/proxy.sock": True}
+    assert spec.labels["mdclaw"] == "true" and spec.labels["mdclaw.group"] == "main"
+    fam = runner.build_spec("fam", ContainerInput("p", "fam", "tg:2"))
+    assert fam.network == "bridge"
+    assert {m.container: m.readonly for m in fam.mounts}["/workspace/global"] is True
+    assert (tmp_path / "data" / "sessions" / "fam" / ".claude" / "settings.json").is_file()
+    assert (tmp_path / "data" / "groups" / "fam").stat().st_mode & 0o2770 == 0o2770
+
