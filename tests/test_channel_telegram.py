@@ -374,3 +374,20 @@ def test_an_outage_delays_messages_without_using_up_their_tries(tmp_path: Path) 
             db.close()
 
     run(body)
+
+
+def test_chatid_command_tells_the_jid_and_stays_out_of_the_chat() -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        chat = {"id": -1009, "type": "supergroup", "title": "New group"}
+        api.push({"message_id": 3, "date": 1, "chat": chat, "from": {"id": 1},
+                  "text": "/chatid@mdclaw_test_bot"})
+        api.push({"message_id": 4, "date": 1, "chat": chat, "from": {"id": 1},
+                  "text": "/chatid@other_bot"})
+        api.push({"message_id": 5, "date": 2, "chat": chat, "from": {"id": 1}, "text": "hi"})
+        await wait_until(lambda: len(got) == 2)
+        assert [m.content for m in got] == ["/chatid@other_bot", "hi"]
+        answer = api.of("sendMessage")
+        assert [(a["chat_id"], a["text"]) for a in answer] == [(-1009, "This chat is tg:-1009")]
+
+    run(body)

@@ -2,7 +2,8 @@
 
 In: long polling with `getUpdates` (the offset confirms what was handed over; a crash before
 that means Telegram sends the update again and the host's dedupe by id drops the copy). Text
-and photo/document captions become InboundMessages with id `tg:<chat>:<message id>`.
+and photo/document captions become InboundMessages with id `tg:<chat>:<message id>`;
+`/chatid` is answered by the channel itself with the chat's JID, to help writing the config.
 Out: `sendMessage` (4096 UTF-16 units, the Bot API's measure), `sendPhoto`/`sendDocument`
 (multipart), `setMessageReaction`, `sendChatAction` (repeated every 4 s while typing is on).
 
@@ -220,9 +221,31 @@ class TelegramChannel(Channel):
         msg = update.get("message")
         if not isinstance(msg, dict):
             return
+        if await self._answer_chatid(msg):
+            return
         msg_in = self.parse_message(msg)
         if msg_in is not None:
             await self.deliver_inbound(msg_in)
+
+    async def _answer_chatid(self, msg: dict[str, Any]) -> bool:
+        """Answer `/chatid` with the chat's JID (what a group's `jid` in config.yaml needs).
+        True if `msg` was that command; it is not passed on to the host."""
+        text = (msg.get("text") or "").strip()
+        command, _, bot = text.partition("@")
+        if command != "/chatid" or (bot and self.bot_username
+                                    and bot.lower() != self.bot_username.lower()):
+            return False
+        chat_id = (msg.get("chat") or {}).get("id")
+        if not isinstance(chat_id, int):
+            return False
+        try:
+            await self.call("sendMessage", {
+                "chat_id": chat_id, "text": f"This chat is tg:{chat_id}",
+                "reply_parameters": {"message_id": msg.get("message_id"),
+                                     "allow_sending_without_reply": True}})
+        except ChannelError as e:
+            log.warning("telegram: could not answer /chatid: %s", e)
+        return True
 
     def parse_message(self, msg: dict[str, Any]) -> InboundMessage | None:
         """A Bot API Message as an InboundMessage; None if it holds no text or caption."""
