@@ -203,11 +203,12 @@ class FakeAnthropic(_Server):
     when the request asks for it)."""
 
     def __init__(self, script: list[Step] | None = None, usage: tuple[int, int] = (25, 9),
-                 first_byte_delay: float = 0.0) -> None:
+                 first_byte_delay: float = 0.0, event_delay: float = 0.0) -> None:
         super().__init__()
         self.script = list(script or [])
         self.usage = usage
         self.first_byte_delay = first_byte_delay
+        self.event_delay = event_delay  # pause between streamed events
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self._messages)
@@ -254,6 +255,8 @@ class FakeAnthropic(_Server):
 
         async def event(kind: str, data: dict[str, Any]) -> None:
             await resp.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+            if self.event_delay:
+                await asyncio.sleep(self.event_delay)
 
         start = dict(msg, content=[], stop_reason=None,
                      usage={"input_tokens": self.usage[0], "output_tokens": 1})

@@ -239,3 +239,52 @@ def test_for_run_serves_only_during_the_block(tmp_path, write_config) -> None:
         return fields
 
     assert asyncio.run(scenario()) == {"backend": "openai", "model": "qwen2.5:7b"}
+
+
+async def _first_and_total(sock: Path, body: dict) -> tuple[float, float, bytes]:
+    import time
+
+    conn = aiohttp.UnixConnector(path=str(sock))
+    async with aiohttp.ClientSession(connector=conn) as s:
+        t0 = time.monotonic()
+        async with s.post("http://localhost/v1/messages", json=body) as r:
+            first_chunk = await r.content.readany()
+            t_first = time.monotonic() - t0
+            rest = await r.read()
+            return t_first, time.monotonic() - t0, first_chunk + rest
+
+
+def test_responses_stream_through_not_buffered(env) -> None:
+    layout, db, proxy, key = env
+    with FakeAnthropic([say("slowly")], event_delay=0.25) as up:
+        sock = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
+        t_first, t_total, raw = asyncio.run(_first_and_total(
+            sock, {"model": "claude-x", "stream": True}))
+    assert b"message_stop" in raw
+    assert t_total > 1.2  # 7 events, 0.25 s apart
+    assert t_first < 0.6  # the first event arrived while the rest was still coming
+
+
+def test_groups_are_told_apart_by_socket(env) -> None:
+    layout, db, proxy, key = env
+    with FakeAnthropic(usage=(10, 1)) as up:
+        s1 = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
+        s2 = proxy.start_group("main", Upstream("claude", "claude-x", up.url, key))
+        for sock, n in ((s1, 3), (s2, 1)):
+            for _ in range(n):
+                # Whatever the body claims, the socket says who is asking.
+                request(sock, "POST", "/v1/messages",
+                        body={"model": "claude-x", "metadata": {"group": "main"}})
+    proxy.flush()
+    rows = {r["group_folder"]: r["requests"] for r in db.query("SELECT * FROM model_usage")}
+    assert rows == {"family": 3, "main": 1}
+
+
+def test_oversized_request_is_refused(env) -> None:
+    layout, db, proxy, key = env
+    with FakeAnthropic() as up:
+        sock = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
+        status, _, _ = request(sock, "POST", "/v1/messages",
+                               body={"model": "x", "pad": "a" * (33 * 1024 * 1024)})
+        assert status == 413
+        assert up.requests == []
