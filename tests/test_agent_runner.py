@@ -303,3 +303,16 @@ def test_openai_history_window_drops_oldest_whole_turns(dirs) -> None:
     assert len(json.dumps(last)) <= 3000 + 600
     assert last[-1]["content"].startswith("turn 7")
     assert not any(m["content"].startswith("x") for m in last[1:])  # the oldest turn went
+
+
+def test_sigterm_ends_an_open_session_cleanly(dirs) -> None:
+    import signal
+
+    with FakeOpenAI() as server:
+        r = runner(dirs, base_input(), server)
+        r.wait_results(1)
+        time.sleep(0.2)  # waiting for follow-ups now
+        t0 = time.monotonic()
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.wait_exit(10) == 0
+        assert time.monotonic() - t0 < 3
