@@ -259,14 +259,16 @@ class CredentialProxy:
     Usage is added up in memory and written every `flush_interval` seconds, when a group's
     proxy stops, and at `close` — one small transaction instead of one per request, which
     keeps database work off the request path (a crash loses at most one interval's counts).
+    At most `max_concurrent` requests per group are forwarded at once; more wait.
     """
 
     def __init__(self, layout: Layout, db: Database | None = None, *,
                  connect_timeout: float = 30.0, read_timeout: float = 600.0,
-                 flush_interval: float = 5.0) -> None:
+                 flush_interval: float = 5.0, max_concurrent: int = 8) -> None:
         self.layout = layout
         self.db = db
         self.flush_interval = flush_interval
+        self.max_concurrent = max_concurrent
         self._sites: dict[str, _GroupSite] = {}
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout,
@@ -375,6 +377,9 @@ class CredentialProxy:
     # ------------------------------------------------------------------ request path
     def _make_handler(self, folder: str, upstream: Upstream):  # noqa: ANN202
         allowed = ALLOWED_ROUTES[upstream.backend]
+        # A runaway or hostile agent cannot open unbounded parallel requests on the key:
+        # beyond the limit they wait their turn.
+        slots = asyncio.Semaphore(self.max_concurrent)
 
         async def handle(request: web.Request) -> web.StreamResponse:
             if (request.method, request.path) not in allowed:
@@ -382,7 +387,8 @@ class CredentialProxy:
                     {"error": {"type": "not_found",
                                "message": f"{request.method} {request.path} is not a model "
                                           "API path this proxy forwards"}}, status=404)
-            return await self._forward(request, folder, upstream)
+            async with slots:
+                return await self._forward(request, folder, upstream)
 
         return handle
 
@@ -436,7 +442,9 @@ class CredentialProxy:
                                           f"({type(e).__name__})"}}, status=502)
         finally:
             counter.finish()
-            self._count(folder, model, ok=ok, usage=counter)
+            # The body's model name is the container's word: keep it only when the API
+            # accepted the request, so made-up names cannot fill the usage table.
+            self._count(folder, model if ok else (upstream.model or ""), ok=ok, usage=counter)
         return response
 
     def _auth_headers(self, upstream: Upstream) -> dict[str, str]:

@@ -288,3 +288,38 @@ def test_oversized_request_is_refused(env) -> None:
                                body={"model": "x", "pad": "a" * (33 * 1024 * 1024)})
         assert status == 413
         assert up.requests == []
+
+
+def test_parallel_requests_per_group_are_capped(env) -> None:
+    layout, db, proxy, key = env
+    with FakeOpenAI(fallback=lambda body: say("slow", delay=0.3)) as up:
+        sock = proxy.start_group("main", Upstream("openai", "m", up.url + "/v1", None))
+
+        async def burst() -> float:
+            import time
+
+            conn = aiohttp.UnixConnector(path=str(sock), limit=0)
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async def one() -> None:
+                    async with s.post("http://x/v1/chat/completions",
+                                      json={"model": "m", "messages": []}) as r:
+                        assert r.status == 200
+                        await r.read()
+                t0 = time.monotonic()
+                await asyncio.gather(*(one() for _ in range(16)))
+                return time.monotonic() - t0
+
+        elapsed = asyncio.run(burst())
+    # 16 requests of 0.3 s each, at most 8 at once: at least two rounds.
+    assert elapsed >= 0.55
+
+
+def test_made_up_model_names_of_failed_requests_are_not_recorded(env) -> None:
+    layout, db, proxy, key = env
+    sock = proxy.start_group("family", Upstream("claude", "claude-x", "http://127.0.0.1:9", key))
+    for i in range(5):
+        status, _, _ = request(sock, "POST", "/v1/messages", body={"model": f"junk-{i}"})
+        assert status == 502
+    proxy.flush()
+    rows = [dict(r) for r in db.query("SELECT model, requests, errors FROM model_usage")]
+    assert rows == [{"model": "claude-x", "requests": 5, "errors": 5}]
