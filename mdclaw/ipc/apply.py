@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import shutil
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -134,6 +136,8 @@ class IpcEngine:
         # Where snapshot rewrites go: written at once by default; the watcher hands them to a
         # background SnapshotWriter instead.
         self.snapshots: Callable[..., None] = self._write_snapshots
+        # Applied files are removed at once by default; the watcher uses a BackgroundRemover.
+        self.remover: BackgroundRemover | None = None
         # Called with the batch's items right after COMMIT (benchmarks time commits with it).
         self.on_commit: Callable[[list[Item]], None] | None = None
         self.refresh_groups()
@@ -177,6 +181,9 @@ class IpcEngine:
             if not subs:
                 continue
             found = gd.pending(subs, cheap=cheap)
+            if self.remover is not None and self.remover.keys:
+                hidden = self.remover.keys
+                found = [f for f in found if (folder, f[1], f[0]) not in hidden]
             if found:
                 out[folder] = found
         return out
@@ -312,13 +319,10 @@ class IpcEngine:
         return hits
 
     def _remove_if_same(self, it: Item) -> None:
-        # Only remove the file that was applied: if the container put a new file under the
-        # same name meanwhile, it is a new command and stays.
-        if lstat_generation(it.dir_fd, it.name) == it.gen:
-            try:
-                os.unlink(it.name, dir_fd=it.dir_fd)
-            except FileNotFoundError:
-                pass
+        if self.remover is not None:
+            self.remover.submit((it.folder, it.sub, it.name), it.dir_fd, it.gen)
+        else:
+            remove_if_same(it.dir_fd, it.name, it.gen)
 
     def _write_snapshots(self, folders: set[str] | None, *, tasks: bool, groups: bool) -> None:
         write_snapshots(self.db, self.layout, folders, tasks=tasks, groups=groups)
@@ -573,6 +577,67 @@ class IpcEngine:
         if gfd is None:
             raise ApplyError("the group's IPC folder is not open")
         write_action_result(gfd, cmd.request_id, body)
+
+
+def remove_if_same(dir_fd: int, name: str, gen: str) -> None:
+    """Remove `name` if it is still the file that was applied (same generation): a new file
+    the container put under the same name meanwhile is a new command and stays."""
+    if lstat_generation(dir_fd, name) == gen:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+
+
+class BackgroundRemover:
+    """Removes applied files on a thread of its own.
+
+    Under I/O pressure an unlink can wait for the file system's journal for milliseconds; the
+    loop must not wait with it. Until a file is gone its key stays in `keys`, which hides it
+    from the engine's listings so it is not read again. A crash before the removal is
+    finished on restart through the ledger, like any crash after COMMIT.
+    """
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[str, str, str]] = set()
+        self._q: queue.SimpleQueue[tuple[tuple[str, str, str], int, str] | None] = (
+            queue.SimpleQueue())
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ipc-remove", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: tuple[str, str, str], dir_fd: int, gen: str) -> None:
+        """Queue the removal of file key=(folder, sub, name) in the open folder `dir_fd`."""
+        fd = os.dup(dir_fd)  # the engine may close its own fd (a folder swapped) meanwhile
+        with self._cond:
+            self.keys.add(key)
+        self._q.put((key, fd, gen))
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            key, fd, gen = job
+            try:
+                remove_if_same(fd, key[2], gen)
+            except OSError as e:
+                log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
+            finally:
+                os.close(fd)
+                with self._cond:
+                    self.keys.discard(key)
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued removal is done. False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.keys, timeout)
+
+    def close(self) -> None:
+        """Finish the queued removals and stop the thread."""
+        self._q.put(None)
+        self._thread.join(timeout=60)
 
 
 def _reason(e: Exception) -> str:

@@ -21,7 +21,7 @@ from inotify_simple import INotify
 from inotify_simple import flags as F
 
 from mdclaw.config import Config
-from mdclaw.ipc.apply import SETTLE_NS, BatchResult, IpcEngine
+from mdclaw.ipc.apply import SETTLE_NS, BackgroundRemover, BatchResult, IpcEngine
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
 from mdclaw.ipc.writers import SnapshotWriter
 from mdclaw.state import Database
@@ -42,6 +42,8 @@ class IpcWatcher:
         self.engine = engine or IpcEngine(cfg, db, settle_ns=SETTLE_NS)
         self.snapshot_writer = SnapshotWriter(cfg.db_path, self.engine.layout)
         self.engine.snapshots = self.snapshot_writer.request
+        self.remover = BackgroundRemover()
+        self.engine.remover = self.remover
         self.poll_interval = (poll_interval if poll_interval is not None
                               else cfg.limits.ipc_poll_interval.total_seconds())
         self.inotify: INotify | None = None
@@ -222,6 +224,8 @@ class IpcWatcher:
                 loop.remove_reader(self.inotify.fd)
 
     def close(self) -> None:
+        self.remover.close()
+        self.engine.remover = None
         self.snapshot_writer.close()
         if self.inotify is not None:
             self.inotify.close()

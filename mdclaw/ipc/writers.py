@@ -32,9 +32,13 @@ MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
 CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
 
 
-def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE) -> None:
+def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE, *,
+                    durable: bool = True) -> None:
     """Write `data` to `name` in the open folder `dir_fd` atomically (temp, fsync, rename).
 
+    Readers see the old or the new file, never a part. `durable=False` skips the fsync: for
+    files rebuilt from the database at every start (the snapshots), where it would only
+    force journal commits that stall the loop's own file operations.
     Raises OSError if the folder cannot be written or `name` is a directory.
     """
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
@@ -47,7 +51,8 @@ def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE) 
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -193,10 +198,12 @@ def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = Non
         try:
             if tasks:
                 atomic_write_at(fd, "current_tasks.json",
-                                _dump(tasks_snapshot(task_rows, g.folder, g.is_main)))
+                                _dump(tasks_snapshot(task_rows, g.folder, g.is_main)),
+                                durable=False)
             if groups:
                 atomic_write_at(fd, "available_groups.json",
-                                _dump(groups_snapshot(all_groups, chats, g.is_main, now)))
+                                _dump(groups_snapshot(all_groups, chats, g.is_main, now)),
+                                durable=False)
             written.append(g.folder)
         except OSError as e:
             log.warning("ipc: cannot write snapshots for %s: %s", g.folder, e)
