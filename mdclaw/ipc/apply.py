@@ -197,9 +197,16 @@ class IpcEngine:
         return {f: files[:share] for f, files in pending.items()}
 
     # ------------------------------------------------------------------ processing
-    def _prepare(self, folder: str, name: str, sub: str) -> Item | None:
-        gd = self.dirs[folder]
-        fd = gd.dir_fd(sub)
+    def _prepare(self, folder: str, name: str, sub: str,
+                 fds: dict[tuple[str, str], int | None]) -> Item | None:
+        key = (folder, sub)
+        if key not in fds:
+            # One private fd per folder and batch: if the container swaps the folder while
+            # the batch runs, every file of the batch is still finished in the folder it was
+            # read from (the engine's own fd may be closed and its number reused meanwhile).
+            fd = self.dirs[folder].dir_fd(sub)
+            fds[key] = None if fd is None else os.dup(fd)
+        fd = fds[key]
         if fd is None:
             return None
         item = Item(folder, sub, name, fd)
@@ -231,9 +238,19 @@ class IpcEngine:
 
     def process(self, batch: dict[str, list[tuple[str, str]]]) -> BatchResult:
         """Apply one batch (see module doc). Returns the counts."""
+        fds: dict[tuple[str, str], int | None] = {}
+        try:
+            return self._process(batch, fds)
+        finally:
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def _process(self, batch: dict[str, list[tuple[str, str]]],
+                 fds: dict[tuple[str, str], int | None]) -> BatchResult:
         res = BatchResult()
         items = [it for folder, files in batch.items() for name, sub in files
-                 if (it := self._prepare(folder, name, sub)) is not None]
+                 if (it := self._prepare(folder, name, sub, fds)) is not None]
         fx = Effects()
         if not items:
             return res
