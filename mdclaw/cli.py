@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "mdclaw.commands.ipc",
     "mdclaw.commands.schema",
     "mdclaw.commands.agent",
+    "mdclaw.commands.daemon",
 ]
 
 

@@ -1,45 +1,92 @@
-"""The daemon behind `mdclaw run`: one asyncio loop, systemd notify, clean shutdown.
+"""The daemon behind `mdclaw run`: one asyncio loop, systemd notify, reload and drain.
 
-Start-up: load config, open the database, reconcile, start the services, READY=1.
-SIGTERM/SIGINT: STOPPING=1, stop the services, close the database, exit 0.
+Start-up: open the database, reconcile, start the IPC loop, the scheduler, the outbox worker,
+the channels and the container runner (an engine that is down is retried with backoff and
+shown in STATUS=, not a crash loop), then READY=1.
+
+SIGHUP: RELOADING=1, re-read and validate the config, reconcile, hand the new config to every
+component, READY=1. An invalid config keeps the old one running and says why.
+
+SIGTERM/SIGINT: STOPPING=1, stop taking work, write `_close` to running conversations, wait
+up to `drain_timeout` (30 s) for runs to finish, stop the rest, flush the outbox state, close
+the database, exit 0. A second SIGTERM exits at once with status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 import signal
+import time
+from pathlib import Path
+from typing import Any
 
-import sdnotify
-
-from mdclaw.config import Config
+from mdclaw.config import Config, ConfigError, load_config
 from mdclaw.reconcile import ReconcileError, reconcile
-from mdclaw.scheduler import Execute, Scheduler
+from mdclaw.scheduler import Scheduler
+from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
+from mdclaw.systemd import Notifier
 
 log = logging.getLogger("mdclaw.daemon")
 
+STATUS_FILE = "daemon-status.json"
+DRAIN_TIMEOUT = 30.0
+
+
+def status_path(cfg: Config) -> Path:
+    return cfg.data_dir / STATUS_FILE
+
 
 class Daemon:
-    def __init__(self, cfg: Config, config_path: str | None = None) -> None:
+    def __init__(self, cfg: Config, config_path: str | None = None, *,
+                 drain_timeout: float = DRAIN_TIMEOUT) -> None:
         self.cfg = cfg
         self.config_path = config_path
-        self.notifier = sdnotify.SystemdNotifier()
+        self.drain_timeout = drain_timeout
+        self.notifier = Notifier()
         self.stop_event = asyncio.Event()
+        # The IPC loop outlives the drain: agents still write their last replies.
+        self.ipc_stop = asyncio.Event()
         self.db: Database | None = None
-        self.ipc_failed = False
+        self.failed: list[str] = []
+        self.engine_status = "checking"
+        self.reload_error: str | None = None
+        self.started_at = to_iso(utc_now())
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._sigterms = 0
+        self._reloading = asyncio.Lock()
+        self.watcher: Any = None
         self.scheduler: Scheduler | None = None
-        self.scheduler_failed = False
-        # The async callable that runs a due task; the container queue plugs in here.
-        self.task_executor: Execute | None = None
+        self.outbox: Any = None
+        self.channels: list[Any] = []
+        self.runtime: Any = None
+        self.runner: Any = None
+        self.proxy: Any = None
+        self.orch: Any = None
+        self._scheduler_tick = (0, time.monotonic())
 
-    def notify(self, state: str) -> None:
-        self.notifier.notify(state)
+    # ---------------------------------------------------------------- signals
+    def _on_sigterm(self) -> None:
+        self._sigterms += 1
+        if self._sigterms > 1:
+            log.error("second stop signal: exiting at once")
+            logging.shutdown()
+            os._exit(1)
+        self.stop_event.set()
 
+    def _on_sighup(self) -> None:
+        asyncio.get_running_loop().create_task(self.reload(), name="reload")
+
+    # ---------------------------------------------------------------- run
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_event.set)
+            loop.add_signal_handler(sig, self._on_sigterm)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         self.db = Database(self.cfg.db_path)
         try:
             plan = reconcile(self.cfg, self.db)
@@ -49,76 +96,241 @@ class Daemon:
             return 1
         log.info("reconciled: %d change(s); %d group(s) configured", len(plan.actions),
                  len(self.cfg.groups))
-        ipc_task = self.start_ipc()
-        scheduler_task = self.start_scheduler()
-        self.notify("READY=1")
-        self.notify(f"STATUS=serving {len(self.cfg.groups)} group(s)")
-        await self.stop_event.wait()
-        self.notify("STOPPING=1")
-        log.info("stopping")
-        await self.stop_ipc(ipc_task)
-        await self.stop_scheduler(scheduler_task)
-        self.db.close()
-        return 1 if self.ipc_failed or self.scheduler_failed else 0
-
-    # ---------------------------------------------------------------- IPC engine
-    def start_ipc(self) -> asyncio.Task[None]:
-        """Run the IPC loop (mdclaw.ipc.watcher) until stop_event; if it dies, stop too."""
-        from mdclaw.ipc.watcher import run_ipc
-
-        assert self.db is not None
-        task = asyncio.create_task(run_ipc(self.cfg, self.db, self.stop_event), name="ipc")
-
-        def _done(t: asyncio.Task[None]) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                log.error("IPC loop failed: %r", t.exception())
-                self.ipc_failed = True
-                self.stop_event.set()
-
-        task.add_done_callback(_done)
-        return task
-
-    async def stop_ipc(self, task: asyncio.Task[None]) -> None:
-        """Wait for the IPC loop to finish its current batch and close."""
         try:
-            await asyncio.wait_for(task, timeout=30)
-        except Exception:  # already logged by the done callback, or a timeout
-            task.cancel()
+            await self.start_services()
+            self.notifier.ready(self.status_line())
+            log.info("ready: %s", self.status_line())
+            await self.stop_event.wait()
+        finally:
+            self.notifier.stopping()
+            log.info("stopping: draining for up to %.0f s", self.drain_timeout)
+            await self.stop_services()
+            self.db.close()
+        return 1 if self.failed else 0
 
-    # ---------------------------------------------------------------- scheduler
-    def start_scheduler(self) -> asyncio.Task[None]:
-        """Run the task scheduler (mdclaw.scheduler) until stopped; if it dies, stop too.
-
-        Code that changes the task table calls `self.scheduler.wake()` afterwards.
-        """
-        assert self.db is not None
-        self.scheduler = Scheduler(self.db, self.task_executor or no_runner,
-                                   default_timezone=self.cfg.assistant.timezone)
-        task = asyncio.create_task(self.scheduler.run(), name="scheduler")
-
-        def _done(t: asyncio.Task[None]) -> None:
+    def _watch(self, task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
+        """Keep `task`; if it dies with an error, the daemon stops (systemd restarts it)."""
+        def _done(t: asyncio.Task[Any]) -> None:
             if not t.cancelled() and t.exception() is not None:
-                log.error("scheduler failed: %r", t.exception())
-                self.scheduler_failed = True
+                log.error("%s failed: %r", name, t.exception())
+                self.failed.append(name)
                 self.stop_event.set()
 
         task.add_done_callback(_done)
+        self._tasks.append(task)
         return task
 
-    async def stop_scheduler(self, task: asyncio.Task[None]) -> None:
-        """Stop claiming; give runs in progress 10 s, then record them as interrupted."""
+    async def start_services(self) -> None:
+        from mdclaw.channels.registry import build_channels, connect_all
+        from mdclaw.ipc.watcher import IpcWatcher
+        from mdclaw.orchestrator import Orchestrator
+        from mdclaw.outbox import OutboxWorker
+        from mdclaw.paths import Layout
+        from mdclaw.proxy import CredentialProxy
+        from mdclaw.runner import ContainerRunner
+        from mdclaw.runtime import create_runtime
+
+        assert self.db is not None
+        cfg, db = self.cfg, self.db
+        # Containers: the runtime is lazy; the engine is waited for in the background.
+        try:
+            self.runtime = create_runtime(cfg.runtime)
+            self.runner = ContainerRunner(cfg, self.runtime)
+        except Exception as e:  # no socket found, unsupported engine...
+            self.engine_status = f"no container engine: {e}"
+            log.error("%s", self.engine_status)
+        self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
+        self.outbox = OutboxWorker(db)
+        self.orch = Orchestrator(cfg, db, runner=self.runner, proxy=self.proxy,
+                                 wake_outbox=self.outbox.wake)
+        # IPC: applied commands wake the outbox and the scheduler at once.
+        self.watcher = IpcWatcher(cfg, db)
+        self.watcher.engine.on_commit = self._after_ipc_commit
+        self._watch(asyncio.create_task(self.watcher.run(self.ipc_stop), name="ipc"), "ipc")
+        self.notifier.add_probe("ipc", self._ipc_progress)
+        # Scheduler: due tasks go through the orchestrator's queue.
+        self.scheduler = Scheduler(db, self.orch.execute_task,
+                                   default_timezone=cfg.assistant.timezone)
+        self._watch(asyncio.create_task(self.scheduler.run(), name="scheduler"), "scheduler")
+        self.notifier.add_probe("scheduler", self._scheduler_progress)
+        # Channels and delivery.
+        self.channels = build_channels(cfg, db, on_inbound=self.orch.on_inbound)
+        self.orch.channels = self.channels
+        self.outbox.set_channels(self.channels)
+        await self.outbox.start()
+        problems = await connect_all(self.channels)
+        for name, reason in problems.items():
+            log.error("channel %s is down: %s", name, reason)
+        if self.runner is not None:
+            self._watch(asyncio.create_task(self._engine_up(), name="engine"), "engine")
+        self._watch(asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
+                    "watchdog")
+        self._watch(asyncio.create_task(self._status_loop(), name="status"), "status")
+
+    def _after_ipc_commit(self, items: list[Any]) -> None:
+        if self.outbox is not None:
+            self.outbox.wake()
+        if self.scheduler is not None:
+            self.scheduler.wake()
+
+    def _ipc_progress(self) -> float:
+        # The IPC loop wakes at least every poll interval; its task being alive and the
+        # event loop running this probe is progress. A dead task stops the daemon anyway.
+        return time.monotonic()
+
+    def _scheduler_progress(self) -> float:
         assert self.scheduler is not None
-        await self.scheduler.stop(timeout=10)
+        ticks, at = self._scheduler_tick
+        if self.scheduler.ticks != ticks:
+            self._scheduler_tick = (self.scheduler.ticks, time.monotonic())
+        return self._scheduler_tick[1]
+
+    async def _engine_up(self) -> None:
+        from mdclaw.runtime import wait_for_engine
+
+        def status(line: str) -> None:
+            self.engine_status = line
+            self._publish()
+
+        desc = await wait_for_engine(self.runtime, status=status, stop=self.stop_event)
+        if desc is None:
+            return
+        self.engine_status = f"ok ({desc})"
+        self._publish()
+        with contextlib.suppress(Exception):
+            await self.runner.cleanup_orphans()
+        log.info("container engine: %s", desc)
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict[str, Any]:
+        from mdclaw.outbox import outbox_counts
+
+        assert self.db is not None
+        nxt = self.scheduler.next_wakeup() if self.scheduler else None
+        return {
+            "pid": os.getpid(), "started_at": self.started_at, "updated_at": to_iso(utc_now()),
+            "groups": len(self.db.query("SELECT folder FROM registered_groups")),
+            "engine": self.engine_status,
+            "containers": self.orch.queue.running_groups() if self.orch else [],
+            "queue": self.orch.queue.status() if self.orch else {},
+            "outbox": outbox_counts(self.db),
+            "next_task": to_iso(nxt) if nxt else None,
+            "channels": {ch.name: ch.is_connected() for ch in self.channels},
+            "reload_error": self.reload_error,
+            "timings": self.orch.timings[-10:] if self.orch else [],
+        }
+
+    def status_line(self) -> str:
+        s = self.status()
+        line = (f"{s['groups']} group(s), {len(s['containers'])} container(s) running, "
+                f"{s['queue'].get('pending', 0)} queued, outbox {s['outbox']['pending']} "
+                f"pending/{s['outbox']['failed']} failed, next task {s['next_task'] or '-'}")
+        if not s["engine"].startswith("ok"):
+            line += f"; engine: {s['engine']}"
+        if self.reload_error:
+            line += f"; last reload failed: {self.reload_error}"
+        return line
+
+    def write_status(self) -> None:
+        path = status_path(self.cfg)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.status(), indent=2))
+        os.chmod(tmp, 0o640)
+        os.replace(tmp, path)
+
+    def _publish(self) -> None:
         try:
-            await asyncio.wait_for(task, timeout=10)
-        except Exception:  # already logged by the done callback, or a timeout
-            task.cancel()
+            self.write_status()
+            self.notifier.status(self.status_line())
+        except Exception as e:  # a full disk must not kill the daemon
+            log.warning("could not write status: %s", e)
 
+    async def _status_loop(self) -> None:
+        while not self.stop_event.is_set():
+            self._publish()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), 5)
 
-async def no_runner(task) -> None:  # noqa: ANN001 - TaskRow
-    """The executor until a container runner is wired in: the run is recorded as an error."""
-    log.warning("task %s is due but no container runner is configured; not run", task.id)
-    raise RuntimeError("no container runner is configured; the task was not run")
+    # ---------------------------------------------------------------- reload
+    async def reload(self) -> bool:
+        """Re-read the config; apply it if valid, keep the old one otherwise."""
+        async with self._reloading:
+            self.notifier.reloading()
+            log.info("reloading config")
+            try:
+                new = await asyncio.to_thread(load_config, self.config_path)
+                assert self.db is not None
+                plan = await asyncio.to_thread(reconcile, new, self.db)
+            except ConfigError as e:
+                self.reload_error = "; ".join(i.render(e.file) for i in e.issues)[:500]
+                log.error("reload: invalid config, keeping the running one: %s",
+                          self.reload_error)
+                self.notifier.ready(self.status_line())
+                return False
+            except ReconcileError as e:
+                self.reload_error = str(e)[:500]
+                log.error("reload: cannot apply config, keeping the running one: %s", e)
+                self.notifier.ready(self.status_line())
+                return False
+            self.reload_error = None
+            self.apply_config(new)
+            log.info("reloaded: %d change(s)", len(plan.actions))
+            self.notifier.ready(self.status_line())
+            return True
+
+    def apply_config(self, new: Config) -> None:
+        self.cfg = new
+        for obj in (self.runner, self.orch):
+            if obj is not None:
+                obj.cfg = new
+        if self.orch is not None:
+            self.orch.queue.max_concurrent = new.limits.max_concurrent_containers
+        if self.watcher is not None:
+            self.watcher.cfg = new
+            self.watcher.engine.cfg = new
+            self.watcher.engine.refresh_groups()
+            self.watcher.sync_watches()
+        if self.scheduler is not None:
+            self.scheduler.default_timezone = new.assistant.timezone
+            self.scheduler.wake()
+
+    # ---------------------------------------------------------------- stop
+    async def stop_services(self) -> None:
+        from mdclaw.channels.registry import disconnect_all
+
+        if self.orch is not None:
+            self.orch.accepting = False
+            closed = self.orch.close_conversations()
+            if closed:
+                log.info("asked %d running conversation(s) to finish", closed)
+        # Stop claiming tasks and taking jobs; runs in progress get drain_timeout to finish
+        # (a scheduled run cut short is recorded as interrupted).
+        waits: list[Any] = []
+        if self.scheduler is not None:
+            waits.append(self.scheduler.stop(timeout=self.drain_timeout))
+        if self.orch is not None:
+            waits.append(self.orch.queue.shutdown(grace=self.drain_timeout))
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        left = results[-1] if self.orch is not None else None
+        if isinstance(left, list) and left:
+            log.warning("%d queued job(s) not run; their messages stay in the database and "
+                        "are picked up at the next start", len(left))
+        self.ipc_stop.set()
+        await disconnect_all(self.channels)
+        if self.outbox is not None:
+            await self.outbox.stop()
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.proxy is not None:
+            await self.proxy.close()
+        if self.runner is not None:
+            await self.runner.aclose()
+        with contextlib.suppress(Exception):
+            status_path(self.cfg).unlink()
 
 
 def run_daemon(cfg: Config, config_path: str | None = None) -> int:
