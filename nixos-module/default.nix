@@ -268,6 +268,10 @@ in
         }.";
       }
       {
+        assertion = lib.all (n: builtins.match "[A-Za-z0-9_.-]+" n != null) (lib.attrNames cfg.credentials);
+        message = "services.mdclaw.credentials: names may hold only letters, digits, '_', '.' and '-' (they become file names under $CREDENTIALS_DIRECTORY).";
+      }
+      {
         assertion = !lib.any (s: inStore s.value) secretPaths;
         message = "services.mdclaw.settings: secret files must not be in the Nix store (world-readable): ${
           lib.concatMapStringsSep ", " (s: s.key) (builtins.filter (s: inStore s.value) secretPaths)

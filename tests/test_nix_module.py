@@ -216,6 +216,7 @@ BAD = [
     ("secret as a Nix path", MAIN + " settings.channels.telegram.token_file = ./token;",
      "token_file' is not of type"),
     ("credential in the store", MAIN + ' credentials.x = "/nix/store/abc-key";', "credentials.x' is not of type"),
+    ("credential name", MAIN + ' credentials."a/b" = "/run/secrets/x";', "credentials: names may hold only"),
     ("two main groups", 'settings.groups = { a = { name = "A"; jid = "hl:a"; main = true; }; '
      'b = { name = "B"; jid = "hl:b"; main = true; }; };', "exactly one group must have main = true; found 2"),
     ("no main group", 'settings.groups.a = { name = "A"; jid = "hl:a"; };', "found 0"),

@@ -62,6 +62,14 @@ let
   };
 
   loose = types.attrsOf types.anything;
+  # What NixOS accepts in serviceConfig (systemd unit values): scalars or lists of them.
+  unitScalar = types.oneOf [
+    types.bool
+    types.int
+    types.str
+    types.path
+  ];
+  unitValues = types.attrsOf (types.either unitScalar (types.listOf unitScalar));
   looseSubmodule = types.submodule { freeformType = loose; };
   listOpt = mkOption {
     type = types.listOf types.anything;
@@ -92,11 +100,11 @@ let
             freeformType = loose;
             options = {
               serviceConfig = mkOption {
-                type = loose;
+                type = unitValues;
                 default = { };
               };
               environment = mkOption {
-                type = loose;
+                type = types.attrsOf (types.nullOr unitScalar);
                 default = { };
               };
               wantedBy = listOpt;
