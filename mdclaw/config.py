@@ -223,6 +223,15 @@ class Limits(Frozen):
                                         description="IPC poll fallback interval.")
     errors_max_files: int = Field(1000, ge=10, description="Quarantine cap: number of files.")
     errors_max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Quarantine cap: bytes.")
+    run_attempts: int = Field(5, ge=1, le=20,
+                              description="Tries of one agent run before the user is told.")
+    run_retry_base: Duration = Field(timedelta(seconds=5),
+                                     description="Wait before the second try; doubles after.")
+    delivery_attempts: int = Field(5, ge=1, le=50,
+                                   description="Tries to deliver one outbound message.")
+    delivery_retry_base: Duration = Field(timedelta(seconds=5),
+                                          description="Wait before the second delivery try; "
+                                          "triples after.")
 
     @model_validator(mode="after")
     def _idle_below_hard(self) -> Limits:

@@ -78,7 +78,7 @@ class Orchestrator:
     def __init__(self, cfg: Config, db: Database, *, runner: ContainerRunner | None,
                  proxy: Any = None, channels: list[Channel] | None = None,
                  wake_outbox: Callable[[], None] = lambda: None,
-                 max_concurrent: int | None = None, retry_base: float = 5.0) -> None:
+                 max_concurrent: int | None = None) -> None:
         self.cfg = cfg
         self.db = db
         self.layout = Layout(cfg.data_dir)
@@ -89,7 +89,9 @@ class Orchestrator:
         self.queue = GroupQueue(self.run_job,
                                 max_concurrent=max_concurrent
                                 or cfg.limits.max_concurrent_containers,
-                                retry_base=retry_base, on_failure=self.on_job_failed)
+                                max_attempts=cfg.limits.run_attempts,
+                                retry_base=cfg.limits.run_retry_base.total_seconds(),
+                                on_failure=self.on_job_failed)
         self._conv: dict[str, _Conversation] = {}
         self._task_waiters: dict[str, asyncio.Future[Any]] = {}
         self.accepting = True
