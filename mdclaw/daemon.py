@@ -267,16 +267,19 @@ class Daemon:
                 self.reload_error = "; ".join(i.render(e.file) for i in e.issues)[:500]
                 log.error("reload: invalid config, keeping the running one: %s",
                           self.reload_error)
+                self._publish()
                 self.notifier.ready(self.status_line())
                 return False
             except ReconcileError as e:
                 self.reload_error = str(e)[:500]
                 log.error("reload: cannot apply config, keeping the running one: %s", e)
+                self._publish()
                 self.notifier.ready(self.status_line())
                 return False
             self.reload_error = None
             self.apply_config(new)
             log.info("reloaded: %d change(s)", len(plan.actions))
+            self._publish()
             self.notifier.ready(self.status_line())
             return True
 
@@ -318,9 +321,9 @@ class Daemon:
             log.warning("%d queued job(s) not run; their messages stay in the database and "
                         "are picked up at the next start", len(left))
         self.ipc_stop.set()
-        await disconnect_all(self.channels)
         if self.outbox is not None:
-            await self.outbox.stop()
+            await self.outbox.stop()  # before the channels go, so a send under way finishes
+        await disconnect_all(self.channels)
         for t in self._tasks:
             if not t.done():
                 t.cancel()

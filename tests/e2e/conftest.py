@@ -125,3 +125,27 @@ def reap(engine: DockerRuntime):
     yield sets.append
     for labels in sets:
         engine.cleanup(labels)
+
+
+AGENT_TAG = "mdclaw-agent:e2e"
+REPO = HERE.parent.parent
+
+
+@pytest.fixture(scope="session")
+def real_agent_image(engine: DockerRuntime) -> str:
+    """container/Dockerfile built offline on the test base, with a fresh wheelhouse."""
+    import sys
+
+    import docker
+
+    wheelhouse = REPO / "container" / "wheelhouse"
+    if not any(wheelhouse.glob("inotify_simple-*.whl")):
+        subprocess.run([str(REPO / "container" / "build-wheelhouse.sh")], check=True,
+                       timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    api = docker.APIClient(base_url=engine.base_url, timeout=900)
+    for item in api.build(path=str(REPO), dockerfile="container/Dockerfile", tag=AGENT_TAG,
+                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
+                          pull=False, decode=True):
+        if "error" in item:
+            pytest.fail(f"image build failed: {item['error']}")
+    return AGENT_TAG

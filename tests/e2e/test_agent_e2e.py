@@ -37,24 +37,7 @@ from fake_models import FakeOpenAI, call, say  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 BASE_IMAGE = os.environ.get("MDCLAW_TEST_BASE_IMAGE", "mdclaw-test-base")
-AGENT_TAG = "mdclaw-agent:e2e"
 REAL_KEY = "sk-e2e-REAL-9f3c1a7b"
-
-
-@pytest.fixture(scope="session")
-def real_agent_image(engine) -> str:
-    """container/Dockerfile built offline on the test base, with a fresh wheelhouse."""
-    wheelhouse = REPO / "container" / "wheelhouse"
-    if not any(wheelhouse.glob("inotify_simple-*.whl")):
-        subprocess.run([str(REPO / "container" / "build-wheelhouse.sh")], check=True,
-                       timeout=600, env={**os.environ, "PYTHON": sys.executable})
-    api = docker.APIClient(base_url=engine.base_url, timeout=900)
-    for item in api.build(path=str(REPO), dockerfile="container/Dockerfile", tag=AGENT_TAG,
-                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
-                          pull=False, decode=True):
-        if "error" in item:
-            pytest.fail(f"image build failed: {item['error']}")
-    return AGENT_TAG
 
 
 def cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
