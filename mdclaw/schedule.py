@@ -103,14 +103,17 @@ def parse_once(value: str, tz: str) -> datetime:
 
 
 def repeats_wall_clock(expr: str) -> bool:
-    """True if `expr` follows real time through a repeated (fall-back) hour.
+    """True if `expr` runs in every hour, and so follows real time across DST changes.
 
-    Like classic cron: a job whose hour field is a wildcard (`*`, `*/2`...) runs by the clock
-    on the wall and so also fires in the repeated hour; a job with fixed hours (`0 2 * * *`)
-    fires only at the first occurrence of its wall-clock time.
+    Like classic cron: a job that runs every hour (`*`, `*/1`, `0-23` in the hour field) also
+    fires in the repeated fall-back hour, and has no slot in the skipped spring-forward hour;
+    a job with fixed hours (`0 2 * * *`, `0 */2 * * *`) fires only at the first occurrence of
+    a repeated wall-clock time, and at the end of the gap for a skipped one.
     """
-    fields = expr.split()
-    return len(fields) == 5 and fields[1].startswith("*")
+    try:
+        return croniter(expr).expanded[1] == ["*"]
+    except (ValueError, KeyError):
+        return False
 
 
 def _is_second_occurrence(local: datetime) -> bool:
@@ -141,10 +144,9 @@ def next_cron(expr: str, tz: str, after: datetime) -> datetime:
     """The first time strictly after `after` that matches `expr` in zone `tz`, as UTC.
 
     croniter walks the zone-aware local clock: a wall-clock time skipped by the spring-forward
-    gap fires once, at the end of the gap (unless the wall time one gap-length later is itself
-    a slot, as for an hourly job: then that slot stands for it). On
-    the fall-back day croniter would return a repeated wall-clock time twice; unless the hour
-    field is a wildcard (see repeats_wall_clock) the second occurrence is skipped, so
+    gap fires once, at the end of the gap (an every-hour job simply has no slot there). On
+    the fall-back day croniter would return a repeated wall-clock time twice; unless the job
+    runs every hour (see repeats_wall_clock) the second occurrence is skipped, so
     `0 2 * * *` fires once. Raises ScheduleError for an unknown zone.
     """
     return next(_cron_times(expr, tz, after))

@@ -149,14 +149,14 @@ class Scheduler:
             task = get_task(conn, task_id)
             if task is None or task.status != "active" or task.next_run is None:
                 return None
-            scheduled = schedule.from_iso(task.next_run)
-            if scheduled > now:
-                return None
             stamp = schedule.to_iso(now)
             try:
+                scheduled = schedule.from_iso(task.next_run)
+                if scheduled > now:
+                    return None
                 nxt, missed = schedule.advance(task.schedule_type, task.schedule_value,
                                                self.zone_of(task), scheduled, now)
-            except schedule.ScheduleError as e:
+            except ValueError as e:  # ScheduleError, or a next_run that is not a time
                 # A schedule that no longer computes (edited by hand, zone removed): stop it
                 # rather than spin on it, and say why.
                 conn.execute("UPDATE scheduled_tasks SET status = 'paused', last_result = ?,"

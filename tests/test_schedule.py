@@ -137,6 +137,10 @@ def test_wildcard_hour_follows_real_time_through_repeated_hour() -> None:
     assert len(fires_on("0 * * * *", "Europe/Berlin", date(2026, 10, 25))) == 25
     assert len(fires_on("0 * * * *", "Europe/Berlin", date(2026, 3, 29))) == 23
     assert len(fires_on("*/30 * * * *", "America/New_York", date(2026, 11, 1))) == 50
+    assert len(fires_on("0 */1 * * *", "Europe/Berlin", date(2026, 10, 25))) == 25
+    # Every second hour is a fixed-hours job: 02:00 repeats but fires once (12 on the day).
+    fall = fires_on("0 */2 * * *", "Europe/Berlin", date(2026, 10, 25))
+    assert len(fall) == 12 and [t.hour for t in fall][:3] == [0, 2, 4]
 
 
 def test_cron_evaluated_in_task_timezone() -> None:

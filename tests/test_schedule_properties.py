@@ -1,8 +1,8 @@
 """Property tests: next_run is always in the future and matches croniter in the task's zone.
 
-Two oracles. croniter's own zone-aware answer (which mdclaw follows, except that a fixed-hour
-job skips the second occurrence of a repeated wall-clock time), and an independent reference
-that walks naive wall-clock matches and maps each to instants by hand.
+Two oracles. croniter's own zone-aware answer (which mdclaw follows, except that a job with
+fixed hours skips the second occurrence of a repeated wall-clock time), and an independent
+reference that walks naive wall-clock matches and maps each to instants by hand.
 """
 
 from __future__ import annotations
@@ -84,32 +84,36 @@ def zone_and_time(draw) -> tuple[str, datetime]:
     return tz, naive.replace(tzinfo=UTC)
 
 
-def _instants(expr: str, naive: datetime, zone: ZoneInfo, both_folds: bool) -> list[datetime]:
+def _instants(naive: datetime, zone: ZoneInfo, every_hour: bool) -> list[datetime]:
     """The instants at which wall-clock match `naive` fires in `zone`.
 
-    A time in a spring-forward gap: if the wall clock a gap-length later is itself a match
-    (an hourly job), that slot stands for it; otherwise it fires when the gap ends. A repeated
-    time fires at its first occurrence, and also at the second for wildcard-hour jobs.
+    A time in a spring-forward gap fires when the gap ends, except for jobs that run every
+    hour (they follow real time: no slot there). A repeated time fires at its first
+    occurrence, and also at the second for every-hour jobs.
     """
     first = naive.replace(tzinfo=zone, fold=0)
     second = naive.replace(tzinfo=zone, fold=1)
     exists = first.astimezone(UTC).astimezone(zone).replace(tzinfo=None) == naive
+    if not exists and every_hour:
+        return []
     if not exists:
-        shifted = max(first.astimezone(UTC), second.astimezone(UTC))
-        if croniter.match(expr, shifted.astimezone(zone).replace(tzinfo=None)):
-            return [shifted]
         t = min(first.astimezone(UTC), second.astimezone(UTC)).replace(second=0, microsecond=0)
         while t.astimezone(zone).replace(tzinfo=None) <= naive:
             t += timedelta(minutes=1)
         return [t]
     if first.utcoffset() != second.utcoffset():  # repeated by the fall-back
-        return [first.astimezone(UTC)] + ([second.astimezone(UTC)] if both_folds else [])
+        return [first.astimezone(UTC)] + ([second.astimezone(UTC)] if every_hour else [])
     return [first.astimezone(UTC)]
+
+
+def every_hour(expr: str) -> bool:
+    """The hour field covers all 24 hours (however it is written)."""
+    return set(croniter.expand(expr)[0][1]) in ({"*"}, set(range(24)))
 
 
 def reference_next(expr: str, tz: str, after: datetime) -> datetime:
     zone = ZoneInfo(tz)
-    both = expr.split()[1].startswith("*")
+    both = every_hour(expr)
     start = after.astimezone(zone).replace(tzinfo=None) - timedelta(hours=4)
     it = croniter(expr, start)
     best: datetime | None = None
@@ -119,7 +123,7 @@ def reference_next(expr: str, tz: str, after: datetime) -> datetime:
         if best_wall is not None and n > best_wall + timedelta(hours=4):
             assert best is not None
             return best
-        for inst in _instants(expr, n, zone, both):
+        for inst in _instants(n, zone, both):
             if inst > after and (best is None or inst < best):
                 best, best_wall = inst, n
 
@@ -131,7 +135,7 @@ def croniter_answer(expr: str, tz: str, after: datetime) -> datetime:
     while True:
         n = it.get_next(datetime).astimezone(zone)
         second = n.fold == 1 and n.replace(fold=0).utcoffset() != n.utcoffset()
-        if not second or expr.split()[1].startswith("*"):
+        if not second or every_hour(expr):
             return n.astimezone(UTC)
 
 

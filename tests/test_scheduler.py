@@ -399,3 +399,13 @@ def test_recover_completes_one_shot_paused_during_interrupted_run(db) -> None:
         update_task_fields(c, "o1", status="paused")
     Scheduler(db, Recorder()).recover()
     assert get_task(db, "o1").status == "completed"
+
+
+def test_unreadable_next_run_pauses_task_instead_of_failing_every_tick(db) -> None:
+    add(db, "t1", "interval", "60000", due_in=-1)
+    with db.transaction() as c:
+        update_task_fields(c, "t1", next_run="2000-01-01 soon")
+    rec = Recorder()
+    run_for(Scheduler(db, rec), 0.3)
+    t = get_task(db, "t1")
+    assert rec.ids() == [] and t.status == "paused" and "bad schedule" in t.last_result

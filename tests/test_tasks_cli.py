@@ -173,33 +173,35 @@ def test_run_now_rearms_a_finished_one_shot(env, cli) -> None:
 
 
 def test_daemon_picks_up_run_now(env, cli, data_dir) -> None:
+    """The running daemon claims a task made due by `tasks run-now` from another process.
+    (What the run then does is the executor's business: no engine is running here.)"""
     path, db = env
+    Path(path).write_text(Path(path).read_text() + "channels:\n  http: {enabled: false}\n")
     proc_env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
     proc_env["PYTHONPATH"] = str(REPO)
     proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", path],
                             env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        time.sleep(1.0)  # daemon up; nothing due for an hour
+        time.sleep(1.5)  # daemon up; nothing due for an hour
         assert proc.poll() is None
         assert list_runs(db, "plants") == []
-        asked = time.monotonic()
+        before = get_task(db, "plants").next_run
         ok(cli("tasks", "run-now", "plants", "--config", path))
+        asked = time.monotonic()
         while time.monotonic() - asked < 10 and not list_runs(db, "plants"):
             time.sleep(0.05)
         runs = list_runs(db, "plants")
-        assert runs, "the daemon did not run the task"
-        assert time.monotonic() - asked < 4  # CLI start-up + at most one re-check interval
-        deadline = time.monotonic() + 5
-        while runs[0].status == "running" and time.monotonic() < deadline:
-            time.sleep(0.05)
-            runs = list_runs(db, "plants")
-        # No container runner yet: the daemon records the run as an error saying so.
-        assert runs[0].status == "error" and "no container runner" in runs[0].error
-        assert schedule.from_iso(get_task(db, "plants").next_run) > schedule.utc_now()
+        assert runs, "the daemon did not claim the task"
+        assert time.monotonic() - asked < 3  # one re-check interval (1 s), with slack for load
+        assert len(runs) == 1 and runs[0].missed == 0
+        t = get_task(db, "plants")
+        assert t.next_run != before and schedule.from_iso(t.next_run) > schedule.utc_now()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err
+    # However the run ended, it was recorded, and only once.
+    (run,) = list_runs(db, "plants")
+    assert run.status in ("success", "error", "interrupted") and run.finished_at
