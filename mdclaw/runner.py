@@ -404,7 +404,18 @@ class ContainerRunner:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         t_start_call = time.perf_counter()
-        running = await asyncio.to_thread(self.runtime.start, spec)
+        starting = asyncio.ensure_future(asyncio.to_thread(self.runtime.start, spec))
+        try:
+            running = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # Cancelled while the engine was starting it: remove it once it is there.
+            def reap(f: asyncio.Future[RunningContainer]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    f.result().close()
+                    self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, f.result().id))
+
+            starting.add_done_callback(reap)
+            raise
         t_started = time.perf_counter()
         handle.container_id = running.id
         reader = _Reader(running, loop, events, self.cfg.limits.max_output_bytes, spec.name)

@@ -421,3 +421,28 @@ def test_an_engine_that_comes_up_late_is_waited_for_not_crashed_on(tmp_path, eng
             p.wait(10)
     assert "Podman" in desc or "Engine" in desc
     assert lines and all("unreachable" in line for line in lines)
+
+
+def test_a_cancelled_run_leaves_no_container_behind(setup, engine):
+    cfg, runner = setup()
+
+    async def go():
+        task = asyncio.create_task(runner.run("family", inp("family"), command=["sleep", "60"]))
+        await asyncio.sleep(0.05)  # still starting
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        task = asyncio.create_task(runner.run("family", inp("family"), command=["sleep", "60"]))
+        while runner.active("family") is None or runner.active("family").container_id is None:
+            await asyncio.sleep(0.05)
+        task.cancel()  # running
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await runner.aclose()
+            if not engine.list(install_labels(cfg)):
+                break
+            await asyncio.sleep(0.1)
+
+    run(go())
+    assert engine.list(install_labels(cfg)) == []
