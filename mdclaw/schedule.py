@@ -191,7 +191,8 @@ def validate(schedule_type: str, value: str, tz: str, now: datetime | None = Non
     if schedule_type == "once":
         at = parse_once(value, tz)
         if at <= now:
-            raise ScheduleError(f"once time {value!r} is in the past ({to_iso(at)} UTC)")
+            raise ScheduleError(f"once time {value!r} is in the past ({to_iso(at)} UTC): give "
+                                "a future time, or remove the task if it has already run")
         return value.strip()
     raise ScheduleError(
         f"unknown schedule_type {schedule_type!r}: use one of {', '.join(SCHEDULE_TYPES)}"
