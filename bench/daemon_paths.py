@@ -141,6 +141,7 @@ async def inbound_to_start(n: int) -> None:
         reconcile(cfg, db)
         runner = ContainerRunner(cfg, rt)
         orch = Orchestrator(cfg, db, runner=runner)
+        orch.engine_ready.set()
         for i in range(n):
             await orch.on_inbound(InboundMessage(
                 id=f"hl:g0:{i}", chat_jid="hl:g0", sender="u", sender_name="U",

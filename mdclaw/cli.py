@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from mdclaw import __version__
@@ -23,6 +24,24 @@ COMMAND_MODULES = [
     "mdclaw.commands.agent",
     "mdclaw.commands.daemon",
 ]
+
+
+class JournalFormatter(logging.Formatter):
+    """`LEVEL name: message`, one line per record; under systemd (JOURNAL_STREAM set) each
+    line starts with the syslog priority `<N>` so journald files it at the right level."""
+
+    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+                logging.CRITICAL: 2}
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self.journal = bool(os.environ.get("JOURNAL_STREAM"))
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record).replace("\n", "\n  ")
+        if self.journal:
+            return f"<{self.PRIORITY.get(record.levelno, 6)}>{text}"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,10 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "config"):
         args.config = None
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JournalFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

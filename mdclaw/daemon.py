@@ -197,10 +197,13 @@ class Daemon:
         desc = await wait_for_engine(self.runtime, status=status, stop=self.stop_event)
         if desc is None:
             return
-        self.engine_status = f"ok ({desc})"
-        self._publish()
-        with contextlib.suppress(Exception):
+        try:
             await self.runner.cleanup_orphans()
+        except Exception as e:  # the engine went away again: runs will say so
+            log.warning("could not remove orphaned containers: %s", e)
+        self.engine_status = f"ok ({desc})"
+        self.orch.engine_ready.set()
+        self._publish()
         log.info("container engine: %s", desc)
 
     # ---------------------------------------------------------------- status
@@ -310,16 +313,19 @@ class Daemon:
                 log.info("asked %d running conversation(s) to finish", closed)
         # Stop claiming tasks and taking jobs; runs in progress get drain_timeout to finish
         # (a scheduled run cut short is recorded as interrupted).
-        waits: list[Any] = []
+        async def drain_queue() -> None:
+            if self.orch is None:
+                return
+            left = await self.orch.queue.shutdown(grace=self.drain_timeout)
+            self.orch.abandon(left)
+            if left:
+                log.warning("%d queued job(s) not run; their messages stay in the database "
+                            "and are picked up at the next start", len(left))
+
+        waits: list[Any] = [drain_queue()]
         if self.scheduler is not None:
             waits.append(self.scheduler.stop(timeout=self.drain_timeout))
-        if self.orch is not None:
-            waits.append(self.orch.queue.shutdown(grace=self.drain_timeout))
-        results = await asyncio.gather(*waits, return_exceptions=True)
-        left = results[-1] if self.orch is not None else None
-        if isinstance(left, list) and left:
-            log.warning("%d queued job(s) not run; their messages stay in the database and "
-                        "are picked up at the next start", len(left))
+        await asyncio.gather(*waits, return_exceptions=True)
         self.ipc_stop.set()
         if self.outbox is not None:
             await self.outbox.stop()  # before the channels go, so a send under way finishes

@@ -95,6 +95,10 @@ class Orchestrator:
         self._conv: dict[str, _Conversation] = {}
         self._task_waiters: dict[str, asyncio.Future[Any]] = {}
         self.accepting = True
+        # Set once the engine answered and orphans of an earlier run were removed; until
+        # then runs wait (a container started earlier would be taken for an orphan).
+        self.engine_ready = asyncio.Event()
+        self.engine_wait = 60.0
         # Host-side timings of the latest runs (milliseconds), for benchmarks and status.
         self.timings: list[dict[str, float]] = []
 
@@ -206,6 +210,11 @@ class Orchestrator:
                              ContainerInput], on_output: Callable[[str], Any]) -> ContainerResult:
         if self.runner is None:
             raise RunFailed("the container engine is not reachable")
+        if not self.engine_ready.is_set():
+            try:
+                await asyncio.wait_for(self.engine_ready.wait(), self.engine_wait)
+            except TimeoutError:
+                raise RunFailed("the container engine is not reachable yet") from None
         timeout = (group.container_config.get("timeout_ms") or 0) / 1000 or None
         if self.proxy is not None:
             async with self.proxy.for_run(self.cfg, group.folder) as fields:
@@ -351,6 +360,14 @@ class Orchestrator:
             self.timings = (self.timings + [entry])[-100:]
 
     # ------------------------------------------------------------------ shutdown
+    def abandon(self, jobs: list[Job]) -> None:
+        """Jobs the queue dropped at shutdown: their scheduled runs end with that reason."""
+        for job in jobs:
+            if job.kind == "task":
+                fut = job.payload["future"]
+                if not fut.done():
+                    fut.set_exception(RunFailed("mdclaw stopped before the task could run"))
+
     def close_conversations(self) -> int:
         """Write `_close` to every running conversation; return how many."""
         if self.runner is None:

@@ -93,3 +93,18 @@ def test_run_reconciles_and_stops_on_sigterm(write_config, data_dir) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
+
+
+def test_logs_carry_journald_priority_under_systemd(write_config, tmp_path) -> None:
+    cfg = str(write_config("data_dir: {data_dir}\ngroups: {}\nchannels: {http: {enabled: false}}\n"
+                           f"runtime: {{socket: 'unix://{tmp_path}/none.sock'}}\n"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env.update(PYTHONPATH=str(REPO), JOURNAL_STREAM="8:12345")
+    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", cfg], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=40)
+    lines = [ln for ln in err.splitlines() if ln and not ln.startswith("  ")]
+    assert lines and all(ln[:3] in ("<6>", "<4>", "<3>", "<7>") for ln in lines), err
+    assert any(ln.startswith("<4>") and "unreachable" in ln for ln in lines), err

@@ -274,3 +274,52 @@ def test_daemon_end_to_end(tmp_path, engine, real_agent_image, install_id, reap)
         notes.done = True
         model.stop()
         bot.stop()
+
+
+def test_second_sigterm_exits_at_once(tmp_path, engine, real_agent_image, install_id,
+                                      reap) -> None:
+    from mdclaw.config import load_config
+    from mdclaw.runtime import install_labels
+
+    model = FakeOpenAI([], fallback=lambda body: say("late", delay=6)).start()
+    port = free_port()
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(textwrap.dedent(f"""\
+        data_dir: {tmp_path / 'data'}
+        assistant: {{name: Andy, timezone: UTC, model: local}}
+        models: {{local: {{backend: openai, model: m, base_url: "{model.url}/v1"}}}}
+        groups: {{main: {{name: Admin, jid: "hl:main", main: true}}}}
+        limits: {{container_timeout: 120s, idle_timeout: 60s}}
+        runtime: {{image: "{real_agent_image}", install_id: {install_id},
+                  socket: "{engine.base_url}"}}
+        channels: {{http: {{listen: "127.0.0.1:{port}"}}}}
+        """))
+    reap(install_labels(load_config(cfg_path)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg_path)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _health(base), 60, "the HTTP channel")
+        http("POST", f"{base}/message", {"text": "take your time", "sender": "alice"})
+        wait_for(lambda: model.requests, 120, "the model request")
+        proc.send_signal(signal.SIGTERM)  # a turn is in progress: the drain waits for it
+        time.sleep(1)
+        assert proc.poll() is None, "the first SIGTERM did not wait for the running turn"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 1
+        assert time.monotonic() - t0 < 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        model.stop()
+
+
+def _health(base: str) -> bool:
+    try:
+        return http("GET", f"{base}/health", timeout=2)["status"] == "ok"
+    except OSError:
+        return False
