@@ -99,6 +99,7 @@ class Orchestrator:
         # then runs wait (a container started earlier would be taken for an orphan).
         self.engine_ready = asyncio.Event()
         self.engine_wait = 60.0
+        self.stopping = asyncio.Event()
         # Host-side timings of the latest runs (milliseconds), for benchmarks and status.
         self.timings: list[dict[str, float]] = []
 
@@ -211,10 +212,15 @@ class Orchestrator:
         if self.runner is None:
             raise RunFailed("the container engine is not reachable")
         if not self.engine_ready.is_set():
-            try:
-                await asyncio.wait_for(self.engine_ready.wait(), self.engine_wait)
-            except TimeoutError:
-                raise RunFailed("the container engine is not reachable yet") from None
+            ready = asyncio.ensure_future(self.engine_ready.wait())
+            stopping = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait([ready, stopping], timeout=self.engine_wait,
+                               return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+            stopping.cancel()
+            if not self.engine_ready.is_set():
+                raise RunFailed("the container engine is not reachable"
+                                + (" and mdclaw is stopping" if self.stopping.is_set() else ""))
         timeout = (group.container_config.get("timeout_ms") or 0) / 1000 or None
         if self.proxy is not None:
             async with self.proxy.for_run(self.cfg, group.folder) as fields:
@@ -369,7 +375,9 @@ class Orchestrator:
                     fut.set_exception(RunFailed("mdclaw stopped before the task could run"))
 
     def close_conversations(self) -> int:
-        """Write `_close` to every running conversation; return how many."""
+        """Stop waiting for the engine; write `_close` to every running conversation;
+        return how many were asked to finish."""
+        self.stopping.set()
         if self.runner is None:
             return 0
         n = 0
