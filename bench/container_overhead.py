@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from mdclaw.config import Config  # noqa: E402
 from mdclaw.queue import GroupQueue, Job  # noqa: E402
 from mdclaw.runner import ContainerInput, ContainerRunner  # noqa: E402
-from mdclaw.runtime import find_socket, install_labels  # noqa: E402
+from mdclaw.runtime import find_socket  # noqa: E402
 from mdclaw.runtime.docker_engine import DockerRuntime  # noqa: E402
 
 TAG = "mdclaw-bench-agent:latest"

@@ -76,7 +76,7 @@ OutputCallback = Callable[[str], Awaitable[None] | None]
 
 def parse_all_outputs(raw: str) -> list[str]:
     """Every text between an OUTPUT_START and the next OUTPUT_END line, in order, stripped."""
-    out = []
+    out: list[str] = []
     pos = 0
     while True:
         start = raw.find(OUTPUT_START, pos)

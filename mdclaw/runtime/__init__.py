@@ -13,6 +13,7 @@ streams, starts it and writes the spec's stdin, then returns a `RunningContainer
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hashlib
 import logging
 import os
@@ -31,7 +32,8 @@ LABEL = "mdclaw"  # every container mdclaw starts has mdclaw=true
 INSTALL_LABEL = "mdclaw.install"  # ...and mdclaw.install=<install id>
 GROUP_LABEL = "mdclaw.group"
 
-STDOUT, STDERR = 1, 2
+STDOUT: Literal[1] = 1
+STDERR: Literal[2] = 2
 Stream = Literal[1, 2]
 
 # Where users expect the engine's API socket, in the order they expect it to win.
@@ -177,7 +179,7 @@ class ContainerRuntime(ABC):
     def list(self, labels: dict[str, str], *, all: bool = True) -> list[ContainerInfo]:
         """Containers carrying every one of `labels` (running and, with all, stopped)."""
 
-    def cleanup(self, labels: dict[str, str]) -> list[str]:
+    def cleanup(self, labels: dict[str, str]) -> builtins.list[str]:
         """Remove every container carrying all of `labels`; return the names removed."""
         removed = []
         for info in self.list(labels, all=True):
