@@ -143,6 +143,24 @@ def test_wildcard_hour_follows_real_time_through_repeated_hour() -> None:
     assert len(fall) == 12 and [t.hour for t in fall][:3] == [0, 2, 4]
 
 
+def test_half_hour_fall_back() -> None:
+    # Lord Howe Island goes from +11:00 back to +10:30 at 02:00. croniter (and so mdclaw)
+    # gives a job that runs every hour no slots in the repeated half hour: nothing fires
+    # twice, and the longest pause is that half hour plus one step.
+    zone = ZoneInfo("Australia/Lord_Howe")
+    t = datetime(2026, 4, 4, 14, 0, tzinfo=UTC)  # 01:00 local, +11:00
+    times = []
+    while t < datetime(2026, 4, 4, 16, 30, tzinfo=UTC):
+        t = schedule.next_cron("*/4 * * * *", "Australia/Lord_Howe", t)
+        times.append(t)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert min(gaps) == timedelta(minutes=4)
+    assert max(gaps) <= timedelta(minutes=34)
+    walls = [x.astimezone(zone).replace(tzinfo=None) for x in times]
+    assert len(walls) == len(set(walls))  # no wall-clock time fired twice
+    assert len(fires_on("30 1 * * *", "Australia/Lord_Howe", date(2026, 4, 5))) == 1
+
+
 def test_cron_evaluated_in_task_timezone() -> None:
     after = datetime(2026, 1, 10, 0, 0, tzinfo=UTC)
     assert schedule.to_iso(schedule.next_cron("0 8 * * *", "Europe/Berlin", after)) == \
