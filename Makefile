@@ -4,7 +4,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: run test e2e bench clean
 
@@ -15,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	MDCLAW_DATA_DIR=$(DATA_DIR) $(VENV)/bin/mdclaw run --config config.example.yaml
+	$(if $(DATA_DIR),MDCLAW_DATA_DIR=$(DATA_DIR) )$(VENV)/bin/mdclaw run --config config.example.yaml
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)

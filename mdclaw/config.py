@@ -598,6 +598,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, text: str | None 
                                              f"got {type(data).__name__}", 1)])
     if dup_issues:
         raise ConfigError(file, dup_issues)
+    raw_dir = data.get("data_dir")
+    if isinstance(raw_dir, str) and raw_dir and not os.path.isabs(os.path.expanduser(raw_dir)):
+        # A relative data_dir is relative to the config file, not to the current directory.
+        data = {**data, "data_dir": str(p.resolve().parent / raw_dir)}
     try:
         return Config(**data)
     except ValidationError as e:

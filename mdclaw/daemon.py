@@ -203,6 +203,7 @@ class Daemon:
             log.warning("could not remove orphaned containers: %s", e)
         self.engine_status = f"ok ({desc})"
         self.orch.engine_ready.set()
+        self.orch.recover_pending()
         self._publish()
         log.info("container engine: %s", desc)
 

@@ -41,7 +41,7 @@ from mdclaw.state.conversations import (
     set_session,
     store_message,
 )
-from mdclaw.state.groups import GroupRow, get_group, get_group_by_jid
+from mdclaw.state.groups import GroupRow, get_group, get_group_by_jid, list_groups
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import TaskRow
 
@@ -152,6 +152,21 @@ class Orchestrator:
             handle.touch()
             log.info("group %s: %d follow-up message(s) into the running conversation",
                      group.folder, len(pending))
+
+    def recover_pending(self) -> int:
+        """Queue a run for every group with triggered messages its agent has not seen yet
+        (a crash, a stop or a failed run left them); return how many groups."""
+        n = 0
+        for group in list_groups(self.db):
+            if not group.jid:
+                continue
+            pending = messages_since(self.db, group.jid, get_cursor(self.db, group.folder))
+            if any(self.is_triggered(group, m) for m in pending):
+                self.dispatch(group)
+                n += 1
+        if n:
+            log.info("queued %d group(s) with messages not yet answered", n)
+        return n
 
     # ------------------------------------------------------------------ tasks
     async def execute_task(self, task: TaskRow) -> Any:

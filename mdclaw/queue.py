@@ -6,7 +6,8 @@ Rules:
 * within a group, scheduled tasks go before messages, each kind first in, first out; when a
   slot frees, groups with a task waiting go first, then groups in the order their oldest job
   arrived;
-* a job whose `run_job` raises is retried with exponential backoff (`max_attempts` tries in
+* a job whose `run_job` raises is retried (unless the error has `permanent = True`) with
+  exponential backoff (`max_attempts` tries in
   all, `retry_base` seconds doubling: 5, 10, 20, 40 s by default); meanwhile the group holds
   its place and its later jobs wait, so order is kept. After the last try the failure is
   recorded in `failures` and `on_failure(job, error)` is called to tell the user;
@@ -175,7 +176,9 @@ class GroupQueue:
         except Exception as e:  # noqa: BLE001 - any failure of a run is retried
             job.attempts += 1
             job.last_error = f"{type(e).__name__}: {e}"
-            if job.attempts < self.max_attempts and not self._closing:
+            # An error that says retrying cannot help (e.g. the image is missing) is final.
+            final = bool(getattr(e, "permanent", False))
+            if job.attempts < self.max_attempts and not self._closing and not final:
                 delay = self.retry_base * 2 ** (job.attempts - 1)
                 log.warning("%s %s for %s failed (try %d of %d): %s; retrying in %g s",
                             job.kind, job.id, job.group, job.attempts, self.max_attempts,

@@ -228,3 +228,13 @@ def test_task_schedule_errors_are_config_errors(write_config) -> None:
           - {id: t3, group: main, prompt: hi, cron: "0 8 * * *", interval: 1h}
     """))
     assert "tasks.0: give exactly one of cron, interval, once" in errs[0] and ":4:" in errs[0]
+
+
+def test_relative_data_dir_is_relative_to_the_config_file(tmp_path, monkeypatch) -> None:
+    sub = tmp_path / "etc"
+    sub.mkdir()
+    p = sub / "config.yaml"
+    p.write_text("data_dir: ./state\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(p).data_dir == sub / "state"
+    assert load_config(REPO / "config.example.yaml").data_dir == REPO / "data"

@@ -226,3 +226,25 @@ def test_bad_settings_are_refused() -> None:
 
     with pytest.raises(ValueError):
         GroupQueue(nothing, max_concurrent=0)
+
+
+def test_permanent_error_is_not_retried() -> None:
+    from mdclaw.queue import GroupQueue
+    from mdclaw.runtime import ImageError
+
+    calls: list[str] = []
+    failed: list[str] = []
+
+    async def run_job(job) -> None:  # noqa: ANN001
+        calls.append(job.id)
+        raise ImageError("image mdclaw-agent:latest not found")
+
+    async def main() -> None:
+        q = GroupQueue(run_job, max_concurrent=2, max_attempts=5, retry_base=0.01,
+                       on_failure=lambda job, e: failed.append(str(e)))
+        q.enqueue_message("g", job_id="m1")
+        await asyncio.wait_for(q.join(), 5)
+
+    asyncio.run(main())
+    assert calls == ["m1"]
+    assert failed == ["image mdclaw-agent:latest not found"]

@@ -31,6 +31,7 @@ log = logging.getLogger("mdclaw.runtime")
 LABEL = "mdclaw"  # every container mdclaw starts has mdclaw=true
 INSTALL_LABEL = "mdclaw.install"  # ...and mdclaw.install=<install id>
 GROUP_LABEL = "mdclaw.group"
+BOOT_LABEL = "mdclaw.boot"  # which daemon process started it
 
 STDOUT: Literal[1] = 1
 STDERR: Literal[2] = 2
@@ -53,7 +54,9 @@ class EngineUnavailable(RuntimeError_):
 
 
 class ImageError(RuntimeError_):
-    """An image could not be built, loaded or found."""
+    """An image could not be built, loaded or found. Retrying a run does not help."""
+
+    permanent = True
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
 
 
 __all__ = [
-    "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
+    "BOOT_LABEL", "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
     "ContainerRuntime", "EngineUnavailable", "ImageError", "ImageInfo", "Mount", "RunSpec",
     "RunningContainer", "RuntimeError_", "create_runtime", "find_socket", "install_id",
     "install_labels", "wait_for_engine",

@@ -1,0 +1,92 @@
+"""The orchestrator in-process with the real database, queue and outbox rows; no engine.
+
+(The whole path with a real engine and image is tests/e2e/test_daemon_e2e.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from mdclaw.channels.base import InboundMessage
+from mdclaw.config import load_config
+from mdclaw.orchestrator import Orchestrator
+from mdclaw.reconcile import reconcile
+from mdclaw.state import Database
+from mdclaw.state.conversations import get_cursor
+from mdclaw.state.outbox import list_outbox
+
+CONFIG = """\
+data_dir: {data_dir}
+assistant: {name: Andy, timezone: UTC}
+groups:
+  main: {name: Admin, jid: "hl:main", main: true}
+  family: {name: Family, jid: "hl:family"}
+limits: {run_attempts: 1}
+"""
+
+
+def msg(i: int, jid: str, text: str) -> InboundMessage:
+    return InboundMessage(id=f"{jid}:{i}", chat_jid=jid, sender="u1", sender_name="Alice",
+                          content=text, timestamp=f"2026-01-01T00:00:{i:02d}.000Z",
+                          channel="http")
+
+
+def setup(write_config):
+    cfg = load_config(write_config(CONFIG))
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    return cfg, db
+
+
+def test_trigger_decides_and_duplicates_are_dropped(write_config) -> None:
+    cfg, db = setup(write_config)
+
+    async def main() -> list[str]:
+        orch = Orchestrator(cfg, db, runner=None)
+        await orch.on_inbound(msg(1, "hl:family", "just chatting"))
+        await orch.on_inbound(msg(1, "hl:family", "just chatting"))  # redelivered
+        untriggered = [j.id for j in orch.queue.pending()] + orch.queue.running_groups()
+        await orch.on_inbound(msg(2, "hl:family", "hey @andy, what now?"))
+        triggered = orch.queue.running_groups() + [j.id for j in orch.queue.pending()]
+        await orch.queue.join()
+        return [str(untriggered), str(triggered)]
+
+    untriggered, triggered = asyncio.run(main())
+    assert untriggered == "[]"
+    assert "family" in triggered or "msg:family" in triggered
+    assert db.query_one("SELECT COUNT(*) FROM messages")[0] == 2
+
+
+def test_failed_run_tells_the_chat_and_keeps_the_cursor(write_config) -> None:
+    cfg, db = setup(write_config)
+
+    async def main() -> None:
+        orch = Orchestrator(cfg, db, runner=None)
+        await orch.on_inbound(msg(1, "hl:main", "hello"))
+        await asyncio.wait_for(orch.queue.join(), 10)
+
+    asyncio.run(main())
+    (row,) = list_outbox(db)
+    assert row.chat_jid == "hl:main" and row.source_group == "main"
+    assert "could not answer" in row.text and "container engine is not reachable" in row.text
+    assert get_cursor(db, "main") is None  # the message is still unanswered
+
+
+def test_recover_pending_queues_only_groups_with_triggered_messages(write_config) -> None:
+    cfg, db = setup(write_config)
+    from mdclaw.state.conversations import StoredMessage, store_message
+
+    store_message(db, StoredMessage("a", "hl:main", "u", "U", "hi", "2026-01-01T00:00:01Z",
+                                    False, False))
+    store_message(db, StoredMessage("b", "hl:family", "u", "U", "no trigger here",
+                                    "2026-01-01T00:00:02Z", False, False))
+
+    async def main() -> int:
+        orch = Orchestrator(cfg, db, runner=None)
+        n = orch.recover_pending()
+        groups = set(orch.queue.running_groups()) | {j.group for j in orch.queue.pending()}
+        assert groups == {"main"}
+        await asyncio.wait_for(orch.queue.join(), 10)
+        return n
+
+    assert asyncio.run(main()) == 1
