@@ -19,6 +19,7 @@ from conftest import REPO
 from ipc_helpers import Env, schedule_body
 
 from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.state import Database
 
 
 @pytest.fixture
@@ -220,3 +221,26 @@ def test_cli_drain_errors_outbox(env: Env, cli) -> None:  # noqa: ANN001
     assert cli("outbox", "list", "--status", "sent", "--json", "--config",
                cfg).stdout.strip() == "[]"
     assert "ID" in cli("outbox", "list", "--config", cfg).stdout
+
+
+def test_changes_made_elsewhere_reach_the_snapshots_within_a_poll(env: Env) -> None:
+    env.write("family", schedule_body("ext"))
+    env.drain()
+
+    async def body(w: IpcWatcher) -> None:
+        snap = env.ipc / "family" / "current_tasks.json"
+        assert json.loads(snap.read_text())[0]["status"] == "active"
+        # another process (the CLI, the scheduler) pauses the task and a channel meets a chat
+        other = Database(env.cfg.db_path)
+        with other.transaction() as c:
+            c.execute("UPDATE scheduled_tasks SET status = 'paused', updated_at = "
+                      "'2099-01-01T00:00:00.000Z' WHERE id = 'ext'")
+            c.execute("INSERT INTO chats (jid, name, last_activity) VALUES "
+                      "('tg:55', 'New chat', '2026-01-01T00:00:00.000Z')")
+        other.close()
+        await _until(lambda: json.loads(snap.read_text())[0]["status"] == "paused", 3)
+        groups = env.ipc / "main" / "available_groups.json"
+        await _until(lambda: any(g["jid"] == "tg:55" for g in
+                                 json.loads(groups.read_text())["groups"]), 3)
+
+    run_loop(env, body, poll_interval=0.1)

@@ -366,6 +366,18 @@ class IpcEngine:
             rounds += 1
         return total
 
+    def state_fingerprint(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Cheap (index-backed aggregate) fingerprints of what the snapshots show:
+        (tasks, groups and chats). They change when anyone commits such a change: the
+        scheduler, `mdclaw tasks ...`, a channel learning of a chat, the reconciler."""
+        tasks = self.db.query_one(
+            "SELECT count(*), max(updated_at), max(created_at) FROM scheduled_tasks")
+        groups = self.db.query_one(
+            "SELECT (SELECT count(*) FROM registered_groups),"
+            " (SELECT max(coalesce(updated_at, added_at)) FROM registered_groups),"
+            " (SELECT count(*) FROM chats), (SELECT max(last_activity) FROM chats)")
+        return tuple(tasks or ()), tuple(groups or ())
+
     def pending_count(self) -> int:
         return sum(len(v) for v in self.collect().values())
 

@@ -61,6 +61,7 @@ class IpcWatcher:
         self._wake = asyncio.Event()
         self._watch_limit_logged = False
         self._synced_groups: set[str] = set()
+        self._fingerprint: tuple[tuple[object, ...], tuple[object, ...]] | None = None
         self.totals = BatchResult()
         self.idle = asyncio.Event()  # set while nothing is known to be pending
 
@@ -180,6 +181,16 @@ class IpcWatcher:
         return True
 
     def _poll(self) -> None:
+        # Changes made outside this loop (scheduler runs, `mdclaw tasks pause`, new chats)
+        # show in the snapshots within one poll interval.
+        tasks_fp, groups_fp = self.engine.state_fingerprint()
+        if self._fingerprint is not None:
+            if tasks_fp != self._fingerprint[0]:
+                self.engine.snapshots(None, tasks=True, groups=False)
+            if groups_fp != self._fingerprint[1]:
+                main = self.engine.main_folder()
+                self.engine.snapshots({main} if main else set(), tasks=False, groups=True)
+        self._fingerprint = (tasks_fp, groups_fp)
         pending = self.engine.collect(cheap=True)
         for folder, files in pending.items():
             self._dirty.setdefault(folder, set()).update(sub for _, sub in files)
@@ -188,6 +199,7 @@ class IpcWatcher:
         """Serve until `stop` is set. Start-up writes every snapshot and drains the backlog."""
         loop = asyncio.get_running_loop()
         self.engine.start()
+        self._fingerprint = self.engine.state_fingerprint()
         self.sync_watches()
         if self.inotify is not None:
             loop.add_reader(self.inotify.fd, self._on_inotify)
