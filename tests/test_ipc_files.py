@@ -8,9 +8,12 @@ import logging
 import os
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ipc_helpers import Env, schedule_body
 
 from mdclaw.ipc.files import (
@@ -225,3 +228,48 @@ def test_open_beneath_refuses_symlinks_anywhere(tmp_path: Path) -> None:
             open_beneath(fd, ["out", "a.txt"], 3)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- properties
+
+_bodies = st.one_of(
+    st.binary(max_size=300),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                 lambda inner: st.lists(inner, max_size=4)
+                 | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+                 max_leaves=15).map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["message", "send_message", "schedule_task", "pause_task",
+                                  "register_group", "react", "memory_action", "nope"])},
+        optional={"text": st.text(max_size=30), "chatJid": st.sampled_from(["tg:1", "tg:2",
+                                                                            "tg:3", "x"]),
+                  "taskId": st.text(max_size=10), "prompt": st.text(max_size=10),
+                  "schedule_type": st.sampled_from(["cron", "interval", "once", "x"]),
+                  "schedule_value": st.sampled_from(["0 8 * * *", "60000", "bad"]),
+                  "groupFolder": st.sampled_from(["family", "main"]),
+                  "requestId": st.sampled_from(["r1", "../x"]),
+                  "action": st.sampled_from(["memory_search", "memory_get", "nope"]),
+                  "params": st.dictionaries(st.sampled_from(["query", "path"]),
+                                            st.text(max_size=10), max_size=2)},
+    ).map(lambda d: json.dumps(d).encode()),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_bodies, min_size=1, max_size=6))
+def test_any_file_ends_applied_or_quarantined(bodies: list[bytes]) -> None:
+    """Whatever a container writes, every file ends in exactly one place and the engine
+    keeps going."""
+    with tempfile.TemporaryDirectory() as tmp:
+        e = Env(Path(tmp))
+        try:
+            names = [e.write("family", None, sub="tasks", raw=b) for b in bodies]
+            res = e.drain()
+            assert res.applied + res.rejected == len(bodies)
+            assert e.pending("family") == []
+            quarantined = [n for n in names if e.errors_for("family", n) is not None]
+            assert len(quarantined) == res.rejected
+            ledger = e.db.query_one("SELECT count(*) FROM ipc_ledger")[0]
+            assert ledger == len(bodies)
+        finally:
+            e.close()
