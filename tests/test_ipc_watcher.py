@@ -244,3 +244,21 @@ def test_changes_made_elsewhere_reach_the_snapshots_within_a_poll(env: Env) -> N
                                  json.loads(groups.read_text())["groups"]), 3)
 
     run_loop(env, body, poll_interval=0.1)
+
+
+def test_the_poll_finds_what_inotify_did_not_report(env: Env, tmp_path: Path) -> None:
+    """A file that appears without close-after-write or moved-to (here: a hard link made
+    and the original removed, which only raises IN_CREATE) is still found by the poll."""
+    staging = env.ipc / "family" / "staging"
+    staging.mkdir()
+
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None
+        src = staging / "cmd.json"
+        src.write_text(json.dumps({"type": "message", "text": "silent"}))
+        os.link(src, env.ipc / "family" / "messages" / "silent.json")
+        os.unlink(src)  # inotify reported only IN_CREATE, which does not wake the loop
+        took = await _until(lambda: len(env.outbox()) == 1, timeout=3)
+        assert took < 1.5
+
+    run_loop(env, body, poll_interval=0.5)
