@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from mdclaw import mounts as mount_rules
 from mdclaw.config import Config, validate_folder
 from mdclaw.paths import GROUP_DIR_MODE, IPC_DIR_MODE, IPC_SUBDIRS, Layout
 from mdclaw.runtime import (
+    BOOT_LABEL,
     GROUP_LABEL,
     STDOUT,
     ContainerRuntime,
@@ -254,6 +256,7 @@ class ContainerRunner:
         self.runtime = runtime
         self.layout = Layout(cfg.data_dir)
         self.labels = install_labels(cfg)
+        self.boot_id = uuid.uuid4().hex[:12]  # tells our own containers from orphans
         self._hooks: list[SpecHook] = []
         self._active: dict[str, RunHandle] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -268,8 +271,22 @@ class ContainerRunner:
         return self._active.get(folder)
 
     async def cleanup_orphans(self) -> list[str]:
-        """Remove containers an earlier run of this install left behind (by label only)."""
-        removed = await asyncio.to_thread(self.runtime.cleanup, dict(self.labels))
+        """Remove containers an earlier run of this install left behind (by label only).
+
+        Containers this runner started itself carry its boot label and are kept, so calling
+        this while runs are already under way is safe.
+        """
+
+        def sweep() -> list[str]:
+            removed = []
+            for info in self.runtime.list(dict(self.labels), all=True):
+                if info.labels.get(BOOT_LABEL) == self.boot_id:
+                    continue
+                self.runtime.remove(info.id)
+                removed.append(info.name)
+            return removed
+
+        removed = await asyncio.to_thread(sweep)
         if removed:
             log.info("removed %d orphaned container(s): %s", len(removed), ", ".join(removed))
         return removed
@@ -334,6 +351,7 @@ class ContainerRunner:
             mounts.append(Mount(d.host, d.container, readonly=d.readonly))
         labels = dict(self.labels)
         labels[GROUP_LABEL] = folder
+        labels[BOOT_LABEL] = self.boot_id
         gid = os.getgid()
         spec = RunSpec(
             name=f"mdclaw-{folder}-{int(time.time() * 1000)}",

@@ -310,9 +310,20 @@ def test_orphans_are_cleaned_by_label_only(setup, engine, agent_image, install_i
     ours = start(f"mdclaw-family-{install_id}", {**install_labels(cfg), GROUP_LABEL: "family"})
     theirs = start(f"mdclaw-family-{install_id}-other", {**other, GROUP_LABEL: "family"})
     plain = start(f"plain-{install_id}", unlabelled)
+    async def with_a_live_run():
+        # a container this runner is running right now is not an orphan
+        task = asyncio.create_task(runner.run("main", inp("main"), command=["blocks", "2", "1"]))
+        while runner.active("main") is None or runner.active("main").container_id is None:
+            await asyncio.sleep(0.05)
+        removed = await runner.cleanup_orphans()
+        res = await task
+        await runner.aclose()
+        return removed, res
+
     try:
-        removed = run(runner.cleanup_orphans())
+        removed, live = run(with_a_live_run())
         assert removed == [ours.name]
+        assert live.status == "success" and len(live.outputs) == 2
         assert engine.list(install_labels(cfg)) == []
         assert [c.name for c in engine.list(other)] == [theirs.name]
         assert [c.name for c in engine.list(unlabelled)] == [plain.name]
