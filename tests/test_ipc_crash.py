@@ -91,7 +91,7 @@ def test_sigkill_at_random_points_never_loses_or_doubles(tmp_path: Path) -> None
                 if proc.poll() is not None:
                     raise AssertionError(f"daemon exited with {proc.returncode}")
                 time.sleep(0.002)
-            time.sleep(rng.uniform(0, 0.25))
+            time.sleep(rng.uniform(0, 0.1))
             if 0 < _remaining(ipc):
                 kills_mid_burst += 1
             proc.send_signal(signal.SIGKILL)
