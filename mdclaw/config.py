@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -39,6 +39,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from mdclaw import schedule
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 FOLDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 RESERVED_FOLDERS = frozenset({"global", "errors"})
 DEFAULT_CONFIG_PATHS = (Path("config.yaml"), Path("/etc/mdclaw/config.yaml"))
@@ -404,8 +405,12 @@ class Config(_Settings):
             if t.group not in self.groups:
                 problems.append(f"task {t.id!r} names group {t.group!r}, which is not in groups")
             try:
+                # A `once` time is checked for form only: once it has run it lies in the
+                # past, and the config stays valid. Adding a new one that is already past is
+                # refused by the reconciler.
                 schedule.validate(t.schedule_type, t.schedule_value,
-                                  t.timezone or self.assistant.timezone)
+                                  t.timezone or self.assistant.timezone,
+                                  now=_EPOCH if t.schedule_type == "once" else None)
             except schedule.ScheduleError as e:
                 problems.append(f"task {t.id!r}: {e}")
         if problems:

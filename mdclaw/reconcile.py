@@ -129,6 +129,12 @@ def _plan_tasks(cfg: Config, db: Database, p: Plan) -> None:
         want = desired_task(spec, cfg)
         have = actual.get(spec.id)
         if have is None:
+            try:
+                schedule.validate(want["schedule_type"], want["schedule_value"], want["timezone"])
+            except schedule.ScheduleError as e:
+                p.conflicts.append(f"task {spec.id!r}: {e}; give it a future time or remove "
+                                   "it from the config")
+                continue
             p.actions.append(Action("add_task", spec.id, dict(want)))
             continue
         if have.source != "config":

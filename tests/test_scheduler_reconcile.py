@@ -207,3 +207,25 @@ tasks:
     assert get_task(db, "remind").next_run == f"{year}-07-01T21:00:00.000Z"
     assert get_task(db, "remind-utc").next_run == f"{year}-07-01T17:00:00.000Z"
     assert plan(cfg, db).empty
+
+
+def test_one_shot_that_ran_keeps_the_config_valid_but_a_new_past_one_is_refused(setup) -> None:
+    soon = (schedule.utc_now() + timedelta(seconds=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    text = HEAD + f"tasks:\n  - {{id: remind, group: main, prompt: hi, once: '{soon}'}}\n"
+    cfg, db = setup(text)
+    reconcile(cfg, db)
+    assert get_task(db, "remind").status == "active"
+    with db.transaction() as c:  # the scheduler ran it
+        update_task_fields(c, "remind", status="completed", next_run=None)
+    import time
+    time.sleep(2.1)
+    cfg, db = setup(text)  # the time is past now: the config still loads
+    assert plan(cfg, db).empty
+    past = HEAD + "tasks:\n  - {id: late, group: main, prompt: hi, once: '2020-01-01T08:00:00'}\n"
+    cfg, db = setup(past)
+    p = plan(cfg, db)
+    assert any("task 'late'" in c and "in the past" in c and "remove it" in c
+               for c in p.conflicts), p.conflicts
+    with pytest.raises(ReconcileError):
+        reconcile(cfg, db)
+    assert get_task(db, "late") is None
