@@ -124,7 +124,7 @@ class Daemon:
         from mdclaw.channels.registry import build_channels, connect_all
         from mdclaw.ipc.watcher import IpcWatcher
         from mdclaw.orchestrator import Orchestrator
-        from mdclaw.outbox import OutboxWorker, RetryPolicy
+        from mdclaw.outbox import OutboxWorker, RetryPolicy, spool_cleaner
         from mdclaw.paths import Layout
         from mdclaw.proxy import CredentialProxy
         from mdclaw.runner import ContainerRunner
@@ -140,9 +140,11 @@ class Daemon:
             self.engine_status = f"no container engine: {e}"
             log.error("%s", self.engine_status)
         self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
+        clean = spool_cleaner(cfg.data_dir / "spool" / "outbox")
         self.outbox = OutboxWorker(db, policy=RetryPolicy(
             max_attempts=cfg.limits.delivery_attempts,
-            base_delay=cfg.limits.delivery_retry_base.total_seconds()))
+            base_delay=cfg.limits.delivery_retry_base.total_seconds()),
+            on_sent=clean, on_failed=clean)
         self.orch = Orchestrator(cfg, db, runner=self.runner, proxy=self.proxy,
                                  wake_outbox=self.outbox.wake)
         # IPC: applied commands wake the outbox and the scheduler at once.

@@ -317,6 +317,23 @@ class OutboxWorker:
 # ---------------------------------------------------------------------- queries for others
 
 
+def spool_cleaner(spool_dir: Path) -> RowCallback:
+    """An on_sent/on_failed callback that deletes a file row's host copy once the row is
+    final, when the copy lives in `spool_dir` (the IPC engine copies files agents send there;
+    anything else is left alone)."""
+    spool = spool_dir.resolve()
+
+    def clean(row: OutboxRow) -> None:
+        if row.kind != "file" or not row.file_path:
+            return
+        path = Path(row.file_path)
+        if path.parent.resolve() == spool:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    return clean
+
+
 def _to_row(r: Any) -> OutboxRow:
     return OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__})
 

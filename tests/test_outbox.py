@@ -361,3 +361,39 @@ def test_stop_leaves_no_row_sending(tmp_path: Path) -> None:
         db.close()
 
     asyncio.run(main())
+
+
+def test_spooled_copies_are_removed_once_final(tmp_path: Path) -> None:
+    from mdclaw.outbox import spool_cleaner
+
+    spool = tmp_path / "spool" / "outbox"
+    spool.mkdir(parents=True)
+    mine = tmp_path / "keep.txt"
+    mine.write_text("not in the spool")
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        clean = spool_cleaner(spool)
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=1, base_delay=0),
+                         on_sent=clean, on_failed=clean)
+        await w.start()
+        try:
+            ids = []
+            for name in ("sent.txt", "failed.txt"):
+                (spool / name).write_text(name)
+            ids.append(put(db, kind="file", text=None, file_path=str(spool / "sent.txt")))
+            ids.append(put(db, kind="file", text=None, file_path=str(mine)))
+            w.wake()
+            await wait_until(lambda: all(status(db, i) == "sent" for i in ids))
+            ch.failures = [ChannelError("chat gone", permanent=True)]
+            fid = put(db, kind="file", text=None, file_path=str(spool / "failed.txt"))
+            w.wake()
+            await wait_until(lambda: status(db, fid) == "failed")
+        finally:
+            await w.stop()
+            db.close()
+
+    asyncio.run(main())
+    assert not (spool / "sent.txt").exists() and not (spool / "failed.txt").exists()
+    assert mine.read_text() == "not in the spool"
