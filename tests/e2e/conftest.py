@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import subprocess
 import tempfile
 import time
@@ -129,23 +130,12 @@ def reap(engine: DockerRuntime):
 
 AGENT_TAG = "mdclaw-agent:e2e"
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
 
 
 @pytest.fixture(scope="session")
 def real_agent_image(engine: DockerRuntime) -> str:
     """container/Dockerfile built offline on the test base, with a fresh wheelhouse."""
-    import sys
+    from e2e_images import build_agent_image
 
-    import docker
-
-    wheelhouse = REPO / "container" / "wheelhouse"
-    if not any(wheelhouse.glob("inotify_simple-*.whl")):
-        subprocess.run([str(REPO / "container" / "build-wheelhouse.sh")], check=True,
-                       timeout=600, env={**os.environ, "PYTHON": sys.executable})
-    api = docker.APIClient(base_url=engine.base_url, timeout=900)
-    for item in api.build(path=str(REPO), dockerfile="container/Dockerfile", tag=AGENT_TAG,
-                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
-                          pull=False, decode=True):
-        if "error" in item:
-            pytest.fail(f"image build failed: {item['error']}")
-    return AGENT_TAG
+    return build_agent_image(engine, REPO, AGENT_TAG)

@@ -31,7 +31,9 @@ from mdclaw.state import Database
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
+from e2e_images import build_agent_image  # noqa: E402
 from fake_models import FakeOpenAI, call, say  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -225,17 +227,7 @@ def claude_agent_image(engine, tmp_path_factory) -> str:
     ctx = tmp_path_factory.mktemp("claude-image")
     shutil.copytree(REPO / "container", ctx / "container",
                     ignore=shutil.ignore_patterns("wheelhouse", "__pycache__", "tests"))
-    subprocess.run([str(ctx / "container" / "build-wheelhouse.sh"), "--claude"], check=True,
-                   timeout=900, env={**os.environ, "PYTHON": sys.executable},
-                   stdout=subprocess.DEVNULL)
-    tag = "mdclaw-agent:e2e-claude"
-    api = docker.APIClient(base_url=engine.base_url, timeout=1800)
-    for item in api.build(path=str(ctx), dockerfile="container/Dockerfile", tag=tag,
-                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
-                          pull=False, decode=True):
-        if "error" in item:
-            pytest.fail(f"image build failed: {item['error']}")
-    return tag
+    return build_agent_image(engine, ctx, "mdclaw-agent:e2e-claude", claude=True)
 
 
 @pytest.mark.slow
