@@ -262,3 +262,49 @@ def test_the_poll_finds_what_inotify_did_not_report(env: Env, tmp_path: Path) ->
         assert took < 1.5
 
     run_loop(env, body, poll_interval=0.5)
+
+
+def test_inotify_queue_overflow_triggers_a_full_scan(env: Env) -> None:
+    """More events than the kernel queues (fs.inotify.max_queued_events) while the loop is
+    busy: the event for the real command is lost, IN_Q_OVERFLOW arrives instead, and the loop
+    scans every folder at once (the poll is an hour away)."""
+    limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    messages = env.ipc / "family" / "messages"
+
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None
+        noise = env.ipc / "family" / "noise"
+        noise.mkdir()
+        # The loop cannot read events while this runs: the kernel queue fills and overflows.
+        # (Distinct names: the kernel merges an event identical to the one queued last.)
+        for i in range(limit + 2000):
+            fd = os.open(noise / f"n{i}", os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            os.rename(noise / f"n{i}", messages / f".n{i}")  # IN_MOVED_TO, then ignored
+        env.write("family", {"type": "message", "text": "after the flood"}, sub="messages")
+        for i in range(limit + 2000):
+            os.unlink(messages / f".n{i}")
+        took = await _until(lambda: len(env.outbox()) == 1, timeout=10)
+        assert took < 5
+
+    with caplog_for("mdclaw.ipc") as records:
+        run_loop(env, body, poll_interval=3600)
+    assert any("overflowed" in r.getMessage() for r in records)
+
+
+class caplog_for:  # noqa: N801 - used as a context manager
+    """Collect the records of one logger (pytest's caplog does not reach into asyncio.run
+    callbacks any differently; this keeps the test self-contained)."""
+
+    def __init__(self, name: str) -> None:
+        self.logger = logging.getLogger(name)
+        self.records: list[logging.LogRecord] = []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append  # type: ignore[method-assign]
+
+    def __enter__(self) -> list[logging.LogRecord]:
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
