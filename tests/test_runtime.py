@@ -197,3 +197,23 @@ def test_apple_runtime_without_the_cli_is_unavailable() -> None:
     rt = AppleContainerRuntime(binary="mdclaw-no-such-container-cli")
     with pytest.raises(EngineUnavailable):
         rt.ping()
+
+
+def test_apple_build_passes_build_args_and_starts_the_system(tmp_path) -> None:
+    """A stand-in `container` CLI (a shell script) records how it is called."""
+    log = tmp_path / "calls.log"
+    cli = tmp_path / "container"
+    cli.write_text(f'#!/bin/sh\necho "$@" >> {log}\n[ "$1 $2" = "system status" ] && exit 1\n'
+                   'echo "building..."\nexit 0\n')
+    cli.chmod(0o755)
+    (tmp_path / "Dockerfile").write_text("FROM scratch\n")
+    rt = AppleContainerRuntime(binary=str(cli))
+    lines: list[str] = []
+    tag = rt.build_image("mdclaw-agent:dev", tmp_path / "Dockerfile", tmp_path,
+                         progress=lines.append, build_args={"BASE_IMAGE": "python:3.12-slim"})
+    assert tag == "mdclaw-agent:dev"
+    calls = log.read_text().splitlines()
+    assert calls[:2] == ["system status", "system start"]
+    assert calls[-1] == (f"build -t mdclaw-agent:dev -f {tmp_path / 'Dockerfile'} "
+                         f"--build-arg BASE_IMAGE=python:3.12-slim {tmp_path}")
+    assert "building..." in lines

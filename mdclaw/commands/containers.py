@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--context", type=Path, default=Path("."),
                    help="build context directory (default: .)")
     p.add_argument("--tag", "-t", help="image tag (default: runtime.image from the config)")
+    p.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a Dockerfile ARG, e.g. BASE_IMAGE=python:3.12-slim (repeatable)")
     p.set_defaults(func=cmd_image_build)
     p = isub.add_parser("load", parents=[common],
                         help="load an image tarball (e.g. the output of nix build "
@@ -73,8 +75,15 @@ def cmd_image_build(args: argparse.Namespace) -> int:
     tag = args.tag or cfg.runtime.image
     if not args.file.is_file():
         fail(f"no Dockerfile at {args.file}; run from the mdclaw source tree or pass --file")
+    build_args = {}
+    for item in args.build_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--build-arg {item!r}: expected KEY=VALUE", code=2)
+        build_args[key] = value
     try:
-        image_id = rt.build_image(tag, args.file, args.context, progress=_progress)
+        image_id = rt.build_image(tag, args.file, args.context, progress=_progress,
+                                  build_args=build_args)
     except EngineUnavailable as e:
         fail(f"container engine unreachable at {rt.description}: {e}")
     except (ImageError, RuntimeError_) as e:

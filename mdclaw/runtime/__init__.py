@@ -154,8 +154,10 @@ class ContainerRuntime(ABC):
 
     @abstractmethod
     def build_image(self, tag: str, dockerfile: Path, context: Path,
-                    progress: Callable[[str], None] | None = None) -> str:
-        """Build `dockerfile` with `context`, tag it, return the image id; raise ImageError."""
+                    progress: Callable[[str], None] | None = None,
+                    build_args: dict[str, str] | None = None) -> str:
+        """Build `dockerfile` with `context` (and `build_args` for its ARGs), tag it, return
+        the image id; raise ImageError."""
 
     @abstractmethod
     def load_image(self, tarball: Path,

@@ -191,10 +191,12 @@ class AppleContainerRuntime(ContainerRuntime):
         return ImageInfo(ref=ref, id=str(d.get("digest", "")), tags=(ref,), created="", size=0)
 
     def build_image(self, tag: str, dockerfile: Path, context: Path,
-                    progress: Callable[[str], None] | None = None) -> str:
+                    progress: Callable[[str], None] | None = None,
+                    build_args: dict[str, str] | None = None) -> str:
         self.ensure_system_started()
+        args = [a for k, v in (build_args or {}).items() for a in ("--build-arg", f"{k}={v}")]
         proc = subprocess.Popen([self.binary, "build", "-t", tag, "-f", str(dockerfile),
-                                 str(context)], stdout=subprocess.PIPE,
+                                 *args, str(context)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:

@@ -100,7 +100,8 @@ class DockerRuntime(ContainerRuntime):
                          created=str(d.get("Created", "")), size=int(d.get("Size") or 0))
 
     def build_image(self, tag: str, dockerfile: Path, context: Path,
-                    progress: Callable[[str], None] | None = None) -> str:
+                    progress: Callable[[str], None] | None = None,
+                    build_args: dict[str, str] | None = None) -> str:
         context = context.resolve()
         dockerfile = dockerfile.resolve()
         try:
@@ -114,7 +115,7 @@ class DockerRuntime(ContainerRuntime):
         try:
             stream = self._call(api.build, path=str(context), dockerfile=str(rel), tag=tag,
                                 rm=True, forcerm=True, decode=True, pull=False,
-                                timeout=3600)
+                                timeout=3600, buildargs=dict(build_args or {}))
             for item in stream:
                 if "error" in item:
                     detail = item.get("errorDetail", {}).get("message") or item["error"]

@@ -357,13 +357,19 @@ def test_cli_image_status_build_and_containers_list(tmp_path, engine, agent_imag
     ctx = tmp_path / "ctx"
     (ctx / "container").mkdir(parents=True)
     (ctx / "container" / "Dockerfile").write_text(
-        f"FROM {agent_image}\nLABEL mdclaw.test=cli-build\n")
+        "ARG BASE_IMAGE=no-such-image\nFROM ${BASE_IMAGE}\nARG FLAVOUR=plain\n"
+        "LABEL mdclaw.test=cli-build mdclaw.flavour=${FLAVOUR}\n")
     tag = f"mdclaw-e2e-cli:{install_id}"
     p = _cli("image", "build", "--file", str(ctx / "container" / "Dockerfile"),
-             "--context", str(ctx), "--tag", tag, config=cfg_path)
+             "--context", str(ctx), "--tag", tag, "--build-arg", f"BASE_IMAGE={agent_image}",
+             "--build-arg", "FLAVOUR=spicy", config=cfg_path)
     assert p.returncode == 0, p.stderr
     assert "STEP" in p.stdout.upper() or "Step" in p.stdout  # progress was shown
     assert engine.image_info(tag) is not None
+    labels = engine._api().inspect_image(tag)["Config"]["Labels"]
+    assert labels["mdclaw.flavour"] == "spicy"
+    bad = _cli("image", "build", "--build-arg", "NOEQUALS", config=cfg_path)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
 
     labels = {LABEL: "true", INSTALL_LABEL: install_id}
     reap(labels)
