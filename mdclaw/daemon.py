@@ -290,6 +290,13 @@ class Daemon:
             return True
 
     def apply_config(self, new: Config) -> None:
+        old = self.cfg
+        for key in ("channels", "runtime", "data_dir"):
+            if getattr(old, key) != getattr(new, key):
+                log.warning("reload: %s changed; restart mdclaw to apply it (the running "
+                            "daemon keeps the old %s)", key, key)
+        new = new.model_copy(update={k: getattr(old, k) for k in ("channels", "runtime",
+                                                                  "data_dir")})
         self.cfg = new
         for obj in (self.runner, self.orch):
             if obj is not None:

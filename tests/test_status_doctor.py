@@ -81,3 +81,46 @@ def test_doctor_reports_each_problem_with_a_fix(cli, write_config, tmp_path) -> 
     bad = write_config("groups: [\n", name="bad.yaml")
     r = cli("doctor", "--config", str(bad))
     assert r.returncode == 1 and "FAIL  config" in r.stdout
+
+
+def test_sighup_applies_a_valid_config_and_says_what_needs_a_restart(write_config, cli,
+                                                                      tmp_path) -> None:
+    base = """\
+        data_dir: {data_dir}
+        groups:
+          main: {name: A, jid: "hl:main", main: true}
+        runtime: {socket: "unix://%s/no-engine.sock"}
+        channels: {http: {listen: "127.0.0.1:0"}}
+    """ % tmp_path
+    cfg = write_config(base)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if json.loads(cli("status", "--json", "--config", str(cfg)).stdout)["daemon"] \
+                    == "running":
+                break
+            time.sleep(0.2)
+        write_config(base.replace("""          main: {name: A, jid: "hl:main", main: true}""",
+                                  """          main: {name: A, jid: "hl:main", main: true}
+          extra: {name: E, jid: "hl:extra"}""").replace('"127.0.0.1:0"', '"127.0.0.1:1"'))
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        folders: set[str] = set()
+        while time.monotonic() < deadline and "extra" not in folders:
+            rows = json.loads(cli("groups", "list", "--json", "--config", str(cfg)).stdout)
+            folders = {r["folder"] for r in rows}
+            time.sleep(0.2)
+        assert folders == {"main", "extra"}
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "reload: channels changed; restart mdclaw to apply it" in err
+    assert "reloaded: " in err
