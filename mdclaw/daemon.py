@@ -178,9 +178,8 @@ class Daemon:
             self.scheduler.wake()
 
     def _ipc_progress(self) -> float:
-        # The IPC loop wakes at least every poll interval; its task being alive and the
-        # event loop running this probe is progress. A dead task stops the daemon anyway.
-        return time.monotonic()
+        # The IPC loop goes round at least once per poll interval.
+        return self.watcher.last_progress
 
     def _scheduler_progress(self) -> float:
         assert self.scheduler is not None

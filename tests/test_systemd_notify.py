@@ -61,3 +61,39 @@ def test_watchdog_pings_only_with_progress(tmp_path, monkeypatch) -> None:
     except TimeoutError:
         pass
     assert 2 <= len(pings) <= 4 and all(p == b"WATCHDOG=1" for p in pings)
+
+
+def test_daemon_pings_the_watchdog_while_its_loops_run(tmp_path, write_config) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    sock_path = tmp_path / "n.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(sock_path))
+    s.settimeout(0.5)
+    cfg = write_config("data_dir: {data_dir}\ngroups: {}\nchannels: {http: {enabled: false}}\n"
+                       f"runtime: {{socket: 'unix://{tmp_path}/none.sock'}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env.update(PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(sock_path), WATCHDOG_USEC="1000000")
+    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    got: list[str] = []
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and got.count("WATCHDOG=1") < 4:
+            try:
+                got.extend(s.recv(4096).decode().splitlines())
+            except TimeoutError:
+                pass
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    states = [g for g in got if g in ("READY=1", "WATCHDOG=1")]
+    assert "READY=1" in states, got
+    assert states.count("WATCHDOG=1") >= 4, got

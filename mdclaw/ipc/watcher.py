@@ -64,6 +64,7 @@ class IpcWatcher:
         self._fingerprint: tuple[tuple[object, ...], tuple[object, ...]] | None = None
         self.totals = BatchResult()
         self.idle = asyncio.Event()  # set while nothing is known to be pending
+        self.last_progress = time.monotonic()
 
     # ------------------------------------------------------------------ watches
     def _add_watch(self, key: tuple[str, str | None], fd: int, mask: int) -> None:
@@ -210,6 +211,7 @@ class IpcWatcher:
         next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
         try:
             while not stop.is_set():
+                self.last_progress = time.monotonic()  # the daemon's watchdog reads this
                 busy = self._work_once()
                 if busy:
                     self.idle.clear()
