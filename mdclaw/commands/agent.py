@@ -6,7 +6,7 @@ import argparse
 from datetime import timedelta
 
 from mdclaw.commands.common import load_or_exit, open_db_or_exit
-from mdclaw.commands.output import print_json, print_table
+from mdclaw.commands.output import print_rows
 from mdclaw.schedule import utc_now
 
 USAGE_FIELDS = ("group_folder", "model", "requests", "errors", "input_tokens", "output_tokens",
@@ -38,11 +38,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
         rows = usage_rows(db, group=args.group, since_day=since)
     finally:
         db.close()
-    if args.json:
-        print_json(rows)
-        return 0
-    print_table(rows, USAGE_FIELDS, empty="no model requests recorded")
-    if rows:
+    print_rows(rows, USAGE_FIELDS, as_json=args.json, empty="no model requests recorded")
+    if rows and not args.json:
         print(f"total: {sum(r['requests'] for r in rows)} request(s), "
               f"{sum(r['input_tokens'] for r in rows)} input and "
               f"{sum(r['output_tokens'] for r in rows)} output token(s)")

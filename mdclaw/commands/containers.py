@@ -9,7 +9,7 @@ from pathlib import Path
 from mdclaw import mounts
 from mdclaw.commands.common import fail, load_or_exit
 from mdclaw.commands.core import CONFIG_CHECKS
-from mdclaw.commands.output import print_json, print_table
+from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import Config
 from mdclaw.runtime import (
     LABEL,
@@ -147,8 +147,5 @@ def cmd_containers_list(args: argparse.Namespace) -> int:
         rows = [c.as_dict() for c in rt.list(labels, all=True)]
     except EngineUnavailable as e:
         fail(f"container engine unreachable at {rt.description}: {e}")
-    if args.json:
-        print_json(rows)
-    else:
-        print_table(rows, CONTAINER_FIELDS, empty="no mdclaw containers")
+    print_rows(rows, CONTAINER_FIELDS, as_json=args.json, empty="no mdclaw containers")
     return 0

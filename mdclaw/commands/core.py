@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
-from mdclaw.commands.output import print_json, print_table
+from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import Config, iter_secret_files, secret_checks_skipped
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.state.groups import list_groups
@@ -100,10 +100,7 @@ def cmd_groups_list(args: argparse.Namespace) -> int:
         rows = [{k: getattr(g, k) for k in GROUP_FIELDS} for g in list_groups(db)]
     finally:
         db.close()
-    if args.json:
-        print_json(rows)
-    else:
-        print_table(rows, GROUP_FIELDS, empty="no groups registered")
+    print_rows(rows, GROUP_FIELDS, as_json=args.json, empty="no groups registered")
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mdclaw.commands.common import load_or_exit, open_db_or_exit
-from mdclaw.commands.output import print_json, print_table
+from mdclaw.commands.output import print_json, print_rows
 from mdclaw.paths import Layout
 
 ERROR_FIELDS = ("name", "source_group", "original_file", "error", "processed_at")
@@ -64,10 +64,7 @@ def cmd_errors(args: argparse.Namespace) -> int:
 
     cfg = load_or_exit(args)
     rows = [e.as_dict() for e in list_errors(Layout(cfg.data_dir).errors_dir)]
-    if args.json:
-        print_json(rows)
-    else:
-        print_table(rows, ERROR_FIELDS, empty="no quarantined files")
+    print_rows(rows, ERROR_FIELDS, as_json=args.json, empty="no quarantined files")
     return 0
 
 
@@ -81,8 +78,5 @@ def cmd_outbox_list(args: argparse.Namespace) -> int:
                 for r in list_outbox(db, status=args.status)]
     finally:
         db.close()
-    if args.json:
-        print_json(rows)
-    else:
-        print_table(rows, OUTBOX_FIELDS, empty="the outbox is empty")
+    print_rows(rows, OUTBOX_FIELDS, as_json=args.json, empty="the outbox is empty")
     return 0

@@ -32,3 +32,12 @@ def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[str], *,
     widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     for row in table:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def print_rows(rows: Iterable[dict[str, Any]], columns: Sequence[str], *, as_json: bool,
+               empty: str = "(none)") -> None:
+    """`rows` as JSON for scripts (`--json`) or as a table of `columns` for people."""
+    if as_json:
+        print_json(list(rows))
+    else:
+        print_table(rows, columns, empty=empty)
