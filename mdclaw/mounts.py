@@ -23,11 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from mdclaw import agentfs
 from mdclaw.config import Config, GroupMount, MountPolicy
 
 log = logging.getLogger("mdclaw.mounts")
 
 EXTRA_ROOT = "/workspace/extra"
+GROUP_ROOT = "/workspace/group"
 
 BLOCKED_PATTERNS: tuple[str, ...] = (
     ".ssh", ".gnupg", ".gpg", ".aws", ".azure", ".gcloud", ".kube", ".docker", "credentials",
@@ -113,9 +115,10 @@ def validate_mount(m: GroupMount, policy: MountPolicy, *, is_main: bool) -> Moun
     if not os.path.isdir(real):
         return refuse(f"host path {m.host!r} is not a directory", real)
     try:
-        children = os.listdir(real)
-    except OSError as e:
-        return refuse(f"host path {m.host!r} cannot be listed: {e.strerror}", real)
+        with agentfs.opened(Path(real)) as fd:
+            children = agentfs.listdir(fd)
+    except (OSError, agentfs.UnsafePath) as e:
+        return refuse(f"host path {m.host!r} cannot be listed: {e}", real)
     for child in children:
         low = child.lower()
         pat = next((p for p in patterns if p.lower() in low), None)
@@ -165,6 +168,49 @@ def group_mounts(cfg: Config, folder: str) -> list[MountDecision]:
     return out
 
 
+def granted_mounts(cfg: Config, folder: str) -> list[MountDecision]:
+    """The extra mounts group `folder`'s container gets: the allowed decisions of
+    `group_mounts`. The runner mounts exactly these, and every host action that resolves a
+    /workspace/extra/... path (send_file) uses exactly these: a refused mount is not read."""
+    return [d for d in group_mounts(cfg, folder) if d.allowed]
+
+
+def resolve_container_path(cfg: Config, folder: str, path: str,
+                           groups_dir: Path) -> tuple[Path, list[str], bool]:
+    """Where the container path `path` of group `folder` lives on the host.
+
+    Returns (trusted host root, components below it, read-only). For /workspace/group/...
+    (or a relative path) the root is `groups_dir` and the components start with `folder`;
+    under /workspace/extra/ it is the resolved host folder of the granted mount that holds
+    `path` (the longest match). Raises ValueError saying why for a path outside those, under
+    a refused mount, with `..`, a NUL byte or no file name.
+    """
+    if "\0" in path:
+        raise ValueError("path contains a NUL byte")
+    if not path.startswith("/"):
+        path = f"{GROUP_ROOT}/{path}"
+    roots: list[tuple[str, Path, list[str], bool]] = [(GROUP_ROOT, groups_dir, [folder], False)]
+    roots += [(d.container, Path(d.host), [], d.readonly) for d in granted_mounts(cfg, folder)
+              if d.host is not None]
+    best = None
+    for root in roots:
+        prefix = root[0]
+        if (path == prefix or path.startswith(prefix + "/")) and (
+                best is None or len(prefix) > len(best[0])):
+            best = root
+    if best is None:
+        if path.startswith(EXTRA_ROOT + "/"):
+            raise ValueError(f"{path} is not under a mount this group's container has")
+        raise ValueError(f"{path} is outside {GROUP_ROOT} and the group's extra mounts")
+    prefix, host, lead, readonly = best
+    parts = [p for p in path[len(prefix):].split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"{path}: '..' is not allowed")
+    if not parts:
+        raise ValueError(f"{path} names a folder, not a file")
+    return host, lead + parts, readonly
+
+
 def check_config(cfg: Config) -> Iterator[str]:
     """Problem lines for `mdclaw check-config`: every refused mount, with its reason."""
     for folder in cfg.groups:
@@ -173,5 +219,6 @@ def check_config(cfg: Config) -> Iterator[str]:
                 yield f"groups.{folder}.mounts.{i}: mount refused: {d.reason}"
 
 
-__all__ = ["BLOCKED_PATTERNS", "EXTRA_ROOT", "MountDecision", "blocked_patterns",
-           "check_config", "check_container_path", "group_mounts", "validate_mount"]
+__all__ = ["BLOCKED_PATTERNS", "EXTRA_ROOT", "GROUP_ROOT", "MountDecision",
+           "blocked_patterns", "check_config", "check_container_path", "granted_mounts",
+           "group_mounts", "resolve_container_path", "validate_mount"]

@@ -156,7 +156,7 @@ class OutboxWorker:
 
     def next_due_in(self) -> float | None:
         """Seconds until the next chat's head row is due (0 if one is); None if none waits."""
-        heads = [h for h in self._heads() if h.status == "pending"]
+        heads = [h for h in self._heads() if h.status == "pending" and not h.waiting_for_copy]
         if not heads:
             return None
         soonest = min(h.next_attempt_at or "" for h in heads)
@@ -169,7 +169,8 @@ class OutboxWorker:
         """Deliver every row that is due now; return how many rows reached sent or failed."""
         now = now_iso()
         chats = [h.chat_jid for h in self._heads()
-                 if h.status == "pending" and (h.next_attempt_at or "") <= now]
+                 if h.status == "pending" and not h.waiting_for_copy
+                 and (h.next_attempt_at or "") <= now]
         if not chats:
             return 0
         counts = await asyncio.gather(*(self._drain_chat(jid) for jid in chats))
@@ -185,7 +186,8 @@ class OutboxWorker:
                 if r is None:
                     break
                 row = OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__})
-                if row.status != "pending" or (row.next_attempt_at or "") > now_iso():
+                if (row.status != "pending" or row.waiting_for_copy
+                        or (row.next_attempt_at or "") > now_iso()):
                     break
                 finished = await self._deliver(row)
                 if not finished:

@@ -1,7 +1,9 @@
 """Where things live under data_dir, and the modes they get.
 
 Group and IPC folders are setgid and group-writable: the agent container runs as uid 1000
-with the daemon's group added, so it can write its own IPC folder and nothing else.
+with the daemon's group added, so it can write its own IPC folder and nothing else. Which of
+these folders a container can write, and so which go through `mdclaw.agentfs` only:
+groups/<g>/, groups/global/, ipc/<g>/ and sessions/<g>/.claude/.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ IPC_DIR_MODE = 0o2770
 GLOBAL_DIR_MODE = 0o2770
 PRIVATE_DIR_MODE = 0o700
 DATA_DIR_MODE = 0o751
+# The credential proxy's socket folders: the host's own, readable (not writable) by the
+# daemon's group, which the agent container runs with; mounted read-only into the container.
+PROXY_DIR_MODE = 0o750
+PROXY_SOCKET_NAME = "proxy.sock"
 
 
 @dataclass(frozen=True)
@@ -50,3 +56,13 @@ class Layout:
 
     def group_ipc_dir(self, folder: str) -> Path:
         return self.ipc_dir / folder
+
+    @property
+    def proxy_root(self) -> Path:
+        return self.data_dir / "proxy"
+
+    def proxy_dir(self, folder: str) -> Path:
+        return self.proxy_root / folder
+
+    def proxy_socket(self, folder: str) -> Path:
+        return self.proxy_dir(folder) / PROXY_SOCKET_NAME

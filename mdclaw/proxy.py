@@ -1,8 +1,10 @@
 """The credential proxy: how an agent container reaches its model without holding a key.
 
-For each running container the host serves the model API on a unix socket inside that
-group's IPC folder (`ipc/<folder>/.proxy.sock`, a dot-file the IPC reader ignores). The agent
-runner forwards a loopback port in the container to it. For every request the proxy:
+For each running container the host serves the model API on a unix socket in a folder of its
+own (`proxy/<folder>/proxy.sock`), which the container sees read-only at
+/workspace/proxy: it can connect, but it cannot replace the socket or anything beside it.
+The agent runner forwards a loopback port in the container to it. For every request the
+proxy:
 
 - accepts only the model API's own paths (POST /v1/messages for claude, POST
   /v1/chat/completions for openai, and a few read-only ones) — anything else is 404;
@@ -22,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,16 +32,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from mdclaw import agentfs
 from mdclaw.config import Config, ModelSpec, read_secret
-from mdclaw.paths import IPC_DIR_MODE, Layout
+from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.state import Database, now_iso
 
 log = logging.getLogger("mdclaw.proxy")
 
-SOCKET_NAME = ".proxy.sock"
+SOCKET_NAME = PROXY_SOCKET_NAME
+SOCKET_MODE = 0o660
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
 MAX_BUFFERED_JSON = 8 * 1024 * 1024
-UNIX_PATH_MAX = 107
 
 DEFAULT_BASE_URLS = {"claude": "https://api.anthropic.com", "openai": "https://api.openai.com/v1"}
 # (method, path) the proxy forwards, per backend; everything else is refused.
@@ -280,7 +284,20 @@ class CredentialProxy:
         self.stats: dict[str, dict[str, int]] = {}
 
     def socket_path(self, folder: str) -> Path:
-        return self.layout.group_ipc_dir(folder) / SOCKET_NAME
+        return self.layout.proxy_socket(folder)
+
+    def _bind(self, folder: str) -> socket.socket:
+        """The group's listening socket in proxy/<folder>/, a folder the container cannot
+        write (it sees it read-only). The socket's mode comes from how it is made: the
+        daemon's group, which the container runs with, may connect; nobody else."""
+        agentfs.make_dirs(self.layout.proxy_root, PROXY_DIR_MODE)
+        with agentfs.opened(self.layout.proxy_root) as root:
+            dfd = agentfs.ensure_dir(root, agentfs.check_name(folder), PROXY_DIR_MODE,
+                                     fix_mode=True)
+            try:
+                return agentfs.bind_socket(dfd, PROXY_SOCKET_NAME, SOCKET_MODE)
+            finally:
+                os.close(dfd)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -298,35 +315,32 @@ class CredentialProxy:
         if folder in self._sites:
             await self.stop_group(folder)
         path = self.socket_path(folder)
-        if len(os.fsencode(path)) > UNIX_PATH_MAX:
-            raise ProxyError(f"proxy socket path {path} is longer than {UNIX_PATH_MAX} bytes; "
-                             "use a shorter data_dir")
         try:
-            if not path.parent.is_dir():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                os.chmod(path.parent, IPC_DIR_MODE)
-        except OSError as e:
-            raise ProxyError(f"cannot make the IPC folder {path.parent}: {e.strerror}") from None
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            sock = await asyncio.to_thread(self._bind, folder)
+        except (OSError, agentfs.UnsafePath) as e:
+            raise ProxyError(f"cannot listen on {path}: {e}") from None
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.UnixSite(runner, str(path))
+        site = web.SockSite(runner, sock)
         try:
             await site.start()
         except OSError as e:
             await runner.cleanup()
+            sock.close()
             raise ProxyError(f"cannot listen on {path}: {e.strerror}") from None
-        # The IPC folder's own mode keeps other users out; the container's uid must connect.
-        os.chmod(path, 0o666)
         self._sites[folder] = _GroupSite(folder, upstream, path, runner)
         self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
                                        "output_tokens": 0})
         if self.db is not None and (self._flusher is None or self._flusher.done()):
             self._flusher = asyncio.ensure_future(self._flush_loop())
         return path
+
+    def _unlink_socket(self, folder: str) -> None:
+        with contextlib.suppress(FileNotFoundError, agentfs.UnsafePath), \
+                agentfs.opened(self.layout.proxy_root, folder) as dfd:
+            agentfs.unlink(dfd, PROXY_SOCKET_NAME)
 
     async def start_for_config(self, cfg: Config, folder: str) -> Path:
         """start_group with the upstream the config gives `folder`."""
@@ -354,8 +368,7 @@ class CredentialProxy:
         if site is None:
             return
         await site.runner.cleanup()
-        with contextlib.suppress(FileNotFoundError):
-            site.socket_path.unlink()
+        await asyncio.to_thread(self._unlink_socket, folder)
         await self.flush()
 
     async def close(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mdclaw import schedule
+from mdclaw import agentfs, schedule
 from mdclaw.config import Config, Group, TaskSpec
 from mdclaw.paths import (
     DATA_DIR_MODE,
@@ -208,6 +208,40 @@ def _dirs(cfg: Config, folders: list[str]) -> list[tuple[Path, int, bool]]:
     return out
 
 
+def _where(data_dir: Path, path: Path) -> tuple[Path, tuple[str, ...]]:
+    """(trusted root, components) that reach `path`, a folder mdclaw keeps in data_dir:
+    every folder below data_dir is reached from it without following a symlink (some are
+    a container's to write)."""
+    if path == data_dir:
+        return data_dir.parent, (data_dir.name,)
+    return data_dir, path.relative_to(data_dir).parts
+
+
+def _entry(data_dir: Path, path: Path) -> os.stat_result | None:
+    """What stands at `path` itself (a symlink is not followed); None if nothing."""
+    root, parts = _where(data_dir, path)
+    try:
+        with agentfs.opened(root, *parts[:-1]) as fd:
+            return agentfs.lstat(fd, parts[-1])
+    except FileNotFoundError:
+        return None
+
+
+def _make_dir(data_dir: Path, path: Path, mode: int, kind: str) -> None:
+    """Carry out one folder action: make the folder (after removing what stood there, for
+    `replace_path`) or correct its mode, by fchmod on the folder's own fd."""
+    if kind == "create_dir" and path == data_dir:
+        agentfs.make_dirs(path, mode)
+    root, parts = _where(data_dir, path)
+    with agentfs.opened(root, *parts[:-1]) as fd:
+        if kind == "replace_path":
+            agentfs.remove_entry(fd, parts[-1])
+        if kind == "fix_mode":
+            agentfs.set_mode(fd, parts[-1], mode)
+        else:
+            os.close(agentfs.ensure_dir(fd, parts[-1], mode, fix_mode=True))
+
+
 def plan(cfg: Config, db: Database) -> Plan:
     """Compute what must change so the database and disk match `cfg`. Changes nothing."""
     p = Plan()
@@ -244,8 +278,11 @@ def plan(cfg: Config, db: Database) -> Plan:
     folders = sorted(set(cfg.groups) | {f for f, g in actual.items() if g.source != "config"})
     for path, mode, repairable in _dirs(cfg, folders):
         try:
-            st = path.lstat()
-        except FileNotFoundError:
+            st = _entry(cfg.data_dir, path)
+        except agentfs.UnsafePath as e:
+            p.conflicts.append(f"{path}: {e}")
+            continue
+        if st is None:
             p.actions.append(Action("create_dir", str(path), {"mode": f"{mode:04o}"}))
             continue
         if not stat.S_ISDIR(st.st_mode):
@@ -272,15 +309,8 @@ def apply_plan(cfg: Config, db: Database, p: Plan) -> None:
     if p.conflicts:
         raise ReconcileError("; ".join(p.conflicts))
     for a in p.actions:
-        path = Path(a.target)
-        mode = int(a.detail.get("mode", "0"), 8)
-        if a.kind == "replace_path":
-            path.unlink()
-        if a.kind in ("create_dir", "replace_path"):
-            path.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(path, mode)  # mkdir's mode is masked by umask and drops setgid
-        elif a.kind == "fix_mode":
-            os.chmod(path, mode)
+        if a.kind in ("create_dir", "replace_path", "fix_mode"):
+            _make_dir(cfg.data_dir, Path(a.target), int(a.detail.get("mode", "0"), 8), a.kind)
     with db.transaction():
         if any(a.kind in ("add_group", "update_group") for a in p.actions):
             # One main at a time (a unique index): clear the old flag before setting the new.

@@ -9,7 +9,7 @@ Public API (the orchestrator and the credential proxy build on it):
   runner.aclose()` at shutdown.
 * Extra mounts and environment variables: `runner.add_spec_hook(fn)` with
   `fn(ctx: RunContext, spec: RunSpec) -> None` runs before every start and may append to
-  `spec.mounts` / set `spec.env` (e.g. a proxy socket in the IPC folder, ANTHROPIC_BASE_URL);
+  `spec.mounts` / set `spec.env` (e.g. ANTHROPIC_BASE_URL);
   `run(..., extra_env=..., extra_mounts=...)` does the same for one run. Never put a secret
   there: the container is the untrusted side (DESIGN invariant 6).
 * `parse_container_output(raw)` (last marked block, or "") and `parse_all_outputs(raw)`.
@@ -27,7 +27,6 @@ Each block goes to `on_output` at once and resets both timers. The idle timer wr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
@@ -40,9 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mdclaw import agentfs
 from mdclaw import mounts as mount_rules
 from mdclaw.config import Config, validate_folder
-from mdclaw.paths import GROUP_DIR_MODE, IPC_DIR_MODE, IPC_SUBDIRS, Layout
+from mdclaw.ipc.writers import CLOSE_SENTINEL, remove_close, write_close
+from mdclaw.paths import GROUP_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.runtime import (
     BOOT_LABEL,
     GROUP_LABEL,
@@ -59,7 +60,7 @@ log = logging.getLogger("mdclaw.runner")
 
 OUTPUT_START = "---NANOCLAW_OUTPUT_START---"
 OUTPUT_END = "---NANOCLAW_OUTPUT_END---"
-CLOSE_SENTINEL = "_close"
+PROXY_MOUNT = "/workspace/proxy"
 AGENT_HOME = "/home/node"  # the image's user home; its .claude is the per-group settings dir
 STDERR_TAIL_BYTES = 64 * 1024
 STOP_GRACE_SECONDS = 2.0
@@ -237,10 +238,20 @@ class RunHandle:
         self._wake.set()
 
     def close(self) -> None:
-        """Write `_close` now: the agent finishes its turn and exits."""
-        if not self.closed:
-            self.closed = True
+        """Write `_close` now: the agent finishes its turn and exits.
+
+        When the sentinel cannot be written (the container swapped its `input/` folder for a
+        symlink or a file), the container is stopped instead.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
             self._runner.write_close(self.folder)
+        except (agentfs.UnsafePath, OSError) as e:
+            log.warning("group %s: cannot write _close (%s); stopping its container",
+                        self.folder, e)
+            self._runner._spawn(self.kill())
 
     async def kill(self) -> None:
         if self.container_id:
@@ -297,23 +308,21 @@ class ContainerRunner:
             await asyncio.gather(*self._background, return_exceptions=True)
 
     def write_agent_settings(self, folder: str) -> Path:
-        """Write sessions/<folder>/.claude/settings.json (atomically); return its path."""
-        d = self.layout.sessions_dir / folder / ".claude"
-        _mkdir(d, GROUP_DIR_MODE)
-        path = d / "settings.json"
-        tmp = d / f".settings.json.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        """Write sessions/<folder>/.claude/settings.json (atomically); return its path.
+
+        The folder is the container's to write: it is reached and written through
+        `agentfs` (no symlink followed, a random temp name). Raises UnsafePath or OSError.
+        """
+        data = json.dumps(AGENT_SETTINGS, indent=2).encode()
+        with agentfs.opened(self.layout.sessions_dir, folder, ".claude",
+                            create=GROUP_DIR_MODE) as fd:
             # No fsync: the file is rewritten before every run, so a crash loses nothing.
-            json.dump(AGENT_SETTINGS, f, indent=2)
-        os.chmod(tmp, 0o660)
-        os.replace(tmp, path)
-        return path
+            agentfs.atomic_write(fd, "settings.json", data, 0o660, durable=False)
+        return self.layout.sessions_dir / folder / ".claude" / "settings.json"
 
     def write_close(self, folder: str) -> None:
-        d = self.layout.group_ipc_dir(folder) / "input"
-        _mkdir(d, IPC_DIR_MODE)
-        fd = os.open(d / CLOSE_SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
-        os.close(fd)
+        """Write ipc/<folder>/input/_close. Raises UnsafePath (a swapped folder) or OSError."""
+        write_close(self.layout, folder)
 
     def build_spec(self, folder: str, input: ContainerInput, *,
                    extra_env: dict[str, str] | None = None,
@@ -327,11 +336,7 @@ class ContainerRunner:
         lim = cfg.limits
         group_dir = self.layout.group_dir(folder)
         ipc_dir = self.layout.group_ipc_dir(folder)
-        _mkdir(group_dir, GROUP_DIR_MODE)
-        _mkdir(ipc_dir, IPC_DIR_MODE)
-        for sub in IPC_SUBDIRS:
-            _mkdir(ipc_dir / sub, IPC_DIR_MODE)
-        _mkdir(self.layout.global_dir, GROUP_DIR_MODE)
+        agentfs.ensure_group_dirs(self.layout, folder)
         settings = self.write_agent_settings(folder)
 
         mounts = [
@@ -339,12 +344,14 @@ class ContainerRunner:
             Mount(str(ipc_dir), "/workspace/ipc", readonly=False),
             Mount(str(self.layout.global_dir), "/workspace/global", readonly=not is_main),
             Mount(str(settings.parent), f"{AGENT_HOME}/.claude", readonly=False),
+            # The credential proxy's socket, in a folder the container cannot write.
+            Mount(str(self.layout.proxy_dir(folder)), PROXY_MOUNT, readonly=True),
         ]
         for d in mount_rules.group_mounts(cfg, folder):
             if not d.allowed:
                 log.warning("group %s: skipping mount %s -> %s: %s", folder, d.request.host,
                             d.container, d.reason)
-                continue
+        for d in mount_rules.granted_mounts(cfg, folder):
             if d.note:
                 log.warning("group %s: mount %s: %s", folder, d.request.host, d.note)
             assert d.host is not None
@@ -359,7 +366,8 @@ class ContainerRunner:
             labels=labels,
             command=command,
             stdin=input.to_json(),
-            env={"HOME": AGENT_HOME, "TZ": cfg.assistant.timezone, "MDCLAW_GROUP": folder},
+            env={"HOME": AGENT_HOME, "TZ": cfg.assistant.timezone, "MDCLAW_GROUP": folder,
+                 "MDCLAW_PROXY_SOCKET": f"{PROXY_MOUNT}/{PROXY_SOCKET_NAME}"},
             mounts=mounts,
             user="1000:1000",
             group_add=[str(gid)] if gid != 1000 else [],
@@ -404,9 +412,8 @@ class ContainerRunner:
             idle = hard * 0.8
         spec = await asyncio.to_thread(self.build_spec, folder, input, extra_env=extra_env,
                                        extra_mounts=extra_mounts, command=command, image=image)
-        close_file = self.layout.group_ipc_dir(folder) / "input" / CLOSE_SENTINEL
-        with contextlib.suppress(FileNotFoundError):
-            close_file.unlink()  # a stale sentinel would end this run at once
+        # A stale sentinel would end this run at once.
+        await asyncio.to_thread(remove_close, self.layout, folder)
 
         handle = RunHandle(self, folder, spec.name)
         self._active[folder] = handle
@@ -595,12 +602,6 @@ class _Reader(threading.Thread):
             self.error = f"reading container output failed: {e}"
         finally:
             self._post("eof", time.perf_counter())
-
-
-def _mkdir(path: Path, mode: int) -> None:
-    if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, mode)
 
 
 def _kill_quietly(runtime: ContainerRuntime, cid: str) -> None:

@@ -33,6 +33,10 @@ class RunnerProcess:
             "MDCLAW_GROUP_DIR": str(group_dir),
             "MDCLAW_GLOBAL_DIR": str(global_dir or group_dir.parent / "global"),
             "MDCLAW_AGENT_LOG": "INFO",
+            # Where the host's proxy serves this group (data_dir/proxy/<folder>/), as the
+            # container sees it at /workspace/proxy.
+            "MDCLAW_PROXY_SOCKET": str(ipc_dir.parent.parent / "proxy" / ipc_dir.name
+                                       / "proxy.sock"),
         })
         full_env.update(env or {})
         self.proc = subprocess.Popen(

@@ -42,9 +42,11 @@ _seq = itertools.count()
 
 
 def make_config(tmp_path: Path, *, extra_groups: int = 0, max_files: int = 1000,
-                max_bytes: int = 64 * 1024 * 1024, extra: str = "") -> Path:
-    """Write a config with main, family, work (and `extra_groups` more: g000, g001...)."""
+                max_bytes: int = 64 * 1024 * 1024, extra: str = "", family: str = "") -> Path:
+    """Write a config with main, family, work (and `extra_groups` more: g000, g001...).
+    `family` is YAML added to the family group (indented by the caller's 4 spaces)."""
     text = CONFIG.format(data_dir=tmp_path / "data", max_files=max_files, max_bytes=max_bytes)
+    text = text.replace('    jid: "tg:2"\n', '    jid: "tg:2"\n' + family)
     if extra_groups:
         lines = []
         for i in range(extra_groups):

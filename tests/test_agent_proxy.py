@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import stat
 import json
 from pathlib import Path
 
@@ -14,8 +15,6 @@ from fake_models import FakeAnthropic, FakeOpenAI, say
 from mdclaw.config import ModelSpec, load_config
 from mdclaw.paths import Layout
 from mdclaw.proxy import (
-    SOCKET_NAME,
-    ProxyError,
     Upstream,
     UsageCounter,
     container_model_fields,
@@ -55,7 +54,8 @@ def test_claude_streaming_auth_and_usage(env) -> None:
     layout, db, proxy, key = env
     with FakeAnthropic([say("Hello there")], usage=(30, 12)) as up:
         sock = proxy.start_group("family", Upstream("claude", "claude-x", up.url, key))
-        assert sock == layout.group_ipc_dir("family") / SOCKET_NAME
+        assert sock == layout.proxy_socket("family")
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o660
         status, headers, raw = request(
             sock, "POST", "/v1/messages?beta=true",
             body={"model": "claude-x", "stream": True, "max_tokens": 10,
@@ -126,19 +126,38 @@ def test_upstream_down_and_unreadable_key_are_502_and_counted(env, tmp_path) -> 
     assert row == {"r": 2, "e": 2}
 
 
-def test_socket_removed_on_stop_and_long_paths_refused(env, tmp_path) -> None:
+def test_socket_removed_on_stop_and_long_data_dirs_work(env, tmp_path) -> None:
     layout, db, proxy, key = env
     sock = proxy.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
     assert sock.is_socket()
     proxy.call(proxy.proxy.stop_group("family"))
     assert not sock.exists()
+    # Beyond the 107 bytes a unix socket path may have: bound through the folder's fd.
     deep = Layout(tmp_path / ("x" * 120))
     p2 = ProxyThread(deep)
     try:
-        with pytest.raises(ProxyError, match="longer than"):
-            p2.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
+        long_sock = p2.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
+        assert len(str(long_sock)) > 107 and long_sock.is_socket()
+        assert stat.S_IMODE(long_sock.stat().st_mode) == 0o660
     finally:
         p2.close()
+    assert not long_sock.exists()
+
+
+def test_the_socket_folder_is_the_hosts_and_a_planted_link_is_replaced(env, tmp_path) -> None:
+    """The socket's folder is not the container's to write; even so, whatever stands at the
+    socket's name is replaced, never followed, and the mode lands on the socket itself."""
+    layout, db, proxy, key = env
+    victim = tmp_path / "victim"
+    victim.write_text("host data")
+    victim.chmod(0o600)
+    pdir = layout.proxy_dir("family")
+    pdir.mkdir(parents=True)
+    (pdir / "proxy.sock").symlink_to(victim)
+    sock = proxy.start_group("family", Upstream("claude", "c", "http://127.0.0.1:9", key))
+    assert sock.is_socket() and not sock.is_symlink()
+    assert victim.read_text() == "host data" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert stat.S_IMODE(pdir.stat().st_mode) == 0o750  # group may enter, nobody may write
 
 
 def test_usage_counter_both_stream_dialects() -> None:
@@ -226,7 +245,7 @@ def test_for_run_serves_only_during_the_block(tmp_path, write_config) -> None:
         """))
     layout = Layout(cfg.data_dir)
     layout.group_ipc_dir("main").mkdir(parents=True)
-    sock = layout.group_ipc_dir("main") / SOCKET_NAME
+    sock = layout.proxy_socket("main")
 
     async def scenario() -> dict:
         from mdclaw.proxy import CredentialProxy

@@ -221,7 +221,7 @@ def test_through_real_proxy_and_forwarder(tmp_path: Path) -> None:
             sock = proxy.start_group("family", Upstream(
                 backend="openai", model="fake-model", base_url=server.url + "/v1",
                 api_key_file=key_file))
-            assert sock == ipc / ".proxy.sock"
+            assert sock == layout.proxy_socket("family")
             r = RunnerProcess(base_input(isScheduledTask=True), ipc_dir=ipc, group_dir=group)
             assert r.wait_exit(30) == 0, r.stderr_lines
             assert r.results[0]["result"] == "all done"

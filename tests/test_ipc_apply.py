@@ -164,21 +164,36 @@ def test_send_file_is_copied_to_a_host_spool(env: Env, tmp_path: Path) -> None:
     assert len(env.outbox()) == 2
 
 
-def test_send_file_from_a_configured_extra_mount(tmp_path: Path) -> None:
-    photos = tmp_path / "photos"
-    photos.mkdir()
+def test_send_file_reads_only_the_mounts_the_container_really_has(tmp_path: Path) -> None:
+    """One mount policy: send_file resolves /workspace/extra/... through the same decisions
+    the runner mounts by, so a mount the policy refused is not readable through it."""
+    photos = tmp_path / "roots" / "photos"
+    photos.mkdir(parents=True)
     (photos / "cat.jpg").write_bytes(b"JPEG")
-    e = Env(tmp_path)
+    keys = tmp_path / "roots" / "keys"
+    keys.mkdir()
+    (keys / "id_rsa").write_bytes(b"PRIVATE KEY")
+    e = Env(tmp_path, extra=f"""
+        mount_policy:
+          allowed_roots: [{{path: "{tmp_path / 'roots'}"}}]
+        """, family=f"""    mounts:
+      - {{host: "{photos}", container: photos}}
+      - {{host: "{keys}", container: keys}}
+""")
     try:
-        e.db.conn.execute("UPDATE registered_groups SET container_config = ? WHERE folder = ?",
-                          (json.dumps({"mounts": [{"host": str(photos), "container": "photos",
-                                                   "readonly": True}]}), "family"))
-        e.engine.refresh_groups()
         assert apply_one(e, "family", {"type": "send_file",
                                        "filePath": "/workspace/extra/photos/cat.jpg"}) is None
+        meta = apply_one(e, "family", {"type": "send_file",
+                                       "filePath": "/workspace/extra/keys/id_rsa"})
+        assert meta and "not under a mount" in meta["error"]
         meta = apply_one(e, "work", {"type": "send_file",
                                      "filePath": "/workspace/extra/photos/cat.jpg"})
-        assert meta and "not a mount of this group" in meta["error"]
+        assert meta and "not under a mount" in meta["error"]
+        rows = e.outbox()
+        assert len(rows) == 1 and rows[0]["source_path"] is None
+        assert Path(rows[0]["file_path"]).read_bytes() == b"JPEG"
+        assert b"PRIVATE KEY" not in b"".join(
+            p.read_bytes() for p in (e.data / "spool" / "outbox").iterdir())
     finally:
         e.close()
 

@@ -25,9 +25,10 @@ from mdclaw.ipc.files import (
     is_candidate,
     json_depth_exceeds,
     open_beneath,
-    open_dir_path,
-    split_container_path,
 )
+from mdclaw.agentfs import open_root as open_dir_path
+from mdclaw.config import Config
+from mdclaw.mounts import resolve_container_path
 
 
 @pytest.fixture
@@ -192,18 +193,35 @@ def test_cheap_listing_still_sees_new_files(env: Env) -> None:
 
 # --------------------------------------------------------------------------- send_file paths
 
-def test_container_paths_map_inside_the_group_only() -> None:
-    assert split_container_path("/workspace/group/out/a.png", {}) == ("group", ["out", "a.png"])
-    assert split_container_path("out/./a.png", {}) == ("group", ["out", "a.png"])
-    assert split_container_path("/workspace/extra/photos/x.jpg", {"photos": "/h"}) == (
-        "extra:photos", ["x.jpg"])
+def test_container_paths_map_to_the_group_and_granted_mounts_only(tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "id_rsa").write_text("key")  # the policy refuses this mount
+    cfg = Config(data_dir=tmp_path / "d", mount_policy={"allowed_roots": [{"path": str(tmp_path)}]},
+                 groups={"main": {"name": "M", "jid": "tg:1", "main": True},
+                         "family": {"name": "F", "jid": "tg:2", "mounts": [
+                     {"host": str(photos), "container": "photos"},
+                     {"host": str(tmp_path / "keys"), "container": "keys"},  # blocked name
+                     {"host": str(tmp_path / "absent"), "container": "gone"}]}})
+    groups = tmp_path / "d" / "groups"
+
+    def where(path: str):  # noqa: ANN202
+        return resolve_container_path(cfg, "family", path, groups)
+
+    assert where("/workspace/group/out/a.png") == (groups, ["family", "out", "a.png"], False)
+    assert where("out/./a.png") == (groups, ["family", "out", "a.png"], False)
+    assert where("/workspace/extra/photos/x.jpg") == (photos, ["x.jpg"], True)
     for bad, why in [("/workspace/group/../ipc/x", "'..'"), ("../x", "'..'"),
                      ("/etc/passwd", "outside"), ("/workspace/ipc/tasks/x.json", "outside"),
                      ("/workspace/global/CLAUDE.md", "outside"),
-                     ("/workspace/extra/other/x", "not a mount"), ("/workspace/group", "directory"),
-                     ("/workspace/group/", "directory"), ("a\0b", "NUL")]:
-        with pytest.raises(UnsafePath, match=why):
-            split_container_path(bad, {"photos": "/h"})
+                     ("/workspace/extra/other/x", "not under a mount"),
+                     ("/workspace/extra/keys/id_rsa", "not under a mount"),  # refused mount
+                     ("/workspace/extra/gone/x", "not under a mount"),
+                     ("/workspace/group", "folder"), ("/workspace/group/", "folder"),
+                     ("a\0b", "NUL")]:
+        with pytest.raises(ValueError, match=why):
+            where(bad)
 
 
 def test_open_beneath_refuses_symlinks_anywhere(tmp_path: Path) -> None:

@@ -126,7 +126,7 @@ def test_build_spec_applies_hooks_limits_and_the_defaults(tmp_path) -> None:
     targets = {m.container: m.readonly for m in spec.mounts}
     assert targets == {"/workspace/group": False, "/workspace/ipc": False,
                        "/workspace/global": False, "/home/node/.claude": False,
-                       "/run/proxy.sock": True}
+                       "/workspace/proxy": True, "/run/proxy.sock": True}
     assert spec.labels["mdclaw"] == "true" and spec.labels["mdclaw.group"] == "main"
     fam = runner.build_spec("fam", ContainerInput("p", "fam", "tg:2"))
     assert fam.network == "bridge"

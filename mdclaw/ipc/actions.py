@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mdclaw import agentfs
+from mdclaw.agentfs import UnsafePath
 from mdclaw.config import validate_folder
 from mdclaw.ipc.auth import Caller, check_group_target
-from mdclaw.ipc.files import UnsafePath, open_dir, open_dir_path, open_regular
 from mdclaw.paths import Layout
 
 
@@ -79,41 +80,26 @@ def _target_folder(ctx: ActionContext, params: dict[str, Any], what: str) -> str
     return folder
 
 
-def _read_text(dir_fd: int, name: str) -> str | None:
-    try:
-        fd, _ = open_regular(dir_fd, name, MEMORY_FILE_MAX)
-    except Exception:  # absent, symlink, too big: not memory
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read(MEMORY_FILE_MAX).decode("utf-8", errors="replace")
-    except OSError:
-        return None
-
-
 def _memory_files(layout: Layout, folder: str) -> list[tuple[str, str]]:
     """(relative path, text) of MEMORY.md and memory/*.md of `folder`, never via symlinks."""
     try:
-        gfd = open_dir_path(layout.group_dir(folder))
+        gfd = agentfs.open_root(layout.groups_dir)
     except (FileNotFoundError, UnsafePath):
         return []
     out = []
     try:
-        text = _read_text(gfd, "MEMORY.md")
-        if text is not None:
-            out.append(("MEMORY.md", text))
-        try:
-            mfd = open_dir("memory", gfd)
-        except (FileNotFoundError, UnsafePath):
-            return out
-        try:
-            for name in sorted(n for n in os.listdir(mfd) if _MEMORY_NAME.match(n))[
-                    :MEMORY_MAX_FILES]:
-                text = _read_text(mfd, name)
-                if text is not None:
-                    out.append((f"memory/{name}", text))
-        finally:
-            os.close(mfd)
+        with agentfs.opened(gfd, folder) as fd:
+            text = agentfs.read_text(fd, "MEMORY.md", MEMORY_FILE_MAX)
+            if text is not None:
+                out.append(("MEMORY.md", text))
+            with agentfs.opened(fd, "memory") as mfd:
+                for name in sorted(n for n in agentfs.listdir(mfd) if _MEMORY_NAME.match(n))[
+                        :MEMORY_MAX_FILES]:
+                    text = agentfs.read_text(mfd, name, MEMORY_FILE_MAX)
+                    if text is not None:
+                        out.append((f"memory/{name}", text))
+    except (FileNotFoundError, UnsafePath):
+        pass
     finally:
         os.close(gfd)
     return out

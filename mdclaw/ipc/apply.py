@@ -13,19 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
-import shutil
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from mdclaw import schedule
+from mdclaw import agentfs, schedule
 from mdclaw.config import Config
 from mdclaw.ipc import protocol as P
 from mdclaw.ipc.actions import ActionContext, ActionFailed, run_action
@@ -39,21 +35,17 @@ from mdclaw.ipc.auth import (
 )
 from mdclaw.ipc.files import (
     COMMAND_DIRS,
-    SEND_FILE_MAX_BYTES,
     GroupDirs,
     Rejected,
     UnsafePath,
     Vanished,
     decode_json,
-    lstat_generation,
-    open_beneath,
-    open_dir_path,
     read_command_file,
-    split_container_path,
 )
 from mdclaw.ipc.quarantine import Quarantine
+from mdclaw.ipc.spool import check_source, spool_pending
 from mdclaw.ipc.writers import write_action_result, write_snapshots
-from mdclaw.paths import GROUP_DIR_MODE, IPC_DIR_MODE, IPC_SUBDIRS, PRIVATE_DIR_MODE, Layout
+from mdclaw.paths import Layout
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
@@ -63,7 +55,6 @@ from mdclaw.state.tasks import TaskError, delete_task, get_task, insert_task, up
 log = logging.getLogger("mdclaw.ipc")
 
 LEDGER_KEEP = timedelta(days=7)
-_OUR_TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # what writers.atomic_write_at makes
 SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
 
 
@@ -98,6 +89,7 @@ class Item:
 class Effects:
     task_folders: set[str] = field(default_factory=set)
     groups_changed: bool = False
+    files: bool = False  # send_file rows wait for their host copy
 
 
 @dataclass
@@ -127,8 +119,8 @@ class IpcEngine:
         self.layout = Layout(cfg.data_dir)
         self.batch_per_group = batch_per_group
         self.batch_max = batch_max
-        self.layout.ipc_dir.mkdir(parents=True, exist_ok=True)
-        self.ipc_root_fd = open_dir_path(self.layout.ipc_dir)
+        agentfs.make_dirs(self.layout.ipc_dir, 0o751)
+        self.ipc_root_fd = agentfs.open_root(self.layout.ipc_dir)
         self.quarantine = Quarantine(self.layout.errors_dir, cfg.limits.errors_max_files,
                                      cfg.limits.errors_max_bytes)
         self.dirs: dict[str, GroupDirs] = {}
@@ -138,6 +130,9 @@ class IpcEngine:
         self.snapshots: Callable[..., None] = self._write_snapshots
         # Applied files are removed at once by default; the watcher uses a BackgroundRemover.
         self.remover: BackgroundRemover | None = None
+        # Files agents send are copied into the spool at once by default (`ipc drain`); the
+        # watcher hands that to a FileSpooler thread instead.
+        self.spool: Callable[[], None] = self._spool_now
         # Called with the batch's items right after COMMIT (benchmarks time commits with it).
         self.on_commit: Callable[[list[Item]], None] | None = None
         self.refresh_groups()
@@ -341,10 +336,15 @@ class IpcEngine:
         else:
             remove_if_same(it.dir_fd, it.name, it.gen)
 
+    def _spool_now(self) -> None:
+        spool_pending(self.cfg, self.db, self.layout)
+
     def _write_snapshots(self, folders: set[str] | None, *, tasks: bool, groups: bool) -> None:
         write_snapshots(self.db, self.layout, folders, tasks=tasks, groups=groups)
 
     def _after(self, fx: Effects) -> None:
+        if fx.files:
+            self.spool()
         if fx.groups_changed:
             self.refresh_groups()
         main = self.main_folder()
@@ -397,24 +397,21 @@ class IpcEngine:
                                 (cutoff,)).rowcount
 
     def _remove_stale_temps(self) -> None:
-        folders = [self.layout.errors_dir]
+        places: list[tuple[int, tuple[str, ...]]] = [(self.quarantine.fd, ())]
         for folder in self.rows:
-            base = self.layout.group_ipc_dir(folder)
-            folders += [base, base / "input", base / "action_results"]
-        for path in folders:
+            places += [(self.ipc_root_fd, (folder,)), (self.ipc_root_fd, (folder, "input")),
+                       (self.ipc_root_fd, (folder, "action_results"))]
+        for root, parts in places:
             try:
-                fd = open_dir_path(path)
+                with agentfs.opened(root, *parts) as fd:
+                    for name in agentfs.listdir(fd):
+                        if agentfs.is_our_temp(name):
+                            try:
+                                agentfs.unlink(fd, name)
+                            except OSError:
+                                pass
             except (OSError, UnsafePath):
                 continue
-            try:
-                for name in os.listdir(fd):
-                    if _OUR_TEMP.match(name):
-                        try:
-                            os.unlink(name, dir_fd=fd)
-                        except OSError:
-                            pass
-            finally:
-                os.close(fd)
 
     # ------------------------------------------------------------------ commands
     def _caller(self, folder: str) -> Caller:
@@ -436,10 +433,13 @@ class IpcEngine:
                     emoji=cmd.emoji, source_group=caller.folder)
         elif isinstance(cmd, P.SendFile):
             chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "send_file")
-            path, name = self._spool_file(caller, cmd.file_path)
-            enqueue(conn, chat_jid=chat, kind="file", file_path=str(path),
+            # Checked here (no read); copied by the spooler, off the loop and outside this
+            # transaction.
+            name = check_source(self.cfg, self.layout, caller.folder, cmd.file_path)
+            enqueue(conn, chat_jid=chat, kind="file", source_path=cmd.file_path,
                     file_name=cmd.file_name or name, text=cmd.caption,
                     source_group=caller.folder)
+            fx.files = True
         elif isinstance(cmd, P.ScheduleTask):
             chat, target = check_chat_target(caller, cmd.chat_jid, jid_to_folder,
                                              "schedule_task")
@@ -536,49 +536,10 @@ class IpcEngine:
         self.rows.pop(r["folder"], None)
 
     def _make_group_dirs(self, folder: str) -> None:
-        for path, mode in ([(self.layout.group_dir(folder), GROUP_DIR_MODE),
-                            (self.layout.group_ipc_dir(folder), IPC_DIR_MODE)]
-                           + [(self.layout.group_ipc_dir(folder) / s, IPC_DIR_MODE)
-                              for s in IPC_SUBDIRS]):
-            try:
-                path.mkdir(mode=0o700)
-                os.chmod(path, mode)
-            except FileExistsError:
-                pass
-
-    def _spool_file(self, caller: Caller, container_path: str) -> tuple[Path, str]:
-        """Copy the file the agent named into the host's spool; returns (copy, base name).
-
-        Raises UnsafePath if the path leaves the group's folder or mounts, or the file is not
-        a regular file within the limit."""
-        mounts = {m.get("container"): m.get("host")
-                  for m in self.rows[caller.folder].container_config.get("mounts", [])
-                  if isinstance(m, dict)}
-        base, parts = split_container_path(container_path, mounts)
-        base_path = (self.layout.group_dir(caller.folder) if base == "group"
-                     else Path(str(mounts[base.split(":", 1)[1]])))
         try:
-            base_fd = os.open(base_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:
-            raise UnsafePath(f"send_file: {base_path} cannot be opened: {e.strerror}") from None
-        try:
-            src, _st = open_beneath(base_fd, parts, SEND_FILE_MAX_BYTES)
-        except UnsafePath as e:
-            raise UnsafePath(f"send_file {container_path!r}: {e}") from None
-        finally:
-            os.close(base_fd)
-        spool = self.layout.data_dir / "spool" / "outbox"
-        spool.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-        dest = spool / f"{uuid.uuid4().hex}-{parts[-1]}"
-        try:
-            with os.fdopen(src, "rb") as fsrc, open(dest, "xb") as fdst:
-                shutil.copyfileobj(fsrc, fdst, 1 << 20)
-                if fdst.tell() > SEND_FILE_MAX_BYTES:
-                    raise UnsafePath(f"send_file {container_path!r}: grew beyond the limit")
-        except BaseException:
-            dest.unlink(missing_ok=True)
-            raise
-        return dest, parts[-1]
+            agentfs.ensure_group_dirs(self.layout, folder)
+        except UnsafePath as e:  # the runner refuses the same folders again at its start
+            log.warning("ipc: group %s: %s", folder, e)
 
     def _action(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
                 it: Item) -> None:
@@ -611,11 +572,7 @@ class IpcEngine:
 def remove_if_same(dir_fd: int, name: str, gen: str) -> None:
     """Remove `name` if it is still the file that was applied (same generation): a new file
     the container put under the same name meanwhile is a new command and stays."""
-    if lstat_generation(dir_fd, name) == gen:
-        try:
-            os.unlink(name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
+    agentfs.unlink(dir_fd, name, if_generation=gen)
 
 
 class BackgroundRemover:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mdclaw.ipc.files import open_dir_path
-from mdclaw.ipc.writers import atomic_write_at
+from mdclaw import agentfs
 from mdclaw.schedule import to_iso, utc_now
 
 log = logging.getLogger("mdclaw.ipc")
@@ -51,8 +49,8 @@ class Quarantine:
         self.max_files = max_files
         self.max_bytes = max_bytes
         self.keep_limit = max(1024, max_bytes // 16)  # largest payload kept
-        errors_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.fd = open_dir_path(errors_dir)
+        agentfs.make_dirs(errors_dir, 0o700)
+        self.fd = agentfs.open_root(errors_dir)
         self._sizes: OrderedDict[str, int] = OrderedDict()  # base -> bytes, oldest first
         self._bytes = 0
         self._load()
@@ -62,15 +60,12 @@ class Quarantine:
 
     def _load(self) -> None:
         entries = []
-        for name in os.listdir(self.fd):
+        for name in agentfs.listdir(self.fd):
             if not name.endswith(META_SUFFIX):
                 continue
-            base = name[: -len(META_SUFFIX)]
-            try:
-                mtime = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mtime_ns
-            except OSError:
-                continue
-            entries.append((mtime, base))
+            st = agentfs.lstat(self.fd, name)
+            if st is not None:
+                entries.append((st.st_mtime_ns, name[: -len(META_SUFFIX)]))
         for _, base in sorted(entries):
             self._sizes[base] = self._entry_bytes(base)
             self._bytes += self._sizes[base]
@@ -78,15 +73,13 @@ class Quarantine:
     def _entry_bytes(self, base: str) -> int:
         total = 0
         for suffix in (PAYLOAD_SUFFIX, META_SUFFIX):
-            try:
-                total += os.stat(base + suffix, dir_fd=self.fd, follow_symlinks=False).st_size
-            except OSError:
-                pass
+            st = agentfs.lstat(self.fd, base + suffix)
+            total += st.st_size if st is not None else 0
         return total
 
     def _remove_entry_files(self, base: str) -> None:
         for suffix in (PAYLOAD_SUFFIX, META_SUFFIX):
-            _remove(self.fd, base + suffix)
+            agentfs.remove_entry(self.fd, base + suffix)
 
     def put(self, group: str, src_dir_fd: int, sub: str, name: str, reason: str,
             processed_at: str | None = None) -> str:
@@ -99,29 +92,23 @@ class Quarantine:
                 "processed_at": processed_at}
         if base in self._sizes:
             self._bytes -= self._sizes.pop(base)
-        atomic_write_at(self.fd, base + META_SUFFIX,
-                        (json.dumps(meta, ensure_ascii=False) + "\n").encode(), 0o600)
-        _remove(self.fd, base + PAYLOAD_SUFFIX)
+        agentfs.atomic_write(self.fd, base + META_SUFFIX,
+                             (json.dumps(meta, ensure_ascii=False) + "\n").encode(), 0o600)
+        agentfs.remove_entry(self.fd, base + PAYLOAD_SUFFIX)
         kept = False
-        try:
-            st = os.stat(name, dir_fd=src_dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
+        st = agentfs.lstat(src_dir_fd, name)
         if st is not None:
             if (stat.S_ISREG(st.st_mode) and st.st_nlink == 1
                     and st.st_size <= self.keep_limit):
                 try:
-                    os.rename(name, base + PAYLOAD_SUFFIX, src_dir_fd=src_dir_fd,
-                              dst_dir_fd=self.fd)
+                    agentfs.move(src_dir_fd, name, self.fd, base + PAYLOAD_SUFFIX)
                     kept = True
                 except OSError:
                     kept = False
             if not kept:
-                _remove(src_dir_fd, name)
+                agentfs.remove_entry(src_dir_fd, name)
         if not kept:
-            fd = os.open(base + PAYLOAD_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                         | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
-            os.close(fd)
+            agentfs.write_sentinel(self.fd, base + PAYLOAD_SUFFIX, 0o600)
         log.warning("ipc: quarantined %s/%s/%s: %s", group, sub, name, reason)
         size = self._entry_bytes(base)
         self._sizes[base] = size
@@ -151,36 +138,28 @@ class Quarantine:
         return self._bytes
 
 
-def _remove(dir_fd: int, name: str) -> None:
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    try:
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=dir_fd)
-        else:
-            os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-
-
 def list_errors(errors_dir: Path) -> list[ErrorEntry]:
     """Every quarantined file with its reason, oldest first (unreadable entries skipped)."""
     out = []
     try:
-        names = os.listdir(errors_dir)
-    except FileNotFoundError:
+        fd = agentfs.open_root(errors_dir)
+    except (FileNotFoundError, agentfs.UnsafePath):
         return []
-    for name in names:
-        if not name.endswith(META_SUFFIX):
-            continue
-        try:
-            meta = json.loads((errors_dir / name).read_text(encoding="utf-8"))
+    try:
+        for name in agentfs.listdir(fd):
+            if not name.endswith(META_SUFFIX):
+                continue
+            text = agentfs.read_text(fd, name, 1024 * 1024)
+            try:
+                meta = json.loads(text or "")
+            except ValueError:
+                continue
+            if not isinstance(meta, dict):
+                continue
             out.append(ErrorEntry(name[: -len(META_SUFFIX)] + PAYLOAD_SUFFIX,
                                   str(meta.get("original_file")), str(meta.get("source_group")),
                                   str(meta.get("error")), str(meta.get("processed_at"))))
-        except (OSError, ValueError):
-            continue
+    finally:
+        os.close(fd)
     out.sort(key=lambda e: (e.processed_at, e.name))
     return out

@@ -1,9 +1,11 @@
-"""Host -> container files, always written atomically.
+"""Host -> container files in a group's IPC folder, always written atomically.
 
-A temp file is created (O_EXCL|O_NOFOLLOW) in the target folder itself, fsynced and renamed
-over the final name, so the agent never reads half a file. Folders inside a group's IPC
-folder are opened without following symlinks: a container that swaps `input/` for a symlink
-to somewhere on the host gets a refusal, not a write there.
+Follow-ups and the `_close` sentinel in `input/`, action results, and the task and group
+snapshots. Every write goes through `mdclaw.agentfs`: the folder is reached without
+following symlinks (a container that swaps `input/` for a symlink to somewhere on the host
+gets a refusal, not a write there) and the file is a random temp name renamed over the
+final one, so the agent never reads half a file and nothing standing at the name is
+written through.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mdclaw.ipc.files import UnsafePath, open_dir, open_dir_path
-from mdclaw.paths import Layout
+from mdclaw import agentfs
+from mdclaw.agentfs import UnsafePath
+from mdclaw.paths import IPC_DIR_MODE, Layout
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
 from mdclaw.state.chats import list_chats
@@ -28,40 +31,16 @@ from mdclaw.state.tasks import TaskRow, list_tasks
 log = logging.getLogger("mdclaw.ipc")
 
 FILE_MODE = 0o640
+CLOSE_SENTINEL = "_close"
 MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
 CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
 
 
 def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE, *,
                     durable: bool = True) -> None:
-    """Write `data` to `name` in the open folder `dir_fd` atomically (temp, fsync, rename).
-
-    Readers see the old or the new file, never a part. `durable=False` skips the fsync: for
-    files rebuilt from the database at every start (the snapshots), where it would only
-    force journal commits that stall the loop's own file operations.
-    Raises OSError if the folder cannot be written or `name` is a directory.
-    """
-    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 mode, dir_fd=dir_fd)
-    try:
-        try:
-            os.fchmod(fd, mode)  # the umask must not take the group's read bit away
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
-        raise
+    """Write `data` to `name` in the open folder `dir_fd` atomically (see
+    `agentfs.atomic_write`). Raises OSError."""
+    agentfs.atomic_write(dir_fd, name, data, mode, durable=durable)
 
 
 def _dump(obj: Any) -> bytes:
@@ -75,19 +54,15 @@ def _open_group_ipc(layout: Layout, folder: str, sub: str | None = None) -> int:
 
     Raises UnsafePath or OSError.
     """
-    root = open_dir_path(layout.ipc_dir)
+    root = agentfs.open_root(layout.ipc_dir)
     try:
-        gfd = open_dir(folder, root)
+        gfd = agentfs.open_dir(folder, root)
     finally:
         os.close(root)
     if sub is None:
         return gfd
     try:
-        try:
-            return open_dir(sub, gfd)
-        except FileNotFoundError:
-            os.mkdir(sub, 0o2770, dir_fd=gfd)
-            return open_dir(sub, gfd)
+        return agentfs.ensure_dir(gfd, sub, IPC_DIR_MODE)
     finally:
         os.close(gfd)
 
@@ -116,8 +91,28 @@ def write_follow_up(layout: Layout, folder: str, *, sender: str, sender_name: st
 
 
 def write_close(layout: Layout, folder: str) -> None:
-    """Write the empty ipc/<folder>/input/_close sentinel. Raises UnsafePath or OSError."""
-    write_in_group(layout, folder, "input", "_close", b"", 0o660)
+    """Write the empty ipc/<folder>/input/_close sentinel (it ends the agent's conversation).
+
+    Raises UnsafePath (input/ swapped for a symlink) or OSError.
+    """
+    fd = _open_group_ipc(layout, folder, "input")
+    try:
+        agentfs.write_sentinel(fd, CLOSE_SENTINEL, 0o660)
+    finally:
+        os.close(fd)
+
+
+def remove_close(layout: Layout, folder: str) -> None:
+    """Remove a stale ipc/<folder>/input/_close (it would end the next run at once). A
+    folder standing there is left alone; a symlink is removed, never followed."""
+    try:
+        fd = _open_group_ipc(layout, folder, "input")
+    except (UnsafePath, FileNotFoundError):
+        return
+    try:
+        agentfs.unlink(fd, CLOSE_SENTINEL)
+    finally:
+        os.close(fd)
 
 
 def write_action_result(group_fd: int, request_id: str, body: dict[str, Any]) -> None:
@@ -125,11 +120,7 @@ def write_action_result(group_fd: int, request_id: str, body: dict[str, Any]) ->
 
     Raises UnsafePath if action_results/ is a symlink, OSError if it cannot be written.
     """
-    try:
-        fd = open_dir("action_results", group_fd)
-    except FileNotFoundError:
-        os.mkdir("action_results", 0o2770, dir_fd=group_fd)
-        fd = open_dir("action_results", group_fd)
+    fd = agentfs.ensure_dir(group_fd, "action_results", IPC_DIR_MODE)
     try:
         atomic_write_at(fd, f"{request_id}.json", _dump(body))
     finally:

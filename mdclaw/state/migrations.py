@@ -225,6 +225,12 @@ CREATE TABLE model_usage (
   PRIMARY KEY (group_folder, day, model)
 );
 """),
+    (5, "files agents send are copied off the IPC loop", """
+-- A file row whose host copy is still to be made names the file as the agent's container
+-- sees it; the copy clears it (and sets file_path). The outbox holds the chat's later rows
+-- behind such a row, so messages keep their order.
+ALTER TABLE outbox ADD COLUMN source_path TEXT;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

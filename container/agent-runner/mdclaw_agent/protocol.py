@@ -109,7 +109,7 @@ class Settings:
             ipc_dir=ipc,
             group_dir=Path(env.get("MDCLAW_GROUP_DIR", "/workspace/group")),
             global_dir=Path(env.get("MDCLAW_GLOBAL_DIR", "/workspace/global")),
-            proxy_socket=Path(env.get("MDCLAW_PROXY_SOCKET", str(ipc / ".proxy.sock"))),
+            proxy_socket=Path(env.get("MDCLAW_PROXY_SOCKET", "/workspace/proxy/proxy.sock")),
             model_base_url=env.get("MDCLAW_MODEL_BASE_URL") or None,
             input_poll_seconds=float(env.get("MDCLAW_INPUT_POLL_MS", "500")) / 1000,
             action_timeout_seconds=float(env.get("MDCLAW_ACTION_TIMEOUT", "30")),
