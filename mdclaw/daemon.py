@@ -150,6 +150,8 @@ class Daemon:
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(cfg, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
+        loop = asyncio.get_running_loop()
+        self.watcher.on_files_ready = lambda: loop.call_soon_threadsafe(self.outbox.wake)
         self._watch(asyncio.create_task(self.watcher.run(self.ipc_stop), name="ipc"), "ipc")
         self.notifier.add_probe("ipc", self._ipc_progress)
         # Scheduler: due tasks go through the orchestrator's queue.

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from inotify_simple import INotify
 from inotify_simple import flags as F
@@ -23,6 +24,7 @@ from inotify_simple import flags as F
 from mdclaw.config import Config
 from mdclaw.ipc.apply import SETTLE_NS, BackgroundRemover, BatchResult, IpcEngine
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
+from mdclaw.ipc.spool import FileSpooler
 from mdclaw.ipc.writers import SnapshotWriter
 from mdclaw.state import Database
 
@@ -44,6 +46,11 @@ class IpcWatcher:
         self.engine.snapshots = self.snapshot_writer.request
         self.remover = BackgroundRemover()
         self.engine.remover = self.remover
+        # Files agents send are copied on a thread of their own; `on_files_ready` (called
+        # from that thread) is how the daemon hears a copy is made.
+        self.on_files_ready: Callable[[], None] | None = None
+        self.spooler = FileSpooler(cfg, cfg.db_path, on_ready=self._files_ready)
+        self.engine.spool = self.spooler.wake
         self.poll_interval = (poll_interval if poll_interval is not None
                               else cfg.limits.ipc_poll_interval.total_seconds())
         self.inotify: INotify | None = None
@@ -237,7 +244,12 @@ class IpcWatcher:
             if self.inotify is not None:
                 loop.remove_reader(self.inotify.fd)
 
+    def _files_ready(self) -> None:
+        if self.on_files_ready is not None:
+            self.on_files_ready()
+
     def close(self) -> None:
+        self.spooler.close()
         self.remover.close()
         self.engine.remover = None
         self.snapshot_writer.close()
