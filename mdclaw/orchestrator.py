@@ -6,9 +6,9 @@ stay in the database as context and go into the next prompt. A group's `allow_se
 narrows this (mdclaw.senders.decide, asked for every message): a message from anyone else
 never starts a turn, and is either kept as context or not stored at all. If the group's
 conversation container is running, triggered messages are written into its `input/` as
-follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's cursor. The
-cursor moves only when the run succeeded or its output was already delivered, so a failed run
-is retried with the same messages and nothing is skipped.
+follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
+cursor. The cursor moves only when the run succeeded or its output was already delivered, so
+a failed run is retried with the same messages and nothing is skipped.
 
 Scheduled tasks run through the same queue (tasks first), with the group's session for
 `context_mode: group` and a fresh one for `isolated`; their result goes to the task's chat.

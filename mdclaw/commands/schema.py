@@ -169,21 +169,25 @@ groups:
 Messages from anyone else never start a turn, are never fed into a running conversation on
 their own, and are never answered. With `mode: trigger` they are stored and the agent sees
 them as context with the next turn an allowed sender starts; with `mode: drop` they are not
-stored at all (the agent never sees them). Each group counts the messages it refused (in
-`trigger` mode: those that would have started a turn), with the time of the latest:
-`mdclaw groups list` shows both, and the log names each refused sender once (at info level),
-which is also how to find an id to add.
+stored at all. Pick `drop` when others' words must not reach the agent: in `trigger` mode it
+still reads them, instructions included, with an allowed sender's request.
+
+Each group counts the messages it refused (in `trigger` mode: those that would have started
+a turn), with the time of the latest: `mdclaw groups list` shows both. The log names each
+refused sender once (at info level), which is also how to find an id to add.
 
 Sender ids are what the channel reports as the sender:
 
-| channel | sender id | how to find yours |
-|---|---|---|
-| Telegram (`tg:`) | the user id, a number (`123456789`, without `tg:`); a message sent on behalf of a chat (an anonymous admin, a linked channel) carries that chat's id | write `/chatid` in a private chat with the bot: it answers `tg:<your user id>` |
-| local HTTP (`hl:`) | the `sender` field of `POST /message` (else `sender_name`, else `local`) | it is whatever the client sends: not proof of who wrote it, so guard the channel with `secret_file` and `listen` instead |
+- Telegram (`tg:`): the user id, a number (`123456789`, without `tg:`). To find yours, write
+  `/chatid` in a private chat with the bot: it answers `tg:<your user id>`. A message sent on
+  behalf of a chat (an anonymous group admin, a linked channel) carries that chat's id.
+- Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
+  `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
+  is decided by the channel's `secret_file` and `listen` address.
 
 The rule is the same for every channel and applies to the main group too. Groups registered
 at runtime by the main agent (over IPC) have no allow-list: everyone in their chat may drive
-them, as before; to restrict one, declare it in the config instead. `mdclaw check-config` and
+them, as before; to restrict one, unregister it and declare it in the config. `mdclaw check-config` and
 `mdclaw doctor` warn when the main group answers in a group chat without `allow_senders`.
 """
 
