@@ -187,6 +187,31 @@ class GroupMount(Frozen):
     readonly: bool = Field(True, description="Mount read-only (read-write needs an allowing root).")
 
 
+def _sender_id(value: Any) -> str:
+    """A sender id as the channel reports it; YAML reads an unquoted 123456 as a number."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"a sender id is a string or a number, got {_short(value)}")
+    text = str(value).strip()
+    if not text:
+        raise ValueError("a sender id must not be empty")
+    return text
+
+
+SenderId = Annotated[str, BeforeValidator(_sender_id)]
+
+
+class AllowSenders(Frozen):
+    mode: Literal["trigger", "drop"] = Field(
+        "trigger", description="What happens to a message from a sender not in `ids`: "
+        "trigger: it is kept as context for the next turn an allowed sender starts, but never "
+        "starts a turn nor reaches a running one; drop: it is not stored at all. Refused "
+        "messages are counted (`mdclaw groups list`) and never answered.")
+    ids: tuple[SenderId, ...] = Field(
+        description="Sender ids that may drive the agent, as the channel reports the sender: "
+        "Telegram user ids (e.g. '123456789', without 'tg:'), the local HTTP channel's "
+        "`sender` field. An empty list lets no one.")
+
+
 class Group(Frozen):
     name: str = Field(min_length=1, description="Display name of the group.")
     jid: str = Field(min_length=1, description="The chat this group answers in, e.g. tg:123456.")
@@ -200,6 +225,22 @@ class Group(Frozen):
     timeout: Duration | None = Field(None, description="Hard container timeout for this group.")
     model: str | None = Field(None, description="Model for this group: a key of `models`.")
     network: str | None = Field(None, description="Container network; default none (no network).")
+    allow_senders: AllowSenders | None = Field(
+        None, description="Who may drive this group's agent, e.g. {mode: trigger, ids: "
+        "['123456789']}; unset: everyone in the chat may (docs/configuration.md: 'Who may drive "
+        "an agent').")
+
+    @model_validator(mode="after")
+    def _telegram_sender_ids(self) -> Group:
+        if self.allow_senders is None or not self.jid.startswith("tg:"):
+            return self
+        bad = [i for i in self.allow_senders.ids if not i.lstrip("-").isdigit()]
+        if bad:
+            raise ValueError(
+                f"allow_senders.ids: {bad[0]!r} is not a Telegram user id; write the number "
+                "alone (e.g. '123456789', not 'tg:123456789'): in a private chat with the bot, "
+                "/chatid answers tg:<your user id>")
+        return self
 
     def effective_trigger(self, assistant: Assistant) -> str:
         return self.trigger or f"@{assistant.name}"

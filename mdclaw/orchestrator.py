@@ -2,11 +2,13 @@
 
 Inbound messages are stored once. A message is for the assistant when its group is main,
 when the group does not require a trigger, or when it mentions the trigger; other messages
-stay in the database as context and go into the next prompt. If the group's conversation
-container is running, triggered messages are written into its `input/` as follow-ups;
-otherwise a run is queued. A run's prompt holds the messages since the group's cursor. The
-cursor moves only when the run succeeded or its output was already delivered, so a failed run
-is retried with the same messages and nothing is skipped.
+stay in the database as context and go into the next prompt. A group's `allow_senders`
+narrows this (mdclaw.senders.decide, asked for every message): a message from anyone else
+never starts a turn, and is either kept as context or not stored at all. If the group's
+conversation container is running, triggered messages are written into its `input/` as
+follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
+cursor. The cursor moves only when the run succeeded or its output was already delivered, so
+a failed run is retried with the same messages and nothing is skipped.
 
 Scheduled tasks run through the same queue (tasks first), with the group's session for
 `context_mode: group` and a fresh one for `isolated`; their result goes to the task's chat.
@@ -31,6 +33,7 @@ from mdclaw.outbox import describe_failures, failed_since
 from mdclaw.paths import Layout
 from mdclaw.queue import GroupQueue, Job
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
+from mdclaw.senders import Decision, decide
 from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import (
     StoredMessage,
@@ -41,13 +44,22 @@ from mdclaw.state.conversations import (
     set_session,
     store_message,
 )
-from mdclaw.state.groups import GroupRow, get_group, get_group_by_jid, list_groups
+from mdclaw.state.groups import (
+    GroupRow,
+    count_refusal,
+    get_group,
+    get_group_by_jid,
+    list_groups,
+)
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import TaskRow
 
 log = logging.getLogger("mdclaw.orchestrator")
 
 MAX_PROMPT_MESSAGES = 50
+# A message in a chat that is not a registered group: stored (main's agent sees the chat in
+# its list of available groups), never run.
+_UNREGISTERED = Decision(store=True, direct=False, run=False, refused=False)
 # Agent errors that mean the stored session cannot be resumed: start fresh next time.
 SESSION_GONE_HINTS = ("no conversation found", "session not found", "session is gone",
                       "unknown session", "invalid session")
@@ -102,31 +114,66 @@ class Orchestrator:
         self.stopping = asyncio.Event()
         # Host-side timings of the latest runs (milliseconds), for benchmarks and status.
         self.timings: list[dict[str, float]] = []
+        # (group, sender) pairs whose refusal was logged at info level: once each, so the
+        # admin can find ids for allow_senders without a busy chat flooding the log.
+        self._refusals_logged: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ inbound
-    def is_triggered(self, group: GroupRow, msg: InboundMessage | StoredMessage) -> bool:
+    @staticmethod
+    def _for_assistant(group: GroupRow, msg: InboundMessage | StoredMessage) -> bool:
+        """True if the group's trigger rules (not its allow-list) make `msg` a request."""
         if group.is_main or not group.requires_trigger:
             return True
         if getattr(msg, "addressed", False):
             return True
         return mentions_trigger(msg.content, group.trigger)
 
+    def decision(self, group: GroupRow | None,
+                 msg: InboundMessage | StoredMessage) -> Decision:
+        """What to do with `msg` in `group` (None: a chat that is no registered group)."""
+        if group is None:
+            return _UNREGISTERED
+        return decide(group.allow_senders, msg.sender,
+                      triggered=self._for_assistant(group, msg))
+
+    def is_triggered(self, group: GroupRow, msg: InboundMessage | StoredMessage) -> bool:
+        """True if `msg` starts a turn of `group`'s agent (or joins the running one)."""
+        return self.decision(group, msg).run
+
     async def on_inbound(self, msg: InboundMessage) -> None:
-        """Store `msg` once; run or feed its group's agent when the message is for it."""
+        """Store `msg` once (unless its group drops it); run or feed its group's agent when
+        the message is for it; count it when the group's allow_senders refused it."""
         t0 = time.perf_counter()
-        stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name, msg.content,
-                               msg.timestamp, False, False)
-        if not await asyncio.to_thread(store_message, self.db, stored, chat_name=msg.chat_name,
-                                       channel=msg.channel or msg.chat_jid.split(":", 1)[0],
-                                       is_group=msg.is_group):
-            return  # a duplicate delivery
         group = get_group_by_jid(self.db, msg.chat_jid)
-        if group is None or not self.accepting:
+        decision = self.decision(group, msg)
+        if decision.store:
+            stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name,
+                                   msg.content, msg.timestamp, False, False)
+            if not await asyncio.to_thread(
+                    store_message, self.db, stored, chat_name=msg.chat_name,
+                    channel=msg.channel or msg.chat_jid.split(":", 1)[0],
+                    is_group=msg.is_group):
+                return  # a duplicate delivery
+        if group is None:
             return
-        if not self.is_triggered(group, msg):
-            log.debug("group %s: message %s kept as context (no trigger)", group.folder, msg.id)
+        if decision.refused:
+            await asyncio.to_thread(count_refusal, self.db, group.folder)
+            self._log_refusal(group, msg, decision)
+        if not self.accepting:
+            return
+        if not decision.run:
+            log.debug("group %s: message %s kept as context (no trigger or not an allowed "
+                      "sender)", group.folder, msg.id)
             return
         self.dispatch(group, t_inbound=t0)
+
+    def _log_refusal(self, group: GroupRow, msg: InboundMessage, decision: Decision) -> None:
+        key = (group.folder, msg.sender)
+        level = logging.DEBUG if key in self._refusals_logged else logging.INFO
+        self._refusals_logged.add(key)
+        log.log(level, "group %s: sender %r (%s) is not in allow_senders; message %s %s",
+                group.folder, msg.sender, msg.sender_name, msg.id,
+                "kept as context" if decision.store else "dropped")
 
     def dispatch(self, group: GroupRow, *, t_inbound: float | None = None) -> None:
         """Feed the group's running conversation, or queue a run for it."""
@@ -139,19 +186,39 @@ class Orchestrator:
                                    job_id=f"msg:{group.folder}")
 
     def _feed(self, group: GroupRow, handle: Any, conv: _Conversation) -> None:
-        """Write every message since the last one the conversation saw into input/."""
+        """Write every message since the last one the conversation saw into input/.
+
+        Each follow-up is a turn of the agent, so only messages of allowed senders become
+        one; messages of others (allow_senders mode trigger) ride along as context in the
+        next allowed sender's follow-up, or wait for the next prompt if none comes.
+        """
         assert group.jid is not None
         pending = [m for m in messages_since(self.db, group.jid, conv.last_ts)
                    if m.id not in conv.sent_ids]
+        context: list[StoredMessage] = []
+        fed = 0
         for m in pending:
+            if not self.decision(group, m).direct:
+                context.append(m)
+                continue
+            content = m.content if not context else self._prompt(context + [m])
             write_follow_up(self.layout, group.folder, sender=m.sender,
-                            sender_name=m.sender_name, content=m.content, timestamp=m.timestamp)
+                            sender_name=m.sender_name, content=content, timestamp=m.timestamp)
+            conv.sent_ids.update(c.id for c in context)
             conv.sent_ids.add(m.id)
             conv.last_ts = m.timestamp
-        if pending:
+            context = []
+            fed += 1
+        if fed:
             handle.touch()
             log.info("group %s: %d follow-up message(s) into the running conversation",
-                     group.folder, len(pending))
+                     group.folder, fed)
+
+    def _prompt(self, msgs: list[StoredMessage], failed: tuple[str, ...] = ()) -> str:
+        """`msgs` as the agent reads them: sender, local time and text of each."""
+        return format_prompt([PromptMessage(m.sender_name, m.content, m.timestamp)
+                              for m in msgs], self.cfg.assistant.timezone,
+                             max_messages=MAX_PROMPT_MESSAGES, failed=failed)
 
     def recover_pending(self) -> int:
         """Queue a run for every group with triggered messages its agent has not seen yet
@@ -284,10 +351,7 @@ class Orchestrator:
         if not msgs or not any(self.is_triggered(group, m) for m in msgs):
             return
         failures = describe_failures(failed_since(self.db, group.folder, self._told(group)))
-        prompt = format_prompt([PromptMessage(m.sender_name, m.content, m.timestamp)
-                                for m in msgs], self.cfg.assistant.timezone,
-                               max_messages=MAX_PROMPT_MESSAGES,
-                               failed=failures.splitlines() if failures else ())
+        prompt = self._prompt(msgs, tuple(failures.splitlines()) if failures else ())
         conv = _Conversation(start_cursor=start_cursor, last_ts=msgs[-1].timestamp,
                              sent_ids={m.id for m in msgs})
         self._conv[group.folder] = conv

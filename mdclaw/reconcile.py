@@ -25,6 +25,7 @@ from mdclaw.paths import (
     PRIVATE_DIR_MODE,
     Layout,
 )
+from mdclaw.senders import SenderPolicy
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
 from mdclaw.state.tasks import delete_task, insert_task, list_tasks, update_task_fields
@@ -99,12 +100,20 @@ def desired_row(folder: str, g: Group, cfg: Config) -> GroupRow:
         cc["model"] = g.model
     if g.network is not None:
         cc["network"] = g.network
+    policy = (SenderPolicy(g.allow_senders.mode, frozenset(g.allow_senders.ids))
+              if g.allow_senders is not None else None)
     return GroupRow(folder=folder, name=g.name, jid=g.jid, trigger=g.effective_trigger(cfg.assistant),
                     requires_trigger=g.effective_requires_trigger(), is_main=g.main,
-                    source="config", container_config=cc)
+                    source="config", container_config=cc, allow_senders=policy)
 
 
-_COMPARED = ("name", "jid", "trigger", "requires_trigger", "is_main", "source", "container_config")
+_COMPARED = ("name", "jid", "trigger", "requires_trigger", "is_main", "source", "container_config",
+             "allow_senders")
+
+
+def _shown(value: Any) -> Any:
+    """A compared value as plans show it (plain data, so `reconcile --json` can print it)."""
+    return value.as_dict() if isinstance(value, SenderPolicy) else value
 
 # Declarative tasks. The stored timezone of a config task is its effective zone (its own or
 # the assistant's), so changing assistant.timezone reschedules the tasks that follow it.
@@ -262,7 +271,7 @@ def plan(cfg: Config, db: Database) -> Plan:
             p.actions.append(Action("add_group", folder, {"name": want.name, "jid": want.jid,
                                                           "is_main": want.is_main}))
             continue
-        changes = {k: {"from": getattr(have, k), "to": getattr(want, k)}
+        changes = {k: {"from": _shown(getattr(have, k)), "to": _shown(getattr(want, k))}
                    for k in _COMPARED if getattr(have, k) != getattr(want, k)}
         if changes:
             p.actions.append(Action("update_group", folder, {"changes": changes}))

@@ -245,7 +245,8 @@ def test_a_good_config_of_every_kind_evaluates(lib: Path, tmp_path: Path, cli) -
         log_level = "debug";
         assistant.name = "Bob";
         groups.main = { name = "Admin"; jid = "tg:1"; main = true; network = "bridge";
-                        mounts = [ { host = "/srv/notes"; container = "notes"; readonly = false; } ]; };
+                        mounts = [ { host = "/srv/notes"; container = "notes"; readonly = false; } ];
+                        allow_senders = { mode = "drop"; ids = [ "111" ]; }; };
         mount_policy = { allowed_roots = [ { path = "/srv"; allow_read_write = true; description = "data"; } ];
                          blocked_patterns = [ "secret" ]; non_main_read_only = true; };
         channels.telegram = { token_file = "$CREDENTIALS_DIRECTORY/tg"; api_base = "http://127.0.0.1:8081"; };
@@ -261,6 +262,7 @@ def test_a_good_config_of_every_kind_evaluates(lib: Path, tmp_path: Path, cli) -
     # as at build time: the mount's host path and the secrets exist only on the server
     res = cli("check-config", "--skip-secrets", "--skip-host-checks", "--config", str(path))
     assert res.returncode == 0, res.stderr
+    assert r["settings"]["groups"]["main"]["allow_senders"] == {"mode": "drop", "ids": ["111"]}
 
 
 # --------------------------------------------------------------------------- descriptions

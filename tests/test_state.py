@@ -7,6 +7,7 @@ import sqlite3
 import pytest
 
 from mdclaw.state import Database, DatabaseError
+from mdclaw.state.groups import get_group
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
 SEED_TABLES = {"chats", "messages", "registered_groups", "router_state", "sessions",
@@ -90,6 +91,7 @@ def test_migrates_seed_database_keeping_rows(tmp_path) -> None:
     assert (log["task_id"], log["result"], log["duration_ms"]) == ("t1", "sunny", 1200)
     g = db.query_one("SELECT * FROM registered_groups")
     assert (g["folder"], g["source"], g["is_main"]) == ("fam", "ipc", 0)
+    assert get_group(db, "fam").allow_senders is None  # an old group: everyone may, as before
     assert db.query_one("SELECT content FROM messages")[0] == "hello"
     # the widened CHECK accepts the new statuses now
     with db.transaction() as c:

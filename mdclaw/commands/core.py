@@ -11,19 +11,39 @@ from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import Config, iter_secret_files, secret_checks_skipped
 from mdclaw.reconcile import ReconcileError, reconcile
-from mdclaw.state.groups import list_groups
+from mdclaw.senders import jid_is_group_chat, main_group_warning
+from mdclaw.state.groups import GroupRow, Refusals, list_groups, refusals
 
 # Checks beyond the schema (each yields problem lines); areas add theirs here. They may look
 # at this machine (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
 CONFIG_CHECKS: list[Callable[[Config], Iterable[str]]] = []
 
 GROUP_FIELDS = ("folder", "name", "jid", "trigger", "requires_trigger", "is_main", "source")
+GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
+
+
+def open_main_group(cfg: Config) -> Iterable[str]:
+    """A warning when the main group answers in a group chat (by its jid's shape) and has no
+    allow_senders: every member of that chat would have admin powers."""
+    folder = cfg.main_folder
+    if folder is None:
+        return []
+    g = cfg.groups[folder]
+    warning = main_group_warning(folder, g.jid, group_chat=jid_is_group_chat(g.jid),
+                                 policy_set=g.allow_senders is not None)
+    return [warning] if warning else []
+
+
+# Findings that deserve attention but leave the config valid: printed, exit status 0. They
+# look at the config only, so --skip-host-checks keeps them.
+CONFIG_WARNINGS: list[Callable[[Config], Iterable[str]]] = [open_main_group]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("check-config", parents=[common],
                        help="validate the config; exit 0 valid, 1 invalid")
-    p.add_argument("--quiet", "-q", action="store_true", help="print nothing when valid")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print nothing when valid (warnings are still printed)")
     p.add_argument("--skip-secrets", action="store_true",
                    help="check everything except that secret files exist and are readable "
                         "(for build-time checks, e.g. NixOS, where secrets appear at run time)")
@@ -54,8 +74,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         cfg = load_or_exit(args)
         checks = [] if args.skip_host_checks else CONFIG_CHECKS
         problems = [line for check in checks for line in check(cfg)]
+        warnings = [line for check in CONFIG_WARNINGS for line in check(cfg)]
     for line in problems:
         print(f"mdclaw: {line}", file=sys.stderr)
+    for line in warnings:
+        print(f"mdclaw: warning: {line}", file=sys.stderr)
     if problems:
         return 1
     if not args.quiet:
@@ -93,14 +116,37 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     return 1 if plan.conflicts else 0
 
 
+def group_listing(g: GroupRow, refused: Refusals) -> dict[str, object]:
+    """One row of `mdclaw groups list --json`: the group, its allow-list (mode and how many
+    ids; null: everyone may drive it) and the messages that allow-list refused."""
+    row: dict[str, object] = {k: getattr(g, k) for k in GROUP_FIELDS}
+    policy = g.allow_senders
+    row["allow_senders"] = ({"mode": policy.mode, "ids": len(policy.ids)}
+                            if policy is not None else None)
+    row["refused"] = refused.count
+    row["last_refused_at"] = refused.last_at
+    return row
+
+
+def _senders_cell(row: dict[str, object]) -> str:
+    policy = row["allow_senders"]
+    if not isinstance(policy, dict):
+        return "everyone"
+    n = policy["ids"]
+    return f"{policy['mode']}: {n} id{'' if n == 1 else 's'}"
+
+
 def cmd_groups_list(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
     db = open_db_or_exit(cfg)
     try:
-        rows = [{k: getattr(g, k) for k in GROUP_FIELDS} for g in list_groups(db)]
+        counts = refusals(db)
+        rows = [group_listing(g, counts.get(g.folder, Refusals())) for g in list_groups(db)]
     finally:
         db.close()
-    print_rows(rows, GROUP_FIELDS, as_json=args.json, empty="no groups registered")
+    if not args.json:
+        rows = [{**r, "senders": _senders_cell(r)} for r in rows]
+    print_rows(rows, GROUP_COLUMNS, as_json=args.json, empty="no groups registered")
     return 0
 
 

@@ -13,6 +13,7 @@ from mdclaw.commands.common import load_or_exit
 from mdclaw.commands.output import print_json
 from mdclaw.config import Config, ConfigError, iter_secret_files, load_config, read_secret
 from mdclaw.schedule import from_iso, get_zone, to_iso, utc_now
+from mdclaw.senders import jid_is_group_chat, main_group_warning
 
 STALE_AFTER = 30.0  # seconds without a status update: the daemon is not running
 
@@ -122,6 +123,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                "run `mdclaw check-config` for every error and fix the file")
         return results
     _check(results, "config", "ok", f"{len(cfg.groups)} group(s), main: {cfg.main_folder}")
+    _check_main_senders(results, cfg)
     # data dir (checked, never created here)
     target = cfg.data_dir
     while not target.exists() and target != target.parent:
@@ -176,6 +178,46 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
         _check(results, "clock", "ok", f"{to_iso(now)}; {cfg.assistant.timezone} is "
                f"{local.strftime('%Y-%m-%d %H:%M %Z')}")
     return results
+
+
+def known_group_chat(cfg: Config, jid: str) -> bool | None:
+    """What the `chats` table says about `jid` (channels set is_group as messages arrive):
+    None when the database or the chat is not known yet, or cannot be read."""
+    import sqlite3
+
+    from mdclaw.state import Database, DatabaseError
+
+    if not cfg.db_path.exists():
+        return None
+    try:
+        with Database(cfg.db_path, migrate=False) as db:
+            r = db.query_one("SELECT is_group FROM chats WHERE jid = ?", (jid,))
+    except (DatabaseError, OSError, sqlite3.Error):
+        return None
+    return None if r is None else bool(r[0])
+
+
+def _check_main_senders(results: list[dict[str, str]], cfg: Config) -> None:
+    """Warn when every member of a group chat can drive the main group's agent."""
+    folder = cfg.main_folder
+    if folder is None:
+        return
+    g = cfg.groups[folder]
+    known = known_group_chat(cfg, g.jid)
+    group_chat = known if known is not None else jid_is_group_chat(g.jid)
+    source = "the chats table" if known is not None else "its jid"
+    warning = main_group_warning(folder, g.jid, group_chat=group_chat,
+                                 policy_set=g.allow_senders is not None, source=source)
+    if warning:
+        _check(results, "main_senders", "warn", warning,
+               f"add allow_senders to groups.{folder} in the config")
+    elif g.allow_senders is not None:
+        others = "kept as context" if g.allow_senders.mode == "trigger" else "dropped"
+        _check(results, "main_senders", "ok", f"main group: {len(g.allow_senders.ids)} "
+               f"allowed sender id(s); messages of others are {others}")
+    else:
+        kind = "a private chat" if group_chat is False else "not known to be a group chat"
+        _check(results, "main_senders", "ok", f"main group {g.jid} is {kind}")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

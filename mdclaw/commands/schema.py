@@ -148,8 +148,52 @@ def _sections(schema: dict[str, Any], path: str, node: dict[str, Any],
                       {**prop["items"], "description": prop.get("description", "")}, out)
 
 
+# Prose the tables cannot carry; it comes after them in docs/configuration.md.
+WHO_MAY_DRIVE = """\
+## Who may drive an agent
+
+By default everyone in a group's chat can drive its agent, which has a shell and the group's
+files; in the main group it also has admin powers. `allow_senders` names the people who may:
+
+```yaml
+groups:
+  main:
+    name: Admin chat
+    jid: "tg:-1001234567890"
+    main: true
+    allow_senders:
+      mode: trigger          # or drop
+      ids: ["123456789"]     # Telegram user ids; numbers may be written unquoted
+```
+
+Messages from anyone else never start a turn, are never fed into a running conversation on
+their own, and are never answered. With `mode: trigger` they are stored and the agent sees
+them as context with the next turn an allowed sender starts; with `mode: drop` they are not
+stored at all. Pick `drop` when others' words must not reach the agent: in `trigger` mode it
+still reads them, instructions included, with an allowed sender's request.
+
+Each group counts the messages it refused (in `trigger` mode: those that would have started
+a turn), with the time of the latest: `mdclaw groups list` shows both. The log names each
+refused sender once (at info level), which is also how to find an id to add.
+
+Sender ids are what the channel reports as the sender:
+
+- Telegram (`tg:`): the user id, a number (`123456789`, without `tg:`). To find yours, write
+  `/chatid` in a private chat with the bot: it answers `tg:<your user id>`. A message sent on
+  behalf of a chat (an anonymous group admin, a linked channel) carries that chat's id.
+- Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
+  `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
+  is decided by the channel's `secret_file` and `listen` address.
+
+The rule is the same for every channel and applies to the main group too. Groups registered
+at runtime by the main agent (over IPC) have no allow-list: everyone in their chat may drive
+them, as before; to restrict one, unregister it and declare it in the config. `mdclaw check-config` and
+`mdclaw doctor` warn when the main group answers in a group chat without `allow_senders`.
+"""
+
+
 def render_markdown(schema: dict[str, Any]) -> str:
-    """docs/configuration.md: one table per mapping in config.yaml."""
+    """docs/configuration.md: one table per mapping in config.yaml, then the prose above."""
     lines = [
         "# Configuration reference",
         "",
@@ -179,6 +223,7 @@ def render_markdown(schema: dict[str, Any]) -> str:
                 key, _cell(_type_name(schema, prop, key)), _cell(_default_text(prop, key in required)),
                 _cell(prop.get("description", "")),
             ))
+    lines += ["", WHO_MAY_DRIVE.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""Registered groups: the folder, chat and trigger of every group the host serves."""
+"""Registered groups: the folder, chat, trigger and sender allow-list of every group the host
+serves, and how many messages each group's allow-list refused."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mdclaw.senders import SenderPolicy
 from mdclaw.state.db import Database, now_iso
 
 
@@ -21,6 +23,7 @@ class GroupRow:
     added_at: str = ""
     updated_at: str | None = None
     container_config: dict[str, Any] = field(default_factory=dict)
+    allow_senders: SenderPolicy | None = None  # None: everyone in the chat may drive it
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -33,6 +36,7 @@ def _row(r: Any) -> GroupRow:
         requires_trigger=bool(r["requires_trigger"]), is_main=bool(r["is_main"]),
         source=r["source"], added_at=r["added_at"], updated_at=r["updated_at"],
         container_config=json.loads(cc) if cc else {},
+        allow_senders=SenderPolicy.from_json(r["allow_senders"]),
     )
 
 
@@ -61,15 +65,18 @@ def upsert_group(db: Database, g: GroupRow) -> None:
     with db.transaction() as c:
         c.execute(
             """INSERT INTO registered_groups (folder, name, jid, trigger, added_at,
-                   container_config, requires_trigger, is_main, source, updated_at)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   container_config, requires_trigger, is_main, source, updated_at,
+                   allow_senders)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT(folder) DO UPDATE SET name=excluded.name, jid=excluded.jid,
                    trigger=excluded.trigger, container_config=excluded.container_config,
                    requires_trigger=excluded.requires_trigger, is_main=excluded.is_main,
-                   source=excluded.source, updated_at=excluded.updated_at""",
+                   source=excluded.source, updated_at=excluded.updated_at,
+                   allow_senders=excluded.allow_senders""",
             (g.folder, g.name, g.jid, g.trigger, g.added_at or now,
              json.dumps(g.container_config, sort_keys=True) if g.container_config else None,
-             int(g.requires_trigger), int(g.is_main), g.source, now),
+             int(g.requires_trigger), int(g.is_main), g.source, now,
+             g.allow_senders.to_json() if g.allow_senders else None),
         )
 
 
@@ -77,3 +84,27 @@ def delete_group(db: Database, folder: str) -> bool:
     """Deregister `folder` (its files stay on disk). True if a row was removed."""
     with db.transaction() as c:
         return c.execute("DELETE FROM registered_groups WHERE folder = ?", (folder,)).rowcount > 0
+
+
+@dataclass(frozen=True)
+class Refusals:
+    """Messages a group's allow_senders refused: how many, and when the latest came."""
+
+    count: int = 0
+    last_at: str | None = None
+
+
+def count_refusal(db: Database, folder: str, at: str | None = None) -> None:
+    """Count one refused message for `folder` at `at` (default: now)."""
+    with db.transaction() as c:
+        c.execute(
+            """INSERT INTO sender_refusals (group_folder, refused, last_refused_at)
+               VALUES (?, 1, ?) ON CONFLICT(group_folder) DO UPDATE SET
+                   refused = refused + 1, last_refused_at = excluded.last_refused_at""",
+            (folder, at or now_iso()))
+
+
+def refusals(db: Database) -> dict[str, Refusals]:
+    """Refused message counts by group folder; a folder without any is absent."""
+    return {r["group_folder"]: Refusals(r["refused"], r["last_refused_at"])
+            for r in db.query("SELECT * FROM sender_refusals")}

@@ -231,6 +231,17 @@ CREATE TABLE model_usage (
 -- behind such a row, so messages keep their order.
 ALTER TABLE outbox ADD COLUMN source_path TEXT;
 """),
+    (6, "sender allow-lists per group, refused message counts", """
+-- The group's allow_senders policy as JSON {"mode", "ids"}; NULL: everyone may drive it.
+ALTER TABLE registered_groups ADD COLUMN allow_senders TEXT;
+
+-- Messages refused by a group's allow_senders, per group: how many, and the latest when.
+CREATE TABLE sender_refusals (
+  group_folder TEXT PRIMARY KEY,
+  refused INTEGER NOT NULL DEFAULT 0,
+  last_refused_at TEXT NOT NULL
+);
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
