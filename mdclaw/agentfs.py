@@ -525,9 +525,11 @@ def read_text(dir_fd: int, name: str, max_bytes: int) -> str | None:
 
 
 def open_beneath(base_fd: int, parts: Sequence[str], max_bytes: int, *,
-                 allow_links: bool = True) -> tuple[int, os.stat_result]:
+                 allow_links: bool = False) -> tuple[int, os.stat_result]:
     """Open the regular file base/parts[0]/.../parts[-1] without following any symlink on
-    the way. Returns (fd, fstat). Raises UnsafePath with the reason."""
+    the way. Returns (fd, fstat). A file with more than one hard link is refused unless
+    `allow_links` (a link may be a name for a file the container should not reach).
+    Raises UnsafePath with the reason."""
     if not parts:
         raise UnsafePath("no file named")
     try:
