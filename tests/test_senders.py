@@ -98,7 +98,7 @@ class FakeRunner:
 
     async def run(self, folder: str, input: ContainerInput, *, on_output: Any = None,
                   timeout: float | None = None) -> ContainerResult:
-        handle = self.handles[folder] = FakeHandle()
+        self.handles[folder] = FakeHandle()
         self.inputs.append(input)
         self.started.set()
         try:
