@@ -54,6 +54,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 COPY_CHUNK = 1 << 20
+COPY_SYNC_EVERY = 4 << 20  # bytes between flushes of a large copy (see copy_bounded)
 
 
 class UnsafePath(Exception):
@@ -546,21 +547,39 @@ def open_beneath(base_fd: int, parts: Sequence[str], max_bytes: int, *,
         os.close(fd)
 
 
-def copy_bounded(src_fd: int, dst_fd: int, limit: int) -> int:
+def copy_bounded(src_fd: int, dst_fd: int, limit: int, *, sync_every: int = 0) -> int:
     """Copy from `src_fd` to `dst_fd`, reading at most `limit` + 1 bytes. Returns the bytes
-    copied. Raises UnsafePath when the source holds more than `limit` (it grew)."""
-    total = 0
+    copied. With `sync_every`, the copy is flushed to disk after each that many bytes, so a
+    large copy never holds a long flush that other writers on the disk would wait behind.
+    Raises UnsafePath when the source holds more than `limit` (it grew)."""
+    total = unsynced = 0
+    in_kernel = True  # copy_file_range: no round trip through this process's memory
     while True:
-        chunk = os.read(src_fd, min(COPY_CHUNK, limit + 1 - total))
-        if not chunk:
+        want = min(COPY_CHUNK, limit + 1 - total)
+        n = 0
+        if in_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, want)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
+                                   errno.EBADF):
+                    raise
+                in_kernel = False
+        if not in_kernel:
+            chunk = os.read(src_fd, want)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst_fd, view):]
+            n = len(chunk)
+        if not n:
             return total
-        total += len(chunk)
+        total += n
         if total > limit:
             raise UnsafePath(f"grew beyond the limit of {limit} bytes while being copied")
-        view = memoryview(chunk)
-        while view:
-            n = os.write(dst_fd, view)
-            view = view[n:]
+        unsynced += n
+        if sync_every and unsynced >= sync_every:
+            os.fdatasync(dst_fd)
+            unsynced = 0
 
 
 def copy_into(src_fd: int, dst_dir_fd: int, name: str, limit: int, mode: int = 0o600) -> int:
@@ -570,7 +589,7 @@ def copy_into(src_fd: int, dst_dir_fd: int, name: str, limit: int, mode: int = 0
     dfd = os.open(check_name(name), _NEW_FILE_FLAGS, mode, dir_fd=dst_dir_fd)
     try:
         try:
-            n = copy_bounded(src_fd, dfd, limit)
+            n = copy_bounded(src_fd, dfd, limit, sync_every=COPY_SYNC_EVERY)
             os.fsync(dfd)
         finally:
             os.close(dfd)

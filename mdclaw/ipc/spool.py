@@ -14,6 +14,7 @@ finished leaves the row with its `source_path`, and the next start copies it the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from mdclaw.state import Database, now_iso
 
 log = logging.getLogger("mdclaw.ipc")
 
+SPOOL_NICE = 10  # the copy thread's niceness (Linux sets it per thread)
 SPOOL_NAME_MAX = 100  # characters of the file's own name kept in the spool copy's name
 
 
@@ -144,6 +146,9 @@ class FileSpooler:
         self._thread.join(timeout=120)
 
     def _run(self) -> None:
+        # Bulk copies yield the CPU to the IPC loop and the rest of the daemon.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SPOOL_NICE)
         db = Database(self.db_path, migrate=False)
         try:
             while True:
