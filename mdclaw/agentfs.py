@@ -616,16 +616,52 @@ class Usage:
     bytes: int = 0  # disk space used (allocated blocks: a sparse file counts what it holds)
     entries: int = 0
     complete: bool = True  # False when the walk stopped at its entry budget
+    unreadable: int = 0  # folders that could not be opened: what is in them is not counted
+    first_unreadable: str = ""  # the first of them, relative to the root, for messages
+
+
+USAGE_MAX_FDS = 32  # folder fds `tree_usage` holds at once, whatever the tree's shape
 
 
 def tree_usage(root_fd: int, *, max_entries: int = 200_000) -> Usage:
     """Disk space used below the open folder `root_fd`, walked by fds without following any
-    symlink, reading no file. Stops after `max_entries` entries (then `complete` is False)."""
+    symlink, reading no file. Stops after `max_entries` entries (then `complete` is False).
+
+    A file with several hard links is counted once. At most `USAGE_MAX_FDS` folders are held
+    open at a time: a folder with thousands of subfolders (or a very deep one) cannot make
+    the host run out of file descriptors; subfolders beyond that are reopened from the root
+    by their path (`walk`) when their turn comes. A folder that cannot be opened (its mode
+    shuts mdclaw out, or its path is too long to reopen) is counted in `unreadable`; one
+    that vanished or turned into a symlink meanwhile is skipped.
+    """
     use = Usage()
-    stack = [os.dup(root_fd)]
+    linked: set[tuple[int, int]] = set()
+    # (an open fd, or None to reopen by path later; the path below the root)
+    stack: list[tuple[int | None, tuple[str, ...]]] = [(os.dup(root_fd), ())]
+    held = 1
+
+    def unreadable(parts: tuple[str, ...]) -> None:
+        use.unreadable += 1
+        if not use.first_unreadable:
+            use.first_unreadable = "/".join(parts)
+
     try:
         while stack:
-            fd = stack.pop()
+            fd, parts = stack.pop()
+            if fd is None:
+                try:
+                    fd = walk(root_fd, parts)
+                except FileNotFoundError:
+                    continue
+                except UnsafePath as e:
+                    if "not a directory" not in str(e):  # else: swapped meanwhile
+                        unreadable(parts)
+                    continue
+                except OSError:
+                    unreadable(parts)
+                    continue
+            else:
+                held -= 1
             try:
                 with os.scandir(fd) as it:
                     for entry in it:
@@ -637,18 +673,56 @@ def tree_usage(root_fd: int, *, max_entries: int = 200_000) -> Usage:
                             st = entry.stat(follow_symlinks=False)
                         except OSError:
                             continue
-                        use.bytes += st.st_blocks * 512
-                        if stat.S_ISDIR(st.st_mode):
-                            try:
-                                stack.append(open_dir(entry.name, fd))
-                            except (OSError, UnsafePath):
+                        if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                            key = (st.st_dev, st.st_ino)
+                            if key in linked:
                                 continue
+                            linked.add(key)
+                        use.bytes += st.st_blocks * 512
+                        if not stat.S_ISDIR(st.st_mode):
+                            continue
+                        child = parts + (entry.name,)
+                        if held >= USAGE_MAX_FDS:
+                            stack.append((None, child))
+                            continue
+                        try:
+                            stack.append((open_dir(entry.name, fd), child))
+                            held += 1
+                        except FileNotFoundError:
+                            continue
+                        except UnsafePath as e:
+                            if "not a directory" not in str(e):
+                                unreadable(child)
+                        except OSError:
+                            unreadable(child)
+            except OSError:
+                unreadable(parts)
             finally:
                 os.close(fd)
     finally:
-        for fd in stack:
-            os.close(fd)
+        for fd, _ in stack:
+            if fd is not None:
+                os.close(fd)
     return use
+
+
+@dataclass(frozen=True)
+class FreeSpace:
+    total: int  # bytes the file system holds
+    free: int  # bytes an unprivileged user may still write (statvfs f_bavail)
+    files_free: int  # inodes an unprivileged user may still use (0 where not counted)
+
+
+def free_space(path: Path) -> FreeSpace:
+    """Size and free space of the file system holding the host-owned folder `path`
+    (`data_dir`), by fstatvfs on its fd. Raises FileNotFoundError, UnsafePath or OSError."""
+    fd = open_root(path)
+    try:
+        st = os.fstatvfs(fd)
+    finally:
+        os.close(fd)
+    return FreeSpace(total=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize,
+                     files_free=st.f_favail)
 
 
 # --------------------------------------------------------------------------- sockets
@@ -688,7 +762,8 @@ def bind_socket(dir_fd: int, name: str, mode: int) -> socket.socket:
 
 
 __all__ = [
-    "COPY_CHUNK", "FileData", "Rejected", "UnsafePath", "Usage", "Vanished", "atomic_write",
+    "COPY_CHUNK", "USAGE_MAX_FDS", "FileData", "FreeSpace", "Rejected", "UnsafePath", "Usage",
+    "Vanished", "atomic_write", "free_space",
     "bind_socket", "check_name", "copy_bounded", "copy_into", "ensure_dir", "ensure_group_dirs", "generation", "is_our_temp",
     "kind_of", "listdir", "lstat", "lstat_generation", "make_dirs", "move", "open_beneath",
     "open_dir", "open_regular", "open_root", "opened", "openat2_available", "read_fd_bounded",
