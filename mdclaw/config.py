@@ -88,6 +88,81 @@ Duration = Annotated[
 ]
 
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_POWER = {"k": 1, "m": 2, "g": 3, "t": 4}
+# What the JSON Schema (and so the NixOS options) accept for a size; parse_size decides.
+SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?|[bB])?\s*$"
+FLOOR_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?|[bB]|%)?\s*$"
+
+
+def parse_size(value: Any) -> int:
+    """Read a size as bytes: an integer (bytes) or "500M", "2G", "1GiB", "1.5GB", "64k".
+
+    K, M, G, T with or without i (KiB, GiB...) are powers of 1024, as in docker's `2g`;
+    KB, MB, GB, TB are powers of 1000. Raises ValueError saying what is accepted.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as '500M', '2G' or '1GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"invalid size {value!r}: use e.g. '500M', '2G', '1GiB', '1.5GB' or "
+                         "an integer of bytes")
+    number, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    if unit == "b":
+        size = number
+    else:
+        base = 1000 if unit.endswith("b") and "i" not in unit else 1024
+        size = number * base ** _SIZE_POWER[unit[0]]
+    if int(size) <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return int(size)
+
+
+def format_size(n: float) -> str:
+    """A byte count for people: '2.1 GiB', '512 MiB', '900 B'."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value >= 100 or value == int(value) \
+                else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _size_text(value: Any) -> str:
+    """Check a size and keep it as written (an integer becomes its text)."""
+    parse_size(value)
+    return str(value).strip()
+
+
+def _floor_text(value: Any) -> str:
+    """A size, or a percentage of the file system ("5%")."""
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"invalid percentage {value!r}: use e.g. '5%'") from None
+        if not 0 < pct < 100:
+            raise ValueError(f"percentage must be between 0 and 100, got {value!r}")
+        return text
+    return _size_text(value)
+
+
+Size = Annotated[str, BeforeValidator(_size_text), Field(pattern=SIZE_PATTERN)]
+SizeOrPercent = Annotated[str, BeforeValidator(_floor_text), Field(pattern=FLOOR_PATTERN)]
+
+
+def floor_bytes(value: str, total: int) -> int:
+    """`limits.min_free_disk` in bytes, for a file system of `total` bytes."""
+    if value.endswith("%"):
+        return int(total * float(value[:-1]) / 100)
+    return parse_size(value)
+
+
 def _check_folder(name: str) -> str:
     if not FOLDER_RE.match(name):
         raise ValueError(
@@ -229,6 +304,16 @@ class Group(Frozen):
         None, description="Who may drive this group's agent, e.g. {mode: trigger, ids: "
         "['123456789']}; unset: everyone in the chat may (docs/configuration.md: 'Who may drive "
         "an agent').")
+    disk: Size | None = Field(
+        None, description="Most disk space this group's files may take, e.g. `2GiB` (overrides "
+        "`limits.disk`).")
+    proxy_connections: int | None = Field(
+        None, ge=1, le=1024,
+        description="Connections this group may hold open to the credential proxy "
+        "(overrides `limits.proxy_connections`).")
+    proxy_requests_per_minute: int | None = Field(
+        None, ge=1, description="Model requests per minute this group may send through the "
+        "credential proxy (overrides `limits.proxy_requests_per_minute`).")
 
     @model_validator(mode="after")
     def _telegram_sender_ids(self) -> Group:
@@ -274,6 +359,32 @@ class Limits(Frozen):
     delivery_retry_base: Duration = Field(timedelta(seconds=5),
                                           description="Wait before the second delivery try; "
                                           "triples after.")
+    disk: Size | None = Field(
+        "10GiB", description="Most disk space one group's files may take: `groups/<g>`, "
+        "`ipc/<g>`, `sessions/<g>` (and `groups/global` for main). Past it the group's "
+        "container is stopped and its runs are refused, with one message to its chat, until "
+        "files are deleted. Sizes: `500M`, `2G`, `1GiB` (powers of 1024), `1.5GB` (of 1000). "
+        "null: no limit. Per group: `groups.<g>.disk`.")
+    disk_files: int = Field(
+        500_000, ge=1000, description="Most files and folders one group may have (counted "
+        "like `limits.disk`); more counts as over the disk limit. Also bounds what one "
+        "measurement costs.")
+    min_free_disk: SizeOrPercent = Field(
+        "1GiB", description="Free space kept on the file system holding `data_dir`: a size "
+        "(`1GiB`) or a percentage of it (`5%`). Below it every running container is stopped "
+        "and no run starts until space is freed; state.db and the outbox keep working.")
+    disk_check_interval: Duration = Field(
+        timedelta(seconds=10), description="How often free space and the folders of groups "
+        "with a running container are measured (at least 10 times as long as the last "
+        "measurement took).")
+    proxy_connections: int = Field(
+        32, ge=1, le=1024, description="Connections one group's container may hold open to "
+        "the credential proxy; more are closed as soon as they are accepted. Per group: "
+        "`groups.<g>.proxy_connections`.")
+    proxy_requests_per_minute: int = Field(
+        300, ge=1, description="Model requests one group may send through the credential "
+        "proxy per minute (bursts up to this many); more get HTTP 429 with a Retry-After. "
+        "Per group: `groups.<g>.proxy_requests_per_minute`.")
 
     @model_validator(mode="after")
     def _idle_below_hard(self) -> Limits:
@@ -469,6 +580,22 @@ class Config(_Settings):
 
     def group_timezone(self) -> str:
         return self.assistant.timezone
+
+    def disk_limit(self, folder: str) -> int | None:
+        """Bytes the group's files may take (groups.<g>.disk, else limits.disk); None: no
+        limit."""
+        group = self.groups.get(folder)
+        text = group.disk if group is not None and group.disk else self.limits.disk
+        return parse_size(text) if text else None
+
+    def proxy_caps(self, folder: str) -> tuple[int, int]:
+        """(connections, requests per minute) the credential proxy allows the group."""
+        group = self.groups.get(folder)
+        conns = group.proxy_connections if group and group.proxy_connections else None
+        rate = (group.proxy_requests_per_minute
+                if group and group.proxy_requests_per_minute else None)
+        return (conns or self.limits.proxy_connections,
+                rate or self.limits.proxy_requests_per_minute)
 
 
 # --------------------------------------------------------------------------- loading
