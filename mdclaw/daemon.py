@@ -67,6 +67,7 @@ class Daemon:
         self.runner: Any = None
         self.proxy: Any = None
         self.orch: Any = None
+        self.diskguard: Any = None
         self._scheduler_tick = (0, time.monotonic())
 
     # ---------------------------------------------------------------- signals
@@ -122,6 +123,7 @@ class Daemon:
 
     async def start_services(self) -> None:
         from mdclaw.channels.registry import build_channels, connect_all
+        from mdclaw.diskguard import DiskGuard
         from mdclaw.ipc.watcher import IpcWatcher
         from mdclaw.orchestrator import Orchestrator
         from mdclaw.outbox import OutboxWorker, RetryPolicy, spool_cleaner
@@ -145,8 +147,10 @@ class Daemon:
             max_attempts=cfg.limits.delivery_attempts,
             base_delay=cfg.limits.delivery_retry_base.total_seconds()),
             on_sent=clean, on_failed=clean)
+        # Disk limits: groups past theirs are stopped and refused (mdclaw.diskguard).
+        self.diskguard = DiskGuard(cfg, self.runner)
         self.orch = Orchestrator(cfg, db, runner=self.runner, proxy=self.proxy,
-                                 wake_outbox=self.outbox.wake)
+                                 wake_outbox=self.outbox.wake, diskguard=self.diskguard)
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(cfg, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
@@ -172,6 +176,8 @@ class Daemon:
         self._watch(asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
                     "watchdog")
         self._watch(asyncio.create_task(self._status_loop(), name="status"), "status")
+        self._watch(asyncio.create_task(self.diskguard.run(self.stop_event), name="disk"),
+                    "disk")
 
     def _after_ipc_commit(self, items: list[Any]) -> None:
         if self.outbox is not None:
@@ -227,6 +233,7 @@ class Daemon:
             "channels": {ch.name: ch.is_connected() for ch in self.channels},
             "reload_error": self.reload_error,
             "timings": self.orch.timings[-10:] if self.orch else [],
+            "disk": self.diskguard.status() if self.diskguard else None,
         }
 
     def status_line(self) -> str:
@@ -238,6 +245,10 @@ class Daemon:
             line += f"; engine: {s['engine']}"
         if self.reload_error:
             line += f"; last reload failed: {self.reload_error}"
+        blocked = (s.get("disk") or {}).get("blocked") or {}
+        if blocked:
+            line += "; disk: " + ", ".join(f"{f} refused ({v['state']})"
+                                           for f, v in blocked.items())
         return line
 
     def write_status(self) -> None:
@@ -299,9 +310,11 @@ class Daemon:
         new = new.model_copy(update={k: getattr(old, k) for k in ("channels", "runtime",
                                                                   "data_dir")})
         self.cfg = new
-        for obj in (self.runner, self.orch):
+        for obj in (self.runner, self.orch, self.diskguard):
             if obj is not None:
                 obj.cfg = new
+        if self.diskguard is not None:
+            self.diskguard.wake()  # limits may have changed: decide again now
         if self.orch is not None:
             self.orch.queue.max_concurrent = new.limits.max_concurrent_containers
         if self.watcher is not None:

@@ -69,6 +69,17 @@ class RunFailed(RuntimeError):
     """A container run ended without a usable result; the queue retries it."""
 
 
+class RunRefused(RunFailed):
+    """The disk rule refuses runs of this group for now (see mdclaw.diskguard); retrying at
+    once cannot help, so the queue does not."""
+
+    permanent = True
+
+    def __init__(self, verdict: Any) -> None:
+        super().__init__(verdict.summary())
+        self.verdict = verdict
+
+
 @dataclass
 class _Conversation:
     """What the orchestrator tracks about a group's run in progress."""
@@ -90,7 +101,7 @@ class Orchestrator:
     def __init__(self, cfg: Config, db: Database, *, runner: ContainerRunner | None,
                  proxy: Any = None, channels: list[Channel] | None = None,
                  wake_outbox: Callable[[], None] = lambda: None,
-                 max_concurrent: int | None = None) -> None:
+                 max_concurrent: int | None = None, diskguard: Any = None) -> None:
         self.cfg = cfg
         self.db = db
         self.layout = Layout(cfg.data_dir)
@@ -98,6 +109,8 @@ class Orchestrator:
         self.proxy = proxy
         self.channels = channels or []
         self.wake_outbox = wake_outbox
+        # mdclaw.diskguard.DiskGuard: runs of a group past a disk limit are refused.
+        self.diskguard = diskguard
         self.queue = GroupQueue(self.run_job,
                                 max_concurrent=max_concurrent
                                 or cfg.limits.max_concurrent_containers,
@@ -291,6 +304,10 @@ class Orchestrator:
 
     async def _run_container(self, group: GroupRow, make_input: Callable[[dict[str, Any]],
                              ContainerInput], on_output: Callable[[str], Any]) -> ContainerResult:
+        if self.diskguard is not None:
+            verdict = await self.diskguard.admit(group.folder)
+            if not verdict.ok:
+                raise RunRefused(verdict)
         if self.runner is None:
             raise RunFailed("the container engine is not reachable")
         if not self.engine_ready.is_set():
@@ -372,11 +389,18 @@ class Orchestrator:
             result = await self._run_container(
                 group, lambda f: self._container_input(group, prompt, session=session,
                                                        scheduled=False, fields=f), on_output)
+        except RunRefused as e:
+            self._refused(group, e.verdict)  # the messages wait for the next allowed run
+            return
         finally:
             self._conv.pop(group.folder, None)
             await self._set_typing(group.jid, False)
         self._mark_told(group)
         self._record_timing(result, marks, t_inbound)
+        stopped = (self.diskguard.blocked(group.folder)
+                   if self.diskguard is not None and result.status != "success" else None)
+        if stopped is not None:
+            self._refused(group, stopped)  # the disk rule stopped it: say so, no retries
         if result.status == "success" or conv.delivered:
             set_cursor(self.db, group.folder, conv.last_ts or "")
             # Messages that arrived after the prompt was built but could not be fed in.
@@ -391,8 +415,17 @@ class Orchestrator:
                           (f"last_agent_timestamp:{group.folder}",))
         else:
             set_cursor(self.db, group.folder, start_cursor)
+        if stopped is not None:
+            return
         raise RunFailed(result.error or f"the agent container ended with status {result.status}"
                         f" (exit code {result.exit_code})")
+
+    def _refused(self, group: GroupRow, verdict: Any) -> None:
+        """Tell the group's chat why it gets no answer, once while the condition lasts."""
+        log.warning("group %s: run refused: %s", group.folder, verdict.summary())
+        text = self.diskguard.notice(group.folder, verdict) if self.diskguard else None
+        if text and group.jid:
+            self._send_text(group.jid, group.folder, text)
 
     def _told(self, group: GroupRow) -> str | None:
         r = self.db.query_one("SELECT value FROM router_state WHERE key = ?",
@@ -426,8 +459,16 @@ class Orchestrator:
             result = await self._run_container(
                 group, lambda f: self._container_input(group, task.prompt, session=session,
                                                        scheduled=True, fields=f), on_output)
+        except RunRefused as e:
+            self._refused(group, e.verdict)
+            raise
         finally:
             self._conv.pop(group.folder, None)
+        stopped = (self.diskguard.blocked(group.folder)
+                   if self.diskguard is not None and result.status != "success" else None)
+        if stopped is not None:
+            self._refused(group, stopped)
+            raise RunRefused(stopped)
         if result.status != "success" and not texts:
             raise RunFailed(result.error or f"the agent container ended with status "
                             f"{result.status} (exit code {result.exit_code})")

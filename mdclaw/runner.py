@@ -281,6 +281,10 @@ class ContainerRunner:
     def active(self, folder: str) -> RunHandle | None:
         return self._active.get(folder)
 
+    def running(self) -> list[str]:
+        """The groups with a container starting or running now."""
+        return list(self._active)
+
     async def cleanup_orphans(self) -> list[str]:
         """Remove containers an earlier run of this install left behind (by label only).
 

@@ -56,6 +56,7 @@ def gather_status(cfg: Config) -> dict[str, Any]:
                         if k in live})
     except (OSError, ValueError, KeyError):
         pass
+    out["disk"] = _disk(cfg)
     if not cfg.db_path.exists():
         out.update(groups=0, outbox={}, next_task=None, tasks_active=0)
         return out
@@ -102,7 +103,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  failed #{f['id']} to {f['chat_jid']}: {f['error']}")
     nt = s.get("next_task")
     print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
+    _print_disk(s.get("disk") or {})
     return 0
+
+
+def _disk(cfg: Config) -> dict[str, Any]:
+    """Free space and each group's files, measured now with the daemon's own rule."""
+    from mdclaw.diskguard import check_all
+
+    return check_all(cfg)
+
+
+def _print_disk(disk: dict[str, Any]) -> None:
+    from mdclaw.config import format_size
+
+    if disk.get("free") is None:
+        print("disk: free space unknown (data_dir cannot be read)")
+    else:
+        state = "ok" if disk["host_ok"] else "BELOW the floor: runs are refused"
+        print(f"disk: {format_size(disk['free'])} free of {format_size(disk['total'])} "
+              f"(keeps {format_size(disk['floor'])} free: {state})")
+    for folder, v in (disk.get("groups") or {}).items():
+        flag = "" if v["state"] == "ok" else "  REFUSED"
+        print(f"  {folder}: {v['summary']}{flag}")
 
 
 # --------------------------------------------------------------------------- doctor
@@ -158,6 +181,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
         _check(results, "engine", "fail", f"container engine not reachable: {e}",
                "start Docker or `podman system service`, or set runtime.socket / DOCKER_HOST")
         _check(results, "image", "warn", "not checked: no engine")
+    _disk_checks(results, cfg)
     # channel credentials
     for key, path in iter_secret_files(cfg):
         try:
@@ -218,6 +242,41 @@ def _check_main_senders(results: list[dict[str, str]], cfg: Config) -> None:
     else:
         kind = "a private chat" if group_chat is False else "not known to be a group chat"
         _check(results, "main_senders", "ok", f"main group {g.jid} is {kind}")
+
+
+def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
+    """Free space on data_dir's disk and every group's files against its limits."""
+    from mdclaw.config import format_size
+    from mdclaw.diskguard import OK
+
+    disk = _disk(cfg)
+    if disk["free"] is None:
+        _check(results, "disk", "warn", f"cannot read the free space of {cfg.data_dir}")
+    elif not disk["host_ok"]:
+        _check(results, "disk", "fail",
+               f"{format_size(disk['free'])} free, below limits.min_free_disk "
+               f"({format_size(disk['floor'])}): no container runs",
+               "free space on the disk holding data_dir (or lower limits.min_free_disk)")
+    else:
+        low = disk["free"] < 2 * disk["floor"]
+        _check(results, "disk", "warn" if low else "ok",
+               f"{format_size(disk['free'])} free of {format_size(disk['total'])}; runs stop "
+               f"below {format_size(disk['floor'])}",
+               "free space on the disk holding data_dir" if low else "")
+    for folder, v in disk["groups"].items():
+        name = f"disk {folder}"
+        if v["state"] == "host_full":
+            continue  # said once above
+        if v["state"] != OK:
+            _check(results, name, "fail", v["summary"],
+                   f"delete files in {cfg.data_dir}/groups/{folder} (or its ipc/sessions "
+                   f"folders), or raise groups.{folder}.disk / limits.disk_files")
+        elif v["limit"] and v["used"] > 0.9 * v["limit"]:
+            _check(results, name, "warn", v["summary"] + " (over 90% of its limit)",
+                   f"delete files in {cfg.data_dir}/groups/{folder} or raise "
+                   f"groups.{folder}.disk")
+        else:
+            _check(results, name, "ok", v["summary"])
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -1,0 +1,364 @@
+"""The disk rule (mdclaw.diskguard) with real files: what counts, what is decided, who is told.
+
+No engine: the container side is played by files written into the group's folders, and the
+orchestrator runs without a runner (the refusal comes before it is needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+from pathlib import Path
+
+import pytest
+
+from mdclaw import agentfs, diskguard
+from mdclaw.channels.base import InboundMessage
+from mdclaw.config import Config, floor_bytes, load_config, parse_size
+from mdclaw.diskguard import (
+    GROUP_FULL,
+    HOST_FULL,
+    OK,
+    TOO_MANY_FILES,
+    UNREADABLE,
+    DiskGuard,
+    check,
+    decide,
+)
+from mdclaw.orchestrator import Orchestrator
+from mdclaw.paths import Layout
+from mdclaw.reconcile import reconcile
+from mdclaw.state import Database
+from mdclaw.state.conversations import get_cursor
+from mdclaw.state.outbox import list_outbox
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def make_cfg(tmp_path: Path, **limits) -> Config:  # noqa: ANN003
+    return Config(
+        data_dir=tmp_path / "data",
+        groups={"main": {"name": "A", "jid": "hl:main", "main": True},
+                "family": {"name": "F", "jid": "hl:family", "requires_trigger": False,
+                           "disk": "1MiB"}},
+        limits={"min_free_disk": "1M", "run_attempts": 1, **limits},
+    )
+
+
+def group_dir(cfg: Config, folder: str = "family") -> Path:
+    d = Layout(cfg.data_dir).group_dir(folder)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write(path: Path, n: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(os.urandom(n))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --------------------------------------------------------------------------- what counts
+
+
+def test_real_bytes_over_the_limit_and_back(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    d = group_dir(cfg)
+    write(d / "small", 100_000)
+    v = check(cfg, "family")
+    assert v.state == OK and v.limit == MiB and 100_000 <= v.used < 200_000, v
+    big = write(d / "sub" / "big", 2 * MiB)
+    v = check(cfg, "family")
+    assert v.state == GROUP_FULL and v.used > MiB, v
+    assert "over its disk limit" in v.summary()
+    assert "my folder is full" in v.chat_text() and "groups.family.disk" in v.chat_text()
+    big.unlink()
+    assert check(cfg, "family").state == OK
+
+
+def test_ipc_and_sessions_count_too(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    layout = Layout(cfg.data_dir)
+    write(layout.group_ipc_dir("family") / "messages" / "junk", 700_000)
+    assert check(cfg, "family").state == OK
+    write(layout.sessions_dir / "family" / ".claude" / "log.jsonl", 700_000)
+    v = check(cfg, "family")
+    assert v.state == GROUP_FULL and v.used >= 1_400_000, v
+
+
+def test_a_sparse_file_counts_what_it_holds(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    sparse = group_dir(cfg) / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(10 * GiB)  # 10 GiB long, nothing written
+        f.write(b"x" * 4096)
+    assert sparse.stat().st_size == 10 * GiB
+    v = check(cfg, "family")
+    assert v.state == OK and v.used < 64 * 1024, v
+
+
+def test_symlinks_to_big_host_files_are_not_counted(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    outside = write(tmp_path / "host-big", 3 * MiB)
+    (tmp_path / "host-dir").mkdir()
+    write(tmp_path / "host-dir" / "big", 3 * MiB)
+    d = group_dir(cfg)
+    (d / "link-to-file").symlink_to(outside)
+    (d / "link-to-dir").symlink_to(tmp_path / "host-dir")
+    (d / "link-to-root").symlink_to("/")
+    v = check(cfg, "family")
+    assert v.state == OK and v.used < 64 * 1024, v
+
+
+def test_hard_links_count_once(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    d = group_dir(cfg)
+    f = write(d / "a", 600_000)
+    for i in range(3):
+        os.link(f, d / f"link{i}")
+    v = check(cfg, "family")
+    assert v.state == OK and v.used < 700_000, v
+
+
+def test_too_many_files_counts_as_over(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, disk_files=1000)
+    d = group_dir(cfg)
+    for i in range(999):
+        (d / f"f{i}").touch()
+    assert check(cfg, "family").state == OK
+    for i in range(999, 1010):
+        (d / f"f{i}").touch()
+    v = check(cfg, "family")
+    assert v.state == TOO_MANY_FILES and "more than 1000 files" in v.chat_text(), v
+
+
+def test_a_wide_folder_cannot_exhaust_file_descriptors(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    d = group_dir(cfg)
+    for i in range(600):
+        write(d / f"d{i}" / "f", 1000)
+    deep = d
+    for i in range(60):
+        deep = deep / f"n{i}"
+    write(deep / "f", 1000)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Room for what is open now and a little more, far fewer than the 600 subfolders.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + agentfs.USAGE_MAX_FDS + 20, hard))
+    try:
+        with agentfs.opened(d) as fd:
+            u = agentfs.tree_usage(fd)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert u.complete and u.unreadable == 0, u
+    assert u.entries == 600 * 2 + 60 + 1, u  # every folder and file seen
+
+
+def test_decisions_without_files(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, min_free_disk="5%")
+    space = agentfs.FreeSpace(total=100 * GiB, free=4 * GiB, files_free=1000)
+    v = decide(cfg, "family", agentfs.Usage(bytes=10), "", space)
+    assert v.state == HOST_FULL and v.floor == 5 * GiB, v
+    assert "disk is nearly full" in v.chat_text()
+    space = agentfs.FreeSpace(total=100 * GiB, free=6 * GiB, files_free=1000)
+    assert decide(cfg, "family", agentfs.Usage(bytes=10), "", space).state == OK
+    v = decide(cfg, "family", agentfs.Usage(bytes=10, unreadable=1), "groups/family/x", space)
+    assert v.state == UNREADABLE and "groups/family/x" in v.chat_text(), v
+    # no limit for main: only the host's floor applies (limits.disk null)
+    nolimit = make_cfg(tmp_path, disk=None)
+    assert nolimit.disk_limit("main") is None
+    assert decide(nolimit, "main", agentfs.Usage(bytes=100 * GiB), "", space).state == OK
+    assert floor_bytes("1GiB", 10) == GiB and floor_bytes("5%", 200) == 10
+
+
+def test_config_sizes_and_errors(write_config) -> None:
+    assert [parse_size(v) for v in ("500M", "2G", "1GiB", "1.5GB", "64k", 7)] == [
+        500 * MiB, 2 * GiB, GiB, 1_500_000_000, 65536, 7]
+    from mdclaw.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config("""\
+            data_dir: {data_dir}
+            groups:
+              main: {name: A, jid: "hl:main", main: true, disk: lots}
+            limits: {min_free_disk: 150%}
+        """))
+    text = str(e.value)
+    assert "groups.main.disk" in text and "invalid size 'lots'" in text
+    assert "limits.min_free_disk" in text and "between 0 and 100" in text
+    cfg = load_config(write_config("""\
+        data_dir: {data_dir}
+        groups:
+          main: {name: A, jid: "hl:main", main: true, disk: 2G, proxy_connections: 4}
+          other: {name: B, jid: "hl:b"}
+        limits: {disk: 500M, proxy_requests_per_minute: 60}
+    """))
+    assert cfg.disk_limit("main") == 2 * GiB and cfg.disk_limit("other") == 500 * MiB
+    assert cfg.proxy_caps("main") == (4, 60) and cfg.proxy_caps("other") == (32, 60)
+    assert Config().limits.disk == "10GiB" and Config().limits.min_free_disk == "1GiB"
+
+
+# --------------------------------------------------------------------------- who is told
+
+
+def msg(i: int, jid: str, text: str = "hello") -> InboundMessage:
+    return InboundMessage(id=f"{jid}:{i}", chat_jid=jid, sender="u1", sender_name="Alice",
+                          content=text, timestamp=f"2026-01-01T00:00:{i:02d}.000Z",
+                          channel="http")
+
+
+def test_refused_runs_tell_the_chat_once_and_runs_resume(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    big = write(group_dir(cfg) / "big", 2 * MiB)
+
+    async def main() -> None:
+        guard = DiskGuard(cfg)
+        orch = Orchestrator(cfg, db, runner=None, diskguard=guard)
+        for i in (1, 2, 3):  # three messages while over: one message to the chat
+            await orch.on_inbound(msg(i, "hl:family"))
+            await asyncio.wait_for(orch.queue.join(), 10)
+        assert guard.blocked("family") is not None
+        assert orch.queue.failures == []  # refused, not failed and retried
+        # main is not affected by family's limit
+        await orch.on_inbound(msg(1, "hl:main"))
+        await asyncio.wait_for(orch.queue.join(), 10)
+        big.unlink()
+        await orch.on_inbound(msg(4, "hl:family"))
+        await asyncio.wait_for(orch.queue.join(), 10)
+        assert guard.blocked("family") is None
+
+    asyncio.run(main())
+    rows = sorted(list_outbox(db), key=lambda r: r.id)
+    texts = [(r.chat_jid, r.text) for r in rows]
+    family = [t for j, t in texts if j == "hl:family"]
+    assert len(family) == 2, texts
+    assert "my folder is full" in family[0] and "of 1 MiB" in family[0]
+    # allowed again: the run went on to the (missing) engine, which is a different story
+    assert "container engine is not reachable" in family[1]
+    assert [t for j, t in texts if j == "hl:main"][0].startswith("Sorry, I could not answer")
+    assert get_cursor(db, "family") is None  # nothing was answered: the messages wait
+    db.close()
+
+
+def test_guard_notices_once_per_episode(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    d = group_dir(cfg)
+    big = write(d / "big", 2 * MiB)
+    guard = DiskGuard(cfg)
+
+    async def main() -> list:
+        out = []
+        v = await guard.admit("family")
+        out += [guard.notice("family", v), guard.notice("family", v)]
+        big.unlink()
+        out.append((await guard.admit("family")).state)
+        write(d / "big", 2 * MiB)
+        v = await guard.admit("family")
+        out.append(guard.notice("family", v))
+        return out
+
+    first, second, state, again = asyncio.run(main())
+    assert first and "my folder is full" in first
+    assert second is None and state == OK and again == first
+
+
+class FakeHandle:
+    def __init__(self) -> None:
+        self.killed = asyncio.Event()
+        self.container_id = "c1"
+
+    async def kill(self) -> None:
+        self.killed.set()
+
+
+class FakeRunner:
+    def __init__(self) -> None:
+        self.handles = {"family": FakeHandle(), "main": FakeHandle()}
+
+    def running(self) -> list[str]:
+        return list(self.handles)
+
+    def active(self, folder: str) -> FakeHandle | None:
+        return self.handles.get(folder)
+
+
+def test_periodic_round_stops_only_the_group_over_its_limit(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, disk_check_interval="100ms")
+    group_dir(cfg, "main")
+    d = group_dir(cfg)
+    runner = FakeRunner()
+    guard = DiskGuard(cfg, runner)
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        task = asyncio.create_task(guard.run(stop))
+        await asyncio.sleep(0)  # let the first round see the group within its limit
+        write(d / "big", 2 * MiB)
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(runner.handles["family"].killed.wait(), 10)
+        took = asyncio.get_running_loop().time() - t0
+        stop.set()
+        await task
+        return took
+
+    took = asyncio.run(main())
+    assert took < 5
+    assert not runner.handles["main"].killed.is_set()
+    assert guard.status()["blocked"]["family"]["state"] == GROUP_FULL
+    json.dumps(guard.status())  # the daemon's status file takes it as it is
+
+
+def test_below_the_free_space_floor_every_container_stops(tmp_path: Path) -> None:
+    total = agentfs.free_space(tmp_path).total
+    cfg = make_cfg(tmp_path, min_free_disk="99.99%")  # this disk is never that empty
+    group_dir(cfg, "main")
+    group_dir(cfg)
+    runner = FakeRunner()
+    guard = DiskGuard(cfg, runner)
+    verdicts = asyncio.run(guard.check_once())
+    assert {v.state for v in verdicts} == {HOST_FULL}, verdicts
+    assert all(h.killed.is_set() for h in runner.handles.values())
+    assert guard.status()["floor"] == floor_bytes("99.99%", total)
+
+
+def test_status_and_doctor_name_the_group_and_the_size(cli, write_config, data_dir) -> None:
+    cfg = str(write_config("""\
+        data_dir: {data_dir}
+        groups:
+          main: {name: A, jid: "hl:main", main: true}
+          family: {name: F, jid: "hl:family", disk: 1MiB}
+        limits: {min_free_disk: 1M}
+    """))
+    assert cli("reconcile", "--config", cfg).returncode == 0
+    write(data_dir / "groups" / "family" / "big", 2 * MiB)
+    r = cli("status", "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if "family" in x and "disk" in x)
+    assert "2.0 MiB of 1 MiB" in line and "REFUSED" in line, r.stdout
+    s = json.loads(cli("status", "--json", "--config", cfg).stdout)
+    assert s["disk"]["groups"]["family"]["state"] == GROUP_FULL
+    assert s["disk"]["groups"]["main"]["state"] == OK
+    r = cli("doctor", "--json", "--config", cfg)
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert checks["disk family"]["level"] == "fail"
+    assert "2.0 MiB of 1 MiB" in checks["disk family"]["detail"]
+    assert "groups.family.disk" in checks["disk family"]["fix"]
+    assert checks["disk"]["level"] == "ok" and checks["disk main"]["level"] == "ok"
+
+
+def test_the_module_uses_only_the_one_door() -> None:
+    import inspect
+    import re
+
+    src = inspect.getsource(diskguard)
+    assert not re.search(r"\bos\.(stat|lstat|listdir|walk|scandir|statvfs)|shutil\.|\.stat\(",
+                         src)
