@@ -14,6 +14,14 @@ proxy:
 - counts the request and the tokens the API reports in the state database (`model_usage`),
   per group, model and UTC day — `mdclaw usage` shows them.
 
+A container cannot use its socket against the host or the other groups: it may hold at most
+`limits.proxy_connections` connections open (more are answered with a short 503 and closed
+as soon as they are accepted, so the daemon's file descriptors stay bounded whatever the
+container does; further attempts wait in the kernel's listen queue, not in the daemon), and
+send at most `limits.proxy_requests_per_minute` requests (a token bucket: bursts up to that
+many, then that many per minute; more get HTTP 429 with `Retry-After`). Both can be set per
+group.
+
 The group comes from which socket the request arrived on, never from anything the client says.
 """
 
@@ -21,10 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import math
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +73,19 @@ DROP_RESPONSE_HEADERS = frozenset({
     "content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
     "set-cookie", "trailer", "upgrade",
 })
+
+
+DEFAULT_MAX_CONNECTIONS = 32
+DEFAULT_REQUESTS_PER_MINUTE = 300
+ACCEPT_BATCH = 64  # connections accepted per readiness event, before other work runs
+ACCEPT_PAUSE = 1.0  # seconds not accepting after the process ran out of descriptors
+_BUSY_BODY = json.dumps({"type": "error", "error": {
+    "type": "overloaded_error",
+    "message": "too many open connections to mdclaw's model proxy from this group; close "
+               "some and retry"}}).encode()
+BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                 b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
+                 + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 
 
 class ProxyError(RuntimeError):
@@ -245,12 +269,179 @@ def usage_rows(db: Database, *, group: str | None = None,
 # --------------------------------------------------------------------------- server
 
 
+class _Caps:
+    """One group's limits on its socket: open connections, and requests as a token bucket
+    (`per_minute` tokens at most, refilled at `per_minute` a minute)."""
+
+    def __init__(self, max_connections: int, per_minute: int) -> None:
+        self.max_connections = max_connections
+        self.per_minute = per_minute
+        self.open = 0
+        self.refused = 0  # connections closed at accept time
+        self.limited = 0  # requests answered 429
+        self._tokens = float(per_minute)
+        self._at = time.monotonic()
+
+    def take(self) -> float:
+        """0 when a request may go now (and counts it), else the seconds until one may."""
+        now = time.monotonic()
+        rate = self.per_minute / 60.0
+        self._tokens = min(float(self.per_minute), self._tokens + (now - self._at) * rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / rate
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, which gives its slot back when it ends."""
+
+    def __init__(self, inner: asyncio.Protocol, caps: _Caps) -> None:
+        self._inner = inner
+        self._caps = caps
+        self.made = False
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._caps.open -= 1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.made = True
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.release()
+        self._inner.connection_lost(exc)
+
+
+class _Listener:
+    """Accepts on one group's socket itself (instead of aiohttp's site), so that a
+    connection beyond the group's cap is closed the moment it is accepted: it never gets a
+    transport, a task or a buffer, and the daemon holds at most `max_connections` + 1
+    descriptors for the group however many connections the container attempts."""
+
+    def __init__(self, folder: str, sock: socket.socket, server: web.Server,
+                 caps: _Caps) -> None:
+        self.folder = folder
+        self.sock = sock
+        self.server = server
+        self.caps = caps
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._paused: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._warned = False
+
+    def start(self) -> None:
+        self._loop.add_reader(self.sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors or memory: stop accepting for a moment (the kernel
+                    # keeps the waiting connections) rather than spin.
+                    log.error("group %s: proxy cannot accept: %s; pausing %.0f s",
+                              self.folder, e.strerror, ACCEPT_PAUSE)
+                    self._pause()
+                    return
+                raise
+            if self.caps.open >= self.caps.max_connections:
+                self._refuse(conn)
+                continue
+            self.caps.open += 1
+            task = self._loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _refuse(self, conn: socket.socket) -> None:
+        self.caps.refused += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("group %s: more than %d connections to the model proxy; closing the "
+                        "extra ones", self.folder, self.caps.max_connections)
+        try:
+            conn.setblocking(False)
+            conn.send(BUSY_RESPONSE)  # best effort: the client learns why
+        except OSError:
+            pass
+        conn.close()
+
+    def _pause(self) -> None:
+        self._loop.remove_reader(self.sock.fileno())
+        self._paused = self._loop.call_later(ACCEPT_PAUSE, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = None
+        if not self._closed:
+            self.start()
+
+    async def _serve(self, conn: socket.socket) -> None:
+        counted: _Counted | None = None
+
+        def factory() -> _Counted:
+            nonlocal counted
+            counted = _Counted(self.server(), self.caps)
+            return counted
+
+        try:
+            await self._loop.connect_accepted_socket(factory, sock=conn)
+        except BaseException as e:
+            # Without a transport nobody else gives the slot back or closes the socket.
+            if counted is None or not counted.made:
+                if counted is not None:
+                    counted.release()
+                else:
+                    self.caps.open -= 1
+                conn.close()
+            if isinstance(e, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+                raise
+            log.warning("group %s: proxy connection could not be set up: %r", self.folder, e)
+
+    async def close(self) -> None:
+        """Stop accepting and close the listening socket (open connections stay; the
+        AppRunner's cleanup closes them)."""
+        self._closed = True
+        if self._paused is not None:
+            self._paused.cancel()
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 @dataclass
 class _GroupSite:
     folder: str
     upstream: Upstream
     socket_path: Path
     runner: web.AppRunner
+    listener: _Listener
+    caps: _Caps
     requests: int = 0
 
 
@@ -263,16 +454,22 @@ class CredentialProxy:
     Usage is added up in memory and written every `flush_interval` seconds, when a group's
     proxy stops, and at `close` — one small transaction instead of one per request, which
     keeps database work off the request path (a crash loses at most one interval's counts).
-    At most `max_concurrent` requests per group are forwarded at once; more wait.
+    At most `max_concurrent` requests per group are forwarded at once; more wait. At most
+    `max_connections` connections per group are open at once and `requests_per_minute`
+    requests are taken (both can be given per group to `start_group`).
     """
 
     def __init__(self, layout: Layout, db: Database | None = None, *,
                  connect_timeout: float = 30.0, read_timeout: float = 600.0,
-                 flush_interval: float = 5.0, max_concurrent: int = 8) -> None:
+                 flush_interval: float = 5.0, max_concurrent: int = 8,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 requests_per_minute: int = DEFAULT_REQUESTS_PER_MINUTE) -> None:
         self.layout = layout
         self.db = db
         self.flush_interval = flush_interval
         self.max_concurrent = max_concurrent
+        self.max_connections = max_connections
+        self.requests_per_minute = requests_per_minute
         self._sites: dict[str, _GroupSite] = {}
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout,
@@ -307,8 +504,11 @@ class CredentialProxy:
                 connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60))
         return self._session
 
-    async def start_group(self, folder: str, upstream: Upstream) -> Path:
-        """Serve `folder`'s socket (replacing a stale one); return its path.
+    async def start_group(self, folder: str, upstream: Upstream, *,
+                          max_connections: int | None = None,
+                          requests_per_minute: int | None = None) -> Path:
+        """Serve `folder`'s socket (replacing a stale one); return its path. The caps
+        default to the proxy's own.
 
         Raises ProxyError if the socket cannot be made.
         """
@@ -319,18 +519,21 @@ class CredentialProxy:
             sock = await asyncio.to_thread(self._bind, folder)
         except (OSError, agentfs.UnsafePath) as e:
             raise ProxyError(f"cannot listen on {path}: {e}") from None
+        caps = _Caps(max_connections or self.max_connections,
+                     requests_per_minute or self.requests_per_minute)
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
-        app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream))
+        app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream, caps))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.SockSite(runner, sock)
+        assert runner.server is not None
+        listener = _Listener(folder, sock, runner.server, caps)
         try:
-            await site.start()
+            listener.start()
         except OSError as e:
             await runner.cleanup()
             sock.close()
             raise ProxyError(f"cannot listen on {path}: {e.strerror}") from None
-        self._sites[folder] = _GroupSite(folder, upstream, path, runner)
+        self._sites[folder] = _GroupSite(folder, upstream, path, runner, listener, caps)
         self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
                                        "output_tokens": 0})
         if self.db is not None and (self._flusher is None or self._flusher.done()):
@@ -343,9 +546,11 @@ class CredentialProxy:
             agentfs.unlink(dfd, PROXY_SOCKET_NAME)
 
     async def start_for_config(self, cfg: Config, folder: str) -> Path:
-        """start_group with the upstream the config gives `folder`."""
+        """start_group with the upstream and the caps the config gives `folder`."""
         _key, spec = model_for_group(cfg, folder)
-        return await self.start_group(folder, Upstream.from_spec(spec))
+        conns, rate = cfg.proxy_caps(folder)
+        return await self.start_group(folder, Upstream.from_spec(spec), max_connections=conns,
+                                      requests_per_minute=rate)
 
     @contextlib.asynccontextmanager
     async def for_run(self, cfg: Config, folder: str):  # noqa: ANN201 - async generator
@@ -367,7 +572,13 @@ class CredentialProxy:
         site = self._sites.pop(folder, None)
         if site is None:
             return
+        await site.listener.close()
         await site.runner.cleanup()
+        if site.caps.refused or site.caps.limited:
+            log.warning("group %s: the model proxy closed %d connection(s) over the cap of %d "
+                        "and answered %d request(s) over %d a minute with 429", folder,
+                        site.caps.refused, site.caps.max_connections, site.caps.limited,
+                        site.caps.per_minute)
         await asyncio.to_thread(self._unlink_socket, folder)
         await self.flush()
 
@@ -387,14 +598,37 @@ class CredentialProxy:
     def running(self) -> list[str]:
         return sorted(self._sites)
 
+    def caps(self, folder: str) -> dict[str, int] | None:
+        """The group's caps and how often they were hit, while its socket is served."""
+        site = self._sites.get(folder)
+        if site is None:
+            return None
+        c = site.caps
+        return {"max_connections": c.max_connections, "open": c.open, "refused": c.refused,
+                "requests_per_minute": c.per_minute, "limited": c.limited}
+
     # ------------------------------------------------------------------ request path
-    def _make_handler(self, folder: str, upstream: Upstream):  # noqa: ANN202
+    def _make_handler(self, folder: str, upstream: Upstream, caps: _Caps):  # noqa: ANN202
         allowed = ALLOWED_ROUTES[upstream.backend]
         # A runaway or hostile agent cannot open unbounded parallel requests on the key:
         # beyond the limit they wait their turn.
         slots = asyncio.Semaphore(self.max_concurrent)
 
         async def handle(request: web.Request) -> web.StreamResponse:
+            wait = caps.take()
+            if wait:
+                caps.limited += 1
+                if caps.limited == 1:
+                    log.warning("group %s: more than %d model requests a minute; answering "
+                                "429 until it slows down", folder, caps.per_minute)
+                seconds = max(1, math.ceil(wait))
+                return web.json_response(
+                    {"type": "error",
+                     "error": {"type": "rate_limit_error",
+                               "message": f"this group may send {caps.per_minute} requests "
+                                          f"a minute through mdclaw's model proxy; retry in "
+                                          f"{seconds} s"}},
+                    status=429, headers={"retry-after": str(seconds)})
             if (request.method, request.path) not in allowed:
                 return web.json_response(
                     {"error": {"type": "not_found",
