@@ -20,7 +20,8 @@ as soon as a measurement is back within the rule.
 When: a group is measured before each run of it (`DiskGuard.admit`), and every
 `limits.disk_check_interval` while its container runs or while it is refused (`DiskGuard.run`),
 off the event loop. A round waits at least ten times as long as the last one took, so
-measuring cannot take more than a tenth of one core. The walk holds a bounded number of file
+measuring cannot take more than a tenth of one core. Free space (one `fstatvfs`) is checked
+every second (`HOST_TICK`) in between, so a fast writer meets the floor within a second. The walk holds a bounded number of file
 descriptors and stops at `limits.disk_files` entries (`agentfs.tree_usage`).
 """
 
@@ -40,6 +41,8 @@ from mdclaw.config import Config, floor_bytes, format_size
 from mdclaw.paths import Layout
 
 log = logging.getLogger("mdclaw.diskguard")
+
+HOST_TICK = 1.0  # seconds between free-space checks while the daemon runs
 
 OK = "ok"
 GROUP_FULL = "group_full"  # over its disk limit
@@ -312,20 +315,42 @@ class DiskGuard:
         self.rounds += 1
         return verdicts
 
+    async def check_host(self) -> list[Verdict]:
+        """Free space only (cheap): below the floor, every running container is stopped."""
+        cfg = self.cfg
+        space = await asyncio.to_thread(measure_host, cfg)
+        self.space = space
+        out = []
+        for folder in self._active():
+            v = decide(cfg, folder, None, "", space)
+            if v.state == HOST_FULL:
+                self._record(v)
+                out.append(v)
+                await self._stop(folder, v)
+        return out
+
     def wake(self) -> None:
         """Measure now (a run started, the config changed)."""
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Measure every `limits.disk_check_interval` (or 10x the last round) until `stop`."""
+        """Measure the groups every `limits.disk_check_interval` (or 10x the last round),
+        and free space every `HOST_TICK`, until `stop`."""
+        next_round = 0.0
         while not stop.is_set():
+            woken = self._wake.is_set()
             self._wake.clear()
             try:
-                await self.check_once()
+                if woken or time.monotonic() >= next_round:
+                    await self.check_once()
+                    next_round = time.monotonic() + max(
+                        self.cfg.limits.disk_check_interval.total_seconds(),
+                        10 * self.last_round)
+                else:
+                    await self.check_host()
             except Exception:  # noqa: BLE001 - a failed round must not end the daemon's guard
                 log.exception("measuring disk use failed")
-            pause = max(self.cfg.limits.disk_check_interval.total_seconds(),
-                        10 * self.last_round)
+            pause = max(0.0, min(HOST_TICK, next_round - time.monotonic()))
             waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait(waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED)

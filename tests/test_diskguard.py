@@ -362,3 +362,31 @@ def test_the_module_uses_only_the_one_door() -> None:
     src = inspect.getsource(diskguard)
     assert not re.search(r"\bos\.(stat|lstat|listdir|walk|scandir|statvfs)|shutil\.|\.stat\(",
                          src)
+
+
+def test_free_space_is_checked_every_second_between_rounds(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, disk_check_interval="1h")
+    group_dir(cfg, "main")
+    group_dir(cfg)
+    runner = FakeRunner()
+    guard = DiskGuard(cfg, runner)
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        task = asyncio.create_task(guard.run(stop))
+        while guard.rounds < 1:  # the first (full) round is done; the next is an hour away
+            await asyncio.sleep(0.01)
+        # The disk "fills up": a floor this disk never meets (no wake: only the tick sees it).
+        guard.cfg = make_cfg(tmp_path, disk_check_interval="1h", min_free_disk="99.99%")
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(runner.handles["family"].killed.wait(), 10)
+        await asyncio.wait_for(runner.handles["main"].killed.wait(), 10)
+        took = asyncio.get_running_loop().time() - t0
+        stop.set()
+        await task
+        return took
+
+    took = asyncio.run(main())
+    assert took < diskguard.HOST_TICK + 1.5, took
+    assert guard.rounds == 1
+    assert {v["state"] for v in guard.status()["blocked"].values()} == {HOST_FULL}
