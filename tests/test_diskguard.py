@@ -343,7 +343,7 @@ def test_status_and_doctor_name_the_group_and_the_size(cli, write_config, data_d
     r = cli("status", "--config", cfg)
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if "family" in x and "disk" in x)
-    assert "2.0 MiB of 1 MiB" in line and "REFUSED" in line, r.stdout
+    assert "2.0 MiB of 1 MiB" in line and "runs are refused" in line, r.stdout
     s = json.loads(cli("status", "--json", "--config", cfg).stdout)
     assert s["disk"]["groups"]["family"]["state"] == GROUP_FULL
     assert s["disk"]["groups"]["main"]["state"] == OK
@@ -390,3 +390,48 @@ def test_free_space_is_checked_every_second_between_rounds(tmp_path: Path) -> No
     assert took < diskguard.HOST_TICK + 1.5, took
     assert guard.rounds == 1
     assert {v["state"] for v in guard.status()["blocked"].values()} == {HOST_FULL}
+
+
+def _usage_as(uid: int, root: Path) -> agentfs.Usage:
+    """tree_usage of `root` measured by a forked child running as `uid` (the fd is opened
+    here, as the daemon opens its trusted roots)."""
+    fd = agentfs.open_root(root)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to uid, measure, report, exit without cleanup
+        try:
+            os.close(r)
+            if uid != os.geteuid():
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            u = agentfs.tree_usage(fd)
+            os.write(w, json.dumps(u.__dict__).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(fd)
+    with os.fdopen(r) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return agentfs.Usage(**json.loads(data))
+
+
+def test_a_folder_the_daemon_cannot_read_counts_as_over(tmp_path: Path) -> None:
+    # A container may chmod 000 a folder of its own; a daemon not running as root cannot
+    # look inside it, so the group's size cannot be known.
+    cfg = make_cfg(tmp_path)
+    d = group_dir(cfg)
+    write(d / "seen" / "a", 1000)
+    write(d / "hidden" / "x", 3 * MiB)
+    os.chmod(d, 0o755)
+    os.chmod(d / "hidden", 0)
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    try:
+        u = _usage_as(uid, d)
+    finally:
+        os.chmod(d / "hidden", 0o755)
+    assert u.unreadable == 1 and u.first_unreadable == "hidden", u
+    assert u.bytes < MiB  # what is inside was not seen
+    v = decide(cfg, "family", u, "groups/family/hidden", None)
+    assert v.state == UNREADABLE and "groups/family/hidden" in v.chat_text(), v

@@ -124,8 +124,7 @@ def _print_disk(disk: dict[str, Any]) -> None:
         print(f"disk: {format_size(disk['free'])} free of {format_size(disk['total'])} "
               f"(keeps {format_size(disk['floor'])} free: {state})")
     for folder, v in (disk.get("groups") or {}).items():
-        flag = "" if v["state"] == "ok" else "  REFUSED"
-        print(f"  {folder}: {v['summary']}{flag}")
+        print(f"  {folder}: {v['summary']}")
 
 
 # --------------------------------------------------------------------------- doctor
@@ -247,7 +246,7 @@ def _check_main_senders(results: list[dict[str, str]], cfg: Config) -> None:
 def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
     """Free space on data_dir's disk and every group's files against its limits."""
     from mdclaw.config import format_size
-    from mdclaw.diskguard import OK
+    from mdclaw.diskguard import GROUP_FULL, OK, TOO_MANY_FILES, UNREADABLE
 
     disk = _disk(cfg)
     if disk["free"] is None:
@@ -268,9 +267,14 @@ def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
         if v["state"] == "host_full":
             continue  # said once above
         if v["state"] != OK:
-            _check(results, name, "fail", v["summary"],
-                   f"delete files in {cfg.data_dir}/groups/{folder} (or its ipc/sessions "
-                   f"folders), or raise groups.{folder}.disk / limits.disk_files")
+            where = f"{cfg.data_dir}/groups/{folder} (or ipc/{folder}, sessions/{folder})"
+            fix = {
+                GROUP_FULL: f"delete files in {where}, or raise groups.{folder}.disk",
+                TOO_MANY_FILES: f"delete files in {where}, or raise limits.disk_files",
+                UNREADABLE: f"make {cfg.data_dir}/{v['unreadable']} readable by mdclaw's "
+                            "user (chmod), or delete it",
+            }.get(v["state"], "")
+            _check(results, name, "fail", v["summary"], fix)
         elif v["limit"] and v["used"] > 0.9 * v["limit"]:
             _check(results, name, "warn", v["summary"] + " (over 90% of its limit)",
                    f"delete files in {cfg.data_dir}/groups/{folder} or raise "
