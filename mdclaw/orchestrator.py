@@ -10,6 +10,10 @@ follow-ups; otherwise a run is queued. A run's prompt holds the messages since t
 cursor. The cursor moves only when the run succeeded or its output was already delivered, so
 a failed run is retried with the same messages and nothing is skipped.
 
+A group past one of the disk limits (`mdclaw.diskguard`) gets no run: its chat is told once
+what happened and what to do, and its messages wait (the cursor stays) until it is back
+within the limit; a run the disk guard stopped is not retried.
+
 Scheduled tasks run through the same queue (tasks first), with the group's session for
 `context_mode: group` and a fresh one for `isolated`; their result goes to the task's chat.
 """
