@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw_agent.ipc import read_json_file, write_json_atomic
+from mdclaw_agent.schema_check import errors
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 SCHEDULE_TYPES = ("cron", "interval", "once")
@@ -51,31 +52,19 @@ class Tool:
     tags: tuple[str, ...] = field(default=())
 
     def call(self, ctx: ToolContext, args: dict[str, Any]) -> str:
-        """Run the tool after checking the arguments against its schema."""
+        """Run the tool after checking the arguments against its whole schema (types, enums,
+        arrays, nested objects, required and unknown keys). A null argument counts as not
+        given, and an empty string as missing for a required one (models send both)."""
         if not isinstance(args, dict):
             raise ToolError(f"{self.name}: arguments must be an object")
-        props = self.parameters.get("properties", {})
+        given = {k: v for k, v in args.items() if v is not None}
         for key in self.parameters.get("required", []):
-            if args.get(key) in (None, ""):
+            if given.get(key) == "":
                 raise ToolError(f"{self.name}: '{key}' is required")
-        unknown = sorted(set(args) - set(props))
-        if unknown:
-            raise ToolError(f"{self.name}: unknown argument(s) {', '.join(unknown)}; "
-                            f"expected {', '.join(props)}")
-        for key, value in args.items():
-            if value is None:
-                continue
-            want = props[key].get("type")
-            ok = {"string": isinstance(value, str),
-                  "integer": isinstance(value, int) and not isinstance(value, bool),
-                  "boolean": isinstance(value, bool),
-                  "object": isinstance(value, dict)}.get(want, True)
-            if not ok:
-                raise ToolError(f"{self.name}: '{key}' must be a {want}")
-            allowed = props[key].get("enum")
-            if allowed and value not in allowed:
-                raise ToolError(f"{self.name}: '{key}' must be one of {', '.join(allowed)}")
-        return self.handler(ctx, {k: v for k, v in args.items() if v is not None})
+        problems = errors(self.parameters, given)
+        if problems:
+            raise ToolError(f"{self.name}: {'; '.join(problems)}")
+        return self.handler(ctx, given)
 
 
 def _schema(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:

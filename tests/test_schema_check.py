@@ -1,0 +1,101 @@
+"""The agent tools' argument check agrees with a reference JSON Schema validator.
+
+Random schemas from the subset the tools use (types, enums, arrays, nested objects, required,
+additionalProperties, bounds) and random JSON values: `schema_check` must say valid exactly
+when the `jsonschema` library does. Then the tools themselves: every tool refuses wrong types
+in each of its parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "container" / "agent-runner"))
+
+from mdclaw_agent.schema_check import SchemaError, errors, is_valid  # noqa: E402
+from mdclaw_agent.tools import TOOLS, ToolContext, ToolError  # noqa: E402
+
+KEYS = st.sampled_from(["a", "b", "c", "path", "n"])
+TYPES = ["string", "integer", "number", "boolean", "object", "array", "null"]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from([0.0, 1.0, 2.5, -1.5])
+    | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+    max_leaves=8)
+
+
+def _leaf() -> st.SearchStrategy[dict]:
+    return st.one_of(
+        st.builds(lambda t: {"type": t}, st.sampled_from(TYPES)),
+        st.builds(lambda ts: {"type": ts}, st.lists(st.sampled_from(TYPES), min_size=1,
+                                                    max_size=3, unique=True)),
+        st.builds(lambda e: {"enum": e}, st.lists(st.none() | st.booleans()
+                                                  | st.integers(-2, 2) | st.text(max_size=2),
+                                                  min_size=1, max_size=3)),
+        st.builds(lambda lo, hi: {"type": "string", "minLength": lo, "maxLength": hi},
+                  st.integers(0, 2), st.integers(1, 4)),
+        st.builds(lambda lo, hi: {"type": "number", "minimum": lo, "maximum": hi},
+                  st.integers(-3, 0), st.integers(0, 3)),
+        st.just({}),
+    )
+
+
+schemas = st.recursive(
+    _leaf(),
+    lambda inner: st.one_of(
+        st.builds(lambda it, lo: {"type": "array", "items": it, "minItems": lo}, inner,
+                  st.integers(0, 2)),
+        st.builds(lambda props, req, extra: {
+            "type": "object", "properties": props,
+            "required": [k for k in req if k in props], "additionalProperties": extra},
+            st.dictionaries(KEYS, inner, max_size=3), st.lists(KEYS, max_size=2),
+            st.booleans() | inner),
+    ),
+    max_leaves=6)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(schemas, json_values)
+def test_the_check_agrees_with_a_reference_validator(schema: dict, value: object) -> None:
+    reference = jsonschema.Draft202012Validator(schema).is_valid(value)
+    assert is_valid(schema, value) == reference, (schema, value, errors(schema, value))
+
+
+def test_messages_say_where_and_what() -> None:
+    schema = {"type": "object", "required": ["tags"], "additionalProperties": False,
+              "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                             "opts": {"type": "object", "properties": {
+                                 "n": {"type": "integer", "minimum": 1}}}}}
+    assert errors(schema, {"tags": ["a", 3], "opts": {"n": 0}, "x": 1}) == [
+        "tags[1] must be string", "opts.n must be at least 1",
+        "unknown argument 'x'; expected tags, opts"]
+    assert errors(schema, {}) == ["'tags' is required"]
+    assert errors({"type": "integer"}, True) == ["the arguments must be integer"]
+    with pytest.raises(SchemaError, match="pattern"):
+        errors({"type": "string", "pattern": "^a"}, "a")
+
+
+CTX = ToolContext(ipc_dir=Path("/nonexistent"), group_folder="family", chat_jid="tg:2",
+                  is_main=True)
+WRONG = {"string": 12, "integer": "12", "boolean": "yes", "number": "1", "object": [],
+         "array": {}}
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=[t.name for t in TOOLS])
+def test_every_tool_refuses_a_wrong_type_in_every_parameter(tool) -> None:  # noqa: ANN001
+    errors({"type": "object"}, {})  # every tool schema uses only checked keywords:
+    errors(tool.parameters, {})
+    for key, prop in tool.parameters["properties"].items():
+        args = {k: "x" for k in tool.parameters.get("required", [])}
+        args[key] = WRONG[prop["type"]]
+        with pytest.raises(ToolError, match=key):
+            tool.call(CTX, args)
+    with pytest.raises(ToolError, match="unknown argument 'bogus'"):
+        tool.call(CTX, {**{k: "x" for k in tool.parameters.get("required", [])}, "bogus": 1})
