@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,18 @@ def usage_rows(db: Database, *, group: str | None = None,
 # --------------------------------------------------------------------------- server
 
 
+def _upstream_failure(e: BaseException) -> tuple[str, str, str]:
+    """(error type for the agent, failure cause, words) for an exception of the upstream
+    request. The types start with `mdclaw_` so the agent tells them from the API's own."""
+    if isinstance(e, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return "mdclaw_upstream_timeout", "turn_timeout", "did not answer in time"
+    if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
+                  | aiohttp.ClientOSError) and not isinstance(e, aiohttp.ClientConnectorError):
+        return ("mdclaw_upstream_disconnected", "model_disconnected",
+                "closed the connection without answering")
+    return "mdclaw_upstream_unreachable", "model_unreachable", "could not be reached"
+
+
 @dataclass
 class _GroupSite:
     folder: str
@@ -278,6 +291,8 @@ class CredentialProxy:
         self._flush_lock = asyncio.Lock()
         self._keys: dict[Path, tuple[float, int, dict[str, str]]] = {}
         self.stats: dict[str, dict[str, int]] = {}
+        # folder -> (cause, time.monotonic()) of its latest request that failed here.
+        self.last_failure: dict[str, tuple[str, float]] = {}
 
     def socket_path(self, folder: str) -> Path:
         return self.layout.group_ipc_dir(folder) / SOCKET_NAME
@@ -409,7 +424,8 @@ class CredentialProxy:
             log.error("group %s: the model key file %s cannot be read", folder,
                       upstream.api_key_file)
             self._count(folder, model, ok=False, usage=None)
-            return web.json_response({"error": {"type": "proxy_error",
+            self._note_failure(folder, "key_missing")
+            return web.json_response({"error": {"type": "mdclaw_key_unreadable",
                                                 "message": "the host cannot read the API key"}},
                                      status=502)
         headers["accept-encoding"] = "identity"
@@ -435,17 +451,34 @@ class CredentialProxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.warning("group %s: upstream %s failed: %s", folder, upstream.base_url,
                         type(e).__name__)
+            kind, cause, what = _upstream_failure(e)
+            self._note_failure(folder, cause)
             if response is None or not response.prepared:
                 response = web.json_response(
-                    {"error": {"type": "proxy_error",
-                               "message": f"the model API could not be reached "
-                                          f"({type(e).__name__})"}}, status=502)
+                    {"error": {"type": kind,
+                               "message": f"the model API {what} ({type(e).__name__})"}},
+                    status=504 if cause == "turn_timeout" else 502)
         finally:
             counter.finish()
+            if ok:
+                self.last_failure.pop(folder, None)
             # The body's model name is the container's word: keep it only when the API
             # accepted the request, so made-up names cannot fill the usage table.
             self._count(folder, model if ok else (upstream.model or ""), ok=ok, usage=counter)
         return response
+
+    def _note_failure(self, folder: str, cause: str) -> None:
+        """Remember why the group's latest model request failed on the host's side, so a
+        failed turn can be told apart from what the agent saw (see mdclaw/failures.py)."""
+        self.last_failure[folder] = (cause, time.monotonic())
+
+    def recent_failure(self, folder: str, within: float = 120.0) -> str | None:
+        """The cause of the group's latest failed model request when it failed on the host's
+        side within `within` seconds and nothing succeeded since, else None."""
+        got = self.last_failure.get(folder)
+        if got is None or time.monotonic() - got[1] > within:
+            return None
+        return got[0]
 
     def _auth_headers(self, upstream: Upstream) -> dict[str, str]:
         """The credential headers, re-read only when the key file changed (rotation)."""
