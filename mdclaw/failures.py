@@ -120,8 +120,8 @@ _CAUSES = (
           "The {backend} backend this chat uses is not in the agent image {image}.",
           "Rebuild the image with the backend (`container/build-wheelhouse.sh --claude`, then "
           "`mdclaw image build`), or give the group an openai model.",
-          fix="rebuild the image with `container/build-wheelhouse.sh --claude` and "
-              "`mdclaw image build`, or use an openai model"),
+          fix="rebuild the image with the {backend} backend (for claude: "
+              "`container/build-wheelhouse.sh --claude`, then `mdclaw image build`)"),
     Cause("key_missing", CONFIG,
           "The server cannot read the API key for the model {model_key}.",
           "Put the key into the file named by models.<name>.api_key_file, readable by the "
