@@ -353,9 +353,9 @@ class Orchestrator:
             return TurnFailure(seen, detail=failure.detail, exit_code=failure.exit_code)
         return failure
 
-    async def _precheck(self, group: GroupRow) -> TurnFailure | None:
-        """Configuration errors found before a container is started: no model, the key file
-        cannot be read, the image is missing or lacks the group's backend."""
+    async def _precheck_config(self, group: GroupRow) -> TurnFailure | None:
+        """Configuration errors found before anything is started (the engine is not needed):
+        no model resolves for the group, or its key file cannot be read."""
         if self.proxy is None:
             return None  # no model path at all (tests, benchmarks)
         from mdclaw.proxy import model_for_group
@@ -374,7 +374,16 @@ class Orchestrator:
                 why = "empty"
             if not ok:
                 return TurnFailure("key_missing", detail=f"models.{key}.api_key_file: {why}")
-        if self.runner is None:
+        return None
+
+    async def _precheck_image(self, group: GroupRow) -> TurnFailure | None:
+        """The image is missing, or its mdclaw.backends label lacks the group's backend."""
+        if self.proxy is None or self.runner is None:
+            return None
+        from mdclaw.proxy import model_for_group
+
+        _key, spec = model_for_group(self.cfg, group.folder)
+        if spec is None:
             return None
         backends, present = await self._image_check(self.cfg.runtime.image)
         if not present:
@@ -414,6 +423,9 @@ class Orchestrator:
                              ContainerInput], on_output: Callable[[str], Any]) -> ContainerResult:
         """Start the group's container and wait for it. Raises RunFailed with the failure
         when it cannot run (configuration, engine, image, proxy)."""
+        pre = await self._precheck_config(group)
+        if pre is not None:
+            raise RunFailed(pre.detail or pre.cause, pre)
         if self.runner is None:
             raise RunFailed("the container engine is not reachable",
                             TurnFailure("engine_down", detail="no container engine configured "
@@ -430,7 +442,7 @@ class Orchestrator:
                                 TurnFailure("engine_down", detail="the engine did not answer"
                                             + (" and mdclaw is stopping"
                                                if self.stopping.is_set() else "")))
-        pre = await self._precheck(group)
+        pre = await self._precheck_image(group)
         if pre is not None:
             raise RunFailed(pre.detail or pre.cause, pre)
         timeout = (group.container_config.get("timeout_ms") or 0) / 1000 or None
@@ -599,6 +611,11 @@ class Orchestrator:
             self._enqueue_next(group, conv.last_ts)
             return
         # Transient: roll back to the latest answered turn; the queue retries the rest.
+        if conv.answered_ts != start_cursor:
+            # This run answered something first: the failure is about later messages, so
+            # its tries (and what the chat was told) start afresh.
+            job.attempts = 0
+            job.payload.pop("told_cause", None)
         if conv.answered_ts is None:
             with self.db.transaction() as c:
                 c.execute("DELETE FROM router_state WHERE key = ?",

@@ -293,6 +293,8 @@ class CredentialProxy:
         self.stats: dict[str, dict[str, int]] = {}
         # folder -> (cause, time.monotonic()) of its latest request that failed here.
         self.last_failure: dict[str, tuple[str, float]] = {}
+        # folder -> request handlers under way (cancelled when the group's proxy stops).
+        self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
 
     def socket_path(self, folder: str) -> Path:
         return self.layout.group_ipc_dir(folder) / SOCKET_NAME
@@ -368,6 +370,9 @@ class CredentialProxy:
         site = self._sites.pop(folder, None)
         if site is None:
             return
+        # The container is gone: requests it left open (a slow model) are not waited for.
+        for task in self._inflight.pop(folder, set()):
+            task.cancel()
         await site.runner.cleanup()
         with contextlib.suppress(FileNotFoundError):
             site.socket_path.unlink()
@@ -402,8 +407,15 @@ class CredentialProxy:
                     {"error": {"type": "not_found",
                                "message": f"{request.method} {request.path} is not a model "
                                           "API path this proxy forwards"}}, status=404)
-            async with slots:
-                return await self._forward(request, folder, upstream)
+            task = asyncio.current_task()
+            inflight = self._inflight.setdefault(folder, set())
+            if task is not None:
+                inflight.add(task)
+            try:
+                async with slots:
+                    return await self._forward(request, folder, upstream)
+            finally:
+                inflight.discard(task)
 
         return handle
 

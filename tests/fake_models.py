@@ -111,7 +111,7 @@ class _Server:
         async def setup() -> None:
             app = web.Application()
             self.routes(app)
-            self._runner = web.AppRunner(app, access_log=None)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
             await self._runner.setup()
             site = web.TCPSite(self._runner, host, port if port is not None else self.port,
                                reuse_address=True)
@@ -130,6 +130,9 @@ class _Server:
         return self
 
     def stop(self) -> None:
+        if self._loop.is_closed():
+            return  # stopped already
+
         async def down() -> None:
             if self._runner:
                 await self._runner.cleanup()

@@ -466,3 +466,15 @@ def test_causes_of_errors_known_only_as_text() -> None:
         assert cause in CAUSES
     assert context_limit("prompt is too long: 210000 tokens > 200000 maximum") == "200000 tokens"
     assert context_limit("maximum context length is 8,192 tokens") == "8192 tokens"
+
+
+def test_a_failed_first_turn_keeps_the_conversation_open(dirs) -> None:
+    """The host may already have written the next message: it is answered, not lost."""
+    with FakeOpenAI([refuse(400, "unsupported"), say("second works")]) as server:
+        r = runner(dirs, base_input(prompt="bad one"), server)
+        assert r.wait_results(1)[0]["cause"] == "model_refused"
+        write_input(dirs["ipc"] / "input", {"text": "good one"}, "1700000000001-a.json")
+        assert r.wait_results(2)[1]["result"] == "second works"
+        write_input(dirs["ipc"] / "input", None, "_close")
+        assert r.wait_exit(10) == 0
+        assert "bad one" not in json.dumps(server.requests[-1].body)

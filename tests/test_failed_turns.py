@@ -441,3 +441,31 @@ def test_a_kill_while_idle_loses_nothing(write_config) -> None:
     asyncio.run(main())
     assert texts(db) == ["done"] and len(runner.inputs) == 1
     assert get_cursor(db, "main") == "2026-01-01T00:00:01.000Z"
+
+
+def test_a_new_failure_after_an_answer_is_told_again(write_config) -> None:
+    """A retry answers, then the next message in the same conversation fails: that is a new
+    failure (told again, counted from one), not a further try of the first."""
+    cfg, db = setup(write_config)
+    fed = asyncio.Event()
+
+    async def wait_feed(runner, handle) -> None:  # noqa: ANN001
+        await asyncio.wait_for(fed.wait(), 5)
+
+    runner = FakeRunner([Run([err("model_unreachable")]),
+                         Run([ok("first answer"), wait_feed, err("model_unreachable")]),
+                         Run([ok("second answer")])])
+
+    async def main() -> None:
+        orch = orchestrator(cfg, db, runner)
+        await orch.on_inbound(msg(1, "one"))
+        while "first answer" not in texts(db):
+            await asyncio.sleep(0.01)
+        await orch.on_inbound(msg(2, "two"))
+        fed.set()
+        await asyncio.wait_for(orch.queue.join(), 10)
+
+    asyncio.run(main())
+    t = texts(db)
+    assert [x for x in t if "not answering" in x and "try again" in x].__len__() == 2, t
+    assert t[-1] == "second answer" and not any("gave up" in x for x in t)

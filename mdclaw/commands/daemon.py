@@ -22,6 +22,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        help="what the daemon is doing (works whether it runs or not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("failures", parents=[common],
+                       help="failed agent turns: when, which group, the cause, what happened")
+    p.add_argument("--group", "-g", metavar="FOLDER", help="only this group")
+    p.add_argument("--days", type=float, default=7.0, help="this many days back (default 7)")
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_failures)
     p = sub.add_parser("doctor", parents=[common],
                        help="check config, data dir, engine, image, channels, clock")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -101,6 +108,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  failed #{f['id']} to {f['chat_jid']}: {f['error']}")
     nt = s.get("next_task")
     print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
+    return 0
+
+
+FAILURE_FIELDS = ("created_at", "group_folder", "cause", "outcome", "attempts", "messages",
+                  "detail")
+
+
+def cmd_failures(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from mdclaw.commands.common import open_db_or_exit
+    from mdclaw.commands.output import print_rows
+    from mdclaw.state.failed_turns import list_failed_turns
+
+    cfg = load_or_exit(args)
+    since = to_iso(utc_now() - timedelta(days=args.days))
+    db = open_db_or_exit(cfg)
+    try:
+        rows = list_failed_turns(db, group=args.group, since=since, limit=args.limit)
+    finally:
+        db.close()
+    print_rows(rows, FAILURE_FIELDS, as_json=args.json,
+               empty=f"no failed turns in the last {args.days:g} day(s)")
     return 0
 
 

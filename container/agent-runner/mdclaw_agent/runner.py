@@ -1,8 +1,9 @@
 """The container's main program: one conversation, from the first prompt to `_close`.
 
-stdin: one ContainerInput JSON document. stdout: one marked result per user turn. stderr: logs.
-Exit status 0 when the conversation ended normally, 1 when it could not start or the first
-turn failed, 2 when the input was invalid.
+stdin: one ContainerInput JSON document. stdout: one marked result per user turn (an error
+block with a `cause` for a failed one). stderr: logs. Exit status 0 when the conversation
+ended normally, 1 when it could not start (or a scheduled task's only turn failed), 2 when
+the input was invalid.
 """
 
 from __future__ import annotations
@@ -98,13 +99,21 @@ def run(inp: ContainerInput, settings: Settings) -> int:
     try:
         try:
             backend.start()
-            first = backend.turn(inp.prompt)
         except Exception as e:  # noqa: BLE001 - every failure is reported with its cause
             _failed(e, backend)
             return 1
-        emit("success", first.text, new_session_id=first.session_id, notice=first.notice)
-        if watcher is None:  # scheduled tasks are single-turn
-            return 0
+        try:
+            first = backend.turn(inp.prompt)
+        except Exception as e:  # noqa: BLE001 - the conversation goes on
+            # A failed first turn does not end the conversation: the host may already have
+            # written the next message into input/, and decides itself whether to close.
+            _failed(e, backend)
+            if watcher is None:
+                return 1
+        else:
+            emit("success", first.text, new_session_id=first.session_id, notice=first.notice)
+            if watcher is None:  # scheduled tasks are single-turn
+                return 0
         for follow_up in watcher:
             log.info("follow-up %s", follow_up.name)
             try:
