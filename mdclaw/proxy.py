@@ -113,6 +113,27 @@ def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | N
     return key, cfg.models[key]
 
 
+async def probe_upstream(upstream: Upstream, timeout: float = 5.0) -> tuple[int | None, str]:
+    """Ask the model API `GET /v1/models` the way the proxy forwards requests (same URL
+    rules, same credential, same HTTP proxy settings): (HTTP status, detail), or (None, why)
+    when nothing answered. The detail never holds the key."""
+    url = upstream.url_for("/v1/models", "")
+    try:
+        headers = upstream.auth_headers()
+    except OSError as e:
+        return None, f"the key file cannot be read ({e.strerror or type(e).__name__})"
+    if upstream.backend == "claude":
+        headers["anthropic-version"] = "2023-06-01"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout),
+                                         trust_env=True) as session:
+            async with session.get(url, headers=headers, allow_redirects=False) as r:
+                body = (await r.content.read(2000)).decode("utf-8", "replace")
+                return r.status, " ".join(body.split())[:200]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return None, f"{type(e).__name__}: {e}"[:200]
+
+
 def container_model_fields(cfg: Config, folder: str) -> dict[str, Any]:
     """The ContainerInput fields naming the backend and model (never a key or URL)."""
     _key, spec = model_for_group(cfg, folder)

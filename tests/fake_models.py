@@ -189,6 +189,7 @@ class FakeOpenAI(_Server):
         self.usage = usage
         # Some servers send tool-call arguments as a JSON object instead of a string.
         self.object_arguments = object_arguments
+        self.models_status = 200  # what GET /v1/models answers
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -201,6 +202,9 @@ class FakeOpenAI(_Server):
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._record(request)
+        if self.models_status != 200:
+            return web.json_response({"error": {"message": "Incorrect API key provided"}},
+                                     status=self.models_status)
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
 
     def _next(self, body: dict[str, Any]) -> Step:

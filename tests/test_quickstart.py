@@ -83,3 +83,42 @@ def test_readme_quick_start_without_a_model(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             daemon.kill()
         log.close()
+    # The log says a message came in and what happened, at INFO, without the message text.
+    lines = (tmp_path / "daemon.log").read_text().splitlines()
+    assert any(ln.startswith("INFO mdclaw.orchestrator: group main: message ") and
+               ln.endswith("in (5 characters)") for ln in lines), lines
+    assert any("no_model" in ln for ln in lines)
+    assert not any("hello" in ln for ln in lines)
+
+
+def test_log_level_from_the_config_is_applied(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"data_dir: {tmp_path / 'data'}\nlog_level: warning\n"
+                   "groups: {main: {name: A, jid: 'hl:main', main: true}}\n"
+                   f"channels: {{http: {{listen: '127.0.0.1:{port}'}}}}\n"
+                   f"runtime: {{socket: 'unix://{tmp_path}/no-engine.sock'}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    daemon = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "mdclaw", "send", "--group", "main",
+                            "--wait", "20", "--config", str(cfg), "hi"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        for _ in range(100):  # the daemon may not listen yet
+            if r.returncode == 0:
+                break
+            time.sleep(0.2)
+            r = subprocess.run([sys.executable, "-m", "mdclaw", "send", "--group", "main",
+                                "--wait", "20", "--config", str(cfg), "hi"], env=env,
+                               capture_output=True, text=True, timeout=60)
+        assert "No model is configured" in r.stdout, (r.stdout, r.stderr)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        out, _ = daemon.communicate(timeout=40)
+    lines = out.splitlines()
+    assert lines and not any(ln.startswith("INFO") for ln in lines), lines
+    assert any(ln.startswith("WARNING mdclaw.orchestrator") and "no_model" in ln
+               for ln in lines), lines
