@@ -63,7 +63,8 @@ _CAUSES = (
     Cause("container_killed", TRANSIENT,
           "My container was stopped while I was working on that.",
           "Something killed the container (an engine restart, `docker kill`, the host's OOM "
-          "killer); `journalctl -u mdclaw` and the engine's log say more.", max_tries=3),
+          "killer when the engine does not report it as such); `journalctl -u mdclaw` and "
+          "the engine's log say more.", max_tries=3),
     Cause("container_start", TRANSIENT,
           "My container could not be started.",
           "The engine refused to create or start the container; the daemon log has the "
@@ -78,12 +79,13 @@ _CAUSES = (
           "data_dir is on a file system that supports unix sockets.", max_tries=2),
     Cause("agent_crash", TRANSIENT,
           "Something went wrong inside my container.",
-          "A bug in the agent runner or the image; `mdclaw logs`/the daemon log has the "
-          "container's last lines.", max_tries=2),
+          "A bug in the agent runner or the image; `mdclaw failures` and the daemon log "
+          "have the container's last lines.", max_tries=2),
     # ---- deterministic: set aside, not retried blindly
     Cause("context_too_long", DETERMINISTIC,
           "That message is too long for the model{limit_paren}.",
-          "Use a model with a larger context, or lower MDCLAW_HISTORY_CHARS for the runner.",
+          "Use a model with a larger context window; the runner already trims the oldest "
+          "history once and tries again before this is said.",
           then="Please send it in shorter parts."),
     Cause("model_refused", DETERMINISTIC,
           "The model server refused that request (HTTP {status}{api_message_colon}).",

@@ -159,3 +159,21 @@ def test_every_cause_is_in_the_troubleshooting_page() -> None:
     for name in CAUSES:
         assert f"`{name}`" in text, name
     assert re.search(r"mdclaw doctor", text)
+
+
+def test_the_troubleshooting_page_shows_the_exact_chat_messages() -> None:
+    """The page's sample texts are what chat_message says for its sample setup."""
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    ctx = {"base_url": "http://127.0.0.1:11434/v1", "memory": "2g",
+           "image": "mdclaw-agent:latest", "backend": "claude", "model_key": "local",
+           "limit": "30m"}
+    sample = {"model_server_error": dict(http_status=503),
+              "context_too_long": dict(limit="8192 tokens"),
+              "model_refused": dict(http_status=400, api_message="Invalid model name"),
+              "over_budget": dict(api_message="You exceeded your current quota")}
+    for c in CAUSES.values():
+        f = TurnFailure(c.name, **sample.get(c.name, {}))
+        outcome = {TRANSIENT: "retry", CONFIG: "config"}.get(c.policy, "dropped")
+        message = chat_message(f, ctx, outcome=outcome, delay=5)
+        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{c.name}`")), "")
+        assert f"| {message} |" in row, (c.name, message)
