@@ -124,6 +124,9 @@ class Orchestrator:
         # then runs wait (a container started earlier would be taken for an orphan).
         self.engine_ready = asyncio.Event()
         self.engine_wait = 60.0
+        # A first try waits this long at most for the engine, so the chat hears at once when
+        # it is down; retries wait up to engine_wait.
+        self.engine_first_wait = 4.0
         self.stopping = asyncio.Event()
         # Host-side timings of the latest runs (milliseconds), for benchmarks and status.
         self.timings: list[dict[str, float]] = []
@@ -420,7 +423,8 @@ class Orchestrator:
                               **fields)
 
     async def _run_container(self, group: GroupRow, make_input: Callable[[dict[str, Any]],
-                             ContainerInput], on_output: Callable[[str], Any]) -> ContainerResult:
+                             ContainerInput], on_output: Callable[[str], Any], *,
+                             first_try: bool = False) -> ContainerResult:
         """Start the group's container and wait for it. Raises RunFailed with the failure
         when it cannot run (configuration, engine, image, proxy)."""
         pre = await self._precheck_config(group)
@@ -433,7 +437,9 @@ class Orchestrator:
         if not self.engine_ready.is_set():
             ready = asyncio.ensure_future(self.engine_ready.wait())
             stopping = asyncio.ensure_future(self.stopping.wait())
-            await asyncio.wait([ready, stopping], timeout=self.engine_wait,
+            await asyncio.wait([ready, stopping], timeout=min(self.engine_wait,
+                                                              self.engine_first_wait)
+                               if first_try else self.engine_wait,
                                return_when=asyncio.FIRST_COMPLETED)
             ready.cancel()
             stopping.cancel()
@@ -577,7 +583,8 @@ class Orchestrator:
         try:
             result = await self._run_container(
                 group, lambda f: self._container_input(group, prompt, session=session,
-                                                       scheduled=False, fields=f), on_output)
+                                                       scheduled=False, fields=f), on_output,
+                first_try=job.attempts == 0)
         except RunFailed as e:
             self._conv.pop(group.folder, None)
             await self._set_typing(group.jid, False)

@@ -469,3 +469,26 @@ def test_a_new_failure_after_an_answer_is_told_again(write_config) -> None:
     t = texts(db)
     assert [x for x in t if "not answering" in x and "try again" in x].__len__() == 2, t
     assert t[-1] == "second answer" and not any("gave up" in x for x in t)
+
+
+def test_engine_down_is_told_within_seconds_and_retried(write_config) -> None:
+    cfg, db = setup(write_config)
+    runner = FakeRunner([Run([ok("the engine is back")])])
+
+    async def main() -> float:
+        orch = Orchestrator(cfg, db, runner=runner, proxy=FakeProxy())
+        orch.engine_first_wait = 0.2  # 4 s in the daemon
+        t0 = time.monotonic()
+        await orch.on_inbound(msg(1, "hello"))
+        while not texts(db):
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - t0
+        orch.engine_ready.set()
+        await asyncio.wait_for(orch.queue.join(), 10)
+        return took
+
+    took = asyncio.run(main())
+    told, answer = texts(db)
+    assert took < 1.0
+    assert "container engine on the server is not reachable" in told and "try again" in told
+    assert answer == "the engine is back"
