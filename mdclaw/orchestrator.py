@@ -91,6 +91,7 @@ class _Conversation:
     sent_ids: set[str] = field(default_factory=set)
     answered_ts: str | None = None  # the cursor after the latest answered (or settled) turn
     pending: TurnFailure | None = None  # a transient failure no later turn has answered
+    pending_upto: str | None = None  # the newest message given to the agent when it failed
 
 
 class Orchestrator:
@@ -525,6 +526,7 @@ class Orchestrator:
             # End the conversation: the run's end rolls the cursor back and the queue retries
             # the unanswered messages with backoff (telling the chat once).
             conv.pending = failure
+            conv.pending_upto = conv.last_ts
             if handle is not None:
                 handle.close()
             return
@@ -571,6 +573,11 @@ class Orchestrator:
                             failure.cause, failure.detail or "-")
                 self._turn_failed(group, conv, failure)
                 return
+            if conv.pending is not None and conv.pending_upto:
+                # A later message (already in the container) was answered after a turn
+                # failed for a transient cause: that turn cannot be retried on its own now.
+                self._settle(group, conv.pending, after=conv.answered_ts,
+                             upto=conv.pending_upto, outcome="resend")
             if self._deliver(group, out, group.jid or ""):
                 conv.delivered = True
                 marks.setdefault("first_output", time.perf_counter())

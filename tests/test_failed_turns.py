@@ -492,3 +492,31 @@ def test_engine_down_is_told_within_seconds_and_retried(write_config) -> None:
     assert took < 1.0
     assert "container engine on the server is not reachable" in told and "try again" in told
     assert answer == "the engine is back"
+
+
+def test_a_transient_failure_overtaken_by_a_later_answer_is_told_to_resend(write_config) -> None:
+    cfg, db = setup(write_config)
+    fed = asyncio.Event()
+
+    async def wait_feed(runner, handle) -> None:  # noqa: ANN001
+        await asyncio.wait_for(fed.wait(), 5)
+
+    # Turn 2 fails (the model hung up), turn 3 was already in the container and is answered.
+    runner = FakeRunner([Run([ok("one"), wait_feed, err("model_disconnected"), ok("three")])])
+
+    async def main() -> None:
+        orch = orchestrator(cfg, db, runner)
+        await orch.on_inbound(msg(1, "first"))
+        while "one" not in texts(db):
+            await asyncio.sleep(0.01)
+        await orch.on_inbound(msg(2, "second"))
+        fed.set()
+        await asyncio.wait_for(orch.queue.join(), 10)
+
+    asyncio.run(main())
+    t = texts(db)
+    assert t[0] == "one" and t[-1] == "three"
+    assert "closed the connection" in t[1] and "send your message again" in t[1]
+    assert len(runner.inputs) == 1
+    (turn,) = list_failed_turns(db)
+    assert turn["outcome"] == "resend"
