@@ -230,6 +230,9 @@
               Labels = {
                 "org.opencontainers.image.title" = "mdclaw-agent";
                 "org.opencontainers.image.description" = "mdclaw's in-container agent runner";
+                # The backends in the image: the host checks it before a run and in `doctor`.
+                "mdclaw.backends" =
+                  if builtins.elem "claude-agent-sdk" inImage then "openai,claude" else "openai";
               };
             };
           };

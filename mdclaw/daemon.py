@@ -309,6 +309,9 @@ class Daemon:
                             "daemon keeps the old %s)", key, key)
         new = new.model_copy(update={k: getattr(old, k) for k in ("channels", "runtime",
                                                                   "data_dir")})
+        if new.log_level != old.log_level:
+            apply_log_level(new.log_level)
+            log.warning("reload: log_level is now %s", new.log_level)
         self.cfg = new
         for obj in (self.runner, self.orch, self.diskguard):
             if obj is not None:
@@ -368,6 +371,15 @@ class Daemon:
             status_path(self.cfg).unlink()
 
 
+def apply_log_level(level: str) -> None:
+    """Make `log_level` from the config the root logger's level."""
+    root = logging.getLogger()
+    new = getattr(logging, level.upper(), logging.INFO)
+    if root.level != new:
+        root.setLevel(new)
+
+
 def run_daemon(cfg: Config, config_path: str | None = None) -> int:
     """Run until SIGTERM; return the process exit status."""
+    apply_log_level(cfg.log_level)
     return asyncio.run(Daemon(cfg, config_path).run())

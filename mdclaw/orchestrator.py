@@ -7,8 +7,15 @@ narrows this (mdclaw.senders.decide, asked for every message): a message from an
 never starts a turn, and is either kept as context or not stored at all. If the group's
 conversation container is running, triggered messages are written into its `input/` as
 follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
-cursor. The cursor moves only when the run succeeded or its output was already delivered, so
-a failed run is retried with the same messages and nothing is skipped.
+cursor. The cursor moves past messages once their turn was answered.
+
+A failed turn is handled by its cause (mdclaw/failures.py): a transient cause (the model
+server is down, the container was killed...) rolls the cursor back so the same messages are
+retried with backoff, and the chat is told once that a retry is coming; a deterministic cause
+(the model refused the message, it is too long...) or a configuration error (no model, the
+backend is not in the image...) is not retried: the messages are marked failed, the cursor
+moves past them so the next message gets a normal answer, and the chat is told why at once.
+This holds in an open conversation too: a follow-up that fails is told at once.
 
 A group past one of the disk limits (`mdclaw.diskguard`) gets no run: its chat is told once
 what happened and what to do, and its messages wait (the cursor stays) until it is back
@@ -29,8 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mdclaw import failures
 from mdclaw.channels.base import Channel, InboundMessage, channel_for
-from mdclaw.config import Config
+from mdclaw.config import Config, format_duration, read_secret
+from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
 from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger, strip_internal
 from mdclaw.ipc.writers import write_follow_up
 from mdclaw.outbox import describe_failures, failed_since
@@ -48,6 +57,7 @@ from mdclaw.state.conversations import (
     set_session,
     store_message,
 )
+from mdclaw.state.failed_turns import mark_messages_failed, record_failed_turn
 from mdclaw.state.groups import (
     GroupRow,
     count_refusal,
@@ -69,8 +79,21 @@ SESSION_GONE_HINTS = ("no conversation found", "session not found", "session is 
                       "unknown session", "invalid session")
 
 
+IMAGE_CHECK_TTL = 30.0  # seconds an image's backends label is trusted before asking again
+
+
 class RunFailed(RuntimeError):
-    """A container run ended without a usable result; the queue retries it."""
+    """A container run ended without a usable result. With a transient `failure` the queue
+    retries it (after at least `retry_delay` seconds, at most `max_tries` tries in all);
+    otherwise it is final (`permanent`)."""
+
+    def __init__(self, message: str, failure: TurnFailure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.permanent = failure is not None and failure.policy != TRANSIENT
+        self.retry_delay = failure.retry_after if failure is not None else None
+        self.max_tries = (failures.rule(failure.cause).max_tries
+                          if failure is not None else None)
 
 
 class RunRefused(RunFailed):
@@ -82,6 +105,7 @@ class RunRefused(RunFailed):
     def __init__(self, verdict: Any) -> None:
         super().__init__(verdict.summary())
         self.verdict = verdict
+        self.permanent = True
 
 
 @dataclass
@@ -89,10 +113,13 @@ class _Conversation:
     """What the orchestrator tracks about a group's run in progress."""
 
     start_cursor: str | None
-    last_ts: str | None
+    last_ts: str | None  # the newest message the agent was given
     delivered: bool = False
     scheduled: bool = False
     sent_ids: set[str] = field(default_factory=set)
+    answered_ts: str | None = None  # the cursor after the latest answered (or settled) turn
+    pending: TurnFailure | None = None  # a transient failure no later turn has answered
+    pending_upto: str | None = None  # the newest message given to the agent when it failed
 
 
 class Orchestrator:
@@ -120,7 +147,7 @@ class Orchestrator:
                                 or cfg.limits.max_concurrent_containers,
                                 max_attempts=cfg.limits.run_attempts,
                                 retry_base=cfg.limits.run_retry_base.total_seconds(),
-                                on_failure=self.on_job_failed)
+                                on_failure=self.on_job_failed, on_retry=self.on_job_retry)
         self._conv: dict[str, _Conversation] = {}
         self._task_waiters: dict[str, asyncio.Future[Any]] = {}
         self.accepting = True
@@ -128,12 +155,17 @@ class Orchestrator:
         # then runs wait (a container started earlier would be taken for an orphan).
         self.engine_ready = asyncio.Event()
         self.engine_wait = 60.0
+        # A first try waits this long at most for the engine, so the chat hears at once when
+        # it is down; retries wait up to engine_wait.
+        self.engine_first_wait = 4.0
         self.stopping = asyncio.Event()
         # Host-side timings of the latest runs (milliseconds), for benchmarks and status.
         self.timings: list[dict[str, float]] = []
         # (group, sender) pairs whose refusal was logged at info level: once each, so the
         # admin can find ids for allow_senders without a busy chat flooding the log.
         self._refusals_logged: set[tuple[str, str]] = set()
+        # image ref -> (time.monotonic(), backends label or None, present)
+        self._image_checks: dict[str, tuple[float, tuple[str, ...] | None, bool]] = {}
 
     # ------------------------------------------------------------------ inbound
     @staticmethod
@@ -172,12 +204,17 @@ class Orchestrator:
                     is_group=msg.is_group):
                 return  # a duplicate delivery
         if group is None:
+            log.info("message %s in %s: stored (no group answers in this chat)", msg.id,
+                     msg.chat_jid)
             return
         if decision.refused:
             await asyncio.to_thread(count_refusal, self.db, group.folder)
             self._log_refusal(group, msg, decision)
         if not self.accepting:
+            log.info("message %s in %s: stored (mdclaw is stopping)", msg.id, msg.chat_jid)
             return
+        log.info("group %s: message %s in (%d characters)", group.folder, msg.id,
+                 len(msg.content))
         if not decision.run:
             log.debug("group %s: message %s kept as context (no trigger or not an allowed "
                       "sender)", group.folder, msg.id)
@@ -201,6 +238,14 @@ class Orchestrator:
             return
         self.queue.enqueue_message(group.folder, payload={"t_inbound": t_inbound},
                                    job_id=f"msg:{group.folder}")
+
+    def _enqueue_next(self, group: GroupRow, after: str | None) -> None:
+        """Queue a run when triggered messages newer than `after` are waiting."""
+        assert group.jid is not None
+        later = messages_since(self.db, group.jid, after)
+        if any(self.is_triggered(group, m) for m in later):
+            self.queue.enqueue_message(group.folder, payload={},
+                                       job_id=f"msg:{group.folder}:next")
 
     def _feed(self, group: GroupRow, handle: Any, conv: _Conversation) -> None:
         """Write every message since the last one the conversation saw into input/.
@@ -281,23 +326,181 @@ class Orchestrator:
         return await self._run_messages(job)
 
     async def on_job_failed(self, job: Job, error: BaseException) -> None:
-        """The queue gave up on `job`: tell the scheduler, or tell the chat."""
+        """The queue gave up on `job`: tell the scheduler, or settle the messages' failure
+        and tell the chat."""
+        failure = getattr(error, "failure", None) or TurnFailure(
+            "agent_crash", detail=f"{type(error).__name__}: {error}")
         if job.kind == "task":
             fut = job.payload["future"]
             if not fut.done():
-                fut.set_exception(RunFailed(str(error)))
+                fut.set_exception(error if isinstance(error, RunFailed)
+                                  else RunFailed(str(error), failure))
             return
         group = get_group(self.db, job.group)
-        if group and group.jid:
-            self._send_text(group.jid, group.folder,
-                            f"Sorry, I could not answer: {error}. I tried "
-                            f"{self.queue.max_attempts} times; send your message again to retry.")
+        if group is None or group.jid is None:
+            return
+        if self.stopping.is_set() or not self.accepting:
+            # Stopping: the messages stay unanswered and are run at the next start.
+            return
+        payload = job.payload if isinstance(job.payload, dict) else {}
+        after = get_cursor(self.db, group.folder)
+        upto = payload.get("upto")
+        if upto is None:
+            newest = messages_since(self.db, group.jid, after)
+            upto = newest[-1].timestamp if newest else None
+        if upto is None:
+            return
+        outcome = "gave_up" if failure.policy == TRANSIENT else (
+            "config" if failure.policy == CONFIG else "dropped")
+        self._settle(group, failure, after=after, upto=upto, outcome=outcome,
+                     attempts=max(1, job.attempts))
+        self._enqueue_next(group, upto)
+
+    async def on_job_retry(self, job: Job, error: BaseException, delay: float) -> None:
+        """A message run failed for a transient cause and is retried in `delay` seconds: say
+        so once (again only when the cause changes)."""
+        if job.kind != "message":
+            return
+        failure = getattr(error, "failure", None) or TurnFailure(
+            "agent_crash", detail=f"{type(error).__name__}: {error}")
+        group = get_group(self.db, job.group)
+        if group is None or group.jid is None:
+            return
+        if not isinstance(job.payload, dict):
+            job.payload = {}
+        told = job.payload.get("told_cause")
+        text = None
+        if told != failure.cause:
+            text = failures.chat_message(failure, self._failure_ctx(group), outcome="retry",
+                                         delay=delay)
+            job.payload["told_cause"] = failure.cause
+        payload = job.payload
+        with self.db.transaction() as c:
+            record_failed_turn(c, group_folder=group.folder, chat_jid=group.jid,
+                               cause=failure.cause, policy=failure.policy, outcome="retry",
+                               attempts=job.attempts, detail=failure.detail,
+                               last_message_at=payload.get("upto"), told=text)
+            if text:
+                enqueue(c, chat_jid=group.jid, kind="text", text=text, source_group=group.folder)
+        if text:
+            self.wake_outbox()
+        log.warning("group %s: turn failed (%s, try %d): %s; retrying in %.0f s", group.folder,
+                    failure.cause, job.attempts, failure.detail or "-", delay)
 
     def _send_text(self, jid: str, folder: str, text: str) -> None:
         with self.db.transaction() as c:
             enqueue(c, chat_jid=jid, kind="text", text=text, source_group=folder)
         self.wake_outbox()
 
+    # ------------------------------------------------------------------ failures
+    def _failure_ctx(self, group: GroupRow) -> dict[str, Any]:
+        """What a failure's chat message may name: the model server (host and port), the
+        memory limit, the image, the backend, the model's config key, the time limit."""
+        from mdclaw.proxy import DEFAULT_BASE_URLS, model_for_group
+
+        key, spec = model_for_group(self.cfg, group.folder)
+        backend = spec.backend if spec else "claude"
+        timeout_ms = group.container_config.get("timeout_ms") or 0
+        cfg_group = self.cfg.groups.get(group.folder)
+        hard = (timeout_ms / 1000 if timeout_ms else
+                (cfg_group.timeout if cfg_group and cfg_group.timeout
+                 else self.cfg.limits.container_timeout).total_seconds())
+        from datetime import timedelta
+
+        return {"base_url": (spec.base_url if spec else None) or DEFAULT_BASE_URLS[backend],
+                "memory": self.cfg.limits.memory, "image": self.cfg.runtime.image,
+                "backend": backend, "model_key": key or "-",
+                "limit": format_duration(timedelta(seconds=hard))}
+
+    def _settle(self, group: GroupRow, failure: TurnFailure, *, after: str | None,
+                upto: str, outcome: str, attempts: int = 1) -> None:
+        """A turn failed for good: mark its messages (newer than `after`, up to `upto`)
+        failed, move the cursor past them, record the failure and tell the chat once."""
+        assert group.jid is not None
+        text = failures.chat_message(failure, self._failure_ctx(group), outcome=outcome,
+                                     attempts=attempts)
+        with self.db.transaction() as c:
+            n, first = mark_messages_failed(c, group.jid, after, upto, failure.cause)
+            set_cursor(self.db, group.folder, upto)
+            record_failed_turn(c, group_folder=group.folder, chat_jid=group.jid,
+                               cause=failure.cause, policy=failure.policy, outcome=outcome,
+                               attempts=attempts, detail=failure.detail,
+                               first_message_at=first, last_message_at=upto, messages=n,
+                               told=text)
+            enqueue(c, chat_jid=group.jid, kind="text", text=text, source_group=group.folder)
+        self.wake_outbox()
+        log.warning("group %s: turn failed (%s, %s after %d tr%s); %d message(s) set aside: %s",
+                    group.folder, failure.cause, outcome, attempts,
+                    "y" if attempts == 1 else "ies", n, failure.detail or "-")
+
+    def _refine(self, group: GroupRow, failure: TurnFailure) -> TurnFailure:
+        """Name the cause better with what the credential proxy saw on the host's side (a
+        backend that reports only text, or a run that ended without a structured error)."""
+        if failure.cause != "agent_crash" or self.proxy is None:
+            return failure
+        seen = getattr(self.proxy, "recent_failure", lambda _f: None)(group.folder)
+        if seen:
+            return TurnFailure(seen, detail=failure.detail, exit_code=failure.exit_code)
+        return failure
+
+    async def _precheck_config(self, group: GroupRow) -> TurnFailure | None:
+        """Configuration errors found before anything is started (the engine is not needed):
+        no model resolves for the group, or its key file cannot be read."""
+        if self.proxy is None:
+            return None  # no model path at all (tests, benchmarks)
+        from mdclaw.proxy import model_for_group
+
+        key, spec = model_for_group(self.cfg, group.folder)
+        if spec is None:
+            return TurnFailure("no_model", detail="no model resolves for the group: no "
+                               "models entry, or several and no assistant.model")
+        if spec.api_key_file is not None:
+            try:
+                ok = bool(await asyncio.to_thread(read_secret, spec.api_key_file))
+            except OSError as e:
+                ok = False
+                why = e.strerror or type(e).__name__
+            else:
+                why = "empty"
+            if not ok:
+                return TurnFailure("key_missing", detail=f"models.{key}.api_key_file: {why}")
+        return None
+
+    async def _precheck_image(self, group: GroupRow) -> TurnFailure | None:
+        """The image is missing, or its mdclaw.backends label lacks the group's backend."""
+        if self.proxy is None or self.runner is None:
+            return None
+        from mdclaw.proxy import model_for_group
+
+        _key, spec = model_for_group(self.cfg, group.folder)
+        if spec is None:
+            return None
+        backends, present = await self._image_check(self.cfg.runtime.image)
+        if not present:
+            return TurnFailure("image_missing", detail=f"{self.cfg.runtime.image} not found")
+        if backends is not None and spec.backend not in backends:
+            return TurnFailure("backend_missing", detail=f"image {self.cfg.runtime.image} "
+                               f"carries {','.join(backends) or 'no backend'}")
+        return None
+
+    async def _image_check(self, image: str) -> tuple[tuple[str, ...] | None, bool]:
+        """(backends label, present) of `image`, asked at most every IMAGE_CHECK_TTL s; an
+        engine that does not answer counts as present (the run then says what is wrong)."""
+        now = time.monotonic()
+        got = self._image_checks.get(image)
+        if got is not None and now - got[0] < IMAGE_CHECK_TTL:
+            return got[1], got[2]
+        assert self.runner is not None
+        try:
+            info = await asyncio.to_thread(self.runner.runtime.image_info, image)
+        except Exception:  # noqa: BLE001 - the engine will be asked again by the run
+            return None, True
+        result = (info.backends if info is not None else None, info is not None)
+        if info is not None:  # a missing image is looked for again next time
+            self._image_checks[image] = (now, *result)
+        return result
+
+    # ------------------------------------------------------------------ runs
     def _container_input(self, group: GroupRow, prompt: str, *, session: str | None,
                          scheduled: bool, fields: dict[str, Any]) -> ContainerInput:
         assert group.jid is not None
@@ -307,40 +510,63 @@ class Orchestrator:
                               **fields)
 
     async def _run_container(self, group: GroupRow, make_input: Callable[[dict[str, Any]],
-                             ContainerInput], on_output: Callable[[str], Any]) -> ContainerResult:
+                             ContainerInput], on_output: Callable[[str], Any], *,
+                             first_try: bool = False) -> ContainerResult:
+        """Start the group's container and wait for it. Raises RunFailed with the failure
+        when it cannot run (configuration, engine, image, proxy)."""
+        pre = await self._precheck_config(group)
+        if pre is not None:
+            raise RunFailed(pre.detail or pre.cause, pre)
         if self.diskguard is not None:
             verdict = await self.diskguard.admit(group.folder)
             if not verdict.ok:
                 raise RunRefused(verdict)
         if self.runner is None:
-            raise RunFailed("the container engine is not reachable")
+            raise RunFailed("the container engine is not reachable",
+                            TurnFailure("engine_down", detail="no container engine configured "
+                                        "or found"))
         if not self.engine_ready.is_set():
             ready = asyncio.ensure_future(self.engine_ready.wait())
             stopping = asyncio.ensure_future(self.stopping.wait())
-            await asyncio.wait([ready, stopping], timeout=self.engine_wait,
+            await asyncio.wait([ready, stopping], timeout=min(self.engine_wait,
+                                                              self.engine_first_wait)
+                               if first_try else self.engine_wait,
                                return_when=asyncio.FIRST_COMPLETED)
             ready.cancel()
             stopping.cancel()
             if not self.engine_ready.is_set():
-                raise RunFailed("the container engine is not reachable"
-                                + (" and mdclaw is stopping" if self.stopping.is_set() else ""))
+                raise RunFailed("the container engine is not reachable",
+                                TurnFailure("engine_down", detail="the engine did not answer"
+                                            + (" and mdclaw is stopping"
+                                               if self.stopping.is_set() else "")))
+        pre = await self._precheck_image(group)
+        if pre is not None:
+            raise RunFailed(pre.detail or pre.cause, pre)
         timeout = (group.container_config.get("timeout_ms") or 0) / 1000 or None
-        if self.proxy is not None:
-            async with self.proxy.for_run(self.cfg, group.folder) as fields:
-                return await self.runner.run(group.folder, make_input(fields),
-                                             on_output=on_output, timeout=timeout)
-        return await self.runner.run(group.folder, make_input({}), on_output=on_output,
-                                     timeout=timeout)
+        try:
+            if self.proxy is not None:
+                async with self.proxy.for_run(self.cfg, group.folder) as fields:
+                    return await self.runner.run(group.folder, make_input(fields),
+                                                 on_output=on_output, timeout=timeout)
+            return await self.runner.run(group.folder, make_input({}), on_output=on_output,
+                                         timeout=timeout)
+        except (RunFailed, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine, the image, the proxy
+            failure = failures.from_exception(e)
+            if failure.cause == "image_missing":
+                self._image_checks.pop(self.cfg.runtime.image, None)
+            raise RunFailed(str(e), failure) from e
 
-    def _handle_block(self, group: GroupRow, block: str, reply_jid: str) -> tuple[bool, str]:
-        """Act on one output block; return (delivered something, result text)."""
+    def _parse_block(self, group: GroupRow, block: str) -> dict[str, Any] | None:
+        """The block as a dict, with the session id kept (or dropped when it is gone)."""
         try:
             out = json.loads(block)
         except json.JSONDecodeError:
             log.warning("group %s: output block is not JSON; ignored", group.folder)
-            return False, ""
+            return None
         if not isinstance(out, dict):
-            return False, ""
+            return None
         session = out.get("newSessionId")
         error = str(out.get("error") or "")
         if out.get("status") == "error" and any(h in error.lower() for h in SESSION_GONE_HINTS):
@@ -348,13 +574,33 @@ class Orchestrator:
             set_session(self.db, group.folder, None)
         elif isinstance(session, str) and session:
             set_session(self.db, group.folder, session)
+        return out
+
+    def _deliver(self, group: GroupRow, out: dict[str, Any], reply_jid: str) -> str:
+        """Send a success block's notice and text to `reply_jid`; return the text."""
+        notice = out.get("notice")
+        if isinstance(notice, dict) and notice.get("cause") == "context_too_long":
+            limit = notice.get("limit")
+            self._send_text(reply_jid, group.folder,
+                            failures.trimmed_notice(limit if isinstance(limit, str) else None))
         text = strip_internal(str(out.get("result") or ""))
-        if out.get("status") == "error":
-            log.warning("group %s: agent reported an error: %s", group.folder, error[:500])
         if text:
             self._send_text(reply_jid, group.folder, text)
-            return True, text
-        return False, text
+            log.info("group %s: reply out to %s (%d characters)", group.folder, reply_jid,
+                     len(text))
+        return text
+
+    def _handle_block(self, group: GroupRow, block: str, reply_jid: str) -> tuple[bool, str]:
+        """Act on one output block; return (delivered something, result text)."""
+        out = self._parse_block(group, block)
+        if out is None:
+            return False, ""
+        if out.get("status") == "error":
+            log.warning("group %s: agent reported an error (%s): %s", group.folder,
+                        out.get("cause") or "no cause", str(out.get("error") or "")[:500])
+            return False, ""
+        text = self._deliver(group, out, reply_jid)
+        return bool(text), text
 
     async def _set_typing(self, jid: str, on: bool) -> None:
         ch = channel_for(self.channels, jid)
@@ -363,66 +609,138 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await ch.set_typing(jid, on)
 
+    def _turn_failed(self, group: GroupRow, conv: _Conversation, failure: TurnFailure) -> None:
+        """A turn failed while the container runs (an error block)."""
+        handle = self.runner.active(group.folder) if self.runner else None
+        if failure.policy == TRANSIENT:
+            # End the conversation: the run's end rolls the cursor back and the queue retries
+            # the unanswered messages with backoff (telling the chat once).
+            conv.pending = failure
+            conv.pending_upto = conv.last_ts
+            if handle is not None:
+                handle.close()
+            return
+        if conv.last_ts is not None and conv.last_ts != conv.answered_ts:
+            self._settle(group, failure, after=conv.answered_ts, upto=conv.last_ts,
+                         outcome="config" if failure.policy == CONFIG else "dropped")
+            conv.answered_ts = conv.last_ts
+        conv.pending = None
+        if failure.policy == CONFIG and handle is not None:
+            handle.close()  # every later turn would fail the same way
+
     async def _run_messages(self, job: Job) -> None:
         group = get_group(self.db, job.group)
         if group is None or group.jid is None:
             return
+        if not isinstance(job.payload, dict):
+            job.payload = {}
         start_cursor = get_cursor(self.db, group.folder)
         msgs = messages_since(self.db, group.jid, start_cursor, limit=MAX_PROMPT_MESSAGES * 4)
         if not msgs or not any(self.is_triggered(group, m) for m in msgs):
             return
-        failures = describe_failures(failed_since(self.db, group.folder, self._told(group)))
-        prompt = self._prompt(msgs, tuple(failures.splitlines()) if failures else ())
+        failed_deliveries = describe_failures(failed_since(self.db, group.folder,
+                                                          self._told(group)))
+        prompt = self._prompt(msgs, tuple(failed_deliveries.splitlines())
+                              if failed_deliveries else ())
         conv = _Conversation(start_cursor=start_cursor, last_ts=msgs[-1].timestamp,
-                             sent_ids={m.id for m in msgs})
+                             sent_ids={m.id for m in msgs}, answered_ts=start_cursor)
+        job.payload["upto"] = conv.last_ts
         self._conv[group.folder] = conv
         session = get_session(self.db, group.folder)
-        t_inbound = (job.payload or {}).get("t_inbound")
+        t_inbound = job.payload.get("t_inbound")
         marks = {"picked": time.perf_counter()}
 
         def on_output(block: str) -> None:
-            delivered, _ = self._handle_block(group, block, group.jid or "")
-            if delivered:
+            out = self._parse_block(group, block)
+            if out is None:
+                return
+            if out.get("status") == "error":
+                failure = self._refine(group, TurnFailure.from_block(out))
+                log.warning("group %s: turn failed in the container (%s): %s", group.folder,
+                            failure.cause, failure.detail or "-")
+                self._turn_failed(group, conv, failure)
+                return
+            if conv.pending is not None and conv.pending_upto:
+                # A later message (already in the container) was answered after a turn
+                # failed for a transient cause: that turn cannot be retried on its own now.
+                self._settle(group, conv.pending, after=conv.answered_ts,
+                             upto=conv.pending_upto, outcome="resend")
+            if self._deliver(group, out, group.jid or ""):
                 conv.delivered = True
                 marks.setdefault("first_output", time.perf_counter())
-                # Output reached the outbox: the messages it answered are done.
-                set_cursor(self.db, group.folder, conv.last_ts or "")
+            # This turn is answered: the messages it had are done.
+            conv.pending = None
+            conv.answered_ts = conv.last_ts
+            set_cursor(self.db, group.folder, conv.last_ts or "")
 
         await self._set_typing(group.jid, True)
         try:
             result = await self._run_container(
                 group, lambda f: self._container_input(group, prompt, session=session,
-                                                       scheduled=False, fields=f), on_output)
+                                                       scheduled=False, fields=f), on_output,
+                first_try=job.attempts == 0)
         except RunRefused as e:
-            self._refused(group, e.verdict)  # the messages wait for the next allowed run
-            return
-        finally:
             self._conv.pop(group.folder, None)
             await self._set_typing(group.jid, False)
+            self._refused(group, e.verdict)  # the messages wait for the next allowed run
+            return
+        except RunFailed as e:
+            self._conv.pop(group.folder, None)
+            await self._set_typing(group.jid, False)
+            if e.failure is not None and e.failure.policy != TRANSIENT:
+                # Nothing ran: settle at once (config errors, a missing image).
+                self._settle(group, e.failure, after=start_cursor, upto=conv.last_ts or "",
+                             outcome="config" if e.failure.policy == CONFIG else "dropped")
+                self._enqueue_next(group, conv.last_ts)
+                return
+            raise
+        finally:
+            self._conv.pop(group.folder, None)
+        await self._set_typing(group.jid, False)
         self._mark_told(group)
         self._record_timing(result, marks, t_inbound)
         stopped = (self.diskguard.blocked(group.folder)
                    if self.diskguard is not None and result.status != "success" else None)
         if stopped is not None:
-            self._refused(group, stopped)  # the disk rule stopped it: say so, no retries
-        if result.status == "success" or conv.delivered:
+            # The disk rule stopped it: say so; what was not answered waits, no retries.
+            self._refused(group, stopped)
+            self._roll_back(group, conv)
+            return
+        failure = conv.pending
+        unanswered = conv.last_ts != conv.answered_ts
+        if failure is None and result.status != "success" and unanswered:
+            failure = self._refine(group, failures.from_result(result))
+            log.warning("group %s: the run ended without an answer (%s): %s", group.folder,
+                        failure.cause, failure.detail or "-")
+        job.payload["upto"] = conv.last_ts
+        if failure is None:
             set_cursor(self.db, group.folder, conv.last_ts or "")
             # Messages that arrived after the prompt was built but could not be fed in.
-            later = messages_since(self.db, group.jid, conv.last_ts)
-            if any(self.is_triggered(group, m) for m in later):
-                self.queue.enqueue_message(group.folder, job_id=f"msg:{group.folder}:next")
+            self._enqueue_next(group, conv.last_ts)
             return
-        # Roll back: the same messages go into the retry.
-        if start_cursor is None:
+        if failure.policy != TRANSIENT:
+            self._settle(group, failure, after=conv.answered_ts, upto=conv.last_ts or "",
+                         outcome="config" if failure.policy == CONFIG else "dropped")
+            self._enqueue_next(group, conv.last_ts)
+            return
+        # Transient: roll back to the latest answered turn; the queue retries the rest.
+        if conv.answered_ts != start_cursor:
+            # This run answered something first: the failure is about later messages, so
+            # its tries (and what the chat was told) start afresh.
+            job.attempts = 0
+            job.payload.pop("told_cause", None)
+        self._roll_back(group, conv)
+        raise RunFailed(failure.detail or failure.cause, failure)
+
+    def _roll_back(self, group: GroupRow, conv: _Conversation) -> None:
+        """Put the group's cursor back to the latest answered turn of this run (or to none),
+        so what was not answered is in the next prompt."""
+        if conv.answered_ts is None:
             with self.db.transaction() as c:
                 c.execute("DELETE FROM router_state WHERE key = ?",
                           (f"last_agent_timestamp:{group.folder}",))
         else:
-            set_cursor(self.db, group.folder, start_cursor)
-        if stopped is not None:
-            return
-        raise RunFailed(result.error or f"the agent container ended with status {result.status}"
-                        f" (exit code {result.exit_code})")
+            set_cursor(self.db, group.folder, conv.answered_ts)
 
     def _refused(self, group: GroupRow, verdict: Any) -> None:
         """Tell the group's chat why it gets no answer, once while the condition lasts."""
@@ -448,12 +766,17 @@ class Orchestrator:
             raise RunFailed(f"task {task.id}: group {task.group_folder!r} is not registered")
         session = get_session(self.db, group.folder) if task.context_mode == "group" else None
         texts: list[str] = []
+        errors: list[TurnFailure] = []
         self._conv[group.folder] = _Conversation(None, None, scheduled=True)
 
         def on_output(block: str) -> None:
-            _, text = self._handle_block(group, block, task.chat_jid)
-            if text:
-                texts.append(text)
+            out = self._parse_block(group, block)
+            if out is not None and out.get("status") == "error":
+                errors.append(self._refine(group, TurnFailure.from_block(out)))
+            elif out is not None:
+                text = self._deliver(group, out, task.chat_jid)
+                if text:
+                    texts.append(text)
             # A scheduled run is single-turn: close it once it answered.
             handle = self.runner.active(group.folder) if self.runner else None
             if handle is not None:
@@ -473,9 +796,11 @@ class Orchestrator:
         if stopped is not None:
             self._refused(group, stopped)
             raise RunRefused(stopped)
-        if result.status != "success" and not texts:
-            raise RunFailed(result.error or f"the agent container ended with status "
-                            f"{result.status} (exit code {result.exit_code})")
+        if result.status != "success" and not texts or errors and not texts:
+            failure = errors[-1] if errors else self._refine(group,
+                                                             failures.from_result(result))
+            text = failures.describe(failure, self._failure_ctx(group))
+            raise RunFailed(f"{text} ({failure.cause}: {failure.detail or '-'})", failure)
         return "\n\n".join(texts)
 
     def _record_timing(self, result: ContainerResult, marks: dict[str, float],

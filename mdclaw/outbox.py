@@ -267,7 +267,7 @@ class OutboxWorker:
             c.execute("UPDATE outbox SET status = 'sent', sent_at = ?, updated_at = ?, "
                       "next_attempt_at = NULL WHERE id = ?", (now, now, row.id))
             c.execute("DELETE FROM outbox_progress WHERE outbox_id = ?", (row.id,))
-        log.debug("outbox: message %d sent to %s", row.id, row.chat_jid)
+        log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid, attempt)
         self._callback(self.on_sent, row.id)
         return True
 

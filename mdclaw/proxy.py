@@ -80,7 +80,7 @@ DEFAULT_REQUESTS_PER_MINUTE = 300
 ACCEPT_BATCH = 64  # connections accepted per readiness event, before other work runs
 ACCEPT_PAUSE = 1.0  # seconds not accepting after the process ran out of descriptors
 _BUSY_BODY = json.dumps({"type": "error", "error": {
-    "type": "overloaded_error",
+    "type": "mdclaw_proxy_busy",
     "message": "too many open connections to mdclaw's model proxy from this group; close "
                "some and retry"}}).encode()
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
@@ -138,6 +138,27 @@ def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | N
     if key is None:
         return None, None
     return key, cfg.models[key]
+
+
+async def probe_upstream(upstream: Upstream, timeout: float = 5.0) -> tuple[int | None, str]:
+    """Ask the model API `GET /v1/models` the way the proxy forwards requests (same URL
+    rules, same credential, same HTTP proxy settings): (HTTP status, detail), or (None, why)
+    when nothing answered. The detail never holds the key."""
+    url = upstream.url_for("/v1/models", "")
+    try:
+        headers = upstream.auth_headers()
+    except OSError as e:
+        return None, f"the key file cannot be read ({e.strerror or type(e).__name__})"
+    if upstream.backend == "claude":
+        headers["anthropic-version"] = "2023-06-01"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout),
+                                         trust_env=True) as session:
+            async with session.get(url, headers=headers, allow_redirects=False) as r:
+                body = (await r.content.read(2000)).decode("utf-8", "replace")
+                return r.status, " ".join(body.split())[:200]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return None, f"{type(e).__name__}: {e}"[:200]
 
 
 def container_model_fields(cfg: Config, folder: str) -> dict[str, Any]:
@@ -434,6 +455,18 @@ class _Listener:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+def _upstream_failure(e: BaseException) -> tuple[str, str, str]:
+    """(error type for the agent, failure cause, words) for an exception of the upstream
+    request. The types start with `mdclaw_` so the agent tells them from the API's own."""
+    if isinstance(e, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return "mdclaw_upstream_timeout", "turn_timeout", "did not answer in time"
+    if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
+                  | aiohttp.ClientOSError) and not isinstance(e, aiohttp.ClientConnectorError):
+        return ("mdclaw_upstream_disconnected", "model_disconnected",
+                "closed the connection without answering")
+    return "mdclaw_upstream_unreachable", "model_unreachable", "could not be reached"
+
+
 @dataclass
 class _GroupSite:
     folder: str
@@ -479,6 +512,10 @@ class CredentialProxy:
         self._flush_lock = asyncio.Lock()
         self._keys: dict[Path, tuple[float, int, dict[str, str]]] = {}
         self.stats: dict[str, dict[str, int]] = {}
+        # folder -> (cause, time.monotonic()) of its latest request that failed here.
+        self.last_failure: dict[str, tuple[str, float]] = {}
+        # folder -> request handlers under way (cancelled when the group's proxy stops).
+        self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
 
     def socket_path(self, folder: str) -> Path:
         return self.layout.proxy_socket(folder)
@@ -572,6 +609,9 @@ class CredentialProxy:
         site = self._sites.pop(folder, None)
         if site is None:
             return
+        # The container is gone: requests it left open (a slow model) are not waited for.
+        for task in self._inflight.pop(folder, set()):
+            task.cancel()
         await site.listener.close()
         await site.runner.cleanup()
         if site.caps.refused or site.caps.limited:
@@ -624,7 +664,7 @@ class CredentialProxy:
                 seconds = max(1, math.ceil(wait))
                 return web.json_response(
                     {"type": "error",
-                     "error": {"type": "rate_limit_error",
+                     "error": {"type": "mdclaw_proxy_rate_limited",
                                "message": f"this group may send {caps.per_minute} requests "
                                           f"a minute through mdclaw's model proxy; retry in "
                                           f"{seconds} s"}},
@@ -634,8 +674,15 @@ class CredentialProxy:
                     {"error": {"type": "not_found",
                                "message": f"{request.method} {request.path} is not a model "
                                           "API path this proxy forwards"}}, status=404)
-            async with slots:
-                return await self._forward(request, folder, upstream)
+            task = asyncio.current_task()
+            inflight = self._inflight.setdefault(folder, set())
+            if task is not None:
+                inflight.add(task)
+            try:
+                async with slots:
+                    return await self._forward(request, folder, upstream)
+            finally:
+                inflight.discard(task)
 
         return handle
 
@@ -656,7 +703,8 @@ class CredentialProxy:
             log.error("group %s: the model key file %s cannot be read", folder,
                       upstream.api_key_file)
             self._count(folder, model, ok=False, usage=None)
-            return web.json_response({"error": {"type": "proxy_error",
+            self._note_failure(folder, "key_missing")
+            return web.json_response({"error": {"type": "mdclaw_key_unreadable",
                                                 "message": "the host cannot read the API key"}},
                                      status=502)
         headers["accept-encoding"] = "identity"
@@ -682,17 +730,34 @@ class CredentialProxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.warning("group %s: upstream %s failed: %s", folder, upstream.base_url,
                         type(e).__name__)
+            kind, cause, what = _upstream_failure(e)
+            self._note_failure(folder, cause)
             if response is None or not response.prepared:
                 response = web.json_response(
-                    {"error": {"type": "proxy_error",
-                               "message": f"the model API could not be reached "
-                                          f"({type(e).__name__})"}}, status=502)
+                    {"error": {"type": kind,
+                               "message": f"the model API {what} ({type(e).__name__})"}},
+                    status=504 if cause == "turn_timeout" else 502)
         finally:
             counter.finish()
+            if ok:
+                self.last_failure.pop(folder, None)
             # The body's model name is the container's word: keep it only when the API
             # accepted the request, so made-up names cannot fill the usage table.
             self._count(folder, model if ok else (upstream.model or ""), ok=ok, usage=counter)
         return response
+
+    def _note_failure(self, folder: str, cause: str) -> None:
+        """Remember why the group's latest model request failed on the host's side, so a
+        failed turn can be told apart from what the agent saw (see mdclaw/failures.py)."""
+        self.last_failure[folder] = (cause, time.monotonic())
+
+    def recent_failure(self, folder: str, within: float = 120.0) -> str | None:
+        """The cause of the group's latest failed model request when it failed on the host's
+        side within `within` seconds and nothing succeeded since, else None."""
+        got = self.last_failure.get(folder)
+        if got is None or time.monotonic() - got[1] > within:
+            return None
+        return got[0]
 
     def _auth_headers(self, upstream: Upstream) -> dict[str, str]:
         """The credential headers, re-read only when the key file changed (rotation)."""

@@ -7,10 +7,12 @@ Rules:
   slot frees, groups with a task waiting go first, then groups in the order their oldest job
   arrived;
 * a job whose `run_job` raises is retried (unless the error has `permanent = True`) with
-  exponential backoff (`max_attempts` tries in
-  all, `retry_base` seconds doubling: 5, 10, 20, 40 s by default); meanwhile the group holds
-  its place and its later jobs wait, so order is kept. After the last try the failure is
-  recorded in `failures` and `on_failure(job, error)` is called to tell the user;
+  exponential backoff (`max_attempts` tries in all, or the error's `max_tries` when fewer;
+  `retry_base` seconds doubling: 5, 10, 20, 40 s by default, at least the error's
+  `retry_delay` when it has one); `on_retry(job, error, delay)` is called before each wait.
+  Meanwhile the group holds its place and its later jobs wait, so order is kept. After the
+  last try the failure is recorded in `failures` and `on_failure(job, error)` is called to
+  tell the user;
 * one task id is never queued or run twice at the same time (`enqueue_task` returns False);
 * `shutdown(grace)` stops taking jobs, lets running ones finish for `grace` seconds, cancels
   the rest (the runner then kills their containers) and returns every job that did not run.
@@ -57,7 +59,8 @@ class GroupQueue:
     def __init__(self, run_job: Callable[[Job], Awaitable[Any]], *, max_concurrent: int,
                  max_attempts: int = 5, retry_base: float = 5.0,
                  on_failure: Callable[[Job, BaseException], Awaitable[None] | None] | None = None,
-                 ) -> None:
+                 on_retry: Callable[[Job, BaseException, float], Awaitable[None] | None]
+                 | None = None) -> None:
         if max_concurrent < 1 or max_attempts < 1 or retry_base < 0:
             raise ValueError("max_concurrent and max_attempts must be >= 1, retry_base >= 0")
         self.run_job = run_job
@@ -65,6 +68,7 @@ class GroupQueue:
         self.max_attempts = max_attempts
         self.retry_base = retry_base
         self.on_failure = on_failure
+        self.on_retry = on_retry
         self.failures: list[Failure] = []
         self._tasks: dict[str, deque[Job]] = {}
         self._messages: dict[str, deque[Job]] = {}
@@ -178,11 +182,24 @@ class GroupQueue:
             job.last_error = f"{type(e).__name__}: {e}"
             # An error that says retrying cannot help (e.g. the image is missing) is final.
             final = bool(getattr(e, "permanent", False))
-            if job.attempts < self.max_attempts and not self._closing and not final:
+            tries = self.max_attempts
+            if isinstance(getattr(e, "max_tries", None), int):
+                tries = max(1, min(tries, e.max_tries))  # type: ignore[attr-defined]
+            if job.attempts < tries and not self._closing and not final:
                 delay = self.retry_base * 2 ** (job.attempts - 1)
+                wanted = getattr(e, "retry_delay", None)
+                if isinstance(wanted, int | float) and wanted > delay:
+                    delay = float(wanted)
                 log.warning("%s %s for %s failed (try %d of %d): %s; retrying in %g s",
-                            job.kind, job.id, job.group, job.attempts, self.max_attempts,
+                            job.kind, job.id, job.group, job.attempts, tries,
                             job.last_error, delay)
+                if self.on_retry is not None:
+                    try:
+                        r = self.on_retry(job, e, delay)
+                        if inspect.isawaitable(r):
+                            await r
+                    except Exception:
+                        log.exception("on_retry callback failed for %s %s", job.kind, job.id)
                 book = self._tasks if job.kind == "task" else self._messages
                 book.setdefault(job.group, deque()).appendleft(job)
                 loop = asyncio.get_running_loop()

@@ -192,6 +192,7 @@ class ContainerResult:
     name: str
     error: str | None = None
     closed_idle: bool = False  # the idle timer wrote _close
+    oom_killed: bool = False  # the engine says the kernel's OOM killer ended it
     stdout_bytes: int = 0  # everything the container wrote to stdout
     dropped_bytes: int = 0  # stdout beyond max_output_bytes, not kept or parsed
     stderr_tail: str = ""
@@ -540,6 +541,7 @@ class ContainerRunner:
             name=spec.name, error=error if status != "success" else None,
             closed_idle=handle.closed, stdout_bytes=reader.total, dropped_bytes=reader.dropped,
             stderr_tail=reader.stderr_tail.decode("utf-8", "replace"),
+            oom_killed=bool(getattr(running, "oom_killed", False)),
         )
         self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, running.id))
         done_at = time.perf_counter()
@@ -552,8 +554,9 @@ class ContainerRunner:
             "exit_to_result_ms": (done_at - eof_at) * 1000,
             "exit_status_ms": (t_waited - t_wait) * 1000,
         }
-        log.info("container %s: %s (exit %d, %d block(s), %d stdout bytes)", spec.name,
-                 status, exit_code, len(outputs), reader.total)
+        log.info("container %s: %s (exit %d%s, %d block(s), %d stdout bytes)", spec.name,
+                 status, exit_code, ", OOM-killed" if result.oom_killed else "", len(outputs),
+                 reader.total)
         return result
 
     def _spawn(self, coro: Awaitable[Any]) -> None:

@@ -32,11 +32,18 @@ class Recorded:
 
 @dataclass
 class Step:
-    """One scripted model answer: tool calls (name, args) or a final text."""
+    """One scripted model answer: tool calls (name, args) or a final text — or a failure:
+    an HTTP error `status` with a JSON `error` body, a `raw` answer that is not the API's
+    shape, or `hangup` (the connection is closed without an answer)."""
 
     text: str | None = None
     tool_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     delay: float = 0.0
+    status: int = 200
+    error: Any = None
+    raw: bytes | None = None
+    hangup: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def say(text: str, delay: float = 0.0) -> Step:
@@ -45,6 +52,24 @@ def say(text: str, delay: float = 0.0) -> Step:
 
 def call(name: str, delay: float = 0.0, **args: Any) -> Step:
     return Step(tool_calls=[(name, args)], delay=delay)
+
+
+def refuse(status: int, message: str, *, code: str | None = None, delay: float = 0.0,
+           headers: dict[str, str] | None = None) -> Step:
+    """An HTTP error in the OpenAI API's shape: {"error": {"message", "type", "code"}}."""
+    return Step(status=status, delay=delay, headers=dict(headers or {}),
+                error={"error": {"message": message, "type": "invalid_request_error",
+                                 "code": code}})
+
+
+def garble(raw: bytes = b'{"choices": [{"message": {"content": "half', delay: float = 0.0) -> Step:
+    """An answer that is not valid JSON (a server that broke off or misbehaves)."""
+    return Step(raw=raw, delay=delay)
+
+
+def hangup(delay: float = 0.0) -> Step:
+    """Close the connection without answering."""
+    return Step(hangup=True, delay=delay)
 
 
 class _Server:
@@ -77,15 +102,19 @@ class _Server:
             self.requests.append(rec)
         return body
 
-    def start(self, host: str = "127.0.0.1") -> _Server:
+    def start(self, host: str = "127.0.0.1", port: int | None = None) -> _Server:
+        """Serve on `port` (default: the port of an earlier start, else a free one), so a
+        stopped server can come back at the same address."""
         ready = threading.Event()
+        self._loop = asyncio.new_event_loop() if self._loop.is_closed() else self._loop
 
         async def setup() -> None:
             app = web.Application()
             self.routes(app)
-            self._runner = web.AppRunner(app, access_log=None)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, host, 0)
+            site = web.TCPSite(self._runner, host, port if port is not None else self.port,
+                               reuse_address=True)
             await site.start()
             self.port = site._server.sockets[0].getsockname()[1]
 
@@ -101,6 +130,9 @@ class _Server:
         return self
 
     def stop(self) -> None:
+        if self._loop.is_closed():
+            return  # stopped already
+
         async def down() -> None:
             if self._runner:
                 await self._runner.cleanup()
@@ -110,6 +142,7 @@ class _Server:
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread:
             self._thread.join(10)
+        self._loop.close()
 
     def __enter__(self):  # noqa: ANN204
         return self.start()
@@ -128,6 +161,21 @@ class _Server:
         raise AssertionError(f"expected {n} request(s), got {len(self.requests)}")
 
 
+async def _failure(request: web.Request, step: Step) -> web.StreamResponse | None:
+    """The scripted failure of `step`, or None when it is an ordinary answer."""
+    if step.hangup:
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError  # aiohttp drops the request quietly
+    if step.raw is not None:
+        return web.Response(body=step.raw, status=step.status,
+                            headers={"Content-Type": "application/json", **step.headers})
+    if step.status >= 400:
+        return web.json_response(step.error if step.error is not None else {"error": "failed"},
+                                 status=step.status, headers=step.headers)
+    return None
+
+
 class FakeOpenAI(_Server):
     """POST /v1/chat/completions answered from `script` (steps in order; when it runs out,
     `fallback(body)` or an echo of the last user message)."""
@@ -141,6 +189,7 @@ class FakeOpenAI(_Server):
         self.usage = usage
         # Some servers send tool-call arguments as a JSON object instead of a string.
         self.object_arguments = object_arguments
+        self.models_status = 200  # what GET /v1/models answers
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -153,6 +202,9 @@ class FakeOpenAI(_Server):
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._record(request)
+        if self.models_status != 200:
+            return web.json_response({"error": {"message": "Incorrect API key provided"}},
+                                     status=self.models_status)
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
 
     def _next(self, body: dict[str, Any]) -> Step:
@@ -169,6 +221,9 @@ class FakeOpenAI(_Server):
         step = self._next(body if isinstance(body, dict) else {})
         if step.delay:
             await asyncio.sleep(step.delay)
+        failed = await _failure(request, step)
+        if failed is not None:
+            return failed
         n = len(self.requests)
         message: dict[str, Any] = {"role": "assistant", "content": step.text}
         if step.tool_calls:

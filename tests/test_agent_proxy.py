@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import stat
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -342,3 +343,28 @@ def test_made_up_model_names_of_failed_requests_are_not_recorded(env) -> None:
     proxy.flush()
     rows = [dict(r) for r in db.query("SELECT model, requests, errors FROM model_usage")]
     assert rows == [{"model": "claude-x", "requests": 5, "errors": 5}]
+
+
+def test_stopping_a_group_does_not_wait_for_a_slow_model(env) -> None:
+    """The container was killed while the model was slow: its proxy stops at once."""
+    import threading
+
+    layout, db, proxy, key = env
+    with FakeOpenAI([say("late", delay=30)]) as server:
+        sock = proxy.start_group("family", Upstream("openai", "m", server.url + "/v1", key))
+        t = threading.Thread(target=lambda: _quiet(request, sock, "POST",
+                                                   "/v1/chat/completions",
+                                                   body={"model": "m", "messages": []}),
+                             daemon=True)
+        t.start()
+        server.wait_for(1, 10)
+        t0 = time.monotonic()
+        proxy.call(proxy.proxy.stop_group("family"))
+        assert time.monotonic() - t0 < 5
+
+
+def _quiet(fn, *args, **kw) -> None:  # noqa: ANN001
+    try:
+        fn(*args, **kw)
+    except Exception:  # noqa: BLE001 - the connection is cut on purpose
+        pass

@@ -13,7 +13,7 @@ import pytest
 
 import agent_helpers
 from agent_helpers import ProxyThread, RunnerProcess, write_input
-from fake_models import FakeOpenAI, call, say
+from fake_models import FakeOpenAI, call, garble, hangup, refuse, say
 from mdclaw_agent.protocol import PLACEHOLDER_KEY, ContainerInput, InputError, parse_outputs
 
 
@@ -190,12 +190,14 @@ def test_model_error_is_reported(dirs) -> None:
                    MDCLAW_MODEL_BASE_URL=server.url + "/nowhere")
         assert r.wait_exit(20) == 1
     assert r.results[0]["status"] == "error" and "HTTP 418" in r.results[0]["error"]
+    assert r.results[0]["cause"] == "model_refused" and r.results[0]["httpStatus"] == 418
 
 
 def test_missing_proxy_socket_is_reported(dirs) -> None:
     r = RunnerProcess(base_input(), ipc_dir=dirs["ipc"], group_dir=dirs["group"])
     assert r.wait_exit(20) == 1
     assert "proxy socket" in r.results[0]["error"]
+    assert r.results[0]["cause"] == "proxy_missing"
 
 
 def test_through_real_proxy_and_forwarder(tmp_path: Path) -> None:
@@ -275,6 +277,7 @@ def test_claude_backend_missing_from_image_is_reported(dirs, tmp_path) -> None:
                            "PYTHONPATH": f"{blocker.parent}:{agent_helpers.RUNNER_SRC}"})
     assert r.wait_exit(30) == 1
     assert "claude-agent-sdk is missing" in r.results[0]["error"]
+    assert r.results[0]["cause"] == "backend_missing"
 
 
 def test_tool_arguments_given_as_object(dirs) -> None:
@@ -316,3 +319,177 @@ def test_sigterm_ends_an_open_session_cleanly(dirs) -> None:
         r.proc.send_signal(signal.SIGTERM)
         assert r.wait_exit(10) == 0
         assert time.monotonic() - t0 < 3
+
+
+# ----------------------------------------------------------------- failed turns and causes
+
+
+def one_turn(dirs, script, **env) -> tuple[dict, FakeOpenAI]:
+    with FakeOpenAI(script) as server:
+        r = runner(dirs, base_input(isScheduledTask=True), server, **env)
+        r.wait_exit(30)
+    return r.results[-1], server
+
+
+@pytest.mark.parametrize("step, cause, extra", [
+    (refuse(400, "This model's maximum context length is 8192 tokens. However, you "
+            "requested 9000 tokens.", code="context_length_exceeded"), "context_too_long",
+     {"limit": "8192 tokens", "httpStatus": 400}),
+    (refuse(401, "Incorrect API key provided"), "model_refused",
+     {"httpStatus": 401, "apiMessage": "Incorrect API key provided"}),
+    (refuse(429, "Rate limit reached", headers={"Retry-After": "7"}), "rate_limited",
+     {"retryAfter": 7.0}),
+    (refuse(429, "You exceeded your current quota", code="insufficient_quota"), "over_budget",
+     {}),
+    (refuse(402, "Payment required"), "over_budget", {}),
+    (refuse(503, "overloaded"), "model_server_error", {"httpStatus": 503}),
+    (hangup(), "model_disconnected", {}),
+])
+def test_a_failed_turn_names_its_cause(dirs, step, cause, extra) -> None:
+    out, _ = one_turn(dirs, [step, step])
+    assert out["status"] == "error" and out["cause"] == cause, out
+    for k, v in extra.items():
+        assert out[k] == v, (k, out)
+
+
+def test_model_down_is_unreachable(dirs) -> None:
+    r = RunnerProcess(base_input(isScheduledTask=True), ipc_dir=dirs["ipc"],
+                      group_dir=dirs["group"], env={"MDCLAW_MODEL_BASE_URL": "http://127.0.0.1:9"})
+    assert r.wait_exit(20) == 1
+    assert r.results[0]["cause"] == "model_unreachable"
+
+
+def test_malformed_answer_is_asked_once_more_then_reported(dirs) -> None:
+    out, server = one_turn(dirs, [garble(), say("fine after all")])
+    assert out["status"] == "success" and out["result"] == "fine after all"
+    assert len(server.requests) == 2
+    out, server = one_turn(dirs, [garble(), garble(b'{"no": "choices"}'), say("never")])
+    assert out["status"] == "error" and out["cause"] == "model_malformed"
+    assert len(server.requests) == 2  # twice in a row, then no more
+
+
+def test_context_too_long_trims_the_history_and_tries_once_more(dirs) -> None:
+    too_long = refuse(400, "maximum context length is 4096 tokens",
+                      code="context_length_exceeded")
+    with FakeOpenAI([say("first"), too_long, say("answered short")]) as server:
+        r = runner(dirs, base_input(prompt="old turn " + "x" * 3000), server)
+        r.wait_results(1)
+        write_input(dirs["ipc"] / "input", {"text": "new question"}, "1700000000001-a.json")
+        out = r.wait_results(2)[1]
+        assert out["status"] == "success" and out["result"] == "answered short"
+        assert out["notice"] == {"cause": "context_too_long", "limit": "4096 tokens"}
+        retry = server.requests[2].body["messages"]
+        assert not any("old turn" in str(m.get("content")) for m in retry)
+        assert retry[-1]["content"] == "new question"
+        # The current turn alone is over the limit: reported, not retried without end.
+        server.script[:] = [too_long, say("normal again")]
+        write_input(dirs["ipc"] / "input", {"text": "y" * 2000}, "1700000000002-a.json")
+        out = r.wait_results(3)[2]
+        assert out["status"] == "error" and out["cause"] == "context_too_long"
+        n = len(server.requests)
+        assert n == 4  # nothing to trim: no second request for it
+        # The refused message does not ride along in the next request.
+        write_input(dirs["ipc"] / "input", {"text": "next one"}, "1700000000003-a.json")
+        out = r.wait_results(4)[3]
+        assert out["status"] == "success" and out["result"] == "normal again"
+        assert len(server.requests) == n + 1
+        assert not any("yyyy" in str(m.get("content"))
+                       for m in server.requests[-1].body["messages"])
+        write_input(dirs["ipc"] / "input", None, "_close")
+        assert r.wait_exit(10) == 0
+
+
+def test_a_failed_follow_up_is_not_kept_in_the_history(dirs) -> None:
+    with FakeOpenAI([say("one"), refuse(400, "bad request: unsupported content"),
+                     say("three")]) as server:
+        r = runner(dirs, base_input(prompt="first"), server)
+        r.wait_results(1)
+        write_input(dirs["ipc"] / "input", {"text": "poison"}, "1700000000001-a.json")
+        out = r.wait_results(2)[1]
+        assert out["cause"] == "model_refused" and out["apiMessage"].startswith("bad request")
+        write_input(dirs["ipc"] / "input", {"text": "fine"}, "1700000000002-a.json")
+        assert r.wait_results(3)[2]["result"] == "three"
+        write_input(dirs["ipc"] / "input", None, "_close")
+        assert r.wait_exit(10) == 0
+        contents = [m.get("content") for m in server.requests[-1].body["messages"]]
+    assert "poison" not in contents and "fine" in contents
+
+
+def test_causes_through_the_real_proxy(tmp_path: Path) -> None:
+    """What the proxy sees (upstream down, connection closed, key gone) reaches the runner
+    as the right cause."""
+    from mdclaw.paths import Layout
+    from mdclaw.proxy import Upstream
+
+    layout = Layout(tmp_path / "d")
+    ipc = layout.group_ipc_dir("family")
+    (ipc / "input").mkdir(parents=True)
+    group = layout.group_dir("family")
+    group.mkdir(parents=True)
+    proxy = ProxyThread(layout, None)
+    try:
+        def cause_with(upstream: Upstream) -> str:
+            proxy.start_group("family", upstream)
+            r = RunnerProcess(base_input(isScheduledTask=True), ipc_dir=ipc, group_dir=group)
+            assert r.wait_exit(30) == 1, r.stderr_lines
+            return r.results[0]["cause"]
+
+        assert cause_with(Upstream("openai", "m", "http://127.0.0.1:9/v1")) == "model_unreachable"
+        assert proxy.proxy.recent_failure("family") == "model_unreachable"
+        with FakeOpenAI([hangup(), hangup()]) as server:
+            assert cause_with(Upstream("openai", "m", server.url + "/v1")) == "model_disconnected"
+        with FakeOpenAI() as server:
+            assert cause_with(Upstream("openai", "m", server.url + "/v1",
+                                       tmp_path / "no.key")) == "key_missing"
+    finally:
+        proxy.close()
+
+
+def test_causes_of_errors_known_only_as_text() -> None:
+    """The claude backend's CLI reports errors as text; they get a cause too."""
+    from mdclaw_agent.backends import classify_text, context_limit
+    from mdclaw_agent.protocol import CAUSES
+
+    cases = {
+        'API Error: 400 {"type":"error","error":{"type":"invalid_request_error","message":'
+        '"prompt is too long: 210000 tokens > 200000 maximum"}}': "context_too_long",
+        "API Error: 429 rate_limit_error": "rate_limited",
+        "API Error: 529 Overloaded": "model_server_error",
+        "API Error: 401 invalid x-api-key": "model_refused",
+        "Connection error.": "model_unreachable",
+        "Request timed out.": "turn_timeout",
+        "Your credit balance is too low": "over_budget",
+        "something else entirely": "agent_crash",
+    }
+    for text, cause in cases.items():
+        assert classify_text(text) == cause, text
+        assert cause in CAUSES
+    assert context_limit("prompt is too long: 210000 tokens > 200000 maximum") == "200000 tokens"
+    assert context_limit("maximum context length is 8,192 tokens") == "8192 tokens"
+
+
+def test_a_failed_first_turn_keeps_the_conversation_open(dirs) -> None:
+    """The host may already have written the next message: it is answered, not lost."""
+    with FakeOpenAI([refuse(400, "unsupported"), say("second works")]) as server:
+        r = runner(dirs, base_input(prompt="bad one"), server)
+        assert r.wait_results(1)[0]["cause"] == "model_refused"
+        write_input(dirs["ipc"] / "input", {"text": "good one"}, "1700000000001-a.json")
+        assert r.wait_results(2)[1]["result"] == "second works"
+        write_input(dirs["ipc"] / "input", None, "_close")
+        assert r.wait_exit(10) == 0
+        assert "bad one" not in json.dumps(server.requests[-1].body)
+
+
+def test_the_proxys_own_caps_read_as_rate_limited() -> None:
+    """The host proxy's answers to a group over its connection or request caps are
+    'wait and retry', not a model server error."""
+    from mdclaw_agent.backends import classify_http
+
+    busy = classify_http(503, json.dumps({"type": "error", "error": {
+        "type": "mdclaw_proxy_busy", "message": "too many open connections"}}), "1")
+    assert (busy.cause, busy.retry_after) == ("rate_limited", 1.0)
+    rate = classify_http(429, json.dumps({"type": "error", "error": {
+        "type": "mdclaw_proxy_rate_limited", "message": "retry in 12 s"}}), "12")
+    assert (rate.cause, rate.retry_after) == ("rate_limited", 12.0)
+    assert classify_http(503, '{"error": {"message": "overloaded"}}').cause == \
+        "model_server_error"

@@ -31,7 +31,6 @@ from mdclaw.orchestrator import Orchestrator
 from mdclaw.paths import Layout
 from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
-from mdclaw.state.conversations import get_cursor
 from mdclaw.state.outbox import list_outbox
 
 MiB = 1 << 20
@@ -242,10 +241,13 @@ def test_refused_runs_tell_the_chat_once_and_runs_resume(tmp_path: Path) -> None
     family = [t for j, t in texts if j == "hl:family"]
     assert len(family) == 2, texts
     assert "my folder is full" in family[0] and "of 1 MiB" in family[0]
-    # allowed again: the run went on to the (missing) engine, which is a different story
-    assert "container engine is not reachable" in family[1]
-    assert [t for j, t in texts if j == "hl:main"][0].startswith("Sorry, I could not answer")
-    assert get_cursor(db, "family") is None  # nothing was answered: the messages wait
+    # allowed again: the run went on to the (missing) engine, which is a different story,
+    # told as such; while refused, the messages waited instead of being set aside
+    assert "container engine on the server is not reachable" in family[1]
+    assert "container engine" in [t for j, t in texts if j == "hl:main"][0]
+    failed = db.query("SELECT cause, messages FROM failed_turns WHERE group_folder = ?",
+                      ("family",))
+    assert [(r["cause"], r["messages"]) for r in failed] == [("engine_down", 4)]
     db.close()
 
 

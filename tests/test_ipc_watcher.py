@@ -216,8 +216,11 @@ def test_cli_drain_errors_outbox(env: Env, cli) -> None:  # noqa: ANN001
                                              "PROCESSED_AT"]
     r = cli("outbox", "list", "--json", "--config", cfg)
     rows = json.loads(r.stdout)
+    next_try = rows[0].pop("next_attempt_at")
     assert rows == [{"id": 1, "chat_jid": "tg:2", "kind": "text", "text": "one",
-                     "status": "pending", "source_group": "family"}]
+                     "status": "pending", "source_group": "family", "attempts": 0,
+                     "last_error": None}]
+    assert next_try.endswith("Z")
     assert cli("outbox", "list", "--status", "sent", "--json", "--config",
                cfg).stdout.strip() == "[]"
     assert "ID" in cli("outbox", "list", "--config", cfg).stdout

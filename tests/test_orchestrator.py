@@ -57,7 +57,7 @@ def test_trigger_decides_and_duplicates_are_dropped(write_config) -> None:
     assert db.query_one("SELECT COUNT(*) FROM messages")[0] == 2
 
 
-def test_failed_run_tells_the_chat_and_keeps_the_cursor(write_config) -> None:
+def test_failed_run_tells_the_chat_once_with_the_cause_and_true_count(write_config) -> None:
     cfg, db = setup(write_config)
 
     async def main() -> None:
@@ -68,8 +68,11 @@ def test_failed_run_tells_the_chat_and_keeps_the_cursor(write_config) -> None:
     asyncio.run(main())
     (row,) = list_outbox(db)
     assert row.chat_jid == "hl:main" and row.source_group == "main"
-    assert "could not answer" in row.text and "container engine is not reachable" in row.text
-    assert get_cursor(db, "main") is None  # the message is still unanswered
+    assert "container engine" in row.text and "not reachable" in row.text
+    assert "tried once" in row.text and "send it again" in row.text  # run_attempts: 1
+    # The user was told to resend: the message is set aside, not run again at the next start.
+    assert get_cursor(db, "main") == "2026-01-01T00:00:01.000Z"
+    assert db.query_one("SELECT failed_cause FROM messages")[0] == "engine_down"
 
 
 def test_recover_pending_queues_only_groups_with_triggered_messages(write_config) -> None:

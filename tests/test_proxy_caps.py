@@ -211,7 +211,7 @@ def test_connections_over_the_cap_are_closed_and_slots_come_back(proxy) -> None:
     reply = raw_response(sock)
     assert reply == BUSY_RESPONSE
     body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
-    assert body["error"]["type"] == "overloaded_error"
+    assert body["error"]["type"] == "mdclaw_proxy_busy"
     assert proxy.proxy.caps("g")["refused"] == 1
     held.pop().close()
     deadline = time.monotonic() + 5
@@ -239,7 +239,7 @@ def test_requests_over_the_rate_get_429(proxy) -> None:
     assert [r[0] for r in replies] == [404] * 5 + [429, 429]
     status, headers, body = replies[5]
     assert int(headers["retry-after"]) >= 1
-    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    assert body["type"] == "error" and body["error"]["type"] == "mdclaw_proxy_rate_limited"
     assert "5 requests a minute" in body["error"]["message"]
     assert proxy.proxy.caps("busy")["limited"] == 2
     # Another group's bucket is its own.

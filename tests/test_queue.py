@@ -248,3 +248,34 @@ def test_permanent_error_is_not_retried() -> None:
     asyncio.run(main())
     assert calls == ["m1"]
     assert failed == ["image mdclaw-agent:latest not found"]
+
+
+def test_errors_choose_their_tries_and_wait_and_retries_are_reported() -> None:
+    class Flaky(RuntimeError):
+        def __init__(self, max_tries=None, retry_delay=None) -> None:  # noqa: ANN001
+            super().__init__("flaky")
+            self.max_tries = max_tries
+            self.retry_delay = retry_delay
+
+    times: list[float] = []
+    retries: list[tuple[int, float]] = []
+    failed: list[int] = []
+    errors = iter([Flaky(retry_delay=0.3), Flaky(max_tries=2), Flaky(max_tries=2)])
+
+    async def run_job(job) -> None:  # noqa: ANN001
+        times.append(time.monotonic())
+        raise next(errors)
+
+    async def main() -> None:
+        q = GroupQueue(run_job, max_concurrent=1, max_attempts=5, retry_base=0.01,
+                       on_retry=lambda job, e, delay: retries.append((job.attempts, delay)),
+                       on_failure=lambda job, e: failed.append(job.attempts))
+        q.enqueue_message("g", job_id="m1")
+        await asyncio.wait_for(q.join(), 5)
+
+    asyncio.run(main())
+    # The first error asked for 0.3 s (more than the 0.01 s backoff); the second allows two
+    # tries in all, so there is no third.
+    assert retries == [(1, 0.3)]
+    assert failed == [2] and len(times) == 2
+    assert times[1] - times[0] >= 0.29

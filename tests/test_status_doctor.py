@@ -124,3 +124,157 @@ def test_sighup_applies_a_valid_config_and_says_what_needs_a_restart(write_confi
     assert proc.returncode == 0
     assert "reload: channels changed; restart mdclaw to apply it" in err
     assert "reloaded: " in err
+
+
+# --------------------------------------------------------------------------- doctor: will my
+# assistant answer? Each check in-process, with the engine stood in for.
+
+
+class _FakeRuntime:
+    def __init__(self, labels: dict[str, str] | None) -> None:
+        self.labels = labels
+
+    def ping(self) -> str:
+        return "Fake Engine 1.0"
+
+    def image_info(self, ref: str):  # noqa: ANN201
+        from mdclaw.runtime import ImageInfo
+
+        return ImageInfo(ref, "sha256:x", (ref,), "", 0, dict(self.labels or {}))
+
+
+def _doctor(write_config, monkeypatch, text: str, labels: dict[str, str] | None = None):
+    import mdclaw.runtime
+    from mdclaw.commands.daemon import run_checks
+
+    monkeypatch.setattr(mdclaw.runtime, "create_runtime", lambda rt: _FakeRuntime(labels))
+    checks: dict[str, dict[str, str]] = {}
+    for c in run_checks(str(write_config(text))):
+        checks[c["check"]] = c
+    return checks
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_doctor_models_backends_endpoint_and_port(write_config, monkeypatch, tmp_path) -> None:
+    import socket
+
+    from fake_models import FakeOpenAI
+
+    port = _free_port()
+    with FakeOpenAI() as server:
+        base = f"""\
+            data_dir: {{data_dir}}
+            groups:
+              main: {{name: A, jid: "hl:main", main: true}}
+              fam: {{name: F, jid: "hl:fam", model: big}}
+            channels: {{http: {{listen: "127.0.0.1:{port}"}}}}
+        """
+        # No model at all: every group fails, with the fix.
+        c = _doctor(write_config, monkeypatch, base, {"mdclaw.backends": "openai"})
+        assert c["config"]["level"] == "fail"  # fam names a model that is not there
+        c = _doctor(write_config, monkeypatch, base.replace(", model: big", ""),
+                    {"mdclaw.backends": "openai"})
+        assert c["models"]["level"] == "fail" and "main, fam" in c["models"]["detail"]
+        assert "`models:`" in c["models"]["fix"] and "docs/configuration.md" in c["models"]["fix"]
+        assert c["http port"]["level"] == "ok"
+        # Two models: main uses the local one (answers), fam a claude one the image lacks.
+        text = base.rstrip(" ") + f"""\
+            assistant: {{model: local}}
+            models:
+              local: {{backend: openai, model: m, base_url: "{server.url}/v1"}}
+              big: {{backend: claude, model: c, base_url: "http://127.0.0.1:9"}}
+        """
+        c = _doctor(write_config, monkeypatch, text, {"mdclaw.backends": "openai"})
+        assert c["models"]["level"] == "ok"
+        assert c["image backends"]["level"] == "fail"
+        assert "claude backend (groups fam)" in c["image backends"]["detail"]
+        assert "--claude" in c["image backends"]["fix"]
+        assert c["model local"]["level"] == "ok"
+        assert c["model big"]["level"] == "fail" and "does not answer" in c["model big"]["detail"]
+        assert "base_url" in c["model big"]["fix"]
+        c = _doctor(write_config, monkeypatch, text, {"mdclaw.backends": "openai,claude"})
+        assert c["image backends"]["level"] == "ok"
+        c = _doctor(write_config, monkeypatch, text, None)
+        assert c["image backends"]["level"] == "warn" and "label" in c["image backends"]["detail"]
+        # The key is refused.
+        server.models_status = 401
+        c = _doctor(write_config, monkeypatch, text, {"mdclaw.backends": "openai,claude"})
+        assert c["model local"]["level"] == "fail" and "refused the key" in c["model local"][
+            "detail"]
+        # The HTTP port is taken by something else.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            c = _doctor(write_config, monkeypatch, text, {"mdclaw.backends": "openai,claude"})
+        assert c["http port"]["level"] == "fail" and "channels.http.listen" in c["http port"][
+            "fix"]
+        # Requests through the doctor carried the real key's header form, nothing else.
+        assert all(r.path == "/v1/models" for r in server.requests)
+
+
+def test_doctor_checks_the_telegram_token_with_getme(write_config, monkeypatch,
+                                                     tmp_path) -> None:
+    import asyncio
+    import threading
+
+    from test_channel_telegram import TOKEN, FakeBotApi
+
+    api = FakeBotApi()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(api.start(), loop).result(10)
+    try:
+        good, bad = tmp_path / "good", tmp_path / "bad"
+        good.write_text(TOKEN)
+        bad.write_text("999:WRONG")
+        for p in (good, bad):
+            p.chmod(0o600)
+        text = """\
+            data_dir: {data_dir}
+            groups: {main: {name: A, jid: "tg:1", main: true}}
+            channels: {http: {enabled: false}, telegram: {token_file: TOKEN, api_base: "BASE"}}
+        """.replace("BASE", api.base)
+        c = _doctor(write_config, monkeypatch, text.replace("TOKEN", str(good)))
+        assert c["telegram"]["level"] == "ok"
+        c = _doctor(write_config, monkeypatch, text.replace("TOKEN", str(bad)))
+        assert c["telegram"]["level"] == "fail" and "rejected" in c["telegram"]["detail"]
+        assert "WRONG" not in json.dumps(c)
+    finally:
+        asyncio.run_coroutine_threadsafe(api.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_repeated_failures_of_a_group_warn_in_doctor_and_show_in_status(write_config, cli,
+                                                                      monkeypatch) -> None:
+    from mdclaw.config import load_config
+    from mdclaw.state import Database
+    from mdclaw.state.failed_turns import record_failed_turn
+
+    text = """\
+        data_dir: {data_dir}
+        groups: {main: {name: A, jid: "hl:main", main: true}}
+        channels: {http: {enabled: false}}
+    """
+    cfg = load_config(write_config(text))
+    with Database(cfg.db_path) as db, db.transaction() as conn:
+        for cause in ("model_unreachable", "model_unreachable", "oom_killed"):
+            record_failed_turn(conn, group_folder="main", chat_jid="hl:main", cause=cause,
+                               policy="transient", outcome="retry", detail="boom")
+    c = _doctor(write_config, monkeypatch, text)
+    assert c["failed turns"]["level"] == "warn"
+    assert "group main: 3 failed turns" in c["failed turns"]["detail"]
+    assert "model_unreachable, oom_killed" in c["failed turns"]["detail"]
+    path = str(write_config(text))
+    status = json.loads(cli("status", "--json", "--config", path).stdout)
+    assert [t["cause"] for t in status["failed_turns"]][:1] == ["oom_killed"]
+    human = cli("status", "--config", path).stdout
+    assert "failed turns" in human and "oom_killed" in human
+    listed = json.loads(cli("failures", "--json", "--config", path).stdout)
+    assert len(listed) == 3 and listed[0]["group_folder"] == "main"

@@ -81,6 +81,9 @@ def cmd_image_build(args: argparse.Namespace) -> int:
         if not sep or not key:
             fail(f"--build-arg {item!r}: expected KEY=VALUE", code=2)
         build_args[key] = value
+    if "MDCLAW_BACKENDS" not in build_args:
+        build_args["MDCLAW_BACKENDS"] = image_backends(args.context, build_args)
+        print(f"backends in the image: {build_args['MDCLAW_BACKENDS']}", flush=True)
     try:
         image_id = rt.build_image(tag, args.file, args.context, progress=_progress,
                                   build_args=build_args)
@@ -90,6 +93,19 @@ def cmd_image_build(args: argparse.Namespace) -> int:
         fail(str(e))
     print(f"built {tag} ({image_id[:19]})")
     return 0
+
+
+def image_backends(context: Path, build_args: dict[str, str]) -> str:
+    """The agent backends an image built from `context` will carry (the mdclaw.backends
+    label): claude too when the wheelhouse holds the Agent SDK, or, without wheels, when the
+    build installs it from the network (WITH_CLAUDE=1)."""
+    wheelhouse = context / build_args.get("WHEELHOUSE", "container/wheelhouse")
+    wheels = list(wheelhouse.glob("*.whl")) if wheelhouse.is_dir() else []
+    if wheels:
+        claude = any(w.name.lower().startswith("claude_agent_sdk-") for w in wheels)
+    else:
+        claude = build_args.get("WITH_CLAUDE") == "1"
+    return "openai,claude" if claude else "openai"
 
 
 def cmd_image_load(args: argparse.Namespace) -> int:
@@ -122,7 +138,9 @@ def cmd_image_status(args: argparse.Namespace) -> int:
         out["reachable"] = True
         info = rt.image_info(image)
         if info is not None:
-            out.update(present=True, image_id=info.id, created=info.created, size=info.size)
+            out.update(present=True, image_id=info.id, created=info.created, size=info.size,
+                       backends=",".join(info.backends) if info.backends is not None
+                       else "unknown (no mdclaw.backends label)")
             code = 0
     except EngineUnavailable as e:
         out["error"] = str(e)
@@ -134,7 +152,8 @@ def cmd_image_status(args: argparse.Namespace) -> int:
         print(f"engine: {out['engine_version']}")
         if out["present"]:
             size = int(str(out["size"])) // 1_000_000
-            print(f"image: {image} present ({str(out['image_id'])[:19]}, {size} MB)")
+            print(f"image: {image} present ({str(out['image_id'])[:19]}, {size} MB, "
+                  f"backends: {out['backends']})")
         else:
             print(f"image: {image} missing; run `mdclaw image build` or `mdclaw image load`")
     return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import tempfile
@@ -23,6 +24,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        help="what the daemon is doing (works whether it runs or not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("failures", parents=[common],
+                       help="failed agent turns: when, which group, the cause, what happened")
+    p.add_argument("--group", "-g", metavar="FOLDER", help="only this group")
+    p.add_argument("--days", type=float, default=7.0, help="this many days back (default 7)")
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_failures)
     p = sub.add_parser("doctor", parents=[common],
                        help="check config, data dir, engine, image, channels, clock")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -42,8 +50,6 @@ def _pid_alive(pid: int) -> bool:
 def gather_status(cfg: Config) -> dict[str, Any]:
     """The daemon's last published status merged with what the database says now."""
     from mdclaw.daemon import status_path
-    from mdclaw.outbox import outbox_counts
-    from mdclaw.state import Database
 
     out: dict[str, Any] = {"daemon": "stopped", "config_data_dir": str(cfg.data_dir)}
     try:
@@ -60,6 +66,20 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     if not cfg.db_path.exists():
         out.update(groups=0, outbox={}, next_task=None, tasks_active=0)
         return out
+    try:
+        _db_status(cfg, out)
+    except Exception as e:  # noqa: BLE001 - created or migrated right now by the daemon
+        out.setdefault("groups", 0)
+        out.setdefault("outbox", {})
+        out.setdefault("next_task", None)
+        out["database"] = f"not readable yet: {e}"
+    return out
+
+
+def _db_status(cfg: Config, out: dict[str, Any]) -> None:
+    from mdclaw.outbox import outbox_counts
+    from mdclaw.state import Database
+
     with Database(cfg.db_path, migrate=False) as db:
         out["groups"] = db.query_one("SELECT COUNT(*) FROM registered_groups")[0]
         out["outbox"] = outbox_counts(db)
@@ -72,7 +92,22 @@ def gather_status(cfg: Config) -> dict[str, Any]:
             {"id": x["id"], "chat_jid": x["chat_jid"], "error": x["last_error"]}
             for x in db.query("SELECT id, chat_jid, last_error FROM outbox WHERE "
                               "status = 'failed' ORDER BY id DESC LIMIT 5")]
-    return out
+        out["failed_turns"] = _recent_failed_turns(db)
+
+
+def _recent_failed_turns(db: Any, days: float = 1.0, limit: int = 5) -> list[dict[str, Any]]:
+    """The latest failed agent turns (a database older than the failed_turns table: none)."""
+    from datetime import timedelta
+
+    from mdclaw.state.failed_turns import list_failed_turns
+
+    try:
+        rows = list_failed_turns(db, since=to_iso(utc_now() - timedelta(days=days)),
+                                 limit=limit)
+    except Exception:  # noqa: BLE001 - not migrated yet
+        return []
+    return [{k: r[k] for k in ("created_at", "group_folder", "cause", "outcome", "attempts",
+                               "detail")} for r in rows]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -101,6 +136,12 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{ob.get('failed', 0)} failed")
     for f in s.get("failed_messages") or []:
         print(f"  failed #{f['id']} to {f['chat_jid']}: {f['error']}")
+    turns = s.get("failed_turns") or []
+    print(f"failed turns (24 h): {len(turns) if len(turns) < 5 else '5 or more'}"
+          + (" — `mdclaw failures` lists them" if turns else ""))
+    for t in turns:
+        print(f"  {t['created_at']} {t['group_folder']}: {t['cause']} ({t['outcome']}, "
+              f"try {t['attempts']})")
     nt = s.get("next_task")
     print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
     _print_disk(s.get("disk") or {})
@@ -127,6 +168,29 @@ def _print_disk(disk: dict[str, Any]) -> None:
         print(f"  {folder}: {v['summary']}")
 
 
+FAILURE_FIELDS = ("created_at", "group_folder", "cause", "outcome", "attempts", "messages",
+                  "detail")
+
+
+def cmd_failures(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from mdclaw.commands.common import open_db_or_exit
+    from mdclaw.commands.output import print_rows
+    from mdclaw.state.failed_turns import list_failed_turns
+
+    cfg = load_or_exit(args)
+    since = to_iso(utc_now() - timedelta(days=args.days))
+    db = open_db_or_exit(cfg)
+    try:
+        rows = list_failed_turns(db, group=args.group, since=since, limit=args.limit)
+    finally:
+        db.close()
+    print_rows(rows, FAILURE_FIELDS, as_json=args.json,
+               empty=f"no failed turns in the last {args.days:g} day(s)")
+    return 0
+
+
 # --------------------------------------------------------------------------- doctor
 
 
@@ -136,7 +200,8 @@ def _check(results: list[dict[str, str]], name: str, level: str, detail: str,
 
 
 def run_checks(config_path: str | None) -> list[dict[str, str]]:
-    """Every doctor check as {check, level: ok|warn|fail, detail, fix}."""
+    """Every doctor check as {check, level: ok|warn|fail, detail, fix}: is everything there
+    for the assistant to answer?"""
     results: list[dict[str, str]] = []
     try:
         cfg = load_config(config_path)
@@ -159,6 +224,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
     except OSError as e:
         _check(results, "data_dir", "fail", f"{target}: {e.strerror or e}",
                f"create {cfg.data_dir} and give this user write access to it")
+    used = _check_models(results, cfg)
     # engine and image
     try:
         from mdclaw.runtime import create_runtime
@@ -167,8 +233,10 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
         desc = rt.ping()
         _check(results, "engine", "ok", desc)
         try:
-            if rt.image_info(cfg.runtime.image) is not None:
+            info = rt.image_info(cfg.runtime.image)
+            if info is not None:
                 _check(results, "image", "ok", f"{cfg.runtime.image} is present")
+                _check_backends(results, cfg, info.backends, used)
             else:
                 _check(results, "image", "fail", f"{cfg.runtime.image} is not present",
                        "run `mdclaw image build` (or `mdclaw image load` with the flake's "
@@ -181,7 +249,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                "start Docker or `podman system service`, or set runtime.socket / DOCKER_HOST")
         _check(results, "image", "warn", "not checked: no engine")
     _disk_checks(results, cfg)
-    # channel credentials
+    # secret files (models and channels)
     for key, path in iter_secret_files(cfg):
         try:
             if read_secret(path):
@@ -191,6 +259,9 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
         except OSError as e:
             _check(results, key, "fail", f"{path}: {e.strerror or e}",
                    f"make {path} readable by this user (and by no one else)")
+    asyncio.run(_check_endpoints(results, cfg, used))
+    _check_http_port(results, cfg)
+    _check_failures(results, cfg)
     # clock and timezone
     now = utc_now()
     if now.year < 2024:
@@ -281,6 +352,173 @@ def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
                    f"groups.{folder}.disk")
         else:
             _check(results, name, "ok", v["summary"])
+
+
+def _check_models(results: list[dict[str, str]], cfg: Config) -> dict[str, list[str]]:
+    """A model resolves for every group; returns {model key: [groups using it]}."""
+    from mdclaw.proxy import model_for_group
+
+    used: dict[str, list[str]] = {}
+    missing = []
+    for folder in cfg.groups:
+        key, spec = model_for_group(cfg, folder)
+        if spec is None or key is None:
+            missing.append(folder)
+        else:
+            used.setdefault(key, []).append(folder)
+    if missing:
+        why = ("no `models:` entry" if not cfg.models else
+               f"{len(cfg.models)} models and no assistant.model")
+        _check(results, "models", "fail",
+               f"no model for group(s) {', '.join(missing)} ({why}); they get a "
+               "configuration answer instead of a reply",
+               "add a `models:` entry (backend: openai with a base_url, or claude with an "
+               "api_key_file) and set `assistant.model` — see docs/configuration.md")
+    elif cfg.groups:
+        _check(results, "models", "ok", "; ".join(
+            f"{k} ({cfg.models[k].backend}) for {', '.join(g)}" for k, g in used.items()))
+    return used
+
+
+def _check_backends(results: list[dict[str, str]], cfg: Config,
+                    backends: tuple[str, ...] | None, used: dict[str, list[str]]) -> None:
+    """The image carries the backend every group needs (its mdclaw.backends label)."""
+    needed: dict[str, list[str]] = {}
+    for key, groups in used.items():
+        needed.setdefault(cfg.models[key].backend, []).extend(groups)
+    if not needed:
+        return
+    if backends is None:
+        _check(results, "image backends", "warn",
+               f"{cfg.runtime.image} has no mdclaw.backends label, so which backends it "
+               f"carries is not known (needed: {', '.join(sorted(needed))})",
+               "rebuild it with `mdclaw image build`, which writes the label")
+        return
+    lacking = {b: g for b, g in needed.items() if b not in backends}
+    if lacking:
+        _check(results, "image backends", "fail", "; ".join(
+            f"the {b} backend (groups {', '.join(g)}) is not in {cfg.runtime.image} "
+            f"(it has {', '.join(backends) or 'none'})" for b, g in lacking.items()),
+               "for claude: `container/build-wheelhouse.sh --claude`, then `mdclaw image "
+               "build`; or give those groups an openai model")
+    else:
+        _check(results, "image backends", "ok",
+               f"{', '.join(backends)} (needed: {', '.join(sorted(needed))})")
+
+
+async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
+                           used: dict[str, list[str]]) -> None:
+    """Each model in use answers GET /v1/models the way the credential proxy reaches it;
+    and Telegram's getMe accepts the bot token."""
+    from mdclaw.failures import redact, server_name
+    from mdclaw.proxy import Upstream, probe_upstream
+
+    async def one(key: str) -> None:
+        up = Upstream.from_spec(cfg.models[key])
+        name = f"model {key}"
+        status, detail = await probe_upstream(up)
+        where = f"{server_name(up.base_url)} ({up.base_url})"
+        if status is None:
+            _check(results, name, "fail", f"{where} does not answer: {redact(detail)}",
+                   f"start the model server, or fix models.{key}.base_url")
+        elif status in (401, 403):
+            _check(results, name, "fail", f"{where} refused the key (HTTP {status})",
+                   f"put a valid key into models.{key}.api_key_file")
+        elif status < 400:
+            _check(results, name, "ok", f"{where} answers (HTTP {status})")
+        else:
+            _check(results, name, "warn", f"{where} answers HTTP {status} to GET /v1/models: "
+                   f"{redact(detail)[:120]}",
+                   "check that base_url points at the API root (…/v1 for OpenAI-compatible "
+                   "servers)")
+
+    async def telegram() -> None:
+        tg = cfg.channels.telegram
+        if tg is None or not tg.enabled:
+            return
+        try:
+            token = read_secret(tg.token_file)
+        except OSError:
+            return  # the secret file check says so
+        if not token:
+            return
+        import aiohttp
+
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                             trust_env=True) as session:
+                async with session.post(f"{tg.api_base.rstrip('/')}/bot{token}/getMe") as r:
+                    body = await r.json(content_type=None)
+        except Exception as e:  # noqa: BLE001 - network trouble of any kind
+            text = f"{type(e).__name__}: {e}".replace(token, "***")
+            _check(results, "telegram", "warn", f"Telegram did not answer: {text[:200]}",
+                   "check the network (or channels.telegram.api_base); mdclaw keeps trying")
+            return
+        if isinstance(body, dict) and body.get("ok"):
+            user = (body.get("result") or {}).get("username", "?")
+            _check(results, "telegram", "ok", f"the bot token is accepted (@{user})")
+        else:
+            desc = body.get("description") if isinstance(body, dict) else None
+            _check(results, "telegram", "fail",
+                   f"Telegram rejected the bot token ({desc or r.status})",
+                   "put the token @BotFather gave you into channels.telegram.token_file")
+
+    await asyncio.gather(*(one(k) for k in used), telegram())
+
+
+def _check_http_port(results: list[dict[str, str]], cfg: Config) -> None:
+    """The local HTTP channel's port is free (or held by this install's running daemon)."""
+    import socket
+
+    http = cfg.channels.http
+    if http is None or not http.enabled:
+        return
+    host, _, port = http.listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+        _check(results, "http port", "ok", f"{http.listen} is free")
+    except OSError as e:
+        if gather_status(cfg).get("daemon") == "running":
+            _check(results, "http port", "ok", f"{http.listen} is served by the running daemon")
+        else:
+            _check(results, "http port", "fail", f"{http.listen}: {e.strerror or e}",
+                   "stop the program using it, or set channels.http.listen to a free port")
+
+
+def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float = 1.0,
+                    threshold: int = 3) -> None:
+    """Repeated failed turns of one group are a warning."""
+    from datetime import timedelta
+
+    from mdclaw.state import Database
+    from mdclaw.state.failed_turns import failures_per_group, list_failed_turns
+
+    if not cfg.db_path.exists():
+        return
+    since = to_iso(utc_now() - timedelta(days=days))
+    try:
+        with Database(cfg.db_path) as db:
+            counts = failures_per_group(db, since)
+            bad = {g: n for g, n in counts.items() if n >= threshold}
+            causes = {g: sorted({r["cause"] for r in list_failed_turns(db, group=g,
+                                                                          since=since)})
+                      for g in bad}
+    except Exception as e:  # noqa: BLE001 - an old or busy database
+        _check(results, "failed turns", "warn", f"not checked: {e}")
+        return
+    if bad:
+        _check(results, "failed turns", "warn", "; ".join(
+            f"group {g}: {n} failed turns in the last 24 h ({', '.join(causes[g])})"
+            for g, n in sorted(bad.items())),
+               "see `mdclaw failures` and docs/troubleshooting.md for each cause")
+    else:
+        total = sum(counts.values())
+        _check(results, "failed turns", "ok", f"{total} failed turn(s) in the last 24 h")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

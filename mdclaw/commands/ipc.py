@@ -9,7 +9,8 @@ from mdclaw.commands.output import print_json, print_rows
 from mdclaw.paths import Layout
 
 ERROR_FIELDS = ("name", "source_group", "original_file", "error", "processed_at")
-OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "status", "source_group")
+OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "status", "source_group", "attempts",
+                 "next_attempt_at", "last_error")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

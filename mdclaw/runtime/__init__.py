@@ -109,6 +109,9 @@ class ContainerInfo:
                 "install": self.labels.get(INSTALL_LABEL, ""), "created": self.created}
 
 
+BACKENDS_LABEL = "mdclaw.backends"  # image label: the agent backends built in ("openai,claude")
+
+
 @dataclass(frozen=True)
 class ImageInfo:
     ref: str
@@ -116,6 +119,16 @@ class ImageInfo:
     tags: tuple[str, ...]
     created: str
     size: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def backends(self) -> tuple[str, ...] | None:
+        """The backends the image says it carries (label written at build time), or None
+        for an image built without the label."""
+        value = self.labels.get(BACKENDS_LABEL)
+        if not value:  # no label, or built without MDCLAW_BACKENDS
+            return None
+        return tuple(b.strip() for b in value.split(",") if b.strip())
 
 
 class RunningContainer(ABC):
@@ -123,6 +136,8 @@ class RunningContainer(ABC):
 
     id: str
     name: str
+    # Set by wait() when the engine says the kernel's OOM killer ended the container.
+    oom_killed: bool = False
 
     @abstractmethod
     def chunks(self) -> Iterator[tuple[Stream, bytes]]:
@@ -288,7 +303,7 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
 
 
 __all__ = [
-    "BOOT_LABEL", "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
+    "BACKENDS_LABEL", "BOOT_LABEL", "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
     "ContainerRuntime", "EngineUnavailable", "ImageError", "ImageInfo", "Mount", "RunSpec",
     "RunningContainer", "RuntimeError_", "create_runtime", "find_socket", "install_id",
     "install_labels", "wait_for_engine",

@@ -96,8 +96,10 @@ class DockerRuntime(ContainerRuntime):
             d = self._call(api.inspect_image, ref)
         except (docker.errors.ImageNotFound, docker.errors.NotFound):
             return None
+        labels = (d.get("Config") or {}).get("Labels") or d.get("Labels") or {}
         return ImageInfo(ref=ref, id=d.get("Id", ""), tags=tuple(d.get("RepoTags") or ()),
-                         created=str(d.get("Created", "")), size=int(d.get("Size") or 0))
+                         created=str(d.get("Created", "")), size=int(d.get("Size") or 0),
+                         labels={str(k): str(v) for k, v in labels.items()})
 
     def build_image(self, tag: str, dockerfile: Path, context: Path,
                     progress: Callable[[str], None] | None = None,
@@ -320,6 +322,7 @@ class _DockerRun(RunningContainer):
                 status = str(state.get("Status", "")).lower()
                 if not state.get("Running") and status not in ("running", "created",
                                                                "configured", "restarting"):
+                    self.oom_killed = bool(state.get("OOMKilled"))
                     return int(state.get("ExitCode", -1))
                 if time.monotonic() > deadline:
                     break

@@ -242,6 +242,32 @@ CREATE TABLE sender_refusals (
   last_refused_at TEXT NOT NULL
 );
 """),
+    (7, "failed turns: messages set aside by a failed turn, and the record of each failure", """
+-- A message whose turn failed for good keeps its place in the history but is marked with
+-- the cause; the group's cursor moves past it so it does not ride along in later prompts.
+ALTER TABLE messages ADD COLUMN failed_cause TEXT;
+
+-- Every failed agent turn (each failed try of a retried one too): why, what happened next,
+-- and which messages it was about. `mdclaw status`, `mdclaw failures` and `doctor` read it.
+CREATE TABLE failed_turns (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  group_folder TEXT NOT NULL,
+  chat_jid TEXT,
+  cause TEXT NOT NULL,
+  policy TEXT NOT NULL,
+  outcome TEXT NOT NULL CHECK(outcome IN ('retry', 'gave_up', 'dropped', 'config', 'resend',
+                                          'task')),
+  attempts INTEGER NOT NULL DEFAULT 1,
+  detail TEXT,
+  first_message_at TEXT,
+  last_message_at TEXT,
+  messages INTEGER NOT NULL DEFAULT 0,
+  told TEXT,
+  created_at TEXT NOT NULL
+);
+CREATE INDEX idx_failed_turns_group_created ON failed_turns(group_folder, created_at);
+CREATE INDEX idx_failed_turns_created ON failed_turns(created_at);
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

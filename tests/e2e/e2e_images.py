@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mdclaw.commands.containers import image_backends
 from mdclaw.runtime.docker_engine import DockerRuntime
 
 BASE_IMAGE = os.environ.get("MDCLAW_TEST_BASE_IMAGE", "mdclaw-test-base")
@@ -28,7 +29,9 @@ def build_agent_image(engine: DockerRuntime, context: Path, tag: str, *,
                        env={**os.environ, "PYTHON": sys.executable}, stdout=subprocess.DEVNULL)
     api = docker.APIClient(base_url=engine.base_url, timeout=1800)
     for item in api.build(path=str(context), dockerfile="container/Dockerfile", tag=tag,
-                          buildargs={"BASE_IMAGE": BASE_IMAGE}, rm=True, forcerm=True,
+                          buildargs={"BASE_IMAGE": BASE_IMAGE,
+                                     "MDCLAW_BACKENDS": image_backends(context, {})},
+                          rm=True, forcerm=True,
                           pull=False, decode=True):
         if "error" in item:
             pytest.fail(f"image build failed: {item['error']}")

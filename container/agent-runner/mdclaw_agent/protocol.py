@@ -18,6 +18,26 @@ OUTPUT_START = "---NANOCLAW_OUTPUT_START---"
 OUTPUT_END = "---NANOCLAW_OUTPUT_END---"
 BACKENDS = ("claude", "openai")
 PLACEHOLDER_KEY = "mdclaw-placeholder-key"
+# Why a turn failed, as the runner reports it in an error block's `cause` (the host maps each
+# to what happens next and to the chat message: mdclaw/failures.py). A fixed set: the host
+# treats anything else as "agent_crash".
+CAUSES = (
+    "model_unreachable",   # nothing answers at the model's address (connection refused...)
+    "model_disconnected",  # the model server closed the connection without a full answer
+    "model_server_error",  # HTTP 5xx from the model server
+    "rate_limited",        # HTTP 429 (retryAfter: seconds, when the API said)
+    "over_budget",         # the account is out of credit/quota (HTTP 402, insufficient_quota)
+    "context_too_long",    # the request is over the model's context (limit: what the API said)
+    "model_refused",       # any other HTTP 4xx (httpStatus, apiMessage)
+    "model_malformed",     # the answer was not the API's JSON (twice in a row)
+    "turn_timeout",        # no answer from the model in time
+    "tool_crash",          # a tool raised an unexpected error
+    "agent_crash",         # the runner itself failed (a bug)
+    "backend_missing",     # the backend the group needs is not in this image
+    "key_missing",         # the host cannot read the model's key file (said by the proxy)
+    "proxy_missing",       # the credential proxy's socket is not there
+    "invalid_input",       # the ContainerInput on stdin was wrong (a host bug)
+)
 
 
 class InputError(ValueError):
@@ -122,13 +142,22 @@ _out_lock = threading.Lock()
 
 
 def emit(status: str, result: str | None, *, new_session_id: str | None = None,
-         error: str | None = None, stream: TextIO | None = None) -> None:
-    """Print one result between the output markers as a single JSON line, and flush."""
+         error: str | None = None, info: dict[str, Any] | None = None,
+         notice: dict[str, Any] | None = None, stream: TextIO | None = None) -> None:
+    """Print one result between the output markers as a single JSON line, and flush.
+
+    An error carries `info`: its `cause` (one of CAUSES) and the details for the host
+    (httpStatus, apiMessage, retryAfter, limit). A success may carry a `notice` for the chat.
+    """
     body: dict[str, Any] = {"status": status, "result": result}
     if new_session_id:
         body["newSessionId"] = new_session_id
     if error:
         body["error"] = error
+    if info:
+        body.update(info)
+    if notice:
+        body["notice"] = notice
     line = json.dumps(body, ensure_ascii=False)
     out = stream or sys.stdout
     with _out_lock:

@@ -1,8 +1,9 @@
 """The container's main program: one conversation, from the first prompt to `_close`.
 
-stdin: one ContainerInput JSON document. stdout: one marked result per user turn. stderr: logs.
-Exit status 0 when the conversation ended normally, 1 when it could not start or the first
-turn failed, 2 when the input was invalid.
+stdin: one ContainerInput JSON document. stdout: one marked result per user turn (an error
+block with a `cause` for a failed one). stderr: logs. Exit status 0 when the conversation
+ended normally, 1 when it could not start (or a scheduled task's only turn failed), 2 when
+the input was invalid.
 """
 
 from __future__ import annotations
@@ -76,11 +77,20 @@ def _model_root(settings: Settings) -> tuple[str, Forwarder | None]:
     return fwd.base_url, fwd
 
 
+def _failed(e: BaseException, backend: object) -> None:
+    """Report a failed turn as a structured error block."""
+    if not isinstance(e, BackendError):
+        log.exception("the turn failed with an unexpected error")
+        e = BackendError(f"the agent runner failed: {type(e).__name__}: {e}", "agent_crash")
+    emit("error", None, error=str(e), info=e.info(),
+         new_session_id=getattr(backend, "session_id", None))
+
+
 def run(inp: ContainerInput, settings: Settings) -> int:
     """Run the conversation; return the exit status."""
     if not settings.model_base_url and not settings.proxy_socket.exists():
         emit("error", None, error=f"the model proxy socket {settings.proxy_socket} is missing; "
-             "the host starts it before the container")
+             "the host starts it before the container", info={"cause": "proxy_missing"})
         return 1
     watcher = None if inp.is_scheduled_task else InputWatcher(
         settings.ipc_dir / "input", settings.input_poll_seconds)
@@ -89,21 +99,29 @@ def run(inp: ContainerInput, settings: Settings) -> int:
     try:
         try:
             backend.start()
-            first = backend.turn(inp.prompt)
-        except BackendError as e:
-            emit("error", None, error=str(e), new_session_id=getattr(backend, "session_id", None))
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its cause
+            _failed(e, backend)
             return 1
-        emit("success", first.text, new_session_id=first.session_id)
-        if watcher is None:  # scheduled tasks are single-turn
-            return 0
+        try:
+            first = backend.turn(inp.prompt)
+        except Exception as e:  # noqa: BLE001 - the conversation goes on
+            # A failed first turn does not end the conversation: the host may already have
+            # written the next message into input/, and decides itself whether to close.
+            _failed(e, backend)
+            if watcher is None:
+                return 1
+        else:
+            emit("success", first.text, new_session_id=first.session_id, notice=first.notice)
+            if watcher is None:  # scheduled tasks are single-turn
+                return 0
         for follow_up in watcher:
             log.info("follow-up %s", follow_up.name)
             try:
                 res = backend.turn(follow_up.text)
-            except BackendError as e:
-                emit("error", None, error=str(e), new_session_id=backend.session_id)
+            except Exception as e:  # noqa: BLE001 - the conversation goes on
+                _failed(e, backend)
                 continue
-            emit("success", res.text, new_session_id=res.session_id)
+            emit("success", res.text, new_session_id=res.session_id, notice=res.notice)
         log.info("close sentinel seen; ending the session")
         return 0
     finally:
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inp = ContainerInput.from_json(sys.stdin.read())
     except InputError as e:
-        emit("error", None, error=str(e))
+        emit("error", None, error=str(e), info={"cause": "invalid_input"})
         return 2
     if not settings.group_dir.is_dir():
         settings.group_dir.mkdir(parents=True, exist_ok=True)

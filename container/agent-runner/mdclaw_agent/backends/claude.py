@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from mdclaw_agent.backends import BackendError, TurnResult
+from mdclaw_agent.backends import BackendError, TurnResult, classify_text
 from mdclaw_agent.tools import Tool, ToolContext, run_tool
 
 log = logging.getLogger("mdclaw_agent.claude")
@@ -144,10 +144,10 @@ class ClaudeBackend:
         except ImportError:
             ready.set_exception(BackendError(
                 "the claude backend is not in this image (claude-agent-sdk is missing); "
-                "rebuild it with container/build-wheelhouse.sh --claude"))
+                "rebuild it with container/build-wheelhouse.sh --claude", "backend_missing"))
             return
         except Exception as e:  # noqa: BLE001 - reported to the caller of start()
-            ready.set_exception(BackendError(f"cannot start the Claude CLI: {e}"))
+            ready.set_exception(BackendError(f"cannot start the Claude CLI: {e}", "agent_crash"))
             return
         ready.set_result(None)
         try:
@@ -186,7 +186,7 @@ class ClaudeBackend:
 
     def turn(self, text: str) -> TurnResult:
         if self._loop is None or self._queue is None:
-            raise BackendError("the Claude backend was not started")
+            raise BackendError("the Claude backend was not started", "agent_crash")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (text, fut))
         while True:
@@ -197,14 +197,17 @@ class ClaudeBackend:
                 # The session coroutine ended (it only does so on close or a crash): nobody
                 # will answer this turn.
                 if self._thread is None or not self._thread.is_alive():
-                    raise BackendError("the Claude session ended unexpectedly") from None
+                    raise BackendError("the Claude session ended unexpectedly",
+                                       "agent_crash") from None
             except Exception as e:  # noqa: BLE001 - SDK and CLI errors alike
-                raise BackendError(f"the Claude CLI failed: {e}") from None
+                text = f"the Claude CLI failed: {e}"
+                raise BackendError(text, classify_text(text)) from None
         result, session_id, error = collect_result(messages)
         if session_id:
             self.session_id = session_id
         if error:
-            raise BackendError(error)
+            cause = ("over_budget" if "max_budget" in error else classify_text(error))
+            raise BackendError(error, cause)
         return TurnResult(result, self.session_id)
 
     def close(self) -> None:

@@ -11,16 +11,18 @@ cannot spin forever.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import re
 import secrets
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mdclaw_agent.backends import BackendError, TurnResult
+from mdclaw_agent.backends import BackendError, TurnResult, classify_http
 from mdclaw_agent.ipc import read_json_file, write_json_atomic
 from mdclaw_agent.tools import Tool, ToolContext, run_tool
 
@@ -56,6 +58,7 @@ class OpenAIBackend:
         self.history_chars = history_chars
         self.session_id = f"oai-{secrets.token_hex(8)}"
         self.resumed = False
+        self._notice: dict[str, Any] | None = None
         if session_id and _SESSION_RE.match(session_id) and sessions_dir is not None:
             history = self._load(sessions_dir / f"{session_id}.json")
             if history is not None:
@@ -113,7 +116,7 @@ class OpenAIBackend:
                  "function": {"name": t.name, "description": t.description,
                               "parameters": t.parameters}} for t in self.tools]
 
-    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _post_once(self, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode("utf-8")
         req = urllib.request.Request(self.url, data=data, method="POST", headers={
             "Content-Type": "application/json",
@@ -123,28 +126,98 @@ class OpenAIBackend:
             with _OPENER.open(req, timeout=self.timeout) as resp:
                 payload = resp.read()
         except urllib.error.HTTPError as e:
-            detail = e.read(2000).decode("utf-8", "replace")
-            raise BackendError(f"model API answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise BackendError(f"cannot reach the model API: {reason}") from None
+            try:
+                detail = e.read(4000).decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException):
+                detail = ""
+            raise classify_http(e.code, detail, e.headers.get("Retry-After")) from None
+        except (TimeoutError, socket.timeout):
+            raise BackendError(f"no answer from the model API within {self.timeout:g} s",
+                               "turn_timeout", limit=f"{self.timeout:g} s") from None
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                raise BackendError(f"no answer from the model API within {self.timeout:g} s",
+                                   "turn_timeout", limit=f"{self.timeout:g} s") from None
+            raise BackendError(f"cannot reach the model API: {reason}",
+                               "model_unreachable") from None
+        except (ConnectionError, http.client.HTTPException) as e:
+            # Reset, closed without a status line, or cut off in the middle of the body.
+            raise BackendError(f"the model API closed the connection: {type(e).__name__}",
+                               "model_disconnected") from None
+        except OSError as e:
+            raise BackendError(f"cannot reach the model API: {e}", "model_unreachable") from None
         try:
             out = json.loads(payload)
-        except json.JSONDecodeError:
-            raise BackendError("model API answered with something that is not JSON") from None
-        if not isinstance(out, dict) or not out.get("choices"):
-            raise BackendError(f"model API answer has no choices: {str(out)[:300]}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BackendError("model API answered with something that is not JSON: "
+                               f"{payload[:120]!r}", "model_malformed") from None
+        if (not isinstance(out, dict) or not isinstance(out.get("choices"), list)
+                or not out["choices"] or not isinstance(out["choices"][0], dict)):
+            raise BackendError(f"model API answer has no choices: {str(out)[:300]}",
+                               "model_malformed")
         return out
 
+    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One model step. A malformed answer is asked for once more; two in a row fail the
+        turn (retrying blindly would only repeat it)."""
+        try:
+            return self._post_once(body)
+        except BackendError as e:
+            if e.cause != "model_malformed":
+                raise
+            log.warning("malformed model answer; asking once more: %s", e)
+        return self._post_once(body)
+
+    def _step(self, body_for: Any) -> dict[str, Any]:
+        """`_post(body_for())`; when the request is over the model's context, trim the
+        history (to half of what was sent, the current turn always kept) and try once more.
+        The tighter window stays for the rest of the conversation."""
+        body = body_for()
+        try:
+            return self._post(body)
+        except BackendError as e:
+            if e.cause != "context_too_long":
+                raise
+            sent = len(json.dumps(body["messages"]))
+            before = self.history_chars
+            self.history_chars = max(1000, min(self.history_chars, sent) // 2)
+            retry = body_for()
+            if len(json.dumps(retry["messages"])) >= sent:
+                raise  # nothing left to trim: the current turn alone is too long
+            log.warning("over the model's context (%s); history trimmed from %d to %d "
+                        "characters, trying once more", e.limit or "limit not given", before,
+                        self.history_chars)
+            out = self._post(retry)
+            self._notice = {"cause": "context_too_long", **({"limit": e.limit}
+                                                            if e.limit else {})}
+            return out
+
     def turn(self, text: str) -> TurnResult:
-        """Send one user turn; run the tool loop; return the assistant's final text."""
+        """Send one user turn; run the tool loop; return the assistant's final text.
+
+        When the turn fails, it is taken out of the history again: a message the model
+        refused must not ride along in every later request of this conversation.
+        """
+        mark = len(self.messages)
+        self._notice = None
+        try:
+            return self._turn(text)
+        except BaseException:
+            del self.messages[mark:]
+            raise
+
+    def _turn(self, text: str) -> TurnResult:
         self.messages.append({"role": "user", "content": text})
         tool_specs = self._tool_specs()
         for _ in range(self.max_tool_rounds):
-            body: dict[str, Any] = {"model": self.model, "messages": self._window()}
-            if tool_specs:
-                body["tools"] = tool_specs
-            message = self._post(body)["choices"][0].get("message") or {}
+            def body_for() -> dict[str, Any]:
+                body: dict[str, Any] = {"model": self.model, "messages": self._window()}
+                if tool_specs:
+                    body["tools"] = tool_specs
+                return body
+
+            message = self._step(body_for)["choices"][0].get("message") or {}
             calls = message.get("tool_calls") or []
             entry: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
             if calls:
@@ -154,7 +227,7 @@ class OpenAIBackend:
             self.messages.append(entry)
             if not calls:
                 self._save()
-                return TurnResult(message.get("content") or "", self.session_id)
+                return TurnResult(message.get("content") or "", self.session_id, self._notice)
             for call in calls:
                 fn = call.get("function") or {}
                 name = fn.get("name", "")
@@ -166,14 +239,18 @@ class OpenAIBackend:
                 except (json.JSONDecodeError, TypeError):
                     reply, is_error = "The arguments were not valid JSON.", True
                 else:
-                    reply, is_error = run_tool(self.tools, self.ctx, name, args)
+                    try:
+                        reply, is_error = run_tool(self.tools, self.ctx, name, args)
+                    except Exception as e:  # noqa: BLE001 - a tool bug fails this turn only
+                        raise BackendError(f"tool {name} crashed: {type(e).__name__}: {e}",
+                                           "tool_crash") from None
                 log.info("tool %s -> %s", name, "error" if is_error else "ok")
                 self.messages.append({"role": "tool", "tool_call_id": call.get("id", ""),
                                       "content": reply})
         # Out of rounds: ask once more without tools so the user still gets an answer.
-        body = {"model": self.model, "messages": self._window() + [{
+        message = self._step(lambda: {"model": self.model, "messages": self._window() + [{
             "role": "user", "content": "Tool-call limit reached; answer with what you have."}]}
-        message = self._post(body)["choices"][0].get("message") or {}
+        )["choices"][0].get("message") or {}
         self.messages.append({"role": "assistant", "content": message.get("content")})
         self._save()
-        return TurnResult(message.get("content") or "", self.session_id)
+        return TurnResult(message.get("content") or "", self.session_id, self._notice)
