@@ -56,7 +56,7 @@ def test_post_message_reaches_callback_and_reply_is_readable(tmp_path: Path) -> 
                 async with http.get("/groups") as r:
                     groups = (await r.json())["groups"]
                     assert [g["jid"] for g in groups] == ["hl:main", "hl:family"]
-                # seed-style body; no chat named: the main group's hl: chat
+                # a bare body; no chat named: the main group's hl: chat
                 async with http.post("/message", json={"content": "hi there",
                                                        "sender": "u1",
                                                        "sender_name": "Alice"}) as r:

@@ -26,7 +26,7 @@ def test_message_in_every_dialect_is_the_same_command() -> None:
     assert parse({"type": "message", "chat_jid": "tg:2", "text": "hi"}) == want
     assert parse({"type": "message", "chatJid": "tg:2", "text": "hi"}) == want  # 001 / 003
     assert parse({"type": "send_message", "chatJid": "tg:2", "message": "hi",
-                  "groupFolder": "family"}) == want  # NovaBot
+                  "groupFolder": "family"}) == want  # send_message {message}
     assert parse({"type": "message", "payload": {"chatJid": "tg:2", "text": "hi"},
                   "source_group": "family"}) == want  # envelope
     m = parse({"type": "message", "chatJid": "x", "text": "t", "sender": "Research",
@@ -66,10 +66,10 @@ def test_schedule_task_dialects() -> None:
     assert canonical.context_mode == "group"
     assert parse({"type": "schedule_task", **SCHED, "targetJid": "tg:2"}) == canonical  # 001
     assert parse({"type": "schedule_task", **SCHED, "chatJid": "tg:2",
-                  "groupFolder": "family"}) == canonical  # NovaBot
+                  "groupFolder": "family"}) == canonical  # update_task {updates}
     assert parse({"type": "schedule_task", "payload": {**SCHED, "chat_jid": "tg:2"},
                   "source_group": "family"}) == canonical  # envelope
-    # seed 001 carries a model: accepted and ignored
+    # a schedule_task may carry a model: accepted and ignored
     assert parse({"type": "schedule_task", **SCHED, "targetJid": "tg:2",
                   "model": "haiku"}) == canonical
     t = parse({"type": "schedule_task", "prompt": "p", "schedule_type": "interval",
@@ -107,7 +107,7 @@ def test_task_id_operations_in_both_spellings() -> None:
             parse({"type": t, "taskId": 5})
 
 
-def test_update_task_novabot_and_flat() -> None:
+def test_update_task_updates_form_and_flat() -> None:
     a = parse({"type": "update_task", "taskId": "t1", "groupFolder": "family",
                "updates": {"prompt": "new", "schedule_value": "0 10 * * *", "status": "paused"}})
     b = parse({"type": "update_task", "task_id": "t1", "prompt": "new",

@@ -71,7 +71,7 @@ def test_any_chunking_gives_the_same_blocks(pairs, tail, data) -> None:
     assert got == parse_all_outputs(raw) == [body.strip() for _, body in pairs]
 
 
-def test_container_input_has_no_secrets_and_uses_the_seed_names() -> None:
+def test_container_input_has_no_secrets_and_uses_the_wire_names() -> None:
     body = json.loads(ContainerInput(
         prompt="hi", group_folder="fam", chat_jid="tg:2", session_id="s",
         extra={"secrets": {"KEY": "v"}, "traceId": "t1"}).to_json())

@@ -1,4 +1,4 @@
-"""State database: schema from empty, migration of an older (seed) database, constraints."""
+"""State database: schema from empty, migration of the oldest (version 1) database, constraints."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mdclaw.state import Database, DatabaseError
 from mdclaw.state.groups import get_group
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
-SEED_TABLES = {"chats", "messages", "registered_groups", "router_state", "sessions",
+ORIGINAL_TABLES = {"chats", "messages", "registered_groups", "router_state", "sessions",
                "scheduled_tasks", "task_run_logs"}
 
 
@@ -22,7 +22,7 @@ def test_empty_database_gets_latest_schema(tmp_path) -> None:
     db = Database(tmp_path / "state.db")
     assert db.user_version == LATEST_VERSION
     tables = {r["name"] for r in db.query("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert SEED_TABLES | {"ipc_ledger", "outbox"} <= tables
+    assert ORIGINAL_TABLES | {"ipc_ledger", "outbox"} <= tables
     assert db.query_one("PRAGMA journal_mode")[0] == "wal"
     assert db.query_one("PRAGMA foreign_keys")[0] == 1
     assert columns(db, "scheduled_tasks")[:12] == [
@@ -63,7 +63,7 @@ def test_only_one_main_group(tmp_path) -> None:
             c.execute(ins, ("b", "B", "x:2"))
 
 
-def test_migrates_seed_database_keeping_rows(tmp_path) -> None:
+def test_migrates_the_original_database_keeping_rows(tmp_path) -> None:
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
     conn.executescript(MIGRATIONS[0][2])

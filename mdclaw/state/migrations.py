@@ -1,6 +1,6 @@
 """Numbered schema migrations, tracked with `PRAGMA user_version`.
 
-Migration 1 is the seed schema (mdclaw's original tables, columns, CHECK constraints and
+Migration 1 is the original schema (mdclaw's first tables, columns, CHECK constraints and
 indexes). Later migrations add what mdclaw's invariants need. A migration never edits an
 earlier one: a database made by any earlier version is carried forward step by step.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # Each entry: (version, description, SQL script). Scripts run inside one transaction.
 MIGRATIONS: list[tuple[int, str, str]] = [
-    (1, "seed schema", """
+    (1, "original schema", """
 CREATE TABLE IF NOT EXISTS chats (
   jid TEXT PRIMARY KEY,
   name TEXT,
