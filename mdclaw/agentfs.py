@@ -371,7 +371,8 @@ def move(src_dir_fd: int, name: str, dst_dir_fd: int, new_name: str) -> None:
 def ensure_group_dirs(layout: Layout, folder: str) -> None:
     """Make (or check) every folder a run of group `folder` mounts: groups/<folder>,
     groups/global, ipc/<folder> and its sub-folders, sessions/<folder>/.claude and the
-    host's own proxy/<folder>, with their modes. Raises UnsafePath when one of them was swapped for a symlink or a file."""
+    host's own proxy/<folder>, with their modes. Raises UnsafePath when one of them was
+    swapped for a symlink or a file."""
     for root, mode in ((layout.groups_dir, 0o751), (layout.ipc_dir, 0o751),
                        (layout.sessions_dir, PRIVATE_DIR_MODE)):
         make_dirs(root, mode)
@@ -762,11 +763,10 @@ def bind_socket(dir_fd: int, name: str, mode: int) -> socket.socket:
 
 
 __all__ = [
-    "COPY_CHUNK", "USAGE_MAX_FDS", "FileData", "FreeSpace", "Rejected", "UnsafePath", "Usage",
-    "Vanished", "atomic_write", "free_space",
-    "bind_socket", "check_name", "copy_bounded", "copy_into", "ensure_dir", "ensure_group_dirs", "generation", "is_our_temp",
-    "kind_of", "listdir", "lstat", "lstat_generation", "make_dirs", "move", "open_beneath",
-    "open_dir", "open_regular", "open_root", "opened", "openat2_available", "read_fd_bounded",
-    "read_file", "read_text", "remove_entry", "set_mode", "tree_usage", "unlink", "walk",
-    "write_sentinel",
+    "COPY_CHUNK", "FileData", "FreeSpace", "Rejected", "USAGE_MAX_FDS", "UnsafePath", "Usage",
+    "Vanished", "atomic_write", "bind_socket", "check_name", "copy_bounded", "copy_into",
+    "ensure_dir", "ensure_group_dirs", "free_space", "generation", "is_our_temp", "kind_of",
+    "listdir", "lstat", "lstat_generation", "make_dirs", "move", "open_beneath", "open_dir",
+    "open_regular", "open_root", "openat2_available", "opened", "read_fd_bounded", "read_file",
+    "read_text", "remove_entry", "set_mode", "tree_usage", "unlink", "walk", "write_sentinel",
 ]

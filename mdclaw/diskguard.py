@@ -21,8 +21,9 @@ When: a group is measured before each run of it (`DiskGuard.admit`), and every
 `limits.disk_check_interval` while its container runs or while it is refused (`DiskGuard.run`),
 off the event loop. A round waits at least ten times as long as the last one took, so
 measuring cannot take more than a tenth of one core. Free space (one `fstatvfs`) is checked
-every second (`HOST_TICK`) in between, so a fast writer meets the floor within a second. The walk holds a bounded number of file
-descriptors and stops at `limits.disk_files` entries (`agentfs.tree_usage`).
+every second (`HOST_TICK`) in between, so a fast writer meets the floor within a second.
+The walk holds a bounded number of file descriptors and stops at `limits.disk_files`
+entries (`agentfs.tree_usage`).
 """
 
 from __future__ import annotations
@@ -173,20 +174,24 @@ def decide(cfg: Config, folder: str, usage: agentfs.Usage | None, unreadable: st
     limit = cfg.disk_limit(folder)
     floor = floor_bytes(cfg.limits.min_free_disk, space.total) if space else 0
     u = usage or agentfs.Usage()
-    base = dict(folder=folder, used=u.bytes, limit=limit, entries=u.entries,
-                max_entries=cfg.limits.disk_files, unreadable=unreadable,
-                free=space.free if space else None, floor=floor, measured_at=time.time())
+
+    def verdict(state: str) -> Verdict:
+        return Verdict(state=state, folder=folder, used=u.bytes, limit=limit, entries=u.entries,
+                       max_entries=cfg.limits.disk_files, unreadable=unreadable,
+                       free=space.free if space else None, floor=floor,
+                       measured_at=time.time())
+
     if space is not None and space.free < floor:
-        return Verdict(state=HOST_FULL, **base)
+        return verdict(HOST_FULL)
     if usage is None:
-        return Verdict(state=OK, **base)
+        return verdict(OK)
     if limit is not None and u.bytes > limit:
-        return Verdict(state=GROUP_FULL, **base)
+        return verdict(GROUP_FULL)
     if not u.complete:
-        return Verdict(state=TOO_MANY_FILES, **base)
+        return verdict(TOO_MANY_FILES)
     if u.unreadable:
-        return Verdict(state=UNREADABLE, **base)
-    return Verdict(state=OK, **base)
+        return verdict(UNREADABLE)
+    return verdict(OK)
 
 
 def check(cfg: Config, folder: str, *, space: agentfs.FreeSpace | None = None,

@@ -140,7 +140,7 @@ def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | N
     return key, cfg.models[key]
 
 
-async def probe_upstream(upstream: Upstream, timeout: float = 5.0) -> tuple[int | None, str]:
+async def probe_upstream(upstream: Upstream, within: float = 5.0) -> tuple[int | None, str]:
     """Ask the model API `GET /v1/models` the way the proxy forwards requests (same URL
     rules, same credential, same HTTP proxy settings): (HTTP status, detail), or (None, why)
     when nothing answered. The detail never holds the key."""
@@ -152,12 +152,12 @@ async def probe_upstream(upstream: Upstream, timeout: float = 5.0) -> tuple[int 
     if upstream.backend == "claude":
         headers["anthropic-version"] = "2023-06-01"
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout),
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=within),
                                          trust_env=True) as session:
             async with session.get(url, headers=headers, allow_redirects=False) as r:
                 body = (await r.content.read(2000)).decode("utf-8", "replace")
                 return r.status, " ".join(body.split())[:200]
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return None, f"{type(e).__name__}: {e}"[:200]
 
 
@@ -279,7 +279,8 @@ def usage_rows(db: Database, *, group: str | None = None,
     if since_day:
         where.append("day >= ?")
         params.append(since_day)
-    sql = ("SELECT group_folder, model, SUM(requests) AS requests, SUM(errors) AS errors, "
+    # Fixed column names only; every value is a parameter.
+    sql = ("SELECT group_folder, model, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
            "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens, "
            "MIN(day) AS first_day, MAX(day) AS last_day FROM model_usage"
            + (" WHERE " + " AND ".join(where) if where else "")
@@ -727,7 +728,7 @@ class CredentialProxy:
                     await response.write(chunk)
                 await response.write_eof()
                 ok = up.status < 400
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning("group %s: upstream %s failed: %s", folder, upstream.base_url,
                         type(e).__name__)
             kind, cause, what = _upstream_failure(e)

@@ -102,7 +102,8 @@ def desired_row(folder: str, g: Group, cfg: Config) -> GroupRow:
         cc["network"] = g.network
     policy = (SenderPolicy(g.allow_senders.mode, frozenset(g.allow_senders.ids))
               if g.allow_senders is not None else None)
-    return GroupRow(folder=folder, name=g.name, jid=g.jid, trigger=g.effective_trigger(cfg.assistant),
+    return GroupRow(folder=folder, name=g.name, jid=g.jid,
+                    trigger=g.effective_trigger(cfg.assistant),
                     requires_trigger=g.effective_requires_trigger(), is_main=g.main,
                     source="config", container_config=cc, allow_senders=policy)
 

@@ -8,8 +8,8 @@ person lives, across daylight-saving changes.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -18,7 +18,7 @@ from croniter import croniter
 ScheduleType = Literal["cron", "interval", "once"]
 SCHEDULE_TYPES: tuple[str, ...] = ("cron", "interval", "once")
 
-UTC = timezone.utc
+UTC = UTC
 MISSED_COUNT_LIMIT = 1000  # bounds the work of counting a long outage's cron slots
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import stat
 import json
+import stat
 import time
 from pathlib import Path
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 CONFIG = """\
 data_dir: {data_dir}
 models:
-  claude: {backend: claude, model: claude-sonnet-4-5, api_key_file: "$CREDENTIALS_DIRECTORY/anthropic"}
+  claude: {backend: claude, model: claude-sonnet-4-5,
+           api_key_file: "$CREDENTIALS_DIRECTORY/anthropic"}
 assistant: {name: Andy, model: claude}
 channels:
   http: {listen: "127.0.0.1:3000", secret_file: /nonexistent/mdclaw-http-token}
@@ -48,7 +49,7 @@ def test_skip_is_scoped_to_the_block(tmp_path) -> None:
 
     from mdclaw.config import ConfigError, load_config, secret_checks_skipped
 
-    text = "data_dir: %s\nchannels: {telegram: {token_file: /nonexistent/t}}\n" % tmp_path
+    text = f"data_dir: {tmp_path}\nchannels: {{telegram: {{token_file: /nonexistent/t}}}}\n"
     with secret_checks_skipped():
         cfg = load_config(tmp_path / "c.yaml", text=text)
     assert str(cfg.channels.telegram.token_file) == "/nonexistent/t"

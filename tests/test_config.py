@@ -7,6 +7,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from mdclaw.config import ConfigError, find_config_path, load_config, parse_duration
 
@@ -189,7 +190,7 @@ def test_env_overrides(write_config, monkeypatch, tmp_path) -> None:
 
 def test_config_is_frozen(write_config) -> None:
     cfg = load_config(write_config())
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.assistant.name = "x"  # type: ignore[misc]
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from mdclaw.commands.schema import (
     JSON_SCHEMA_PATH,
     MARKDOWN_PATH,
@@ -20,9 +20,8 @@ from mdclaw.commands.schema import (
 )
 from mdclaw.config import Config
 
-REGENERATE = ("regenerate it: python -m mdclaw config-schema --json > {json} && "
-              "python -m mdclaw config-schema > {md}").format(json=JSON_SCHEMA_PATH,
-                                                              md=MARKDOWN_PATH)
+REGENERATE = (f"regenerate it: python -m mdclaw config-schema --json > {JSON_SCHEMA_PATH} && "
+              f"python -m mdclaw config-schema > {MARKDOWN_PATH}")
 
 
 def test_committed_json_schema_is_current(cli) -> None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ipc_helpers import Env
 
+from ipc_helpers import Env
 from mdclaw import agentfs
 from mdclaw.ipc import spool
 from mdclaw.ipc.writers import remove_close, write_close, write_follow_up, write_snapshots

@@ -9,13 +9,13 @@ import logging
 import os
 import stat
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
-from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
 
+from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
 from mdclaw.ipc.apply import IpcEngine
 from mdclaw.ipc.files import UnsafePath, generation
 from mdclaw.ipc.writers import write_close, write_follow_up, write_snapshots
@@ -47,7 +47,7 @@ def test_schedule_cron_in_configured_timezone(env: Env) -> None:
     assert t["context_mode"] == "isolated" and t["timezone"] is None
     nxt = from_iso(t["next_run"]).astimezone(ZoneInfo("Europe/Berlin"))
     assert (nxt.hour, nxt.minute) == (8, 0)
-    assert from_iso(t["next_run"]) > datetime.now(timezone.utc)
+    assert from_iso(t["next_run"]) > datetime.now(UTC)
     # the task's own timezone wins
     assert apply_one(env, "family", schedule_body("t2", timezone="America/New_York")) is None
     ny = from_iso(env.task("t2")["next_run"]).astimezone(ZoneInfo("America/New_York"))
@@ -55,12 +55,12 @@ def test_schedule_cron_in_configured_timezone(env: Env) -> None:
 
 
 def test_schedule_interval_and_once(env: Env) -> None:
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     assert apply_one(env, "family", schedule_body("i1", schedule_type="interval",
                                                   schedule_value=3600000)) is None
     delta = from_iso(env.task("i1")["next_run"]) - before
     assert timedelta(minutes=59) < delta < timedelta(minutes=61)
-    at = (datetime.now(timezone.utc) + timedelta(days=2)).replace(microsecond=0)
+    at = (datetime.now(UTC) + timedelta(days=2)).replace(microsecond=0)
     assert apply_one(env, "family", schedule_body("o1", schedule_type="once",
                                                   schedule_value=at.isoformat())) is None
     assert from_iso(env.task("o1")["next_run"]) == at
@@ -96,7 +96,7 @@ def test_task_lifecycle(env: Env) -> None:
     env.db.conn.execute("UPDATE scheduled_tasks SET next_run = '2001-01-01T00:00:00.000Z'")
     assert apply_one(env, "family", {"type": "resume_task", "taskId": "t"}) is None
     t = env.task("t")
-    assert t["status"] == "active" and from_iso(t["next_run"]) > datetime.now(timezone.utc)
+    assert t["status"] == "active" and from_iso(t["next_run"]) > datetime.now(UTC)
     assert apply_one(env, "family", {"type": "update_task", "taskId": "t", "updates": {
         "schedule_type": "cron", "schedule_value": "30 6 * * *", "prompt": "new"}}) is None
     t = env.task("t")

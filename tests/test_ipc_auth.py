@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
 
+from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
 from mdclaw.ipc.auth import Caller, Unauthorized, check_chat_target, check_identity
 
 

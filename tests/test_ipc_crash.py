@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 from ipc_helpers import Env
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ipc_helpers import Env, schedule_body
 
+from ipc_helpers import Env, schedule_body
+from mdclaw.agentfs import open_root as open_dir_path
+from mdclaw.config import Config
 from mdclaw.ipc.files import (
     MAX_JSON_DEPTH,
     GroupDirs,
@@ -26,8 +28,6 @@ from mdclaw.ipc.files import (
     json_depth_exceeds,
     open_beneath,
 )
-from mdclaw.agentfs import open_root as open_dir_path
-from mdclaw.config import Config
 from mdclaw.mounts import resolve_container_path
 
 

@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 from ipc_helpers import Env, schedule_body
-
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.state import Database
 
@@ -60,7 +60,7 @@ def test_inotify_wakes_the_loop_long_before_the_poll(env: Env) -> None:
         assert w.inotify is not None
         for i in range(20):
             env.write("family", {"type": "message", "text": f"m{i}"}, sub="messages")
-            took = await _until(lambda: len(env.outbox()) == i + 1, timeout=2)
+            took = await _until(lambda n=i + 1: len(env.outbox()) == n, timeout=2)
             assert took < 1.0  # the poll is 30 s away
         env.write("work", schedule_body("w1"))
         await _until(lambda: env.task("w1") is not None, timeout=2)

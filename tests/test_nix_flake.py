@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from nixeval import NIX_DIR, REPO, eval_json, nixpkgs_lib
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from nixeval import eval_module, eval_module_raw, nixpkgs_lib
 
 from mdclaw.commands.schema import config_json_schema
+from nixeval import eval_module, eval_module_raw, nixpkgs_lib
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def basic(lib: Path, tmp_path_factory) -> dict:
 
 
 def module(body: str) -> str:
-    return "{ services.mdclaw = { enable = true; %s }; }" % body
+    return "{ services.mdclaw = { enable = true; " + body + " }; }"
 
 
 MAIN = 'settings.groups.main = { name = "Admin"; jid = "hl:main"; main = true; };'

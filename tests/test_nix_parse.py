@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+
 from nixeval import REPO, nix_files, nix_instantiate
 
 FILES = nix_files()

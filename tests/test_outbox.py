@@ -186,7 +186,7 @@ def test_retries_with_backoff_then_failed_with_reason(tmp_path: Path) -> None:
             row = get_row(db, rid)
             assert row.attempts == 3
             assert row.last_error == "gave up after 3 attempt(s): 502 bad gateway #2"
-            gaps = [b - a for a, b in zip(ch.calls, ch.calls[1:])]
+            gaps = [b - a for a, b in zip(ch.calls, ch.calls[1:], strict=False)]
             assert gaps[0] >= 0.09 and gaps[1] >= 0.19  # 0.1 s, then 0.2 s
             assert [r.id for r in failed] == [rid]
             # the group's next run can be told

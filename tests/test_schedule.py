@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -11,7 +11,7 @@ from mdclaw import schedule
 from mdclaw.config import ConfigError, load_config
 from mdclaw.schedule import ScheduleError
 
-UTC = timezone.utc
+UTC = UTC
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
 

@@ -8,7 +8,7 @@ reference that walks naive wall-clock matches and maps each to instants by hand.
 from __future__ import annotations
 
 import functools
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from croniter import croniter
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from mdclaw import schedule
 
-UTC = timezone.utc
+UTC = UTC
 ZONES = ["UTC", "Europe/Berlin", "America/New_York", "Australia/Sydney", "Australia/Lord_Howe",
          "Asia/Kolkata", "America/Sao_Paulo", "Pacific/Chatham", "Europe/London",
          "America/Santiago"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from mdclaw.state.tasks import (
     update_task_fields,
 )
 
-UTC = timezone.utc
+UTC = UTC
 
 
 @pytest.fixture

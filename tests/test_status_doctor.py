@@ -89,9 +89,9 @@ def test_sighup_applies_a_valid_config_and_says_what_needs_a_restart(write_confi
         data_dir: {data_dir}
         groups:
           main: {name: A, jid: "hl:main", main: true}
-        runtime: {socket: "unix://%s/no-engine.sock"}
+        runtime: {socket: "unix://TMP/no-engine.sock"}
         channels: {http: {listen: "127.0.0.1:0"}}
-    """ % tmp_path
+    """.replace("TMP", str(tmp_path))
     cfg = write_config(base)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
     env["PYTHONPATH"] = str(REPO)

@@ -119,7 +119,7 @@ def memory_search(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         raise ActionFailed("sources must be 'memory', 'sessions' or 'all'")
     folder = _target_folder(ctx, params, "memory_search")
     terms = [t for t in re.findall(r"\w+", query.lower()) if t]
-    hits = []
+    hits: list[dict[str, Any]] = []
     if sources in ("memory", "all"):
         for path, text in _memory_files(ctx.layout, folder):
             for lineno, line in enumerate(text.splitlines(), 1):

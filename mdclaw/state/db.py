@@ -88,7 +88,8 @@ class Database:
                             self.conn.execute(statement)
                         bad = self.conn.execute("PRAGMA foreign_key_check").fetchall()
                         if bad:
-                            raise DatabaseError(f"migration {version} broke foreign keys: {bad[:3]}")
+                            raise DatabaseError(
+                                f"migration {version} broke foreign keys: {bad[:3]}")
                         self.conn.execute(f"PRAGMA user_version={version}")
                         self.conn.execute("COMMIT")
                     except BaseException:

@@ -45,8 +45,9 @@ def list_failed_turns(db: Database, *, group: str | None = None, since: str | No
     if since:
         where.append("created_at >= ?")
         params.append(since)
-    sql = ("SELECT * FROM failed_turns" + (" WHERE " + " AND ".join(where) if where else "")
-           + " ORDER BY id DESC LIMIT ?")
+    # Fixed column names only; every value is a parameter.
+    sql = ("SELECT * FROM failed_turns" + (" WHERE " + " AND ".join(where)  # noqa: S608
+                                           if where else "") + " ORDER BY id DESC LIMIT ?")
     return [dict(r) for r in db.query(sql, (*params, limit))]
 
 

@@ -117,7 +117,9 @@ def update_task_fields(conn: sqlite3.Connection, task_id: str, **fields: Any) ->
         return
     fields["updated_at"] = now_iso()
     cols = ", ".join(f"{k} = ?" for k in fields)
-    conn.execute(f"UPDATE scheduled_tasks SET {cols} WHERE id = ?", (*fields.values(), task_id))
+    # The column names are checked against `allowed` above; every value is a parameter.
+    conn.execute(f"UPDATE scheduled_tasks SET {cols} WHERE id = ?",  # noqa: S608
+                 (*fields.values(), task_id))
 
 
 def delete_task(conn: sqlite3.Connection, task_id: str) -> bool:
@@ -186,7 +188,7 @@ def insert_run(conn: sqlite3.Connection, task_id: str, run_at: datetime, missed:
     cur = conn.execute(
         "INSERT INTO task_run_logs (task_id, run_at, duration_ms, status, missed)"
         " VALUES (?, ?, 0, 'running', ?)", (task_id, schedule.to_iso(run_at), missed))
-    return int(cur.lastrowid)
+    return int(cur.lastrowid or 0)
 
 
 def finish_run(conn: sqlite3.Connection, run_id: int, status: str, finished_at: datetime, *,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import subprocess
+import sys
 import tempfile
 import time
 import uuid

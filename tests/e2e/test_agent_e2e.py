@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 from e2e_images import build_agent_image  # noqa: E402
+
 from fake_models import FakeOpenAI, call, say  # noqa: E402
 
 pytestmark = pytest.mark.e2e

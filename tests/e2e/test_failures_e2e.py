@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
-from fake_models import FakeOpenAI, garble, hangup, refuse, say  # noqa: E402
 from test_daemon_e2e import free_port, http, wait_for  # noqa: E402
+
+from fake_models import FakeOpenAI, garble, hangup, refuse, say  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -242,7 +242,7 @@ class HostileRun:
                 pass
         try:
             return await asyncio.wait_for(asyncio.shield(self.task), RUN_BOUND)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pytest.fail(f"the run did not end within {RUN_BOUND} s after it was killed")
         except Exception as e:  # noqa: BLE001 - recorded, not asserted
             return e
@@ -271,7 +271,7 @@ async def plain_run(runner: ContainerRunner, folder: str = FOLDER) -> tuple[floa
     try:
         got: Any = await asyncio.wait_for(
             runner.run(folder, inp(folder), command=["blocks", "1", "0"]), RUN_BOUND)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pytest.fail(f"the run did not return within {RUN_BOUND} s")
     except Exception as e:  # noqa: BLE001 - a refused run is fine; only host effects count
         got = e

@@ -70,7 +70,7 @@ class Forwarder:
         try:
             self._server = await asyncio.start_server(self._handle, self.host, 0)
             self.port = self._server.sockets[0].getsockname()[1]
-        except BaseException as e:  # reported to the starting thread
+        except BaseException as e:  # noqa: BLE001 - reported to the starting thread, re-raised there
             self._error = e
             self._ready.set()
             return
@@ -82,8 +82,10 @@ class Forwarder:
         """Start listening; raises OSError if the port cannot be opened."""
         self._loop = asyncio.new_event_loop()
 
+        loop = self._loop
+        assert loop is not None
+
         def run() -> None:
-            loop = self._loop
             asyncio.set_event_loop(loop)
             try:
                 with contextlib.suppress(asyncio.CancelledError):
@@ -107,10 +109,10 @@ class Forwarder:
     def stop(self) -> None:
         if self._loop is None or self._server is None:
             return
-        loop = self._loop
+        loop, server = self._loop, self._server
 
         def shutdown() -> None:
-            self._server.close()
+            server.close()
             for task in asyncio.all_tasks(loop):
                 task.cancel()
 

@@ -22,7 +22,8 @@ from mdclaw_agent.tools import ToolContext, tools_for
 
 log = logging.getLogger("mdclaw_agent")
 
-DEFAULT_MODELS = {"claude": None, "openai": "gpt-4o-mini"}
+DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
+DEFAULT_MODELS: dict[str, str | None] = {"claude": None, "openai": DEFAULT_OPENAI_MODEL}
 
 
 def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noqa: ANN201
@@ -37,7 +38,7 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
         from mdclaw_agent.backends.openai import OpenAIBackend
 
         return OpenAIBackend(base_url=base_url.rstrip("/") + "/v1", api_key=PLACEHOLDER_KEY,
-                             model=inp.model or DEFAULT_MODELS["openai"], system=system,
+                             model=inp.model or DEFAULT_OPENAI_MODEL, system=system,
                              tools=tools, ctx=ctx, max_tool_rounds=settings.max_tool_rounds,
                              session_id=inp.session_id,
                              sessions_dir=settings.group_dir / ".mdclaw" / "sessions",

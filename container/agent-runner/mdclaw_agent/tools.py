@@ -339,8 +339,8 @@ TOOLS: tuple[Tool, ...] = (
          _react),
     Tool("schedule_task",
          "Schedule a prompt to run later: cron (e.g. '0 9 * * 1-5', in the assistant's "
-         "timezone), interval (milliseconds, at least 1000, e.g. '3600000') or once (local ISO time, e.g. "
-         "'2026-02-01T09:00:00').",
+         "timezone), interval (milliseconds, at least 1000, e.g. '3600000') or once (local ISO "
+         "time, e.g. '2026-02-01T09:00:00').",
          _schema(["prompt", "schedule_type", "schedule_value"],
                  prompt=_s("What to do when the task runs."),
                  schedule_type=_s("cron, interval or once.", enum=list(SCHEDULE_TYPES)),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,13 +102,13 @@ def classify_http(status: int, body: str, retry_after: str | None = None) -> Bac
     if status == 402 or (status in (400, 403, 429) and any(h in low for h in QUOTA_HINTS)):
         return BackendError(head, "over_budget", http_status=status, api_message=message)
     if status == 429:
-        after = None
+        wait: float | None = None
         try:
-            after = float(retry_after) if retry_after else None
+            wait = float(retry_after) if retry_after else None
         except ValueError:
-            after = None
+            wait = None
         return BackendError(head, "rate_limited", http_status=status, api_message=message,
-                            retry_after=after)
+                            retry_after=wait)
     if status in (400, 413, 422) and any(h in low for h in CONTEXT_HINTS):
         return BackendError(head, "context_too_long", http_status=status, api_message=message,
                             limit=context_limit(message))

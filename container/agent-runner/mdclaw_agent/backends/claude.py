@@ -169,16 +169,16 @@ class ClaudeBackend:
             try:
                 await client.disconnect()
             except Exception:  # noqa: BLE001 - the CLI may already be gone
-                pass
+                log.debug("disconnecting from the CLI failed", exc_info=True)
 
     def start(self) -> None:
         """Start the CLI; raises BackendError when it cannot run."""
-        self._loop = asyncio.new_event_loop()
+        loop = self._loop = asyncio.new_event_loop()
         ready: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._session(ready))
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self._session(ready))
 
         self._thread = threading.Thread(target=run, name="mdclaw-claude", daemon=True)
         self._thread.start()
