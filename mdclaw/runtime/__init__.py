@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from mdclaw import retry
+
 if TYPE_CHECKING:
     from mdclaw.config import Config, Runtime
 
@@ -277,12 +279,18 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
 
     Each failure is logged and passed to `status` as a sentence ("container engine
     unreachable at ...: ...; retrying in 8 s"), so a down engine shows in systemd's status
-    instead of a crash loop. Returns the engine description, or None if `stop` was set first.
+    instead of a crash loop. Returns the engine description, or None if `stop` was set first
+    (at once: the wait between pings ends with it).
     """
-    delay = first_delay
+    # No jitter: the pings go to a local engine socket that only this daemon waits on, and a
+    # ping costs the engine next to nothing: there is no crowd to spread, and exact waits keep
+    # the status line plain.
+    backoff = retry.Backoff(base=first_delay, factor=2.0, cap=max_delay,
+                           jitter=retry.NO_JITTER)
     attempt = 0
     while True:
         attempt += 1
+        delay = backoff.delay(attempt)
         try:
             return await asyncio.to_thread(runtime.ping)
         except EngineUnavailable as e:
@@ -291,15 +299,8 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
             log.warning("%s", line)
             if status:
                 status(line)
-        if stop is None:
-            await asyncio.sleep(delay)
-        else:
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-                return None
-            except TimeoutError:
-                pass
-        delay = min(delay * 2, max_delay)
+        if await retry.wait(delay, stop):
+            return None
 
 
 __all__ = [

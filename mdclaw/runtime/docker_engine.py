@@ -326,6 +326,10 @@ class _DockerRun(RunningContainer):
                     return int(state.get("ExitCode", -1))
                 if time.monotonic() > deadline:
                     break
+                # A poll, not a retry (so not mdclaw.retry's Backoff): nothing failed, the
+                # container is expected to reach "exited" within milliseconds, and the
+                # interval only grows to spare the engine if it takes longer; the deadline,
+                # then the wait endpoint, bound it. Jitter would only add latency.
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
             res = self.rt._call(api.wait, self.id, timeout=timeout or API_TIMEOUT)
