@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import hashlib
 import logging
 import os
@@ -59,6 +60,21 @@ class ImageError(RuntimeError_):
     """An image could not be built, loaded or found. Retrying a run does not help."""
 
     permanent = True
+
+
+@functools.cache
+def engine_errors() -> tuple[type[Exception], ...]:
+    """What a ContainerRuntime call raises when the engine fails, for `except
+    engine_errors():` around one: the runtimes' own RuntimeError_ (EngineUnavailable,
+    ImageError...), the Docker SDK's errors that DockerRuntime passes on (an API answer other
+    than "not connected"), and OSError / SubprocessError from the Apple CLI. Anything else
+    is a bug. (The Docker SDK is imported on the first call, i.e. only when an engine call
+    failed: it takes ~0.15 s to import.)"""
+    import subprocess
+
+    import docker.errors
+
+    return (RuntimeError_, docker.errors.DockerException, OSError, subprocess.SubprocessError)
 
 
 @dataclass(frozen=True)
@@ -307,5 +323,5 @@ __all__ = [
     "BACKENDS_LABEL", "BOOT_LABEL", "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
     "ContainerRuntime", "EngineUnavailable", "ImageError", "ImageInfo", "Mount", "RunSpec",
     "RunningContainer", "RuntimeError_", "create_runtime", "find_socket", "install_id",
-    "install_labels", "wait_for_engine",
+    "engine_errors", "install_labels", "wait_for_engine",
 ]
