@@ -116,18 +116,24 @@ class OutboxWorker:
         self._task = asyncio.create_task(self._run(), name="outbox-worker")
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Let a send under way finish (up to `timeout` s), stop, and leave no row `sending`."""
+        """Let a send under way finish (up to `timeout` s), stop, and leave no row `sending`.
+        If the caller is cancelled meanwhile, the worker is stopped all the same and the
+        cancel passed on."""
         task, self._task = self._task, None
         self._stopping = True
         self._wake.set()
-        if task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            except (TimeoutError, asyncio.CancelledError):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        self.recover()
+        try:
+            if task is not None:
+                try:
+                    # asyncio.wait neither cancels the worker on timeout nor raises how it
+                    # ended; only a cancel of this task comes out of it.
+                    await asyncio.wait([task], timeout=timeout)
+                finally:
+                    if not task.done():  # past the grace, or this stop was cancelled
+                        task.cancel()  # its send stays `sending`; recover() puts it back
+                        await asyncio.wait([task])
+        finally:
+            self.recover()
 
     def wake(self) -> None:
         """Look for due rows now (call after enqueueing)."""
@@ -142,9 +148,7 @@ class OutboxWorker:
             self._wake.clear()
             try:
                 await self.run_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
+            except Exception:  # noqa: BLE001 - the worker must not die: a locked database, a bug
                 log.exception("outbox: delivery round failed; trying again shortly")
                 await asyncio.sleep(1.0)
             if self._stopping:
@@ -266,8 +270,9 @@ class OutboxWorker:
         except ChannelError as e:
             reason = ch.redact(str(e)) if ch else str(e)
             return self._failed_attempt(row, attempt, reason, e.permanent, e.retry_after)
-        except Exception as e:
-            # A channel bug: keep the type for the record; the text might hold anything.
+        except Exception as e:  # noqa: BLE001 - a channel's bug is a failed attempt, not a crash
+            # A channel bug: keep the type for the record; the text might hold anything
+            # (a token, say), so neither it nor a traceback is logged.
             log.error("outbox: the %s channel raised %s for message %d",
                       ch.name if ch else "?", type(e).__name__, row.id)
             return self._failed_attempt(row, attempt, f"internal error in the "
@@ -323,7 +328,7 @@ class OutboxWorker:
             result = cb(row)
             if asyncio.iscoroutine(result):
                 asyncio.ensure_future(result)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the owner's callback: the row is already final
             log.exception("outbox: result callback failed for message %d", row_id)
 
 

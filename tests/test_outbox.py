@@ -375,6 +375,39 @@ def test_stop_leaves_no_row_sending(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_cancelled_stop_passes_the_cancel_on_and_still_stops(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        gate = asyncio.Event()
+        sending = asyncio.Event()
+        orig = ch.send_message
+
+        async def slow(jid, text, **kw):
+            sending.set()
+            await gate.wait()
+            return await orig(jid, text, **kw)
+
+        ch.send_message = slow  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST)
+        await w.start()
+        worker = w._task
+        rid = put(db)
+        w.wake()
+        await sending.wait()
+        stopping = asyncio.create_task(w.stop(timeout=3600))
+        await asyncio.sleep(0)  # one step: stop() now waits for the send to finish
+        assert not stopping.done()
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        assert worker is not None and worker.done()
+        assert status(db, rid) == "pending" and not w.running
+        db.close()
+
+    asyncio.run(main())
+
+
 def test_spooled_copies_are_removed_once_final(tmp_path: Path) -> None:
     from mdclaw.outbox import spool_cleaner
 
