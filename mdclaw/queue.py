@@ -207,7 +207,7 @@ class GroupQueue:
                         r = self.on_retry(job, e, delay)
                         if inspect.isawaitable(r):
                             await r
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - the owner's callback: the retry goes on
                         log.exception("on_retry callback failed for %s %s", job.kind, job.id)
                 book = self._tasks if job.kind == "task" else self._messages
                 book.setdefault(job.group, deque()).appendleft(job)
@@ -223,7 +223,7 @@ class GroupQueue:
                         r = self.on_failure(job, e)
                         if inspect.isawaitable(r):
                             await r
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - the owner's callback: the queue goes on
                         log.exception("on_failure callback failed for %s %s", job.kind, job.id)
         else:
             self._keys.discard((job.kind, job.id))
