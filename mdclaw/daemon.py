@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,7 @@ class Daemon:
         from mdclaw.paths import Layout
         from mdclaw.proxy import CredentialProxy
         from mdclaw.runner import ContainerRunner
-        from mdclaw.runtime import create_runtime
+        from mdclaw.runtime import create_runtime, engine_errors
 
         assert self.db is not None
         cfg, db = self.cfg, self.db
@@ -138,7 +139,7 @@ class Daemon:
         try:
             self.runtime = create_runtime(cfg.runtime)
             self.runner = ContainerRunner(cfg, self.runtime)
-        except Exception as e:  # no socket found, unsupported engine...
+        except engine_errors() as e:  # the daemon runs on; runs say there is no engine
             self.engine_status = f"no container engine: {e}"
             log.error("%s", self.engine_status)
         self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
@@ -197,7 +198,7 @@ class Daemon:
         return self._scheduler_tick[1]
 
     async def _engine_up(self) -> None:
-        from mdclaw.runtime import wait_for_engine
+        from mdclaw.runtime import engine_errors, wait_for_engine
 
         def status(line: str) -> None:
             self.engine_status = line
@@ -208,7 +209,7 @@ class Daemon:
             return
         try:
             await self.runner.cleanup_orphans()
-        except Exception as e:  # the engine went away again: runs will say so
+        except engine_errors() as e:  # the engine went away again: runs will say so
             log.warning("could not remove orphaned containers: %s", e)
         self.engine_status = f"ok ({desc})"
         self.orch.engine_ready.set()
@@ -262,7 +263,7 @@ class Daemon:
         try:
             self.write_status()
             self.notifier.status(self.status_line())
-        except Exception as e:  # a full disk must not kill the daemon
+        except (OSError, sqlite3.Error) as e:  # a full disk, a busy database: not fatal
             log.warning("could not write status: %s", e)
 
     async def _status_loop(self) -> None:
@@ -367,7 +368,7 @@ class Daemon:
             await self.proxy.close()
         if self.runner is not None:
             await self.runner.aclose()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError):
             status_path(self.cfg).unlink()
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from mdclaw import agentfs
 from mdclaw.config import Config, floor_bytes, format_size
 from mdclaw.paths import Layout
+from mdclaw.runtime import engine_errors
 
 log = logging.getLogger("mdclaw.diskguard")
 
@@ -298,7 +299,7 @@ class DiskGuard:
         self.stopped.append((folder, v.state, time.time()))
         try:
             await handle.kill()
-        except Exception as e:  # noqa: BLE001 - the engine may be gone; the next round retries
+        except engine_errors() as e:  # the engine may be gone; the next round tries again
             log.error("group %s: could not stop its container: %s", folder, e)
 
     async def check_once(self) -> list[Verdict]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from mdclaw.retry import NO_JITTER, Backoff
+
 TRANSIENT = "transient"
 DETERMINISTIC = "deterministic"
 CONFIG = "config"
@@ -319,8 +321,9 @@ def trimmed_notice(limit: str | None) -> str:
 def retry_delay(attempts: int, base: float, retry_after: float | None = None,
                 cap: float = 600.0) -> float:
     """Seconds before the next try after `attempts` failed ones: `base` doubling, at least
-    what the API asked for (Retry-After), at most `cap`."""
-    delay = base * 2 ** max(0, attempts - 1)
+    what the API asked for (Retry-After), at most `cap`. Without jitter (the queue's retries
+    add it: mdclaw.queue)."""
+    delay = Backoff(base=base, factor=2.0, cap=cap, jitter=NO_JITTER).delay(attempts)
     if retry_after:
         delay = max(delay, retry_after)
     return min(delay, cap)

@@ -28,7 +28,6 @@ Scheduled tasks run through the same queue (tasks first), with the group's sessi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mdclaw import failures
-from mdclaw.channels.base import Channel, InboundMessage, channel_for
+from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, format_duration, read_secret
 from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
 from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger, strip_internal
@@ -46,6 +45,7 @@ from mdclaw.outbox import describe_failures, failed_since
 from mdclaw.paths import Layout
 from mdclaw.queue import GroupQueue, Job
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
+from mdclaw.runtime import engine_errors
 from mdclaw.senders import Decision, decide
 from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import (
@@ -493,7 +493,8 @@ class Orchestrator:
         assert self.runner is not None
         try:
             info = await asyncio.to_thread(self.runner.runtime.image_info, image)
-        except Exception:  # noqa: BLE001 - the engine will be asked again by the run
+        except engine_errors():  # the engine will be asked again by the run, which says why
+            log.debug("could not look at image %s", image, exc_info=True)
             return None, True
         result = (info.backends if info is not None else None, info is not None)
         if info is not None:  # a missing image is looked for again next time
@@ -603,11 +604,17 @@ class Orchestrator:
         return bool(text), text
 
     async def _set_typing(self, jid: str, on: bool) -> None:
+        """Show or hide the typing indicator in `jid`'s chat. Never raises: it is cosmetic."""
         ch = channel_for(self.channels, jid)
         if ch is None:
             return
-        with contextlib.suppress(Exception):
+        try:
             await ch.set_typing(jid, on)
+        except ChannelError as e:  # the chat service is away: the answer still goes out
+            log.debug("typing indicator in %s: %s", jid, ch.redact(str(e)))
+        except Exception:  # noqa: BLE001 - a channel's bug must not fail a run over this
+            log.warning("the %s channel failed to set typing in %s", ch.name, jid,
+                        exc_info=True)
 
     def _turn_failed(self, group: GroupRow, conv: _Conversation, failure: TurnFailure) -> None:
         """A turn failed while the container runs (an error block)."""

@@ -2,11 +2,12 @@
 
 The worker takes the oldest unfinished row of each chat (rows of one chat go out in order;
 different chats go out side by side), finds the channel that owns the chat's JID, splits text
-at the channel's limit and sends it. A failed send is retried with exponential backoff (the
-chat service's own "retry after" wins when longer); after the last try, or at once for an
-error retrying cannot fix, the row becomes `failed` with the reason. While the owning channel
-is not connected, rows wait without using up their tries. Pieces of a split text
-already delivered are remembered (`outbox_progress`), so a retry resumes where it stopped.
+at the channel's limit and sends it. A failed send is retried with exponential backoff and
+jitter (mdclaw.retry; the chat service's own "retry after" wins when longer); after the last
+try, or at once for an error retrying cannot fix, the row becomes `failed` with the reason.
+While the owning channel is not connected, rows wait without using up their tries. Pieces of
+a split text already delivered are remembered (`outbox_progress`), so a retry resumes where
+it stopped.
 
 Crash safety: a row is `sending` only while a send is under way; `recover()` (run by
 `start()` and `stop()`) puts rows a crash left `sending` back to `pending`, so they are sent
@@ -19,13 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from mdclaw.channels.base import Channel, ChannelError, channel_for
+from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
 from mdclaw.state import Database, now_iso
 from mdclaw.state.outbox import OutboxRow
@@ -38,21 +41,29 @@ class RetryPolicy:
     """How often and how patiently a row is retried.
 
     After the n-th failed attempt the next one waits base_delay * factor**(n-1) seconds,
-    at most max_delay; after max_attempts attempts the row is failed.
+    at most max_delay, shortened at random by up to `jitter` of itself (equal jitter by
+    default, see mdclaw.retry.Backoff; 0 for exact delays); after max_attempts attempts the
+    row is failed.
     """
 
     max_attempts: int = 5
     base_delay: float = 5.0
     factor: float = 3.0
     max_delay: float = 600.0
+    jitter: float = EQUAL_JITTER
+    rng: random.Random | None = field(default=None, repr=False, compare=False)
+    _backoff: Backoff = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.base_delay < 0 or self.factor < 1:
             raise ValueError("max_attempts >= 1, base_delay >= 0 and factor >= 1 are needed")
+        object.__setattr__(self, "_backoff", Backoff(
+            base=self.base_delay, factor=self.factor, cap=self.max_delay, jitter=self.jitter,
+            rng=self.rng))
 
     def delay(self, attempts: int) -> float:
         """Seconds to wait after `attempts` failed attempts."""
-        return min(self.max_delay, self.base_delay * self.factor ** max(0, attempts - 1))
+        return self._backoff.delay(attempts)
 
 
 RowCallback = Callable[[OutboxRow], Any]
@@ -105,18 +116,24 @@ class OutboxWorker:
         self._task = asyncio.create_task(self._run(), name="outbox-worker")
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Let a send under way finish (up to `timeout` s), stop, and leave no row `sending`."""
+        """Let a send under way finish (up to `timeout` s), stop, and leave no row `sending`.
+        If the caller is cancelled meanwhile, the worker is stopped all the same and the
+        cancel passed on."""
         task, self._task = self._task, None
         self._stopping = True
         self._wake.set()
-        if task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            except (TimeoutError, asyncio.CancelledError):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        self.recover()
+        try:
+            if task is not None:
+                try:
+                    # asyncio.wait neither cancels the worker on timeout nor raises how it
+                    # ended; only a cancel of this task comes out of it.
+                    await asyncio.wait([task], timeout=timeout)
+                finally:
+                    if not task.done():  # past the grace, or this stop was cancelled
+                        task.cancel()  # its send stays `sending`; recover() puts it back
+                        await asyncio.wait([task])
+        finally:
+            self.recover()
 
     def wake(self) -> None:
         """Look for due rows now (call after enqueueing)."""
@@ -131,9 +148,7 @@ class OutboxWorker:
             self._wake.clear()
             try:
                 await self.run_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
+            except Exception:  # noqa: BLE001 - the worker must not die: a locked database, a bug
                 log.exception("outbox: delivery round failed; trying again shortly")
                 await asyncio.sleep(1.0)
             if self._stopping:
@@ -255,8 +270,9 @@ class OutboxWorker:
         except ChannelError as e:
             reason = ch.redact(str(e)) if ch else str(e)
             return self._failed_attempt(row, attempt, reason, e.permanent, e.retry_after)
-        except Exception as e:
-            # A channel bug: keep the type for the record; the text might hold anything.
+        except Exception as e:  # noqa: BLE001 - a channel's bug is a failed attempt, not a crash
+            # A channel bug: keep the type for the record; the text might hold anything
+            # (a token, say), so neither it nor a traceback is logged.
             log.error("outbox: the %s channel raised %s for message %d",
                       ch.name if ch else "?", type(e).__name__, row.id)
             return self._failed_attempt(row, attempt, f"internal error in the "
@@ -312,7 +328,7 @@ class OutboxWorker:
             result = cb(row)
             if asyncio.iscoroutine(result):
                 asyncio.ensure_future(result)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the owner's callback: the row is already final
             log.exception("outbox: result callback failed for message %d", row_id)
 
 

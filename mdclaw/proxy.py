@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import socket
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -429,7 +430,7 @@ class _Listener:
 
         try:
             await self._loop.connect_accepted_socket(factory, sock=conn)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - any end of the set-up gives the slot back
             # Without a transport nobody else gives the slot back or closes the socket.
             if counted is None or not counted.made:
                 if counted is not None:
@@ -437,9 +438,11 @@ class _Listener:
                 else:
                     self.caps.open -= 1
                 conn.close()
-            if isinstance(e, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
-                raise
-            log.warning("group %s: proxy connection could not be set up: %r", self.folder, e)
+            if not isinstance(e, Exception):
+                raise  # cancelled, or the process is ending
+            # A client gone before the set-up is an OSError; anything else is a bug: traceback.
+            log.warning("group %s: proxy connection could not be set up: %r", self.folder, e,
+                        exc_info=not isinstance(e, OSError))
 
     async def close(self) -> None:
         """Stop accepting and close the listening socket (open connections stay; the
@@ -806,8 +809,8 @@ class CredentialProxy:
             rows, self._unflushed = self._unflushed, {}
             try:
                 await asyncio.to_thread(record_usage_batch, self.db, rows)
-            except Exception as e:  # noqa: BLE001 - keep the counts for the next try
-                log.error("could not record model usage: %s", e)
+            except sqlite3.Error as e:  # locked past the busy timeout, disk full...
+                log.error("could not record model usage (kept for the next try): %s", e)
                 for k, v in rows.items():
                     cur = self._unflushed.setdefault(k, [0, 0, 0, 0])
                     for i in range(4):

@@ -8,8 +8,10 @@ Rules:
   arrived;
 * a job whose `run_job` raises is retried (unless the error has `permanent = True`) with
   exponential backoff (`max_attempts` tries in all, or the error's `max_tries` when fewer;
-  `retry_base` seconds doubling: 5, 10, 20, 40 s by default, at least the error's
-  `retry_delay` when it has one); `on_retry(job, error, delay)` is called before each wait.
+  `retry_base` seconds doubling up to `retry_cap`: 5, 10, 20, 40 s by default, each
+  shortened at random by up to `retry_jitter` of itself (half by default, mdclaw.retry) so
+  groups that failed together do not retry together; at least the error's `retry_delay`
+  when it has one); `on_retry(job, error, delay)` is called before each wait.
   Meanwhile the group holds its place and its later jobs wait, so order is kept. After the
   last try the failure is recorded in `failures` and `on_failure(job, error)` is called to
   tell the user;
@@ -24,11 +26,14 @@ import asyncio
 import inspect
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from mdclaw.retry import EQUAL_JITTER, Backoff
 
 log = logging.getLogger("mdclaw.queue")
 
@@ -57,7 +62,8 @@ class Failure:
 
 class GroupQueue:
     def __init__(self, run_job: Callable[[Job], Awaitable[Any]], *, max_concurrent: int,
-                 max_attempts: int = 5, retry_base: float = 5.0,
+                 max_attempts: int = 5, retry_base: float = 5.0, retry_cap: float = 600.0,
+                 retry_jitter: float = EQUAL_JITTER, rng: random.Random | None = None,
                  on_failure: Callable[[Job, BaseException], Awaitable[None] | None] | None = None,
                  on_retry: Callable[[Job, BaseException, float], Awaitable[None] | None]
                  | None = None) -> None:
@@ -67,6 +73,9 @@ class GroupQueue:
         self.max_concurrent = max_concurrent
         self.max_attempts = max_attempts
         self.retry_base = retry_base
+        # The cap never undercuts a configured base (a base above it waits the base).
+        self.backoff = Backoff(base=retry_base, factor=2.0, cap=max(retry_cap, retry_base),
+                               jitter=retry_jitter, rng=rng)
         self.on_failure = on_failure
         self.on_retry = on_retry
         self.failures: list[Failure] = []
@@ -186,7 +195,7 @@ class GroupQueue:
             if isinstance(getattr(e, "max_tries", None), int):
                 tries = max(1, min(tries, e.max_tries))  # type: ignore[attr-defined]
             if job.attempts < tries and not self._closing and not final:
-                delay = self.retry_base * 2 ** (job.attempts - 1)
+                delay = self.backoff.delay(job.attempts)
                 wanted = getattr(e, "retry_delay", None)
                 if isinstance(wanted, int | float) and wanted > delay:
                     delay = float(wanted)
@@ -198,7 +207,7 @@ class GroupQueue:
                         r = self.on_retry(job, e, delay)
                         if inspect.isawaitable(r):
                             await r
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - the owner's callback: the retry goes on
                         log.exception("on_retry callback failed for %s %s", job.kind, job.id)
                 book = self._tasks if job.kind == "task" else self._messages
                 book.setdefault(job.group, deque()).appendleft(job)
@@ -214,7 +223,7 @@ class GroupQueue:
                         r = self.on_failure(job, e)
                         if inspect.isawaitable(r):
                             await r
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - the owner's callback: the queue goes on
                         log.exception("on_failure callback failed for %s %s", job.kind, job.id)
         else:
             self._keys.discard((job.kind, job.id))

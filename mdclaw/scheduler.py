@@ -242,7 +242,7 @@ class Scheduler:
         except asyncio.CancelledError:
             self.finish(claim, "interrupted", error=INTERRUPTED)
             raise
-        except Exception as e:  # the run failed; the scheduler goes on
+        except Exception as e:  # noqa: BLE001 - the owner's run callback: recorded, goes on
             log.warning("task %s failed: %s", claim.task.id, e)
             self.finish(claim, "error", error=f"{type(e).__name__}: {e}" if str(e)
                         else type(e).__name__)
@@ -319,7 +319,7 @@ class Scheduler:
             try:
                 started = await self.tick_async()
                 delay = 0.0 if started >= self.batch else self._delay()
-            except Exception:  # a locked or broken database must not kill the loop
+            except Exception:  # noqa: BLE001 - a locked or broken database must not kill the loop
                 log.exception("scheduler tick failed; retrying")
                 delay = self.max_sleep
             if delay > 0 and not self._stopping:

@@ -16,6 +16,7 @@ from aiohttp import web
 from mdclaw.channels.base import ChannelError, InboundMessage
 from mdclaw.channels.telegram import TelegramChannel, utf16_len
 from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
+from mdclaw.retry import Backoff
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
 
@@ -290,6 +291,64 @@ def test_errors_are_classified_and_never_show_the_token(tmp_path: Path,
         errors += [str(e3.value), str(e4.value)]
         for text in errors + [r.getMessage() for r in caplog.records]:
             assert "SECRET" not in text and "WRONG-token" not in text, text
+
+    run(body)
+
+
+def test_an_update_the_host_refuses_comes_again_after_growing_pauses() -> None:
+    calls: list[float] = []
+    got: list[InboundMessage] = []
+
+    async def host(msg: InboundMessage) -> None:
+        calls.append(time.monotonic())
+        if len(calls) <= 3:
+            raise RuntimeError("database is locked")
+        got.append(msg)
+
+    async def main() -> None:
+        api = FakeBotApi()
+        await api.start()
+        ch = TelegramChannel(TOKEN, api_base=api.base, on_inbound=host, poll_timeout=1)
+        ch.poll_backoff = Backoff(base=0.1, factor=2.0, cap=1.0, jitter=0)
+        try:
+            await ch.connect()
+            api.push({"message_id": 9, "date": 1, "chat": {"id": 5, "type": "private"},
+                      "from": {"id": 5, "first_name": "A"}, "text": "hello"})
+            await wait_until(lambda: len(got) == 1)
+            await wait_until(lambda: api.offsets[-1] == 501)  # confirmed at last
+        finally:
+            await ch.disconnect()
+            await api.stop()
+
+    asyncio.run(main())
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert len(gaps) == 3 and [m.content for m in got] == ["hello"]
+    # 0.1 s, 0.2 s, 0.4 s: the pause grows while the host keeps refusing (a poll that
+    # succeeds in between does not reset it).
+    assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.39
+    assert gaps[2] >= gaps[0] + 0.2
+
+
+def test_disconnect_passes_on_a_cancel_of_its_caller_and_still_closes() -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        stuck = asyncio.Event()
+
+        async def ignores_cancel() -> None:
+            # A task that takes its time to end once cancelled.
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                stuck.set()
+                await asyncio.sleep(3600)
+
+        ch._typing["tg:1"] = asyncio.create_task(ignores_cancel(), name="slow")
+        stopping = asyncio.create_task(ch.disconnect())
+        await stuck.wait()
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        assert ch._session is None and not ch.is_connected()
 
     run(body)
 

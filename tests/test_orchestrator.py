@@ -93,3 +93,36 @@ def test_recover_pending_queues_only_groups_with_triggered_messages(write_config
         return n
 
     assert asyncio.run(main()) == 1
+
+
+def test_a_typing_indicator_that_fails_never_fails_the_run_and_is_logged(
+        write_config, caplog) -> None:
+    import logging
+
+    from mdclaw.channels.base import ChannelError
+    from mdclaw.channels.http import HttpChannel
+
+    cfg, db = setup(write_config)
+
+    class Flaky(HttpChannel):
+        def __init__(self, error: Exception) -> None:
+            super().__init__(db, listen="127.0.0.1:0")
+            self.error = error
+
+        async def set_typing(self, jid: str, typing: bool) -> None:
+            raise self.error
+
+    async def main() -> None:
+        orch = Orchestrator(cfg, db, runner=None)
+        orch.channels = [Flaky(ChannelError("chat service away"))]
+        await orch._set_typing("hl:main", True)
+        orch.channels = [Flaky(KeyError("a bug"))]
+        await orch._set_typing("hl:main", True)
+
+    with caplog.at_level(logging.DEBUG, logger="mdclaw.orchestrator"):
+        asyncio.run(main())
+    away = [r for r in caplog.records if "chat service away" in r.getMessage()]
+    assert [r.levelno for r in away] == [logging.DEBUG]
+    bug = [r for r in caplog.records if "failed to set typing" in r.getMessage()]
+    assert len(bug) == 1 and bug[0].levelno == logging.WARNING
+    assert bug[0].exc_info is not None and bug[0].exc_info[0] is KeyError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = RetryPolicy(max_attempts=3, base_delay=0.1, factor=2.0, max_delay=1.0)
+FAST = RetryPolicy(max_attempts=3, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0)
 
 
 class ScriptedChannel(Channel):
@@ -99,10 +100,21 @@ def status(db: Database, row_id: int) -> str:
 
 
 def test_policy_delays_grow_and_cap() -> None:
-    p = RetryPolicy(max_attempts=5, base_delay=2, factor=2, max_delay=10)
+    p = RetryPolicy(max_attempts=5, base_delay=2, factor=2, max_delay=10, jitter=0)
     assert [p.delay(n) for n in range(1, 6)] == [2, 4, 8, 10, 10]
     with pytest.raises(ValueError):
         RetryPolicy(max_attempts=0)
+    with pytest.raises(ValueError):
+        RetryPolicy(jitter=2)
+
+
+def test_policy_delays_are_jittered_by_default_within_the_upper_half() -> None:
+    p = RetryPolicy(max_attempts=5, base_delay=2, factor=2, max_delay=10,
+                    rng=random.Random(1))
+    for n, nominal in zip(range(1, 6), [2, 4, 8, 10, 10], strict=True):
+        got = [p.delay(n) for _ in range(200)]
+        assert all(nominal / 2 <= d <= nominal for d in got)
+        assert len(set(got)) > 150
 
 
 def test_delivers_on_wake_and_marks_sent(tmp_path: Path) -> None:
@@ -357,6 +369,39 @@ def test_stop_leaves_no_row_sending(tmp_path: Path) -> None:
         w.wake()
         await wait_until(lambda: status(db, rid) == "sending")
         await w.stop(timeout=0.2)
+        assert status(db, rid) == "pending" and not w.running
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_stop_passes_the_cancel_on_and_still_stops(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        gate = asyncio.Event()
+        sending = asyncio.Event()
+        orig = ch.send_message
+
+        async def slow(jid, text, **kw):
+            sending.set()
+            await gate.wait()
+            return await orig(jid, text, **kw)
+
+        ch.send_message = slow  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST)
+        await w.start()
+        worker = w._task
+        rid = put(db)
+        w.wake()
+        await sending.wait()
+        stopping = asyncio.create_task(w.stop(timeout=3600))
+        await asyncio.sleep(0)  # one step: stop() now waits for the send to finish
+        assert not stopping.done()
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        assert worker is not None and worker.done()
         assert status(db, rid) == "pending" and not w.running
         db.close()
 

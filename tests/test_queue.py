@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -114,7 +115,7 @@ def test_retries_with_exponential_backoff_then_success() -> None:
     rec = Recorder(duration=0.0, fail={"t": 2})
 
     async def go():
-        q = GroupQueue(rec, max_concurrent=1, retry_base=0.1)
+        q = GroupQueue(rec, max_concurrent=1, retry_base=0.1, retry_jitter=0)
         q.enqueue_task("a", "t")
         await q.join()
         return q
@@ -147,11 +148,31 @@ def test_after_five_tries_the_failure_is_recorded_and_reported() -> None:
     assert "boom t" in q.failures[0].error
 
 
+def test_retry_delays_are_jittered_doubling_and_capped() -> None:
+    rec = Recorder(duration=0.0, fail={"t": 99})
+    delays: list[float] = []
+
+    async def go():
+        q = GroupQueue(rec, max_concurrent=1, max_attempts=6, retry_base=0.004,
+                       retry_cap=0.02, rng=random.Random(5),
+                       on_retry=lambda job, e, delay: delays.append(delay))
+        q.enqueue_task("a", "t")
+        await q.join()
+
+    run(go())
+    nominal = [0.004, 0.008, 0.016, 0.02, 0.02]  # doubling, then the cap
+    assert len(delays) == len(nominal)
+    assert all(n / 2 <= d <= n for d, n in zip(delays, nominal, strict=True))
+    assert delays != nominal  # the default is jittered
+    assert GroupQueue(rec, max_concurrent=1, retry_base=900, retry_cap=600,
+                      retry_jitter=0).backoff.delay(1) == 900  # the cap never cuts the base
+
+
 def test_a_retrying_job_keeps_its_group_order_and_does_not_block_others() -> None:
     rec = Recorder(duration=0.0, fail={"m1": 1})
 
     async def go():
-        q = GroupQueue(rec, max_concurrent=2, retry_base=0.2)
+        q = GroupQueue(rec, max_concurrent=2, retry_base=0.2, retry_jitter=0)
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("a", job_id="m2")
         await asyncio.sleep(0.05)

@@ -25,6 +25,7 @@ import aiohttp
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
 from mdclaw.config import read_secret
+from mdclaw.retry import Backoff
 from mdclaw.state import now_iso
 
 log = logging.getLogger("mdclaw.channels.telegram")
@@ -49,6 +50,10 @@ class TelegramChannel(Channel):
     name = "telegram"
     jid_prefix = "tg:"
     max_message_length = 4096
+    # Waits after a failed getUpdates, and after an update the host did not take: 1 s
+    # doubling to 60 s, equal jitter (after an outage of Telegram's, the bots it serves do
+    # not all come back in the same second).
+    poll_backoff = Backoff(base=1.0, factor=2.0, cap=60.0)
 
     def __init__(self, token: str, *, api_base: str = "https://api.telegram.org",
                  on_inbound: InboundCallback | None = None, poll_timeout: int = 25,
@@ -124,6 +129,9 @@ class TelegramChannel(Channel):
         self._poller = asyncio.create_task(self._poll_loop(), name="telegram-poll")
 
     async def disconnect(self) -> None:
+        """Stop polling and typing, then close the HTTP session. A task of the channel that
+        had ended with an error is logged; if the caller is cancelled meanwhile, the cancel
+        is passed on (the session is closed all the same)."""
         self._running = False
         self._connected = False
         tasks = [t for t in (self._poller, *self._typing.values()) if t is not None]
@@ -131,14 +139,17 @@ class TelegramChannel(Channel):
         self._typing.clear()
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        try:
+            # Their CancelledError (the cancel just sent) comes back as a result; a cancel of
+            # this task itself still raises here.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            session, self._session = self._session, None
+            if session is not None:
+                await session.close()
+        for t, r in zip(tasks, results, strict=True):
+            if isinstance(r, Exception):
+                log.warning("telegram: %s had ended with an error", t.get_name(), exc_info=r)
 
     def is_connected(self) -> bool:
         return self._connected
@@ -184,7 +195,8 @@ class TelegramChannel(Channel):
 
     # ------------------------------------------------------------------ inbound
     async def _poll_loop(self) -> None:
-        delay = 1.0
+        polls_failed = 0  # getUpdates failures in a row
+        refused = 0  # updates in a row the host did not take
         while self._running:
             try:
                 params: dict[str, Any] = {"timeout": self.poll_timeout,
@@ -193,28 +205,28 @@ class TelegramChannel(Channel):
                     params["offset"] = self._offset
                 updates = await self.call("getUpdates", params,
                                           timeout=self.poll_timeout + 15)
-                delay = 1.0
-            except asyncio.CancelledError:
-                raise
+                polls_failed = 0
             except ChannelError as e:
-                log.warning("%s; retrying in %.0f s", e, e.retry_after or delay)
-                await asyncio.sleep(e.retry_after or delay)
-                delay = min(delay * 2, 60.0)
+                polls_failed += 1
+                # Telegram's own retry_after (flood control) wins when longer.
+                wait = max(self.poll_backoff.delay(polls_failed), e.retry_after or 0.0)
+                log.warning("%s; retrying in %.0f s", e, wait)
+                await asyncio.sleep(wait)
                 continue
             for update in updates or []:
                 if not isinstance(update, dict) or not isinstance(update.get("update_id"), int):
                     continue
                 try:
                     await self._handle_update(update)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    # Not confirmed: Telegram redelivers it on the next poll after a pause.
+                except Exception:  # noqa: BLE001 - the host's callback, any failure
+                    # Not confirmed: Telegram redelivers it on the next poll after a pause
+                    # that grows while the host keeps refusing.
+                    refused += 1
                     log.exception("telegram: the host did not take update %s",
                                   update["update_id"])
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 60.0)
+                    await asyncio.sleep(self.poll_backoff.delay(refused))
                     break
+                refused = 0
                 self._offset = update["update_id"] + 1
 
     async def _handle_update(self, update: dict[str, Any]) -> None:

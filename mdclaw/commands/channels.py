@@ -52,13 +52,15 @@ def _registered_jid(cfg: Config, folder: str) -> str | None:
     """A group registered at run time (by the main group's agent) lives only in state.db."""
     if not cfg.db_path.exists():
         return None
-    try:
-        from mdclaw.state import Database
-        from mdclaw.state.groups import get_group
+    import sqlite3
 
+    from mdclaw.state import Database, DatabaseError
+    from mdclaw.state.groups import get_group
+
+    try:
         with Database(cfg.db_path, migrate=False) as db:
             g = get_group(db, folder)
-    except Exception:
+    except (DatabaseError, OSError, sqlite3.Error):  # unreadable now: as if not registered
         return None
     return g.jid if g else None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 from typing import NoReturn
 
@@ -32,7 +33,5 @@ def load_or_exit(args) -> Config:  # noqa: ANN001 - argparse namespace
 def open_db_or_exit(cfg: Config) -> Database:
     try:
         return Database(cfg.db_path)
-    except (DatabaseError, OSError) as e:
-        fail(f"cannot open state database {cfg.db_path}: {e}")
-    except Exception as e:  # sqlite3.DatabaseError: not a database, corrupt...
+    except (DatabaseError, OSError, sqlite3.Error) as e:  # sqlite3: not a database, corrupt...
         fail(f"cannot open state database {cfg.db_path}: {e}")

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import sqlite3
 import tempfile
 from datetime import datetime
 from typing import Any
@@ -50,6 +51,7 @@ def _pid_alive(pid: int) -> bool:
 def gather_status(cfg: Config) -> dict[str, Any]:
     """The daemon's last published status merged with what the database says now."""
     from mdclaw.daemon import status_path
+    from mdclaw.state import DatabaseError
 
     out: dict[str, Any] = {"daemon": "stopped", "config_data_dir": str(cfg.data_dir)}
     try:
@@ -68,7 +70,7 @@ def gather_status(cfg: Config) -> dict[str, Any]:
         return out
     try:
         _db_status(cfg, out)
-    except Exception as e:  # noqa: BLE001 - created or migrated right now by the daemon
+    except (sqlite3.Error, DatabaseError, OSError) as e:  # created or migrated right now
         out.setdefault("groups", 0)
         out.setdefault("outbox", {})
         out.setdefault("next_task", None)
@@ -104,7 +106,7 @@ def _recent_failed_turns(db: Any, days: float = 1.0, limit: int = 5) -> list[dic
     try:
         rows = list_failed_turns(db, since=to_iso(utc_now() - timedelta(days=days)),
                                  limit=limit)
-    except Exception:  # noqa: BLE001 - not migrated yet
+    except sqlite3.OperationalError:  # no such table: not migrated yet
         return []
     return [{k: r[k] for k in ("created_at", "group_folder", "cause", "outcome", "attempts",
                                "detail")} for r in rows]
@@ -226,14 +228,18 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                f"create {cfg.data_dir} and give this user write access to it")
     used = _check_models(results, cfg)
     # engine and image
-    try:
-        from mdclaw.runtime import create_runtime
+    from mdclaw.runtime import create_runtime, engine_errors
 
+    try:
         rt = create_runtime(cfg.runtime)
         desc = rt.ping()
         _check(results, "engine", "ok", desc)
         try:
             info = rt.image_info(cfg.runtime.image)
+        except engine_errors() as e:
+            _check(results, "image", "fail", f"{cfg.runtime.image}: {e}",
+                   "run `mdclaw image build`")
+        else:
             if info is not None:
                 _check(results, "image", "ok", f"{cfg.runtime.image} is present")
                 _check_backends(results, cfg, info.backends, used)
@@ -241,10 +247,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                 _check(results, "image", "fail", f"{cfg.runtime.image} is not present",
                        "run `mdclaw image build` (or `mdclaw image load` with the flake's "
                        "container-image)")
-        except Exception as e:
-            _check(results, "image", "fail", f"{cfg.runtime.image}: {e}",
-                   "run `mdclaw image build`")
-    except Exception as e:
+    except engine_errors() as e:
         _check(results, "engine", "fail", f"container engine not reachable: {e}",
                "start Docker or `podman system service`, or set runtime.socket / DOCKER_HOST")
         _check(results, "image", "warn", "not checked: no engine")
@@ -277,8 +280,6 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
 def known_group_chat(cfg: Config, jid: str) -> bool | None:
     """What the `chats` table says about `jid` (channels set is_group as messages arrive):
     None when the database or the chat is not known yet, or cannot be read."""
-    import sqlite3
-
     from mdclaw.state import Database, DatabaseError
 
     if not cfg.db_path.exists():
@@ -449,7 +450,8 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                                              trust_env=True) as session:
                 async with session.post(f"{tg.api_base.rstrip('/')}/bot{token}/getMe") as r:
                     body = await r.json(content_type=None)
-        except Exception as e:  # noqa: BLE001 - network trouble of any kind
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            # Network trouble of any kind (a bad api_base too); ValueError: not JSON.
             text = f"{type(e).__name__}: {e}".replace(token, "***")
             _check(results, "telegram", "warn", f"Telegram did not answer: {text[:200]}",
                    "check the network (or channels.telegram.api_base); mdclaw keeps trying")
@@ -495,7 +497,7 @@ def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float =
     """Repeated failed turns of one group are a warning."""
     from datetime import timedelta
 
-    from mdclaw.state import Database
+    from mdclaw.state import Database, DatabaseError
     from mdclaw.state.failed_turns import failures_per_group, list_failed_turns
 
     if not cfg.db_path.exists():
@@ -508,7 +510,7 @@ def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float =
             causes = {g: sorted({r["cause"] for r in list_failed_turns(db, group=g,
                                                                           since=since)})
                       for g in bad}
-    except Exception as e:  # noqa: BLE001 - an old or busy database
+    except (sqlite3.Error, DatabaseError, OSError) as e:  # an old, newer or busy database
         _check(results, "failed turns", "warn", f"not checked: {e}")
         return
     if bad:

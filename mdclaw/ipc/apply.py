@@ -271,7 +271,7 @@ class IpcEngine:
                         conn.execute("ROLLBACK TO cmd")
                         conn.execute("RELEASE cmd")
                         it.reason = _reason(e)
-                    except Exception as e:  # a bug must not stop the loop or lose the file
+                    except Exception as e:  # noqa: BLE001 - a bug: keep the loop and the file
                         conn.execute("ROLLBACK TO cmd")
                         conn.execute("RELEASE cmd")
                         log.exception("ipc: internal error applying %s/%s/%s", it.folder,
@@ -557,7 +557,7 @@ class IpcEngine:
             conn.execute("ROLLBACK TO action")
             conn.execute("RELEASE action")
             body.update(status="error", error=str(e))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any action's bug: the agent gets an error
             conn.execute("ROLLBACK TO action")
             conn.execute("RELEASE action")
             log.exception("ipc: action %s of %s failed", cmd.action, caller.folder)

@@ -161,7 +161,7 @@ class FileSpooler:
                     done = spool_pending(self.cfg, db, self.layout)
                     if done and self.on_ready is not None:
                         self.on_ready()
-                except Exception:  # keep serving; the next wake or start tries again
+                except Exception:  # noqa: BLE001 - keep serving; the next wake or start tries again
                     log.exception("ipc: copying files to the spool failed")
                 finally:
                     with self._cond:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -257,7 +258,7 @@ class SnapshotWriter:
     def _checkpoint(db: Database) -> None:
         try:
             db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        except Exception as e:  # busy or locked: the next quiet moment tries again
+        except sqlite3.Error as e:  # busy or locked: the next quiet moment tries again
             log.debug("ipc: WAL checkpoint skipped: %s", e)
 
     def _run(self) -> None:
@@ -283,7 +284,7 @@ class SnapshotWriter:
                         write_snapshots(db, self.layout, tasks, tasks=True, groups=False)
                     if groups is None or groups:
                         write_snapshots(db, self.layout, groups, tasks=False, groups=True)
-                except Exception:  # keep serving; the next change or start-up rewrites them
+                except Exception:  # noqa: BLE001 - keep serving; the next change rewrites them
                     log.exception("ipc: writing snapshots failed")
                 finally:
                     with self._cond:

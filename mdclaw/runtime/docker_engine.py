@@ -67,14 +67,16 @@ class DockerRuntime(ContainerRuntime):
                 try:
                     self._client = docker.DockerClient(base_url=self.base_url,
                                                        timeout=API_TIMEOUT)
-                except Exception as e:  # noqa: BLE001 - every way of not connecting
+                except (docker.errors.DockerException, OSError, ValueError) as e:
+                    # Every way of not connecting: the SDK wraps the requests errors in a
+                    # DockerException; an address it cannot parse is a ValueError.
                     raise EngineUnavailable(_reason(e)) from None
             return self._client.api
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except Exception as e:
+        except (docker.errors.DockerException, OSError) as e:  # the rest is not the engine's
             if _is_connection_error(e):
                 with self._lock:
                     self._client = None  # reconnect (and re-negotiate) next time
@@ -204,7 +206,7 @@ class DockerRuntime(ContainerRuntime):
             sock: socket.socket = getattr(sock_io, "_sock", sock_io)
             sock.settimeout(None)
             self._call(api.start, cid)
-        except Exception as e:
+        except Exception as e:  # whatever stopped the start: no container is left behind
             self._quiet(api.remove_container, cid, force=True)
             if isinstance(e, docker.errors.APIError):
                 raise RuntimeError_(f"cannot start container {spec.name}: "
@@ -326,6 +328,10 @@ class _DockerRun(RunningContainer):
                     return int(state.get("ExitCode", -1))
                 if time.monotonic() > deadline:
                     break
+                # A poll, not a retry (so not mdclaw.retry's Backoff): nothing failed, the
+                # container is expected to reach "exited" within milliseconds, and the
+                # interval only grows to spare the engine if it takes longer; the deadline,
+                # then the wait endpoint, bound it. Jitter would only add latency.
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
             res = self.rt._call(api.wait, self.id, timeout=timeout or API_TIMEOUT)
@@ -347,7 +353,7 @@ class _DockerRun(RunningContainer):
             pass
         try:
             self._sock_io.close()
-        except Exception:  # noqa: BLE001 - already closed
+        except OSError:  # already closed
             pass
 
 

@@ -190,7 +190,9 @@ def test_each_failure_is_told_and_the_group_keeps_working(tmp_path, engine, real
         t0 = send(base, "hl:hangup", "HANGUP on me")
         told, t1 = next_reply(base, "hl:hangup", 0)
         TIMINGS["connection closed (told, retried)"] = t1 - t0
-        assert "closed the connection without answering" in told and "try again in 2 s" in told
+        # run_retry_base 2s with the queue's equal jitter: the first wait is 1 to 2 s.
+        assert "closed the connection without answering" in told
+        assert "try again in 1 s" in told or "try again in 2 s" in told, told
         answer, _ = next_reply(base, "hl:hangup", 1)
         assert answer == "normal answer: HANGUP on me", (answer, log_tail())
 
