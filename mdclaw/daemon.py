@@ -27,8 +27,8 @@ from typing import Any
 
 from mdclaw.config import Config, ConfigError, load_config
 from mdclaw.reconcile import ReconcileError, reconcile
-from mdclaw.scheduler import Scheduler
 from mdclaw.schedule import to_iso, utc_now
+from mdclaw.scheduler import Scheduler
 from mdclaw.state import Database
 from mdclaw.systemd import Notifier
 

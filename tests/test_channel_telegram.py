@@ -321,7 +321,7 @@ def test_an_update_the_host_refuses_comes_again_after_growing_pauses() -> None:
             await api.stop()
 
     asyncio.run(main())
-    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     assert len(gaps) == 3 and [m.content for m in got] == ["hello"]
     # 0.1 s, 0.2 s, 0.4 s: the pause grows while the host keeps refusing (a poll that
     # succeeds in between does not reset it).

@@ -145,7 +145,8 @@ class HttpChannel(Channel):
 
     @property
     def url(self) -> str:
-        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        # Comparing with the any-address (S104: nothing binds here).
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
@@ -203,7 +204,7 @@ class HttpChannel(Channel):
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
                         caption: str | None = None) -> str | None:
         self._check_jid(jid)
-        if not Path(path).is_file():
+        if not await asyncio.to_thread(Path(path).is_file):
             raise ChannelError(f"file {Path(path).name!r} to send does not exist",
                                permanent=True)
         return self._record(jid, "out", "file", content=caption or "", sender="assistant",

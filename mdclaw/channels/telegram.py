@@ -171,7 +171,7 @@ class TelegramChannel(Channel):
                     body = await r.json(content_type=None)
                 except (ValueError, aiohttp.ContentTypeError):
                     body = None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._connected = False
             raise ChannelError(f"telegram {method}: no answer in time") from None
         except aiohttp.ClientError as e:

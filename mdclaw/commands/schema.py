@@ -187,8 +187,8 @@ Sender ids are what the channel reports as the sender:
 
 The rule is the same for every channel and applies to the main group too. Groups registered
 at runtime by the main agent (over IPC) have no allow-list: everyone in their chat may drive
-them, as before; to restrict one, unregister it and declare it in the config. `mdclaw check-config` and
-`mdclaw doctor` warn when the main group answers in a group chat without `allow_senders`.
+them, as before; to restrict one, unregister it and declare it in the config.
+`mdclaw check-config` and `mdclaw doctor` warn when the main group answers in a group chat without `allow_senders`.
 """
 
 
@@ -220,7 +220,8 @@ def render_markdown(schema: dict[str, Any]) -> str:
         required = set(obj.get("required", ()))
         for key, prop in obj.get("properties", {}).items():
             lines.append("| `{}` | {} | {} | {} |".format(
-                key, _cell(_type_name(schema, prop, key)), _cell(_default_text(prop, key in required)),
+                key, _cell(_type_name(schema, prop, key)),
+                _cell(_default_text(prop, key in required)),
                 _cell(prop.get("description", "")),
             ))
     lines += ["", WHO_MAY_DRIVE.rstrip("\n")]

@@ -322,8 +322,8 @@ class IpcEngine:
         for folder, names in by_group.items():
             for i in range(0, len(names), 500):
                 chunk = names[i:i + 500]
-                rows = conn.execute(
-                    "SELECT file_name, content_hash, outcome, detail FROM ipc_ledger WHERE "
+                rows = conn.execute(  # placeholders only: every value is a parameter
+                    "SELECT file_name, content_hash, outcome, detail FROM ipc_ledger WHERE "  # noqa: S608
                     f"group_folder = ? AND file_name IN ({','.join('?' * len(chunk))})",
                     (folder, *chunk)).fetchall()
                 for r in rows:

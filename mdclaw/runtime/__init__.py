@@ -102,7 +102,9 @@ class RunSpec:
     group_add: list[str] = field(default_factory=list)
     network: str = "none"
     read_only: bool = True
-    tmpfs: dict[str, str] = field(default_factory=lambda: {"/tmp": "rw,nosuid,nodev,size=256m"})
+    # The container's own /tmp (a tmpfs inside it), not the host's.
+    tmpfs: dict[str, str] = field(
+        default_factory=lambda: {"/tmp": "rw,nosuid,nodev,size=256m"})  # noqa: S108
     cap_drop: list[str] = field(default_factory=lambda: ["ALL"])
     security_opt: list[str] = field(default_factory=lambda: ["no-new-privileges"])
     memory: str | None = None  # docker syntax: "2g", "512m"
@@ -320,8 +322,8 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
 
 
 __all__ = [
-    "BACKENDS_LABEL", "BOOT_LABEL", "INSTALL_LABEL", "LABEL", "GROUP_LABEL", "STDERR", "STDOUT", "ContainerInfo",
-    "ContainerRuntime", "EngineUnavailable", "ImageError", "ImageInfo", "Mount", "RunSpec",
-    "RunningContainer", "RuntimeError_", "create_runtime", "find_socket", "install_id",
-    "engine_errors", "install_labels", "wait_for_engine",
+    "BACKENDS_LABEL", "BOOT_LABEL", "ContainerInfo", "ContainerRuntime", "EngineUnavailable",
+    "GROUP_LABEL", "INSTALL_LABEL", "ImageError", "ImageInfo", "LABEL", "Mount", "RunSpec",
+    "RunningContainer", "RuntimeError_", "STDERR", "STDOUT", "create_runtime", "engine_errors",
+    "find_socket", "install_id", "install_labels", "wait_for_engine",
 ]
