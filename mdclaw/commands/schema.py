@@ -216,7 +216,10 @@ def render_markdown(schema: dict[str, Any]) -> str:
         "of milliseconds. Secrets are never written inline: keys ending in `_file` name a file",
         "holding the secret, which must not be readable by every user; `$VARIABLES` in those",
         "paths are expanded (so `$CREDENTIALS_DIRECTORY/anthropic` works under systemd).",
-        "`mdclaw check-config` validates a file; see `config.example.yaml` for a start.",
+        "`mdclaw check-config` validates a file and lists every problem on its own line (file,",
+        "line, key path, what is wrong and the fix), sorted by line; `--json` gives the same",
+        "list as `{file, line, path, message, severity}` objects. See `config.example.yaml`",
+        "for a start.",
         "On NixOS the same keys are set under `services.mdclaw.settings` (docs/nixos.md).",
     ]
     sections: list[tuple[str, str, dict[str, Any]]] = []
