@@ -31,6 +31,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -246,6 +247,28 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+Problem = tuple[tuple[str, ...], str]  # (key path relative to the model checked, message)
+
+
+class CrossKeyError(ValueError):
+    """Problems a model validator found across keys, each at the key it is about (a path
+    relative to the model). `load_config` reports each as its own issue at that key's line;
+    anyone else constructing a model sees them joined in one message."""
+
+    def __init__(self, problems: list[Problem],
+                 requires: list[tuple[tuple[str, ...], ...]] | None = None) -> None:
+        super().__init__("; ".join(f"{'.'.join(path)}: {msg}" if path else msg
+                                   for path, msg in problems))
+        self.problems = problems
+        # For each problem, the entries whose presence it depends on (see load_config).
+        self.requires = requires or [() for _ in problems]
+
+
+def _choices(names: list[str], what: str) -> str:
+    names = sorted(names)
+    return f"known: {', '.join(names)}" if names else f"no {what} are configured"
+
+
 # --------------------------------------------------------------------------- sections
 
 
@@ -319,12 +342,14 @@ class Group(Frozen):
     def _telegram_sender_ids(self) -> Group:
         if self.allow_senders is None or not self.jid.startswith("tg:"):
             return self
-        bad = [i for i in self.allow_senders.ids if not i.lstrip("-").isdigit()]
+        bad = [(n, i) for n, i in enumerate(self.allow_senders.ids)
+               if not i.lstrip("-").isdigit()]
         if bad:
-            raise ValueError(
-                f"allow_senders.ids: {bad[0]!r} is not a Telegram user id; write the number "
-                "alone (e.g. '123456789', not 'tg:123456789'): in a private chat with the bot, "
-                "/chatid answers tg:<your user id>")
+            raise CrossKeyError([
+                (("allow_senders", "ids", str(n)),
+                 f"{i!r} is not a Telegram user id; write the number alone (e.g. '123456789', "
+                 "not 'tg:123456789'): in a private chat with the bot, /chatid answers "
+                 "tg:<your user id>") for n, i in bad])
         return self
 
     def effective_trigger(self, assistant: Assistant) -> str:
@@ -389,10 +414,10 @@ class Limits(Frozen):
     @model_validator(mode="after")
     def _idle_below_hard(self) -> Limits:
         if self.idle_timeout >= self.container_timeout:
-            raise ValueError(
+            raise CrossKeyError([(("idle_timeout",),
                 f"idle_timeout ({format_duration(self.idle_timeout)}) must be shorter than "
-                f"container_timeout ({format_duration(self.container_timeout)})"
-            )
+                f"container_timeout ({format_duration(self.container_timeout)}): lower "
+                "idle_timeout or raise container_timeout")])
         return self
 
 
@@ -473,7 +498,9 @@ class TaskSpec(Frozen):
     def _one_schedule(self) -> TaskSpec:
         given = [k for k in ("cron", "interval", "once") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of cron, interval, once (got {given or 'none'})")
+            where = (given[1],) if given else ()
+            raise CrossKeyError([(where, "give exactly one of cron, interval, once (got "
+                                         f"{given or 'none'}): keep one schedule key")])
         return self
 
     @property
@@ -533,40 +560,10 @@ class Config(_Settings):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        problems: list[str] = []
-        mains = [f for f, g in self.groups.items() if g.main]
-        if self.groups and len(mains) != 1:
-            problems.append(
-                f"exactly one group must have main: true; found {len(mains)}"
-                + (f" ({', '.join(mains)})" if mains else "")
-            )
-        seen: dict[str, str] = {}
-        for folder, g in self.groups.items():
-            if g.jid in seen:
-                problems.append(f"groups {seen[g.jid]!r} and {folder!r} both use jid {g.jid!r}")
-            seen[g.jid] = folder
-            if g.model is not None and g.model not in self.models:
-                problems.append(f"group {folder!r} uses model {g.model!r}, which is not in models")
-        if self.assistant.model is not None and self.assistant.model not in self.models:
-            problems.append(f"assistant.model {self.assistant.model!r} is not in models")
-        ids: set[str] = set()
-        for t in self.tasks:
-            if t.id in ids:
-                problems.append(f"task id {t.id!r} is used twice")
-            ids.add(t.id)
-            if t.group not in self.groups:
-                problems.append(f"task {t.id!r} names group {t.group!r}, which is not in groups")
-            try:
-                # A `once` time is checked for form only: once it has run it lies in the
-                # past, and the config stays valid. Adding a new one that is already past is
-                # refused by the reconciler.
-                schedule.validate(t.schedule_type, t.schedule_value,
-                                  t.timezone or self.assistant.timezone,
-                                  now=_EPOCH if t.schedule_type == "once" else None)
-            except schedule.ScheduleError as e:
-                problems.append(f"task {t.id!r}: {e}")
-        if problems:
-            raise ValueError("; ".join(problems))
+        if not _DEFER_CROSS_KEY.get():
+            problems, requires = cross_key_problems(self)
+            if problems:
+                raise CrossKeyError(problems, requires)
         return self
 
     # convenience -----------------------------------------------------------------
@@ -598,26 +595,117 @@ class Config(_Settings):
                 rate or self.limits.proxy_requests_per_minute)
 
 
+def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
+                       ) -> tuple[list[Problem], list[tuple[tuple[str, ...], ...]]]:
+    """What is wrong across keys of a config whose keys are each valid: each problem at the
+    key it is about, with its value and the fix. Also, per problem, the entries it depends on
+    (a problem about a name that is not there depends on that name's entry). `names`: the
+    group and model names the file has and its groups marked main, when `cfg` holds only its
+    valid entries."""
+    names = names or {"groups": list(cfg.groups), "models": list(cfg.models),
+                      "mains": [f for f, g in cfg.groups.items() if g.main]}
+    problems: list[Problem] = []
+    requires: list[tuple[tuple[str, ...], ...]] = []
+
+    def add(path: tuple[str, ...], msg: str, *needs: tuple[str, ...]) -> None:
+        problems.append((path, msg))
+        requires.append(needs)
+
+    mains = names["mains"]
+    if len(mains) > 1:
+        add(("groups", mains[1], "main"),
+            f"exactly one group must have main: true; {_and(mains)} have it: keep it on the "
+            "admin group only")
+    elif cfg.groups and not mains:
+        add(("groups",), "exactly one group must have main: true; found 0: add main: true to "
+            "the admin group", ("groups",))
+    seen: dict[str, str] = {}
+    for folder, g in cfg.groups.items():
+        if g.jid in seen:
+            add(("groups", folder, "jid"),
+                f"{g.jid!r} is also the jid of group {seen[g.jid]!r}: a chat belongs to one "
+                "group; give this group its own chat or remove one of the two")
+        else:
+            seen[g.jid] = folder
+        if g.model is not None and g.model not in cfg.models:
+            add(("groups", folder, "model"),
+                f"{g.model!r} is not in models ({_choices(names['models'], 'models')}): "
+                f"name one of them or add {g.model!r} under models", ("models", g.model))
+    if cfg.assistant.model is not None and cfg.assistant.model not in cfg.models:
+        add(("assistant", "model"),
+            f"{cfg.assistant.model!r} is not in models "
+            f"({_choices(names['models'], 'models')}): name one of them or add "
+            f"{cfg.assistant.model!r} under models", ("models", cfg.assistant.model))
+    ids: set[str] = set()
+    for n, t in enumerate(cfg.tasks):
+        if t.id in ids:
+            add(("tasks", str(n), "id"),
+                f"{t.id!r} is the id of an earlier task too: give each task its own id")
+        ids.add(t.id)
+        if t.group not in cfg.groups:
+            add(("tasks", str(n), "group"),
+                f"{t.group!r} is not in groups ({_choices(names['groups'], 'groups')}): "
+                "name one of them or add the group",
+                ("groups", t.group))
+        try:
+            # A `once` time is checked for form only: once it has run it lies in the
+            # past, and the config stays valid. Adding a new one that is already past is
+            # refused by the reconciler.
+            schedule.validate(t.schedule_type, t.schedule_value,
+                              t.timezone or cfg.assistant.timezone,
+                              now=_EPOCH if t.schedule_type == "once" else None)
+        except schedule.ScheduleError as e:
+            # Only a `once` time is read in a timezone (the assistant's, unless its own).
+            add(("tasks", str(n), t.schedule_type), f"{e}",
+                *([("assistant",)] if t.schedule_type == "once" and not t.timezone else []))
+    return problems, requires
+
+
+def _and(names: list[str]) -> str:
+    quoted = [repr(n) for n in names]
+    return (", ".join(quoted[:-1]) + " and " + quoted[-1]) if len(quoted) > 1 else quoted[0]
+
+
+# Set by load_config, which runs cross_key_problems itself so that they are reported with
+# every other problem of the file, each at its own key.
+_DEFER_CROSS_KEY: ContextVar[bool] = ContextVar("mdclaw_defer_cross_key", default=False)
+
+
 # --------------------------------------------------------------------------- loading
 
 
 @dataclass(frozen=True)
 class ConfigIssue:
-    """One problem in a config file: where, what, and the offending value (never a secret)."""
+    """One problem in a config file: where, what, and the offending value (never a secret).
+    A warning leaves the config valid."""
 
     path: str  # dotted location, e.g. groups.family.timeout
     message: str
     line: int | None = None
+    severity: Literal["error", "warning"] = "error"
 
     def render(self, file: str) -> str:
         where = f"{file}:{self.line}" if self.line else file
+        level = " warning:" if self.severity == "warning" else ""
         loc = f" {self.path}:" if self.path else ""
-        return f"{where}:{loc} {self.message}"
+        return f"{where}:{level}{loc} {self.message}"
+
+    def as_json(self, file: str) -> dict[str, Any]:
+        return {"file": file, "line": self.line, "path": self.path, "message": self.message,
+                "severity": self.severity}
+
+    def sort_key(self) -> tuple[int, str]:
+        """By line (problems of the whole file first), then key path."""
+        return (self.line or 0, self.path)
+
+
+def sorted_issues(issues: list[ConfigIssue]) -> list[ConfigIssue]:
+    return sorted(issues, key=ConfigIssue.sort_key)
 
 
 @dataclass
 class ConfigError(Exception):
-    """The config could not be loaded; `issues` lists every problem found."""
+    """The config could not be loaded; `issues` lists every problem found, by line."""
 
     file: str
     issues: list[ConfigIssue] = field(default_factory=list)
@@ -643,7 +731,7 @@ class _LineLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys (YAML would silently keep the last)."""
 
 
-def _line_map(text: str, file: str) -> tuple[dict[tuple[str, ...], int], list[ConfigIssue]]:
+def _line_map(text: str, file: str = "") -> tuple[dict[tuple[str, ...], int], list[ConfigIssue]]:
     """Map each key path in the document to its 1-based line; also report duplicate keys."""
     lines: dict[tuple[str, ...], int] = {}
     issues: list[ConfigIssue] = []
@@ -706,19 +794,44 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Each key path of a YAML document (list items by index) to its 1-based line."""
+    try:
+        return _line_map(text)[0]
+    except yaml.YAMLError:
+        return {}
+
+
+def line_of(path: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> int | None:
+    """The line of the key at `path`, else of its nearest enclosing key that is in the file
+    (a missing key is reported where its mapping is)."""
+    for k in range(len(path), -1, -1):
+        if path[:k] in lines:
+            return lines[path[:k]]
+    return None
+
+
+def issue_at(path: tuple[str, ...], message: str, lines: dict[tuple[str, ...], int],
+             severity: Literal["error", "warning"] = "error") -> ConfigIssue:
+    return ConfigIssue(".".join(path), message, line_of(path, lines), severity)
+
+
+def _error_loc(err: Any) -> tuple[str, ...]:
+    # dict-key validation errors carry a "[key]" marker: report them at the key.
+    return tuple(str(p) for p in err["loc"] if str(p) != "[key]")
+
+
 def _issues_from_validation(e: ValidationError,
                             lines: dict[tuple[str, ...], int]) -> list[ConfigIssue]:
     out: list[ConfigIssue] = []
     for err in e.errors(include_url=False):
-        loc = tuple(str(p) for p in err["loc"])
-        # dict-key validation errors carry a "[key]" marker: report them at the key.
-        loc = tuple(p for p in loc if p != "[key]")
+        loc = _error_loc(err)
+        cross = (err.get("ctx") or {}).get("error")
+        if isinstance(cross, CrossKeyError):  # one issue per problem, each at its own key
+            out += [issue_at(loc + path, msg, lines) for path, msg in cross.problems]
+            continue
         path = ".".join(loc)
-        line = None
-        for k in range(len(loc), -1, -1):
-            if loc[:k] in lines:
-                line = lines[loc[:k]]
-                break
+        line = line_of(loc, lines)
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
@@ -769,18 +882,85 @@ def load_config(path: str | os.PathLike[str] | None = None, *, text: str | None 
     if not isinstance(data, dict):
         raise ConfigError(file, [ConfigIssue("", f"the top level must be a mapping of keys, "
                                              f"got {type(data).__name__}", 1)])
-    if dup_issues:
-        raise ConfigError(file, dup_issues)
     raw_dir = data.get("data_dir")
     if isinstance(raw_dir, str) and raw_dir and not os.path.isabs(os.path.expanduser(raw_dir)):
         # A relative data_dir is relative to the config file, not to the current directory.
         data = {**data, "data_dir": str(p.resolve().parent / raw_dir)}
+    issues = list(dup_issues)
+    cfg: Config | None = None
+    token = _DEFER_CROSS_KEY.set(True)
     try:
-        return Config(**data)
+        cfg = Config(**data)
+        problems = cross_key_problems(cfg)[0]
     except ValidationError as e:
-        raise ConfigError(file, _issues_from_validation(e, lines)) from None
+        issues += _issues_from_validation(e, lines)
+        # The keys that are wrong on their own would hide the problems across keys: look
+        # for those too, without the entries in error.
+        problems = _cross_key_without(data, e)
     except TypeError as e:  # non-string keys at the top level
-        raise ConfigError(file, [ConfigIssue("", f"invalid top-level key: {e}", 1)]) from None
+        issues.append(ConfigIssue("", f"invalid top-level key: {e}", 1))
+        problems = []
+    finally:
+        _DEFER_CROSS_KEY.reset(token)
+    issues += [issue_at(path, msg, lines) for path, msg in problems]
+    if issues:
+        raise ConfigError(file, sorted_issues(issues))
+    assert cfg is not None
+    return cfg
+
+
+def _is_true(value: Any) -> bool:
+    try:
+        return TypeAdapter(bool).validate_python(value) is True
+    except ValidationError:
+        return False
+
+
+def _cross_key_without(data: dict[str, Any], e: ValidationError) -> list[Problem]:
+    """The cross-key problems of `data` with every entry that has an error left out (a
+    group, a model or a task; a whole section otherwise), but only those that cannot depend on
+    what was left out. Their paths are those of `data`. Called with the check deferred."""
+    dropped: set[tuple[str, ...]] = set()
+    errors = {_error_loc(err) for err in e.errors(include_url=False)}
+    for loc in errors:
+        if not loc:
+            return []  # an error about the whole document: nothing to check across
+        if loc[0] in ("groups", "models", "tasks") and len(loc) > 1:
+            dropped.add(loc[:2])
+        else:
+            dropped.add(loc[:1])
+    kept: dict[str, Any] = {k: v for k, v in data.items() if (k,) not in dropped}
+    names: dict[str, list[str]] = {"mains": []}
+    for section in ("groups", "models"):
+        entries = data.get(section)
+        names[section] = [str(k) for k in entries] if isinstance(entries, dict) else []
+        if section == "groups" and isinstance(entries, dict):
+            # A group in error is still main when its own main key is.
+            names["mains"] = [str(k) for k, v in entries.items()
+                              if ("groups", str(k), "main") not in errors
+                              and isinstance(v, dict) and _is_true(v.get("main", False))]
+        if isinstance(kept.get(section), dict):
+            kept[section] = {k: v for k, v in kept[section].items()
+                             if (section, str(k)) not in dropped}
+    task_index: list[int] = []  # index in `kept` -> index in `data`
+    if isinstance(kept.get("tasks"), list):
+        task_index = [n for n in range(len(kept["tasks"])) if ("tasks", str(n)) not in dropped]
+        kept["tasks"] = [kept["tasks"][n] for n in task_index]
+    try:
+        problems, requires = cross_key_problems(Config(**kept), names)
+    except (ValidationError, TypeError):
+        return []  # the rest is not valid on its own either: report what was found
+
+    def depends_on_dropped(needs: tuple[tuple[str, ...], ...]) -> bool:
+        return any(d[:len(n)] == n or n[:len(d)] == d for n in needs for d in dropped)
+
+    def original(path: tuple[str, ...]) -> tuple[str, ...]:
+        if len(path) > 1 and path[0] == "tasks" and task_index:
+            return ("tasks", str(task_index[int(path[1])]), *path[2:])
+        return path
+
+    return [(original(path), msg) for (path, msg), needs in zip(problems, requires)
+            if not depends_on_dropped(needs)]
 
 
 def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:

@@ -325,3 +325,115 @@ def test_every_command_applied_by_the_real_ipc_engine(write_config, cli, data_di
     do(main, "refresh_groups")
     r = cli("groups", "list", "--json", "--config", str(cfg))
     assert "club" not in {g["folder"] for g in json.loads(r.stdout)}
+
+
+def test_arguments_are_limited_as_the_host_limits_the_fields(ctx: ToolContext) -> None:
+    """The limits come from the host's models (commands_schema.json): a message longer than
+    the host takes is refused by the tool, and nothing is written."""
+    protocol = pytest.importorskip("mdclaw.ipc.protocol")
+    tools = tools_for(False)
+    reply, err = run_tool(tools, ctx, "send_message", {"text": "x" * (protocol.MAX_TEXT + 1)})
+    assert err and f"text must be at most {protocol.MAX_TEXT} characters" in reply
+    reply, err = run_tool(tools, ctx, "react", {"message_id": "42", "emoji": "👍" * 33})
+    assert err and "emoji must be at most 32 characters" in reply
+    reply, err = run_tool(tools, ctx, "update_task", {"task_id": "t-1", "status": "done"})
+    assert err and "status must be one of active, paused" in reply
+    assert not ctx.ipc_dir.exists()
+    reply, err = run_tool(tools, ctx, "send_message", {"text": "x" * protocol.MAX_TEXT})
+    assert not err, reply
+    host_parse(only_file(ctx.ipc_dir / "messages"))
+
+
+def test_empty_optional_arguments_are_left_out(ctx: ToolContext) -> None:
+    tools = tools_for(False)
+    reply, err = run_tool(tools, ctx, "send_message", {"text": "hi", "sender": "",
+                                                       "reply_to": None, "chat_jid": ""})
+    assert not err, reply
+    assert only_file(ctx.ipc_dir / "messages") == {"type": "message", "chat_jid": "tg:-100",
+                                                   "text": "hi"}
+    reply, err = run_tool(tools, ctx, "update_task", {"task_id": "t-1", "prompt": "",
+                                                      "timezone": None})
+    assert err and "at least one" in reply
+    reply, err = run_tool(tools, ctx, "send_message", {"text": ""})
+    assert err and "'text' is required" in reply
+
+
+def test_a_body_the_host_would_refuse_is_not_written(ctx: ToolContext) -> None:
+    """The body itself is checked against the host's schema, also what the tool adds (here
+    the context's own chat id, empty)."""
+    no_chat = ToolContext(**{**ctx.__dict__, "chat_jid": ""})
+    reply, err = run_tool(tools_for(False), no_chat, "send_message", {"text": "hi"})
+    assert err and reply == "message: chat_jid must be at least 1 characters"
+    assert not ctx.ipc_dir.exists()
+
+
+def _field_values(schema: dict):
+    """Values of a field of the host's schema: mostly fitting ones at and inside its limits,
+    else just outside them or of a wrong type."""
+    from hypothesis import strategies as st
+
+    node = next((a for a in schema.get("anyOf", ()) if a.get("type") != "null"), schema)
+    if node.get("type") == "boolean":
+        fit, misfit = [True, False], ["x", 2]
+    elif "enum" in node:
+        fit, misfit = list(node["enum"]), ["bogus", 3]
+    elif node.get("type") == "object":
+        fit, misfit = [{}, {"a": 1}], [[], "x"]
+    else:
+        lo, hi = node.get("minLength", 0), node.get("maxLength", 300)
+        fit = ["a" * n for n in sorted({lo, lo + 1, hi})]
+        misfit = ["a" * (hi + 1), 7] + (["a" * (lo - 1)] if lo else [])
+    return st.integers(0, 3).flatmap(
+        lambda i: st.sampled_from(misfit if i == 0 else fit))
+
+
+# Fields whose host check goes beyond the schema (a pattern, a validator): given valid values.
+_FIXED = {"task_id": "t-1", "request_id": "req-1", "action": "memory_get", "folder": "club",
+          "file_name": "a.png"}
+_UNLIMITED = ("refresh_groups", "unregister_group")  # no field limits / a cross-field rule
+
+
+def test_the_body_check_agrees_with_the_hosts_parser() -> None:
+    """commands.problems (the runner's check before writing) refuses a body exactly when the
+    host's parser does, for bodies that vary every schema-limited field."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    protocol = pytest.importorskip("mdclaw.ipc.protocol")
+    from mdclaw_agent import commands
+
+    @st.composite
+    def bodies(draw):
+        ctype = draw(st.sampled_from([t for t in commands.COMMAND_TYPES
+                                      if t not in _UNLIMITED]))
+        body = {"type": ctype}
+        for name, prop in commands.command(ctype)["properties"].items():
+            if name in ("type", "family"):
+                continue
+            if name in commands.required(ctype):
+                if draw(st.integers(0, 9)) == 0:
+                    continue  # a required field left out
+            elif not draw(st.booleans()):
+                continue
+            body[name] = _FIXED[name] if name in _FIXED else draw(_field_values(prop))
+        if draw(st.integers(0, 9)) == 0:
+            body["bogus"] = 1
+        return body
+
+    @settings(max_examples=400, deadline=None)
+    @given(bodies())
+    def check(body: dict) -> None:
+        try:
+            protocol.parse_command(body)
+            host_ok = True
+        except protocol.ProtocolError as e:
+            host_ok = False
+            if "changes nothing" in str(e):  # update_task's cross-field rule
+                return
+        fits = commands.problems(body) == []
+        if fits:  # never a body the host refuses
+            assert host_ok, body
+        elif host_ok:  # the host also takes a whole-number schedule_value (dialects do)
+            assert isinstance(body.get("schedule_value"), int), (body, commands.problems(body))
+
+    check()

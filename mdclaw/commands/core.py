@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from typing import Literal
 
 from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
-from mdclaw.config import Config, iter_secret_files, secret_checks_skipped
+from mdclaw.config import (
+    Config,
+    ConfigError,
+    ConfigIssue,
+    find_config_path,
+    issue_at,
+    iter_secret_files,
+    key_lines,
+    load_config,
+    secret_checks_skipped,
+    sorted_issues,
+)
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.senders import jid_is_group_chat, main_group_warning
 from mdclaw.state.groups import GroupRow, Refusals, list_groups, refusals
 
-# Checks beyond the schema (each yields problem lines); areas add theirs here. They may look
-# at this machine (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
-CONFIG_CHECKS: list[Callable[[Config], Iterable[str]]] = []
+# Checks beyond the schema; areas add theirs here. Each yields problems, as ConfigIssue or as
+# "key.path: message" lines (reported at that key's line). They may look at this machine
+# (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
+CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = []
 
 GROUP_FIELDS = ("folder", "name", "jid", "trigger", "requires_trigger", "is_main", "source")
 GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
@@ -36,7 +50,7 @@ def open_main_group(cfg: Config) -> Iterable[str]:
 
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
-CONFIG_WARNINGS: list[Callable[[Config], Iterable[str]]] = [open_main_group]
+CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [open_main_group]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -44,6 +58,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        help="validate the config; exit 0 valid, 1 invalid")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="print nothing when valid (warnings are still printed)")
+    p.add_argument("--json", action="store_true",
+                   help="print every problem as JSON: a list of {file, line, path, message, "
+                        "severity} (severity: error or warning); the exit status is the same")
     p.add_argument("--skip-secrets", action="store_true",
                    help="check everything except that secret files exist and are readable "
                         "(for build-time checks, e.g. NixOS, where secrets appear at run time)")
@@ -69,19 +86,58 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(func=cmd_run)
 
 
-def cmd_check_config(args: argparse.Namespace) -> int:
+_KEY_PATH = re.compile(r"^([A-Za-z0-9_<>-]+(?:\.[A-Za-z0-9_<>-]+)*): (.*)$", re.DOTALL)
+
+
+def as_issue(found: str | ConfigIssue, lines: dict[tuple[str, ...], int],
+             severity: Literal["error", "warning"]) -> ConfigIssue:
+    """A check's finding as an issue at the line of the key it names."""
+    if isinstance(found, ConfigIssue):
+        path, message = tuple(found.path.split(".")) if found.path else (), found.message
+    else:
+        m = _KEY_PATH.match(found)
+        path, message = (tuple(m.group(1).split(".")), m.group(2)) if m else ((), found)
+    return issue_at(path, message, lines, severity)
+
+
+def config_issues(args: argparse.Namespace) -> tuple[str, Config | None, list[ConfigIssue]]:
+    """(file, the config if valid, every issue sorted by line then key path): the schema's
+    and the cross-key problems, then (on a valid config) the checks beyond the schema and
+    the warnings."""
     with secret_checks_skipped() if args.skip_secrets else nullcontext():
-        cfg = load_or_exit(args)
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as e:
+            return e.file, None, list(e.issues)
+        path = find_config_path(args.config)
+        try:
+            lines = key_lines(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            lines = {}
         checks = [] if args.skip_host_checks else CONFIG_CHECKS
-        problems = [line for check in checks for line in check(cfg)]
-        warnings = [line for check in CONFIG_WARNINGS for line in check(cfg)]
-    for line in problems:
-        print(f"mdclaw: {line}", file=sys.stderr)
-    for line in warnings:
-        print(f"mdclaw: warning: {line}", file=sys.stderr)
-    if problems:
+        issues = [as_issue(f, lines, "error") for check in checks for f in check(cfg)]
+        issues += [as_issue(f, lines, "warning") for check in CONFIG_WARNINGS for f in check(cfg)]
+    return str(path), cfg, sorted_issues(issues)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    file, cfg, issues = config_issues(args)
+    errors = sum(1 for i in issues if i.severity == "error")
+    warnings = len(issues) - errors
+    if args.json:
+        print_json([i.as_json(file) for i in issues])
+    elif issues:
+        counts = ", ".join(f"{n} {what}{'' if n == 1 else 's'}"
+                           for n, what in ((errors, "error"), (warnings, "warning")) if n)
+        head = f"invalid config {file}" if errors else f"config {file} is valid, with"
+        print(f"mdclaw: {head} ({counts}):" if errors else f"mdclaw: {head} {counts}:",
+              file=sys.stderr)
+        for issue in issues:
+            print(f"  {issue.render(file)}", file=sys.stderr)
+    if errors:
         return 1
-    if not args.quiet:
+    assert cfg is not None
+    if not args.quiet and not args.json:
         secrets = [k for k, _ in iter_secret_files(cfg)]
         print(f"config ok: {len(cfg.groups)} group(s), main: {cfg.main_folder or '-'}, "
               f"{len(cfg.tasks)} task(s), data_dir: {cfg.data_dir}"

@@ -1,11 +1,18 @@
-"""config-schema: the config schema as JSON Schema or as the Markdown reference.
+"""config-schema: the config schema as JSON Schema or as the Markdown reference;
+command-schema: the JSON Schema of the IPC commands, for the agent runner.
 
-Both come from the pydantic models in mdclaw.config, so the NixOS option descriptions
-(nixos-module/config-schema.json) and docs/configuration.md cannot say something the
-validator does not do. Regenerate both after changing mdclaw/config.py:
+Both config files come from the pydantic models in mdclaw.config, so the NixOS option
+descriptions (nixos-module/config-schema.json) and docs/configuration.md cannot say something
+the validator does not do. Regenerate both after changing mdclaw/config.py:
 
     python -m mdclaw config-schema --json > nixos-module/config-schema.json
     python -m mdclaw config-schema > docs/configuration.md
+
+The agent runner (container/agent-runner, which cannot import mdclaw) takes the command
+types, fields, enums and limits its tools write from the models in mdclaw.ipc.protocol, through
+a generated file. Regenerate it after changing mdclaw/ipc/protocol.py:
+
+    python -m mdclaw command-schema > container/agent-runner/mdclaw_agent/commands_schema.json
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from typing import Any
 from pydantic.json_schema import GenerateJsonSchema
 
 from mdclaw.config import Config, format_duration
+from mdclaw.ipc.protocol import command_json_schema
 
 JSON_SCHEMA_PATH = "nixos-module/config-schema.json"
 MARKDOWN_PATH = "docs/configuration.md"
+COMMAND_SCHEMA_PATH = "container/agent-runner/mdclaw_agent/commands_schema.json"
 
 
 class _Schema(GenerateJsonSchema):
@@ -207,7 +216,10 @@ def render_markdown(schema: dict[str, Any]) -> str:
         "of milliseconds. Secrets are never written inline: keys ending in `_file` name a file",
         "holding the secret, which must not be readable by every user; `$VARIABLES` in those",
         "paths are expanded (so `$CREDENTIALS_DIRECTORY/anthropic` works under systemd).",
-        "`mdclaw check-config` validates a file; see `config.example.yaml` for a start.",
+        "`mdclaw check-config` validates a file and lists every problem on its own line (file,",
+        "line, key path, what is wrong and the fix), sorted by line; `--json` gives the same",
+        "list as `{file, line, path, message, severity}` objects. See `config.example.yaml`",
+        "for a start.",
         "On NixOS the same keys are set under `services.mdclaw.settings` (docs/nixos.md).",
     ]
     sections: list[tuple[str, str, dict[str, Any]]] = []
@@ -236,9 +248,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--json", action="store_true",
                    help=f"print the JSON Schema (as committed in {JSON_SCHEMA_PATH})")
     p.set_defaults(func=cmd_config_schema)
+    p = sub.add_parser("command-schema",
+                       help="print the JSON Schema of the IPC commands (as committed in "
+                            "the agent runner)")
+    p.set_defaults(func=cmd_command_schema)
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
     schema = config_json_schema()
     print(render_json(schema) if args.json else render_markdown(schema), end="")
+    return 0
+
+
+def cmd_command_schema(args: argparse.Namespace) -> int:
+    print(render_json(command_json_schema()), end="")
     return 0

@@ -31,11 +31,11 @@ from mdclaw.agentfs import (
     open_dir,
     open_regular,
 )
+from mdclaw.ipc.protocol import SEND_FILE_MAX_BYTES
 
 log = logging.getLogger("mdclaw.ipc")
 
 COMMAND_MAX_BYTES = 1024 * 1024
-SEND_FILE_MAX_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 32
 COMMAND_DIRS = ("messages", "tasks", "groups", "actions")
 

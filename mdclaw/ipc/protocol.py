@@ -3,6 +3,15 @@
 Containers write JSON in several dialects (see docs/ipc-protocol.md). `parse_command` maps
 any of them to one canonical frozen pydantic model, or raises ProtocolError with a reason a
 person can act on. Nothing here touches the disk or the database.
+
+These models are the one definition of the canonical form. The agent runner in the container
+(which cannot import mdclaw) reads their JSON Schema from a generated file,
+container/agent-runner/mdclaw_agent/commands_schema.json; regenerate it after changing a
+model here:
+
+    python -m mdclaw command-schema > container/agent-runner/mdclaw_agent/commands_schema.json
+
+(tests/test_command_schema_fresh.py fails while it is stale).
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ from mdclaw.config import validate_folder
 TASK_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 MAX_TEXT = 65536
+# The largest file send_file may name (checked by the host when it copies the file out, and by
+# the agent's send_file tool before it asks).
+SEND_FILE_MAX_BYTES = 64 * 1024 * 1024
 
 
 class ProtocolError(ValueError):
@@ -39,6 +51,8 @@ class SendMessage(_Cmd):
 
 
 class SendFile(_Cmd):
+    model_config = ConfigDict(json_schema_extra={"x-max-file-bytes": SEND_FILE_MAX_BYTES})
+
     type: Literal["send_file"] = "send_file"
     chat_jid: Jid | None = None
     file_path: str = Field(min_length=1, max_length=4096)
@@ -176,6 +190,25 @@ OUTBOUND_TYPES = frozenset({"message", "send_file", "react"})
 TASK_ID_TYPES = frozenset({"update_task", "pause_task", "resume_task", "cancel_task",
                            "delete_task"})
 GROUP_ADMIN_TYPES = frozenset({"register_group", "unregister_group", "refresh_groups"})
+
+
+def command_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a canonical command body: one alternative per type, chosen by `type`
+    (its `discriminator.mapping` names each type's definition). What the validator checks
+    beyond it: `register_group.folder` is a valid folder name, `send_file.file_name` has no
+    '/', `unregister_group` has exactly one of jid/folder, `update_task` changes something;
+    `schedule_value` may also be a whole number. `x-max-file-bytes` on send_file is the size
+    limit of the file it names."""
+    schema = COMMAND_ADAPTER.json_schema(mode="validation")
+    return {
+        "title": "mdclaw IPC command (canonical form)",
+        "description": (
+            "Generated from mdclaw/ipc/protocol.py by `python -m mdclaw command-schema > "
+            "container/agent-runner/mdclaw_agent/commands_schema.json`; do not edit by hand "
+            "(a test fails while it is stale). The agent runner's tools read it; "
+            "docs/ipc-protocol.md describes the protocol."),
+        **schema,
+    }
 
 # --------------------------------------------------------------------------- dialects
 

@@ -5,6 +5,11 @@ the openai backend as function tools. A tool returns plain words telling the age
 happened; a tool that fails raises ToolError whose message is shown to the agent.
 
 Main-only tools (group registration) are not in the list a non-main container gets at all.
+
+The commands' types, fields, enums, defaults and limits are the host's, read through
+mdclaw_agent.commands (a schema generated from the host's models): a tool argument that
+becomes a command field is limited as the host limits that field, and every body is checked
+against the host's schema before it is written.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mdclaw_agent import commands
+from mdclaw_agent.commands import MAX_FILE_BYTES
 from mdclaw_agent.ipc import read_json_file, write_json_atomic
 from mdclaw_agent.schema_check import errors
 
-MAX_FILE_BYTES = 64 * 1024 * 1024
-SCHEDULE_TYPES = ("cron", "interval", "once")
-CONTEXT_MODES = ("group", "isolated")
+SCHEDULE_TYPES = commands.enum("schedule_task", "schedule_type")
+CONTEXT_MODES = commands.enum("schedule_task", "context_mode")
 
 
 class ToolError(Exception):
@@ -53,14 +59,12 @@ class Tool:
 
     def call(self, ctx: ToolContext, args: dict[str, Any]) -> str:
         """Run the tool after checking the arguments against its whole schema (types, enums,
-        arrays, nested objects, required and unknown keys). A null argument counts as not
-        given, and an empty string as missing for a required one (models send both)."""
+        arrays, nested objects, lengths, required and unknown keys). A null or empty-string
+        argument counts as not given (models send both for arguments they mean to leave
+        out), so an empty required one is missing."""
         if not isinstance(args, dict):
             raise ToolError(f"{self.name}: arguments must be an object")
-        given = {k: v for k, v in args.items() if v is not None}
-        for key in self.parameters.get("required", []):
-            if given.get(key) == "":
-                raise ToolError(f"{self.name}: '{key}' is required")
+        given = {k: v for k, v in args.items() if v is not None and v != ""}
         problems = errors(self.parameters, given)
         if problems:
             raise ToolError(f"{self.name}: {'; '.join(problems)}")
@@ -76,11 +80,31 @@ def _s(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
 
 
+def _command_schema(ctype: str, **descriptions: str) -> dict[str, Any]:
+    """The arguments of a tool whose arguments are fields of command `ctype`: each limited
+    as the host limits that field, required when the host requires it."""
+    return _schema([k for k in commands.required(ctype) if k in descriptions],
+                   **{k: commands.param(ctype, k, d) for k, d in descriptions.items()})
+
+
+def _body(ctype: str, args: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """Command `ctype` from the arguments that are its fields, then `values` (None: left
+    out)."""
+    body: dict[str, Any] = {"type": ctype}
+    body.update((k, args[k]) for k in commands.fields(ctype) if k in args)
+    body.update((k, v) for k, v in values.items() if v is not None)
+    return body
+
+
 # --------------------------------------------------------------------------- writers
 
 
 def write_command(ctx: ToolContext, subdir: str, body: dict[str, Any]) -> Path:
-    """Write one canonical command into `ipc/<subdir>/`; raises ToolError if it cannot."""
+    """Write one canonical command into `ipc/<subdir>/`; raises ToolError if it cannot, or if
+    the host's schema refuses the body (then nothing is written)."""
+    problems = commands.problems(body)
+    if problems:
+        raise ToolError(f"{body.get('type')}: {'; '.join(problems)}")
     try:
         return write_json_atomic(ctx.ipc_dir / subdir, body)
     except OSError as e:
@@ -88,12 +112,7 @@ def write_command(ctx: ToolContext, subdir: str, body: dict[str, Any]) -> Path:
 
 
 def _send_message(ctx: ToolContext, a: dict[str, Any]) -> str:
-    body = {"type": "message", "chat_jid": a.get("chat_jid") or ctx.chat_jid,
-            "text": a["text"]}
-    if a.get("sender"):
-        body["sender"] = a["sender"]
-    if a.get("reply_to"):
-        body["reply_to"] = a["reply_to"]
+    body = _body("message", a, chat_jid=a.get("chat_jid") or ctx.chat_jid)
     write_command(ctx, "messages", body)
     return f"Message queued for delivery to {body['chat_jid']}."
 
@@ -112,25 +131,22 @@ def _send_file(ctx: ToolContext, a: dict[str, Any]) -> str:
     if not path.is_file():
         raise ToolError(f"send_file: {path} is not a regular file")
     if st.st_size > MAX_FILE_BYTES:
-        raise ToolError(f"send_file: {path} is {st.st_size} bytes; the limit is 64 MB")
+        raise ToolError(f"send_file: {path} is {st.st_size} bytes; the limit is "
+                        f"{MAX_FILE_BYTES // 2**20} MB")
     # The host knows the file by its container path; name it that way even when the runner
     # runs elsewhere (tests) with the group folder at another place.
     try:
         wire_path = "/workspace/group/" + path.relative_to(ctx.group_dir).as_posix()
     except ValueError:
         wire_path = str(path)
-    body = {"type": "send_file", "chat_jid": a.get("chat_jid") or ctx.chat_jid,
-            "file_path": wire_path}
-    for key in ("file_name", "caption"):
-        if a.get(key):
-            body[key] = a[key]
+    body = _body("send_file", a, chat_jid=a.get("chat_jid") or ctx.chat_jid,
+                 file_path=wire_path)
     write_command(ctx, "messages", body)
     return f"File {path.name} queued for delivery to {body['chat_jid']}."
 
 
 def _react(ctx: ToolContext, a: dict[str, Any]) -> str:
-    body = {"type": "react", "chat_jid": a.get("chat_jid") or ctx.chat_jid,
-            "message_id": a["message_id"], "emoji": a["emoji"]}
+    body = _body("react", a, chat_jid=a.get("chat_jid") or ctx.chat_jid)
     write_command(ctx, "messages", body)
     return f"Reaction {a['emoji']} queued for message {a['message_id']}."
 
@@ -141,12 +157,8 @@ def _new_task_id() -> str:
 
 def _schedule_task(ctx: ToolContext, a: dict[str, Any]) -> str:
     task_id = a.get("task_id") or _new_task_id()
-    body = {"type": "schedule_task", "task_id": task_id, "prompt": a["prompt"],
-            "schedule_type": a["schedule_type"], "schedule_value": a["schedule_value"],
-            "context_mode": a.get("context_mode", "group")}
-    for key in ("chat_jid", "timezone"):
-        if a.get(key):
-            body[key] = a[key]
+    body = _body("schedule_task", a, task_id=task_id, context_mode=a.get(
+        "context_mode", commands.default("schedule_task", "context_mode")))
     write_command(ctx, "tasks", body)
     return (f"Task {task_id} requested ({a['schedule_type']} {a['schedule_value']}). "
             "The host checks the schedule; list_tasks shows it once accepted.")
@@ -160,8 +172,7 @@ def _update_task(ctx: ToolContext, a: dict[str, Any]) -> str:
     return f"Update of task {a['task_id']} requested ({', '.join(changes)})."
 
 
-_UPDATE_FIELDS = ("prompt", "schedule_type", "schedule_value", "context_mode", "status",
-                  "timezone")
+_UPDATE_FIELDS = tuple(k for k in commands.fields("update_task") if k != "task_id")
 
 
 def _task_op(kind: str, verb: str) -> Callable[[ToolContext, dict[str, Any]], str]:
@@ -217,12 +228,7 @@ def _list_groups(ctx: ToolContext, a: dict[str, Any]) -> str:
 
 
 def _register_group(ctx: ToolContext, a: dict[str, Any]) -> str:
-    body = {"type": "register_group", "jid": a["jid"], "name": a["name"],
-            "folder": a["folder"]}
-    for key in ("trigger", "requires_trigger"):
-        if key in a:
-            body[key] = a[key]
-    write_command(ctx, "tasks", body)
+    write_command(ctx, "tasks", _body("register_group", a))
     return f"Registration of {a['name']} ({a['jid']}) as folder {a['folder']} requested."
 
 
@@ -318,55 +324,65 @@ def _memory_get(ctx: ToolContext, a: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- registry
 
-_TASK_ID = _s("The task id, as list_tasks shows it.")
-_CHAT = _s("Target chat id; default: this group's chat. Only the main group may name another.")
+_TASK_ID = "The task id, as list_tasks shows it."
+_CHAT = "Target chat id; default: this group's chat. Only the main group may name another."
+
+
+def _or(values: tuple[str, ...]) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
+
+
+def _task_schema(ctype: str) -> dict[str, Any]:
+    return _command_schema(ctype, task_id=_TASK_ID)
+
 
 TOOLS: tuple[Tool, ...] = (
     Tool("send_message", "Send a text message to the chat now (also while you keep working).",
-         _schema(["text"], text=_s("The message text."), chat_jid=_CHAT,
-                 sender=_s("Optional display name to send as."),
-                 reply_to=_s("Optional id of the message to reply to.")),
+         _command_schema("message", text="The message text.", chat_jid=_CHAT,
+                         sender="Optional display name to send as.",
+                         reply_to="Optional id of the message to reply to."),
          _send_message),
-    Tool("send_file", "Send a file from the group folder to the chat (at most 64 MB).",
-         _schema(["file_path"], file_path=_s("Path of the file, absolute or relative to the "
-                                             "group folder."),
-                 file_name=_s("Name shown to the recipient."), caption=_s("Optional caption."),
-                 chat_jid=_CHAT),
+    Tool("send_file", "Send a file from the group folder to the chat (at most "
+         f"{MAX_FILE_BYTES // 2**20} MB).",
+         _command_schema("send_file", file_path="Path of the file, absolute or relative to "
+                                                "the group folder.",
+                         file_name="Name shown to the recipient.",
+                         caption="Optional caption.", chat_jid=_CHAT),
          _send_file),
     Tool("react", "React to a chat message with an emoji.",
-         _schema(["message_id", "emoji"], message_id=_s("Id of the message to react to."),
-                 emoji=_s("One emoji."), chat_jid=_CHAT),
+         _command_schema("react", message_id="Id of the message to react to.",
+                         emoji="One emoji.", chat_jid=_CHAT),
          _react),
     Tool("schedule_task",
          "Schedule a prompt to run later: cron (e.g. '0 9 * * 1-5', in the assistant's "
          "timezone), interval (milliseconds, at least 1000, e.g. '3600000') or once (local ISO "
          "time, e.g. '2026-02-01T09:00:00').",
-         _schema(["prompt", "schedule_type", "schedule_value"],
-                 prompt=_s("What to do when the task runs."),
-                 schedule_type=_s("cron, interval or once.", enum=list(SCHEDULE_TYPES)),
-                 schedule_value=_s("The cron expression, interval in ms, or timestamp."),
-                 context_mode=_s("group: run with the conversation's history; isolated: "
-                                 "a fresh session.", enum=list(CONTEXT_MODES)),
-                 task_id=_s("Optional id to give the task (letters, digits, _ . : -)."),
-                 timezone=_s("IANA timezone for the schedule; default the assistant's."),
-                 chat_jid=_CHAT),
+         _command_schema("schedule_task",
+                         prompt="What to do when the task runs.",
+                         schedule_type=f"{_or(SCHEDULE_TYPES)}.",
+                         schedule_value="The cron expression, interval in ms, or timestamp.",
+                         context_mode="group: run with the conversation's history; isolated: "
+                                      "a fresh session.",
+                         task_id="Optional id to give the task (letters, digits, _ . : -).",
+                         timezone="IANA timezone for the schedule; default the assistant's.",
+                         chat_jid=_CHAT),
          _schedule_task),
     Tool("update_task", "Change a scheduled task's prompt or schedule.",
-         _schema(["task_id"], task_id=_TASK_ID, prompt=_s("New prompt."),
-                 schedule_type=_s("cron, interval or once.", enum=list(SCHEDULE_TYPES)),
-                 schedule_value=_s("New schedule value."),
-                 context_mode=_s("group or isolated.", enum=list(CONTEXT_MODES)),
-                 status=_s("active or paused.", enum=["active", "paused"]),
-                 timezone=_s("IANA timezone for the schedule.")),
+         _command_schema("update_task", task_id=_TASK_ID, prompt="New prompt.",
+                         schedule_type=f"{_or(SCHEDULE_TYPES)}.",
+                         schedule_value="New schedule value.",
+                         context_mode=f"{_or(CONTEXT_MODES)}.",
+                         status=f"{_or(commands.enum('update_task', 'status'))}.",
+                         timezone="IANA timezone for the schedule."),
          _update_task),
-    Tool("pause_task", "Pause a scheduled task.", _schema(["task_id"], task_id=_TASK_ID),
+    Tool("pause_task", "Pause a scheduled task.", _task_schema("pause_task"),
          _task_op("pause_task", "pause")),
-    Tool("resume_task", "Resume a paused task.", _schema(["task_id"], task_id=_TASK_ID),
+    Tool("resume_task", "Resume a paused task.", _task_schema("resume_task"),
          _task_op("resume_task", "resume")),
     Tool("cancel_task", "Cancel a task (it stops running; its history is kept).",
-         _schema(["task_id"], task_id=_TASK_ID), _task_op("cancel_task", "cancel")),
+         _task_schema("cancel_task"), _task_op("cancel_task", "cancel")),
     Tool("delete_task", "Delete a task and its run history permanently.",
-         _schema(["task_id"], task_id=_TASK_ID), _task_op("delete_task", "deletion")),
+         _task_schema("delete_task"), _task_op("delete_task", "deletion")),
     Tool("list_tasks", "List the scheduled tasks you can see.", _schema([]), _list_tasks),
     Tool("memory_search", "Search the group's memory files and past sessions.",
          _schema(["query"], query=_s("What to look for."),
@@ -376,15 +392,15 @@ TOOLS: tuple[Tool, ...] = (
     Tool("memory_get", "Read one memory file (MEMORY.md or memory/<name>.md).",
          _schema(["path"], path=_s("MEMORY.md or memory/<name>.md.")), _memory_get),
     Tool("register_group", "Register a chat as a new group with its own folder (main only).",
-         _schema(["jid", "name", "folder"], jid=_s("The chat id, e.g. tg:-100123."),
-                 name=_s("Display name."), folder=_s("Folder name: letters, digits, _ or -."),
-                 trigger=_s("Trigger word; default '@' + the assistant's name."),
-                 requires_trigger={"type": "boolean",
-                                   "description": "Answer only messages with the trigger."}),
+         _command_schema("register_group", jid="The chat id, e.g. tg:-100123.",
+                         name="Display name.", folder="Folder name: letters, digits, _ or -.",
+                         trigger="Trigger word; default '@' + the assistant's name.",
+                         requires_trigger="Answer only messages with the trigger."),
          _register_group, main_only=True),
     Tool("unregister_group", "Stop answering a chat (its folder is kept) (main only). Give "
          "exactly one of jid or folder.",
-         _schema([], jid=_s("The chat id of the group."), folder=_s("The group's folder.")),
+         _command_schema("unregister_group", jid="The chat id of the group.",
+                         folder="The group's folder."),
          _unregister_group, main_only=True),
     Tool("refresh_groups", "Ask the host to refresh the list of known chats (main only).",
          _schema([]), _refresh_groups, main_only=True),
