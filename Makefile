@@ -5,19 +5,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test e2e bench clean
+.PHONY: run test lint e2e bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,claude]'
+	$(PY) -m pip install --quiet -e '.[test,lint,claude]'
 	touch $@
 
 run: $(VENV)/.installed
 	$(if $(DATA_DIR),MDCLAW_DATA_DIR=$(DATA_DIR) )$(VENV)/bin/mdclaw run --config config.example.yaml
 
-test: $(VENV)/.installed
+test: lint $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check mdclaw container tests bench
+	$(VENV)/bin/mypy
 
 e2e: $(VENV)/.installed
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -40,7 +40,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from mdclaw import schedule
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 FOLDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 RESERVED_FOLDERS = frozenset({"global", "errors"})
 DEFAULT_CONFIG_PATHS = (Path("config.yaml"), Path("/etc/mdclaw/config.yaml"))
@@ -428,7 +428,8 @@ class Runtime(Frozen):
     image: str = Field("mdclaw-agent:latest", description="Agent image reference.")
     install_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
-        description="Label value that keeps two installs on one host apart (default: data_dir hash).",
+        description="Label value that keeps two installs on one host apart "
+                    "(default: data_dir hash).",
     )
 
 
@@ -871,7 +872,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, text: str | None 
             raise ConfigError(file, [ConfigIssue("", f"cannot read config file: {e}")]) from None
     try:
         lines, dup_issues = _line_map(text, file)
-        data = yaml.load(text, Loader=_LineLoader)
+        # _LineLoader is a SafeLoader (plus line numbers): no object is ever constructed.
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark else None
@@ -959,7 +961,7 @@ def _cross_key_without(data: dict[str, Any], e: ValidationError) -> list[Problem
             return ("tasks", str(task_index[int(path[1])]), *path[2:])
         return path
 
-    return [(original(path), msg) for (path, msg), needs in zip(problems, requires)
+    return [(original(path), msg) for (path, msg), needs in zip(problems, requires, strict=True)
             if not depends_on_dropped(needs)]
 
 

@@ -4,9 +4,10 @@ Claiming is the heart of it. A due task (`active`, `next_run <= now`) is claimed
 transaction that inserts its 'running' run-log row and either advances `next_run` to the next
 slot (recurring tasks) or marks it 'running' and clears `next_run` (one-shot tasks). Only
 then is it handed to `execute`. A crash after the claim therefore cannot fire the same slot
-again: on the next start `recover()` marks the left-over 'running' rows 'interrupted', and a one-shot task left
-'running' is marked 'completed' (at most once: its agent may already have acted; the log shows
-the interrupted run, and `mdclaw tasks run-now` fires it again if a person wants that).
+again: on the next start `recover()` marks the left-over 'running' rows 'interrupted', and a
+one-shot task left 'running' is marked 'completed' (at most once: its agent may already have
+acted; the log shows the interrupted run, and `mdclaw tasks run-now` fires it again if a
+person wants that).
 
 After downtime an overdue task fires once, not once per missed slot; its run log's `missed`
 says how many further slots passed. With `catch_up: false` a task found more than

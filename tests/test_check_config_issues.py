@@ -54,7 +54,7 @@ EXPECTED = [  # (line, path, start of the message)
 
 def _check(lines: list[str], file: Path, expected: list[tuple[int, str, str]]) -> None:
     assert len(lines) == len(expected), lines
-    for text, (line, path, message) in zip(lines, expected):
+    for text, (line, path, message) in zip(lines, expected, strict=True):
         assert text.startswith(f"{file}:{line}: {path}: {message}"), (text, line, path)
 
 
@@ -74,7 +74,7 @@ def test_json_lists_the_same_issues(cli, write_config) -> None:
     assert r.returncode == 1
     issues = json.loads(r.stdout)
     assert [(i["line"], i["path"]) for i in issues] == [(n, p) for n, p, _ in EXPECTED]
-    for issue, (_, _, message) in zip(issues, EXPECTED):
+    for issue, (_, _, message) in zip(issues, EXPECTED, strict=True):
         assert set(issue) == {"file", "line", "path", "message", "severity"}
         assert issue["file"] == str(path) and issue["severity"] == "error"
         assert issue["message"].startswith(message)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import tomllib
 
-import agent_helpers  # noqa: F401 - puts the runner package on sys.path
 import pytest
-from conftest import REPO
 
+import agent_helpers  # noqa: F401 - puts the runner package on sys.path
+from conftest import REPO
 from mdclaw.commands.schema import COMMAND_SCHEMA_PATH, render_json
 from mdclaw.ipc import protocol
 
@@ -26,7 +26,8 @@ def assert_fresh(committed: str) -> None:
     generated = render_json(protocol.command_json_schema())
     if committed == generated:
         return
-    for n, (a, b) in enumerate(zip(committed.splitlines(), generated.splitlines()), 1):
+    pairs = zip(committed.splitlines(), generated.splitlines(), strict=False)
+    for n, (a, b) in enumerate(pairs, 1):
         if a != b:
             where = f"line {n}: committed {a.strip()!r}, models give {b.strip()!r}"
             break

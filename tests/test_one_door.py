@@ -30,6 +30,7 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/daemon.py": "the daemon's status file in data_dir",
     "mdclaw/commands/daemon.py": "the CLI reads the status file and the database path",
     "mdclaw/commands/channels.py": "the CLI checks the database path exists",
+    "mdclaw/commands/core.py": "check-config reads the config file it checks (for line numbers)",
     "mdclaw/commands/containers.py": "the CLI checks files the operator names (image tarballs)",
     "mdclaw/runtime/__init__.py": "looks for the engine's API socket",
     "mdclaw/runtime/docker_engine.py": "reads an image tarball the operator names",

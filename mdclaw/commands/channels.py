@@ -34,13 +34,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def _group_jid(cfg: Config, folder: str) -> str:
     group = cfg.groups.get(folder)
-    if group is not None:
-        jid = group.jid
-    else:
-        jid = _registered_jid(cfg, folder)
-        if jid is None:
-            known = ", ".join(sorted(cfg.groups)) or "none configured"
-            fail(f"no group {folder!r} (groups: {known})")
+    jid = group.jid if group is not None else _registered_jid(cfg, folder)
+    if jid is None:
+        known = ", ".join(sorted(cfg.groups)) or "none configured"
+        fail(f"no group {folder!r} (groups: {known})")
     if not jid.startswith("hl:"):
         fail(f"group {folder!r} answers in {jid}, not in the local HTTP channel; "
              "`mdclaw send` can only write to hl: chats (give the group a jid like "

@@ -83,10 +83,10 @@ def _db_status(cfg: Config, out: dict[str, Any]) -> None:
     from mdclaw.state import Database
 
     with Database(cfg.db_path, migrate=False) as db:
-        out["groups"] = db.query_one("SELECT COUNT(*) FROM registered_groups")[0]
+        out["groups"] = db.scalar("SELECT COUNT(*) FROM registered_groups")
         out["outbox"] = outbox_counts(db)
-        out["tasks_active"] = db.query_one(
-            "SELECT COUNT(*) FROM scheduled_tasks WHERE status = 'active'")[0]
+        out["tasks_active"] = db.scalar(
+            "SELECT COUNT(*) FROM scheduled_tasks WHERE status = 'active'")
         r = db.query_one("SELECT id, next_run FROM scheduled_tasks WHERE status = 'active' "
                          "AND next_run IS NOT NULL ORDER BY next_run LIMIT 1")
         out["next_task"] = {"id": r[0], "next_run": r[1]} if r else None

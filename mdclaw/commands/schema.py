@@ -197,7 +197,8 @@ Sender ids are what the channel reports as the sender:
 The rule is the same for every channel and applies to the main group too. Groups registered
 at runtime by the main agent (over IPC) have no allow-list: everyone in their chat may drive
 them, as before; to restrict one, unregister it and declare it in the config.
-`mdclaw check-config` and `mdclaw doctor` warn when the main group answers in a group chat without `allow_senders`.
+`mdclaw check-config` and `mdclaw doctor` warn when the main group answers in a group chat
+without `allow_senders`.
 """
 
 

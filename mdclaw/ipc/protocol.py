@@ -16,7 +16,7 @@ model here:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -177,8 +177,8 @@ class ActionRequest(_Cmd):
 
 
 Command = Annotated[
-    Union[SendMessage, SendFile, React, ScheduleTask, UpdateTask, PauseTask, ResumeTask,
-          CancelTask, DeleteTask, RefreshGroups, RegisterGroup, UnregisterGroup, ActionRequest],
+    SendMessage | SendFile | React | ScheduleTask | UpdateTask | PauseTask | ResumeTask
+    | CancelTask | DeleteTask | RefreshGroups | RegisterGroup | UnregisterGroup | ActionRequest,
     Field(discriminator="type"),
 ]
 COMMAND_ADAPTER: TypeAdapter[Any] = TypeAdapter(Command)

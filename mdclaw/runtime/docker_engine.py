@@ -182,8 +182,10 @@ class DockerRuntime(ContainerRuntime):
             pids_limit=spec.pids,
             init=spec.init or None,
         )
+        # command None means the image's own command: docker-py takes it, its stubs do not.
         config = api.create_container_config(
-            spec.image, spec.command, user=spec.user, stdin_open=True, tty=False,
+            spec.image, spec.command,  # type: ignore[arg-type]
+            user=spec.user, stdin_open=True, tty=False,
             environment=dict(spec.env), labels=dict(spec.labels), working_dir=spec.workdir,
             host_config=host_config, network_disabled=spec.network == "none",
         )

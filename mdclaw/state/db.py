@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
@@ -129,6 +130,14 @@ class Database:
     def query_one(self, sql: str, params: tuple | dict = ()) -> sqlite3.Row | None:
         with self._lock:
             return self.conn.execute(sql, params).fetchone()
+
+    def scalar(self, sql: str, params: tuple | dict = ()) -> Any:
+        """The first column of the first row of an aggregate query (`SELECT COUNT(*)...`).
+        Raises DatabaseError if the query gives no row."""
+        row = self.query_one(sql, params)
+        if row is None:
+            raise DatabaseError(f"no row from {sql.split()[0]} query")
+        return row[0]
 
 
 def _split_sql(script: str) -> list[str]:

@@ -167,7 +167,7 @@ def emit(status: str, result: str | None, *, new_session_id: str | None = None,
 
 def parse_outputs(text: str) -> list[dict[str, Any]]:
     """Every marked result in `text`, in order (what the host does with the stream)."""
-    results = []
+    results: list[dict[str, Any]] = []
     pos = 0
     while True:
         start = text.find(OUTPUT_START, pos)

@@ -30,6 +30,7 @@ let
     "docker"
     "hypothesis"
     "inotify-simple"
+    "jsonschema"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"
