@@ -295,7 +295,7 @@ def parse_command(body: Any) -> tuple[Any, str | None]:
                             f"{', '.join(COMMAND_TYPES + tuple(TYPE_ALIASES))}")
 
     claims: list[Any] = [body[k] for k in _IDENTITY_KEYS if k in body]
-    if "payload" in body:  # seed 000 envelope
+    if "payload" in body:  # the envelope dialect: {type, payload, source_group}
         extra = set(body) - {"type", "payload", *_IDENTITY_KEYS}
         if extra:
             raise ProtocolError(f"envelope has unknown field(s) beside payload: "
@@ -323,7 +323,7 @@ def parse_command(body: Any) -> tuple[Any, str | None]:
         if flag:
             raise ProtocolError("the main flag cannot be granted over IPC "
                                 f"(field {flag[0]!r}); only config.yaml makes a group main")
-    if ctype == "update_task" and "updates" in fields:  # NovaBot
+    if ctype == "update_task" and "updates" in fields:  # the {taskId, updates: {...}} form
         updates = fields.pop("updates")
         if not isinstance(updates, dict):
             raise ProtocolError("update_task.updates must be a JSON object")
