@@ -11,15 +11,16 @@ Public API (the orchestrator and the credential proxy build on it):
   `fn(ctx: RunContext, spec: RunSpec) -> None` runs before every start and may append to
   `spec.mounts` / set `spec.env` (e.g. ANTHROPIC_BASE_URL);
   `run(..., extra_env=..., extra_mounts=...)` does the same for one run. Never put a secret
-  there: the container is the untrusted side (DESIGN invariant 6).
+  there: the container is the untrusted side, and secrets never enter it (the model key
+  is added by the host's credential proxy).
 * `parse_container_output(raw)` (last marked block, or "") and `parse_all_outputs(raw)`.
 
-What a run does (seed 004's runContainer): writes the group's agent settings file, removes a
-stale `_close`, builds the spec (uid 1000 plus the daemon's group, no network unless the
-group says so, all capabilities dropped, no-new-privileges, read-only root with a tmpfs /tmp,
-memory/CPU/pids limits, the group/IPC/global/settings mounts and the validated extra
-mounts), sends the `ContainerInput` JSON on stdin, and parses output blocks as they stream.
-Each block goes to `on_output` at once and resets both timers. The idle timer writes
+What a run does: writes the group's agent settings file, removes a stale `_close`, builds
+the spec (uid 1000 plus the daemon's group, no network unless the group says so, all
+capabilities dropped, no-new-privileges, read-only root with a tmpfs /tmp, memory/CPU/pids
+limits, the group/IPC/global/settings mounts and the validated extra mounts), sends the
+`ContainerInput` JSON on stdin, and parses output blocks as they stream. Each block goes to
+`on_output` at once and resets both timers. The idle timer writes
 `ipc/<folder>/input/_close`; the hard timer stops the container and the result says
 `timed_out`. Stdout beyond `limits.max_output_bytes` is dropped (and logged) unread.
 `RunTimers` holds the timers and their rules without any I/O; `_RunLoop` only waits for the
@@ -34,6 +35,7 @@ import inspect
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -189,7 +191,7 @@ class ContainerInput:
 
 @dataclass
 class ContainerResult:
-    """How a run ended. `output` is the last block (seed 004's ContainerResult.output)."""
+    """How a run ended. `output` is the last block: the agent's final answer."""
 
     status: str  # "success" | "error" | "timeout"
     exit_code: int
@@ -712,7 +714,7 @@ class _RunLoop:
             r = self.on_output(text)
             if inspect.isawaitable(r):
                 await r
-        except Exception:
+        except Exception:  # noqa: BLE001 - a failing callback must not end the run; logged
             log.exception("output callback for %s failed", self.name)
 
     def _close_idle(self) -> None:
@@ -784,17 +786,28 @@ class _Reader(threading.Thread):
             self._post("eof", time.perf_counter())
 
 
+# What a runtime's kill/remove can raise. RuntimeError_ (EngineUnavailable included) is the
+# runtime interface's own error; OSError is what a transport failure can still raise
+# unwrapped (the docker SDK's request errors, such as a read timeout from a busy engine, are
+# OSErrors); SubprocessError is the Apple CLI runtime's command timeout, also unwrapped.
+_ENGINE_ERRORS = (RuntimeError_, OSError, subprocess.SubprocessError)
+
+
 def _kill_quietly(runtime: ContainerRuntime, cid: str) -> None:
+    """SIGKILL the container. An engine error (`_ENGINE_ERRORS`) is logged, not raised;
+    anything else is a bug and propagates."""
     try:
         runtime.kill(cid)
-    except Exception as e:  # noqa: BLE001
+    except _ENGINE_ERRORS as e:
         log.warning("could not kill container %s: %s", cid[:12], e)
 
 
 def _remove_quietly(runtime: ContainerRuntime, cid: str) -> None:
+    """Remove the container. An engine error (`_ENGINE_ERRORS`) is logged, not raised;
+    anything else is a bug and propagates."""
     try:
         runtime.remove(cid)
-    except Exception as e:  # noqa: BLE001
+    except _ENGINE_ERRORS as e:
         log.warning("could not remove container %s: %s", cid[:12], e)
 
 

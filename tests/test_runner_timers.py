@@ -37,6 +37,8 @@ from mdclaw.runner import (
     ContainerRunner,
     Due,
     RunTimers,
+    _kill_quietly,
+    _remove_quietly,
 )
 from mdclaw.runtime import (
     STDERR,
@@ -47,6 +49,7 @@ from mdclaw.runtime import (
     ImageInfo,
     RunningContainer,
     RunSpec,
+    RuntimeError_,
 )
 
 HARD, IDLE = 100.0, 10.0
@@ -657,3 +660,41 @@ def test_cancelling_a_run_kills_and_removes_its_container(tmp_path: Path) -> Non
     assert rt.calls == ["kill", "remove"]
     assert rt.container is not None and rt.container.closed.is_set()
     assert runner.active(GROUP) is None
+
+
+# --------------------------------------------------------------------------- engine errors
+
+
+class Refusing(FakeRuntime):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(lambda c: None)
+        self.error = error
+
+    def kill(self, container_id: str) -> None:
+        raise self.error
+
+    def remove(self, container_id: str) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError_("no such container"), EngineUnavailable("socket gone"),
+    TimeoutError("read timed out"),  # an OSError, as the docker SDK's request errors are
+])
+def test_kill_and_remove_quietly_log_engine_errors(
+        error: BaseException, caplog: pytest.LogCaptureFixture) -> None:
+    rt = Refusing(error)
+    with caplog.at_level(logging.WARNING, logger="mdclaw.runner"):
+        _kill_quietly(rt, "abcdef0123456789")
+        _remove_quietly(rt, "abcdef0123456789")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == [f"could not kill container abcdef012345: {error}",
+                    f"could not remove container abcdef012345: {error}"]
+
+
+def test_kill_and_remove_quietly_let_a_programming_error_through() -> None:
+    rt = Refusing(TypeError("bad argument"))
+    with pytest.raises(TypeError):
+        _kill_quietly(rt, "abcdef0123456789")
+    with pytest.raises(TypeError):
+        _remove_quietly(rt, "abcdef0123456789")
