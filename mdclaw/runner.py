@@ -11,26 +11,31 @@ Public API (the orchestrator and the credential proxy build on it):
   `fn(ctx: RunContext, spec: RunSpec) -> None` runs before every start and may append to
   `spec.mounts` / set `spec.env` (e.g. ANTHROPIC_BASE_URL);
   `run(..., extra_env=..., extra_mounts=...)` does the same for one run. Never put a secret
-  there: the container is the untrusted side (DESIGN invariant 6).
+  there: the container is the untrusted side, and secrets never enter it (the model key
+  is added by the host's credential proxy).
 * `parse_container_output(raw)` (last marked block, or "") and `parse_all_outputs(raw)`.
 
-What a run does (seed 004's runContainer): writes the group's agent settings file, removes a
-stale `_close`, builds the spec (uid 1000 plus the daemon's group, no network unless the
-group says so, all capabilities dropped, no-new-privileges, read-only root with a tmpfs /tmp,
-memory/CPU/pids limits, the group/IPC/global/settings mounts and the validated extra
-mounts), sends the `ContainerInput` JSON on stdin, and parses output blocks as they stream.
-Each block goes to `on_output` at once and resets both timers. The idle timer writes
+What a run does: writes the group's agent settings file, removes a stale `_close`, builds
+the spec (uid 1000 plus the daemon's group, no network unless the group says so, all
+capabilities dropped, no-new-privileges, read-only root with a tmpfs /tmp, memory/CPU/pids
+limits, the group/IPC/global/settings mounts and the validated extra mounts), sends the
+`ContainerInput` JSON on stdin, and parses output blocks as they stream. Each block goes to
+`on_output` at once and resets both timers. The idle timer writes
 `ipc/<folder>/input/_close`; the hard timer stops the container and the result says
 `timed_out`. Stdout beyond `limits.max_output_bytes` is dropped (and logged) unread.
+`RunTimers` holds the timers and their rules without any I/O; `_RunLoop` only waits for the
+next output event or deadline and does what `RunTimers.due()` says.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -63,7 +68,10 @@ OUTPUT_END = "---NANOCLAW_OUTPUT_END---"
 PROXY_MOUNT = "/workspace/proxy"
 AGENT_HOME = "/home/node"  # the image's user home; its .claude is the per-group settings dir
 STDERR_TAIL_BYTES = 64 * 1024
-STOP_GRACE_SECONDS = 2.0
+STOP_GRACE_SECONDS = 2.0  # the engine's own SIGTERM-to-SIGKILL wait when the hard timer fires
+# After a stop's grace, or after a kill, how long the output stream gets to end before the
+# container is killed (again); a stream that never ends must not hang the run.
+STOP_WAIT_SECONDS = 30.0
 
 AGENT_SETTINGS: dict[str, Any] = {
     "permissions": {"allow": ["Bash(*)", "Read(*)", "Write(*)", "Edit(*)", "mcp__*"],
@@ -183,7 +191,7 @@ class ContainerInput:
 
 @dataclass
 class ContainerResult:
-    """How a run ended. `output` is the last block (seed 004's ContainerResult.output)."""
+    """How a run ended. `output` is the last block: the agent's final answer."""
 
     status: str  # "success" | "error" | "timeout"
     exit_code: int
@@ -221,32 +229,147 @@ class RunContext:
 SpecHook = Callable[[RunContext, RunSpec], None]
 
 
+class Due(enum.Enum):
+    """What a run's timers call for at one moment (`RunTimers.due`)."""
+
+    NOTHING = "nothing"
+    CLOSE_IDLE = "close_idle"  # no output and no follow-up for `idle` s: write _close
+    STOP_HARD = "stop_hard"  # no output for `hard` s: stop the container (timed out)
+    KILL_UNSTOPPED = "kill_unstopped"  # a stop (or kill) did not end the output in time
+
+
+class RunTimers:
+    """The idle and hard timers of one run and the stop-then-kill escalation, as plain state.
+
+    No I/O and no asyncio: every event and question takes `now` (seconds on a monotonic
+    clock), so the rules are tested with a fake clock. The run's loop reports events
+    (`on_started`, `on_block`, `on_stop_requested`, `on_kill_sent`), the `RunHandle` reports
+    follow-ups (`on_touch`) and `_close` (`on_close`), and the loop asks `due(now)` what to do
+    and `wait_seconds(now)` how long it may wait for the next output event.
+
+    * The hard timer ends `hard` s after the last output block (or the start). Only output
+      resets it: a follow-up does not keep a silent container alive.
+    * The idle timer ends `idle` s after the last output block or follow-up, and stops
+      counting once the conversation is closed, whoever closed it. An `idle` at or above
+      `hard` becomes `hard * 0.8`.
+    * Once the hard timer has fired (`timed_out`), the container is being stopped and only
+      the stop deadline counts: `STOP_GRACE_SECONDS + STOP_WAIT_SECONDS` after the stop was
+      asked for, then `STOP_WAIT_SECONDS` after each kill, until the output ends.
+    """
+
+    def __init__(self, hard: float, idle: float, now: float) -> None:
+        self.hard = hard
+        if idle >= hard:
+            # A group timeout (or a per-run one) at or below the idle timeout: close the
+            # conversation before the hard stop rather than never.
+            idle = hard * 0.8
+        self.idle = idle
+        self.last_block = now  # the last output block, or the start
+        self.last_activity = now  # the last output block or follow-up, or the start
+        self.closed = False  # _close was written (or its writing attempted)
+        self.timed_out = False  # the hard timer fired; the container is being stopped
+        self.stop_deadline = 0.0  # while timed_out: when to kill it (again)
+
+    # ------------------------------------------------------------------ events
+
+    def on_started(self, now: float) -> None:
+        """The container is running: both timers count from `now`."""
+        self.last_block = self.last_activity = now
+
+    def on_block(self, now: float) -> None:
+        """An output block arrived: both timers start again."""
+        self.last_block = self.last_activity = now
+
+    def on_touch(self, now: float) -> None:
+        """A follow-up was sent: the idle timer starts again (the hard timer does not)."""
+        self.last_activity = now
+
+    def on_close(self) -> None:
+        """The conversation was closed: from now on only the hard timer counts."""
+        self.closed = True
+
+    def on_stop_requested(self, now: float) -> None:
+        """The engine was asked to stop the container because the hard timer fired."""
+        self.timed_out = True
+        self.stop_deadline = now + STOP_GRACE_SECONDS + STOP_WAIT_SECONDS
+
+    def on_kill_sent(self, now: float) -> None:
+        """The container was killed because a stop (or kill) did not end its output."""
+        self.stop_deadline = now + STOP_WAIT_SECONDS
+
+    # ------------------------------------------------------------------ questions
+
+    @property
+    def hard_deadline(self) -> float:
+        """When the hard timer fires unless output comes first."""
+        return self.last_block + self.hard
+
+    @property
+    def idle_deadline(self) -> float:
+        """When the idle timer fires unless output or a follow-up comes first."""
+        return self.last_activity + self.idle
+
+    def next_deadline(self) -> float:
+        """The earliest moment at which `due` can say something other than NOTHING."""
+        if self.timed_out:
+            return self.stop_deadline
+        if self.closed:
+            return self.hard_deadline
+        return min(self.hard_deadline, self.idle_deadline)
+
+    def wait_seconds(self, now: float) -> float:
+        """How long the loop may wait for output before asking `due` again (never < 0)."""
+        return max(self.next_deadline() - now, 0.0)
+
+    def due(self, now: float) -> Due:
+        """What to do at `now`. The hard timer wins over the idle timer when both are due;
+        while the container is being stopped only the kill can be due."""
+        if self.timed_out:
+            return Due.KILL_UNSTOPPED if now >= self.stop_deadline else Due.NOTHING
+        if now >= self.hard_deadline:
+            return Due.STOP_HARD
+        if not self.closed and now >= self.idle_deadline:
+            return Due.CLOSE_IDLE
+        return Due.NOTHING
+
+
 class RunHandle:
     """A running container, as the orchestrator sees it."""
 
-    def __init__(self, runner: ContainerRunner, folder: str, name: str) -> None:
+    def __init__(self, runner: ContainerRunner, folder: str, name: str,
+                 timers: RunTimers) -> None:
         self._runner = runner
         self.folder = folder
         self.name = name
         self.container_id: str | None = None
-        self.last_activity = time.monotonic()
-        self.closed = False
-        self._wake = asyncio.Event()
+        self.timers = timers
+        self._wake = asyncio.Event()  # set by touch(): the run's loop recomputes its wait
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` has run (by the idle timer or by the orchestrator)."""
+        return self.timers.closed
+
+    @property
+    def last_activity(self) -> float:
+        """time.monotonic() of the last output block or follow-up (or the start)."""
+        return self.timers.last_activity
 
     def touch(self) -> None:
         """Reset the idle timer (call after writing a follow-up into input/)."""
-        self.last_activity = time.monotonic()
+        self.timers.on_touch(time.monotonic())
         self._wake.set()
 
     def close(self) -> None:
-        """Write `_close` now: the agent finishes its turn and exits.
+        """Write `_close` now: the agent finishes its turn and exits. Does nothing the second
+        time; never raises.
 
         When the sentinel cannot be written (the container swapped its `input/` folder for a
         symlink or a file), the container is stopped instead.
         """
         if self.closed:
             return
-        self.closed = True
+        self.timers.on_close()
         try:
             self._runner.write_close(self.folder)
         except (agentfs.UnsafePath, OSError) as e:
@@ -255,6 +378,8 @@ class RunHandle:
             self._runner._spawn(self.kill())
 
     async def kill(self) -> None:
+        """SIGKILL the container now; does nothing before it has started. Raises what the
+        runtime's `kill` raises (RuntimeError_, EngineUnavailable)."""
         if self.container_id:
             await asyncio.to_thread(self._runner.runtime.kill, self.container_id)
 
@@ -280,6 +405,7 @@ class ContainerRunner:
         self._hooks.append(hook)
 
     def active(self, folder: str) -> RunHandle | None:
+        """The handle of `folder`'s starting or running container, or None."""
         return self._active.get(folder)
 
     def running(self) -> list[str]:
@@ -410,33 +536,57 @@ class ContainerRunner:
         hard = timeout if timeout is not None else (
             (group.timeout if group and group.timeout else cfg.limits.container_timeout)
             .total_seconds())
-        idle = cfg.limits.idle_timeout.total_seconds()
-        if idle >= hard:
-            # A group timeout (or a per-run one) at or below the idle timeout: close the
-            # conversation before the hard stop rather than never.
-            idle = hard * 0.8
+        timers = RunTimers(hard, cfg.limits.idle_timeout.total_seconds(), time.monotonic())
         spec = await asyncio.to_thread(self.build_spec, folder, input, extra_env=extra_env,
                                        extra_mounts=extra_mounts, command=command, image=image)
         # A stale sentinel would end this run at once.
         await asyncio.to_thread(remove_close, self.layout, folder)
 
-        handle = RunHandle(self, folder, spec.name)
+        handle = RunHandle(self, folder, spec.name, timers)
         self._active[folder] = handle
         try:
-            return await self._run(handle, spec, hard, idle, on_output, t_call)
+            return await self._run(handle, spec, on_output, t_call)
         finally:
             self._active.pop(folder, None)
 
     # ----------------------------------------------------------------- internals
 
-    async def _run(self, handle: RunHandle, spec: RunSpec, hard: float, idle: float,
-                   on_output: OutputCallback | None, t_call: float) -> ContainerResult:
+    async def _run(self, handle: RunHandle, spec: RunSpec, on_output: OutputCallback | None,
+                   t_call: float) -> ContainerResult:
+        """Start the container, follow it until its output ends, and give its result.
+
+        Raises what the runtime's `start` raises. When cancelled, kills and removes the
+        container (also one still starting) and raises CancelledError.
+        """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         t_start_call = time.perf_counter()
+        running = await self._start(spec)
+        t_started = time.perf_counter()
+        handle.container_id = running.id
+        reader = _Reader(running, loop, events, self.cfg.limits.max_output_bytes, spec.name)
+        reader.start()
+        handle.timers.on_started(time.monotonic())
+        followed = _RunLoop(self, handle, running, events, spec.name, on_output)
+        try:
+            await followed.until_eof()
+        except asyncio.CancelledError:
+            # Shutdown or a cancelled job: do not leave the container running.
+            await asyncio.shield(asyncio.to_thread(_kill_quietly, self.runtime, running.id))
+            running.close()
+            self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, running.id))
+            raise
+        return await self._finish(handle, spec, running, reader, followed.outputs, {
+            "call": t_call, "start_call": t_start_call, "started": t_started,
+            "eof": followed.eof_at})
+
+    async def _start(self, spec: RunSpec) -> RunningContainer:
+        """The started container. Raises what the runtime's `start` raises; when cancelled
+        while the engine is starting it, removes it once it is there and raises
+        CancelledError."""
         starting = asyncio.ensure_future(asyncio.to_thread(self.runtime.start, spec))
         try:
-            running = await asyncio.shield(starting)
+            return await asyncio.shield(starting)
         except asyncio.CancelledError:
             # Cancelled while the engine was starting it: remove it once it is there.
             def reap(f: asyncio.Future[RunningContainer]) -> None:
@@ -446,79 +596,14 @@ class ContainerRunner:
 
             starting.add_done_callback(reap)
             raise
-        t_started = time.perf_counter()
-        handle.container_id = running.id
-        reader = _Reader(running, loop, events, self.cfg.limits.max_output_bytes, spec.name)
-        reader.start()
 
-        outputs: list[str] = []
-        timed_out = False
-        stopping = False
-        stop_deadline = 0.0
-        eof_at = 0.0
-        last_block = time.monotonic()
-        handle.last_activity = last_block
-        try:
-            while True:
-                now = time.monotonic()
-                hard_left = last_block + hard - now
-                idle_left = handle.last_activity + idle - now
-                wait = hard_left if (handle.closed or stopping) else min(hard_left, idle_left)
-                if stopping:
-                    # The engine is stopping it and the stream ends soon; if it does not,
-                    # kill it and stop reading rather than hang here.
-                    wait = stop_deadline - now
-                    if wait <= 0:
-                        log.error("container %s did not stop; killing it", spec.name)
-                        await asyncio.to_thread(_kill_quietly, self.runtime, running.id)
-                        running.close()
-                        stop_deadline = now + 30.0
-                        continue
-                if wait <= 0:
-                    if not stopping and hard_left <= 0:
-                        timed_out = True
-                        stopping = True
-                        stop_deadline = now + STOP_GRACE_SECONDS + 30.0
-                        log.warning("container %s: no output for %.0f s, stopping it "
-                                    "(hard timeout)", spec.name, hard)
-                        self._spawn(asyncio.to_thread(self.runtime.stop, running.id,
-                                                      STOP_GRACE_SECONDS))
-                        continue
-                    if not handle.closed and idle_left <= 0:
-                        log.info("container %s: idle for %.0f s, writing _close", spec.name,
-                                 idle)
-                        handle.close()
-                        continue
-                handle._wake.clear()
-                get = asyncio.ensure_future(events.get())
-                woke = asyncio.ensure_future(handle._wake.wait())
-                done, _ = await asyncio.wait({get, woke}, timeout=max(wait, 0.0),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                woke.cancel()
-                if get not in done:
-                    get.cancel()
-                    continue
-                kind, value = get.result()
-                if kind == "block":
-                    outputs.append(value)
-                    last_block = handle.last_activity = time.monotonic()
-                    if on_output is not None:
-                        try:
-                            r = on_output(value)
-                            if inspect.isawaitable(r):
-                                await r
-                        except Exception:
-                            log.exception("output callback for %s failed", spec.name)
-                elif kind == "eof":
-                    eof_at = value  # when the reader thread saw the stream end
-                    break
-        except asyncio.CancelledError:
-            # Shutdown or a cancelled job: do not leave the container running.
-            await asyncio.shield(asyncio.to_thread(_kill_quietly, self.runtime, running.id))
-            running.close()
-            self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, running.id))
-            raise
-
+    async def _finish(self, handle: RunHandle, spec: RunSpec, running: RunningContainer,
+                      reader: _Reader, outputs: list[str],
+                      marks: dict[str, float]) -> ContainerResult:
+        """The result of a run whose output has ended: asks the engine for the exit status
+        (an engine error becomes exit code -1 and the result's error), then has the container
+        removed in the background. `marks` has call, start_call, started and eof; the
+        result's marks add wait_call, waited and done. Never raises for an engine error."""
         error = reader.error
         t_wait = time.perf_counter()
         try:
@@ -533,6 +618,7 @@ class ContainerRunner:
         if reader.parser.dropped_blocks:
             log.warning("container %s: dropped %d oversized output block(s)", spec.name,
                         reader.parser.dropped_blocks)
+        timed_out = handle.timers.timed_out
         status = "timeout" if timed_out else ("success" if exit_code == 0 else "error")
         if status == "error" and error is None:
             error = f"container exited with status {exit_code}"
@@ -545,13 +631,11 @@ class ContainerRunner:
         )
         self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, running.id))
         done_at = time.perf_counter()
-        result.marks = {"call": t_call, "start_call": t_start_call, "started": t_started,
-                        "eof": eof_at, "wait_call": t_wait, "waited": t_waited,
-                        "done": done_at}
+        m = result.marks = {**marks, "wait_call": t_wait, "waited": t_waited, "done": done_at}
         result.timings = {
-            "prepare_ms": (t_start_call - t_call) * 1000,
-            "engine_start_ms": (t_started - t_start_call) * 1000,
-            "exit_to_result_ms": (done_at - eof_at) * 1000,
+            "prepare_ms": (m["start_call"] - m["call"]) * 1000,
+            "engine_start_ms": (m["started"] - m["start_call"]) * 1000,
+            "exit_to_result_ms": (done_at - m["eof"]) * 1000,
             "exit_status_ms": (t_waited - t_wait) * 1000,
         }
         log.info("container %s: %s (exit %d%s, %d block(s), %d stdout bytes)", spec.name,
@@ -563,6 +647,97 @@ class ContainerRunner:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _RunLoop:
+    """One started container, followed until its output ends: each output block goes to the
+    callback, and whatever the run's `RunTimers` say is due is done, one method each."""
+
+    def __init__(self, runner: ContainerRunner, handle: RunHandle, running: RunningContainer,
+                 events: asyncio.Queue[tuple[str, Any]], name: str,
+                 on_output: OutputCallback | None) -> None:
+        self.runner = runner
+        self.handle = handle
+        self.timers = handle.timers
+        self.running = running
+        self.events = events  # ("block", text) and finally ("eof", perf_counter) from _Reader
+        self.name = name
+        self.on_output = on_output
+        self.outputs: list[str] = []
+        self.eof_at = 0.0  # time.perf_counter() when the reader saw the output end
+
+    async def until_eof(self) -> None:
+        """Return when the output has ended (`outputs` and `eof_at` are then final).
+
+        Raises CancelledError when cancelled; the caller kills the container.
+        """
+        while True:
+            now = time.monotonic()
+            due = self.timers.due(now)
+            if due is Due.KILL_UNSTOPPED:
+                await self._kill_unstopped(now)
+            elif due is Due.STOP_HARD:
+                self._stop_hard(now)
+            elif due is Due.CLOSE_IDLE:
+                self._close_idle()
+            else:
+                event = await self._next_event(self.timers.wait_seconds(now))
+                if event is None:  # a deadline came, or a follow-up moved one: look again
+                    continue
+                kind, value = event
+                if kind == "block":
+                    await self._on_block(value)
+                elif kind == "eof":
+                    self.eof_at = value
+                    return
+
+    async def _next_event(self, timeout: float) -> tuple[str, Any] | None:
+        """The reader's next event, or None when `timeout` passed or `touch()` woke us."""
+        self.handle._wake.clear()
+        get = asyncio.ensure_future(self.events.get())
+        woke = asyncio.ensure_future(self.handle._wake.wait())
+        done, _ = await asyncio.wait({get, woke}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        woke.cancel()
+        if get not in done:
+            get.cancel()
+            return None
+        return get.result()
+
+    async def _on_block(self, text: str) -> None:
+        """Keep the block, restart both timers, and hand it to the output callback."""
+        self.outputs.append(text)
+        self.timers.on_block(time.monotonic())
+        if self.on_output is None:
+            return
+        try:
+            r = self.on_output(text)
+            if inspect.isawaitable(r):
+                await r
+        except Exception:  # noqa: BLE001 - a failing callback must not end the run; logged
+            log.exception("output callback for %s failed", self.name)
+
+    def _close_idle(self) -> None:
+        """The idle timer fired: write `_close` so the agent finishes and exits."""
+        log.info("container %s: idle for %.0f s, writing _close", self.name, self.timers.idle)
+        self.handle.close()
+
+    def _stop_hard(self, now: float) -> None:
+        """The hard timer fired: ask the engine to stop the container (in the background);
+        the result will say timed_out."""
+        self.timers.on_stop_requested(now)
+        log.warning("container %s: no output for %.0f s, stopping it (hard timeout)",
+                    self.name, self.timers.hard)
+        self.runner._spawn(asyncio.to_thread(self.runner.runtime.stop, self.running.id,
+                                             STOP_GRACE_SECONDS))
+
+    async def _kill_unstopped(self, now: float) -> None:
+        """The stop did not end the output in time: kill the container and release its
+        stream, so the reader ends rather than the run hanging here."""
+        log.error("container %s did not stop; killing it", self.name)
+        await asyncio.to_thread(_kill_quietly, self.runner.runtime, self.running.id)
+        self.running.close()
+        self.timers.on_kill_sent(now)
 
 
 class _Reader(threading.Thread):
@@ -611,20 +786,32 @@ class _Reader(threading.Thread):
             self._post("eof", time.perf_counter())
 
 
+# What a runtime's kill/remove can raise. RuntimeError_ (EngineUnavailable included) is the
+# runtime interface's own error; OSError is what a transport failure can still raise
+# unwrapped (the docker SDK's request errors, such as a read timeout from a busy engine, are
+# OSErrors); SubprocessError is the Apple CLI runtime's command timeout, also unwrapped.
+_ENGINE_ERRORS = (RuntimeError_, OSError, subprocess.SubprocessError)
+
+
 def _kill_quietly(runtime: ContainerRuntime, cid: str) -> None:
+    """SIGKILL the container. An engine error (`_ENGINE_ERRORS`) is logged, not raised;
+    anything else is a bug and propagates."""
     try:
         runtime.kill(cid)
-    except Exception as e:  # noqa: BLE001
+    except _ENGINE_ERRORS as e:
         log.warning("could not kill container %s: %s", cid[:12], e)
 
 
 def _remove_quietly(runtime: ContainerRuntime, cid: str) -> None:
+    """Remove the container. An engine error (`_ENGINE_ERRORS`) is logged, not raised;
+    anything else is a bug and propagates."""
     try:
         runtime.remove(cid)
-    except Exception as e:  # noqa: BLE001
+    except _ENGINE_ERRORS as e:
         log.warning("could not remove container %s: %s", cid[:12], e)
 
 
 __all__ = ["AGENT_HOME", "AGENT_SETTINGS", "CLOSE_SENTINEL", "OUTPUT_END", "OUTPUT_START",
-           "ContainerInput", "ContainerResult", "ContainerRunner", "OutputParser", "RunContext",
-           "RunHandle", "SpecHook", "parse_all_outputs", "parse_container_output"]
+           "ContainerInput", "ContainerResult", "ContainerRunner", "Due", "OutputParser",
+           "RunContext", "RunHandle", "RunTimers", "SpecHook", "parse_all_outputs",
+           "parse_container_output"]
