@@ -35,7 +35,6 @@ import inspect
 import json
 import logging
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -58,6 +57,7 @@ from mdclaw.runtime import (
     RunningContainer,
     RunSpec,
     RuntimeError_,
+    engine_errors,
     install_labels,
 )
 
@@ -786,28 +786,21 @@ class _Reader(threading.Thread):
             self._post("eof", time.perf_counter())
 
 
-# What a runtime's kill/remove can raise. RuntimeError_ (EngineUnavailable included) is the
-# runtime interface's own error; OSError is what a transport failure can still raise
-# unwrapped (the docker SDK's request errors, such as a read timeout from a busy engine, are
-# OSErrors); SubprocessError is the Apple CLI runtime's command timeout, also unwrapped.
-_ENGINE_ERRORS = (RuntimeError_, OSError, subprocess.SubprocessError)
-
-
 def _kill_quietly(runtime: ContainerRuntime, cid: str) -> None:
-    """SIGKILL the container. An engine error (`_ENGINE_ERRORS`) is logged, not raised;
-    anything else is a bug and propagates."""
+    """SIGKILL the container. An engine error (`runtime.engine_errors()`) is logged, not
+    raised; anything else is a bug and propagates."""
     try:
         runtime.kill(cid)
-    except _ENGINE_ERRORS as e:
+    except engine_errors() as e:
         log.warning("could not kill container %s: %s", cid[:12], e)
 
 
 def _remove_quietly(runtime: ContainerRuntime, cid: str) -> None:
-    """Remove the container. An engine error (`_ENGINE_ERRORS`) is logged, not raised;
-    anything else is a bug and propagates."""
+    """Remove the container. An engine error (`runtime.engine_errors()`) is logged, not
+    raised; anything else is a bug and propagates."""
     try:
         runtime.remove(cid)
-    except _ENGINE_ERRORS as e:
+    except engine_errors() as e:
         log.warning("could not remove container %s: %s", cid[:12], e)
 
 

@@ -15,6 +15,7 @@ The planted-violation tests show the checker fails on each kind of call it is me
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,16 @@ def test_the_door_itself_and_fd_calls_elsewhere_pass() -> None:
     assert violations("os.chmod(p, 0o700)\n", DOOR) == []
     assert violations("os.close(fd)\nos.fstat(fd)\nos.dup(fd)\n", "mdclaw/runner.py") == []
     assert violations("s = name.replace('a', 'b')\n", "mdclaw/runner.py") == []
+
+
+def test_the_code_cites_no_document_outside_the_repository() -> None:
+    """Comments and docstrings say what they mean in place, or point into docs/; no module
+    names the documents the project grew from (the design lives in docs/architecture.md)."""
+    outside = re.compile(r"\bseeds? ?\d{3}\b|\bDESIGN\b|\bNovaBot\b|\bFarmFriend\b|\bseed 00\d",
+                         re.IGNORECASE)
+    sources = list(PACKAGE.rglob("*.py")) + list((ROOT / "container").rglob("*.py"))
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in sources
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if outside.search(line)]
+    assert found == [], "\n".join(found)
+    assert outside.search("What a run does (seed 004's runContainer)")  # the check bites
