@@ -124,6 +124,15 @@ class Removals:
                 raise TimeoutError(name)
 
 
+def one_task_per_group(ipc: Path, groups: list[str]) -> None:
+    """Give each group one task (`t-<group>`), as command files the loop applies at start."""
+    for g in groups:
+        stage(ipc / g / "tasks" / "0-setup.json",
+              {"type": "schedule_task", "taskId": f"t-{g}", "prompt": "p",
+               "schedule_type": "cron", "schedule_value": "0 8 * * *"}).rename(
+            ipc / g / "tasks" / "0-setup.json")
+
+
 def stage(path: Path, body: dict) -> Path:
     """Write a command as a dot-file (ignored by the engine) ready to be renamed in."""
     tmp = path.parent / f".{path.name}.tmp"

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc_common import Removals, emit, make_data_dir, serve, stage
+from ipc_common import Removals, emit, make_data_dir, one_task_per_group, serve, stage
 
 
 def _stats(name: str, values: list[float], **common: object) -> None:
@@ -44,11 +44,7 @@ def main() -> None:
         cfg = make_data_dir(root, args.groups)
         ipc = root / "data" / "ipc"
         groups = [f"g{i:03d}" for i in range(args.groups)]
-        for g in groups:  # one task per group, created before the loop starts
-            stage(ipc / g / "tasks" / "0-setup.json",
-                  {"type": "schedule_task", "taskId": f"t-{g}", "prompt": "p",
-                   "schedule_type": "cron", "schedule_value": "0 8 * * *"}).rename(
-                ipc / g / "tasks" / "0-setup.json")
+        one_task_per_group(ipc, groups)  # created before the loop starts
         server = serve(cfg, inotify=not args.no_inotify, poll=args.poll)
         renamed: dict[str, int] = {}
         removed: list[float] = []

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ipc_common import Removals, emit, make_data_dir, serve, stage
+from ipc_common import Removals, emit, make_data_dir, one_task_per_group, serve, stage
 
 FILE_BYTES = 64 * 1024 * 1024
 
@@ -62,11 +62,7 @@ def main() -> None:
         ipc = data / "ipc"
         sender = "g050"
         others = [f"g{i:03d}" for i in range(args.groups) if f"g{i:03d}" != sender]
-        for g in others:
-            stage(ipc / g / "tasks" / "0-setup.json",
-                  {"type": "schedule_task", "taskId": f"t-{g}", "prompt": "p",
-                   "schedule_type": "cron", "schedule_value": "0 8 * * *"}).rename(
-                ipc / g / "tasks" / "0-setup.json")
+        one_task_per_group(ipc, others)
         big = data / "groups" / sender / "big.bin"
         big.parent.mkdir(parents=True, exist_ok=True)
         with open(big, "wb") as f:
