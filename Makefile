@@ -9,10 +9,7 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# compat: a plain path entry for the checkout (setuptools' default editable mode prints a
-	# warning box about folders that could shadow the package on every install).
-	$(PY) -m pip install --quiet -e '.[test,lint,claude]' --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e '.[test,lint,claude]'
 	touch $@
 
 run: $(VENV)/.installed
