@@ -322,7 +322,10 @@ class Group(Frozen):
     mounts: tuple[GroupMount, ...] = Field((), description="Extra host folders for this group.")
     timeout: Duration | None = Field(None, description="Hard container timeout for this group.")
     model: str | None = Field(None, description="Model for this group: a key of `models`.")
-    network: str | None = Field(None, description="Container network; default none (no network).")
+    network: str | None = Field(
+        None, description="Container network: `none` (the default: no network at all), or a "
+        "network named in `runtime.allowed_networks`; `host` only with "
+        "`runtime.allow_host_network: true`.")
     allow_senders: AllowSenders | None = Field(
         None, description="Who may drive this group's agent, e.g. {mode: trigger, ids: "
         "['123456789']}; unset: everyone in the chat may (docs/configuration.md: 'Who may drive "
@@ -337,6 +340,9 @@ class Group(Frozen):
     proxy_requests_per_minute: int | None = Field(
         None, ge=1, description="Model requests per minute this group may send through the "
         "credential proxy (overrides `limits.proxy_requests_per_minute`).")
+    tokens_per_day: int | None = Field(
+        None, ge=1, description="Model tokens (input + output) this group may use per UTC "
+        "day through the credential proxy (overrides `limits.tokens_per_day`).")
 
     @model_validator(mode="after")
     def _telegram_sender_ids(self) -> Group:
@@ -410,6 +416,12 @@ class Limits(Frozen):
         300, ge=1, description="Model requests one group may send through the credential "
         "proxy per minute (bursts up to this many); more get HTTP 429 with a Retry-After. "
         "Per group: `groups.<g>.proxy_requests_per_minute`.")
+    tokens_per_day: int | None = Field(
+        None, ge=1, description="Model tokens (input + output, as the API reports them) one "
+        "group may use per UTC day through the credential proxy. Past it every model request "
+        "of the group is refused (HTTP 429, `mdclaw_over_budget`) until midnight UTC, and its "
+        "chat is told when the budget resets. null: no budget. Per group: "
+        "`groups.<g>.tokens_per_day`.")
 
     @model_validator(mode="after")
     def _idle_below_hard(self) -> Limits:
@@ -431,6 +443,23 @@ class Runtime(Frozen):
         description="Label value that keeps two installs on one host apart "
                     "(default: data_dir hash).",
     )
+    allowed_networks: tuple[str, ...] = Field(
+        (), description="Container networks a group's `network:` may name besides `none` "
+        "(e.g. a network made with `docker network create`). Empty: every container runs "
+        "without a network.")
+    allow_host_network: bool = Field(
+        False, description="Let a group's `network:` be `host`: the container then shares the "
+        "host's network namespace and reaches every service listening on the host, "
+        "localhost included. Off unless set to true here.")
+
+    @model_validator(mode="after")
+    def _host_is_explicit(self) -> Runtime:
+        if "host" in self.allowed_networks and not self.allow_host_network:
+            raise CrossKeyError([(("allowed_networks",),
+                "'host' cannot be allowed in this list: it shares the host's network with "
+                "the container; remove it, or, if you mean it, set "
+                "`runtime.allow_host_network: true`")])
+        return self
 
 
 class AllowedRoot(Frozen):
@@ -452,6 +481,11 @@ class ModelSpec(Frozen):
     base_url: str | None = Field(None, pattern=r"^https?://",
                                  description="API base URL (default: the provider's).")
     api_key_file: SecretFile | None = Field(None, description="File holding the API key.")
+    allow_models: tuple[str, ...] = Field(
+        (), description="Other model names an agent may ask for with this entry's key. The "
+        "credential proxy sends every request with `model` set to this entry's `model`, "
+        "unless the request names one of these (the claude CLI asks for a small model for "
+        "side tasks, e.g. `claude-haiku-4-5`).")
 
 
 class HttpChannel(Frozen):
@@ -595,6 +629,40 @@ class Config(_Settings):
         return (conns or self.limits.proxy_connections,
                 rate or self.limits.proxy_requests_per_minute)
 
+    def token_budget(self, folder: str) -> int | None:
+        """Model tokens the group may use per UTC day (groups.<g>.tokens_per_day, else
+        limits.tokens_per_day); None: no budget."""
+        group = self.groups.get(folder)
+        if group is not None and group.tokens_per_day:
+            return group.tokens_per_day
+        return self.limits.tokens_per_day
+
+    def network_for(self, folder: str) -> str:
+        """The container network of the group: `none` unless its `network:` names one the
+        config allows (an unknown group, or one not allowed, gets `none`)."""
+        group = self.groups.get(folder)
+        net = group.network if group is not None and group.network else "none"
+        return net if network_problem(self.runtime, net) is None else "none"
+
+
+def network_problem(runtime: Runtime, network: str) -> str | None:
+    """Why a group may not use container network `network`, with the fix; None if it may."""
+    if network == "none":
+        return None
+    if network == "host":
+        if runtime.allow_host_network:
+            return None
+        return ("'host' shares the host's network with the container (every service on "
+                "the host, localhost included, becomes reachable by the agent): remove "
+                "`network:` (no network), or, if you mean it, set "
+                "`runtime.allow_host_network: true`")
+    if network in runtime.allowed_networks:
+        return None
+    listed = (f"allowed: none, {', '.join(runtime.allowed_networks)}"
+              if runtime.allowed_networks else "runtime.allowed_networks is empty")
+    return (f"{network!r} is not an allowed network ({listed}): remove `network:` (no "
+            f"network), or add {network!r} to `runtime.allowed_networks`")
+
 
 def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                        ) -> tuple[list[Problem], list[tuple[tuple[str, ...], ...]]]:
@@ -628,6 +696,10 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 "group; give this group its own chat or remove one of the two")
         else:
             seen[g.jid] = folder
+        if g.network is not None:
+            why = network_problem(cfg.runtime, g.network)
+            if why:
+                add(("groups", folder, "network"), why, ("runtime",))
         if g.model is not None and g.model not in cfg.models:
             add(("groups", folder, "model"),
                 f"{g.model!r} is not in models ({_choices(names['models'], 'models')}): "

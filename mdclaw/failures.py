@@ -142,6 +142,16 @@ _CAUSES = (
 )
 
 CAUSES: dict[str, Cause] = {c.name: c for c in _CAUSES}
+
+# How the credential proxy's refusal for a group's daily token budget begins (see
+# mdclaw/proxy.py budget_message): an over_budget failure whose API message starts so is the
+# host's own budget, not the provider's account, and the message says when it resets.
+BUDGET_PREFIX = "This chat has used its model budget for today"
+
+
+def is_group_budget(failure: TurnFailure) -> bool:
+    return failure.cause == "over_budget" and (failure.api_message or "").startswith(
+        BUDGET_PREFIX)
 UNKNOWN = "agent_crash"
 
 
@@ -282,6 +292,8 @@ def _fields(failure: TurnFailure, ctx: dict[str, Any]) -> dict[str, str]:
 
 def describe(failure: TurnFailure, ctx: dict[str, Any] | None = None) -> str:
     """What went wrong, as the chat is told (no 'what happens now')."""
+    if is_group_budget(failure):
+        return str(failure.api_message)
     c = rule(failure.cause)
     return c.what.format(**_fields(failure, ctx or {}))
 
@@ -297,6 +309,9 @@ def chat_message(failure: TurnFailure, ctx: dict[str, Any] | None = None, *,
     ctx = ctx or {}
     c = rule(failure.cause)
     what = describe(failure, ctx)
+    if is_group_budget(failure):
+        return (f"{what} Please send your message again after that; the server's operator "
+                "can raise the budget (limits.tokens_per_day).")
     if outcome == "retry":
         return f"{what} I'll try again in {fmt_seconds(delay or 0)}."
     if outcome == "gave_up":
@@ -354,6 +369,7 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
     return text
 
 
-__all__ = ["CAUSES", "CONFIG", "DETERMINISTIC", "TRANSIENT", "Cause", "TurnFailure",
-           "chat_message", "describe", "fmt_seconds", "from_exception", "from_result",
-           "plural_times", "redact", "retry_delay", "rule", "server_name", "trimmed_notice"]
+__all__ = ["BUDGET_PREFIX", "CAUSES", "CONFIG", "DETERMINISTIC", "TRANSIENT", "Cause",
+           "TurnFailure", "chat_message", "describe", "fmt_seconds", "from_exception",
+           "from_result", "is_group_budget", "plural_times", "redact", "retry_delay", "rule",
+           "server_name", "trimmed_notice"]

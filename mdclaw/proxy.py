@@ -10,6 +10,12 @@ proxy:
   /v1/chat/completions for openai, and a few read-only ones) — anything else is 404;
 - drops whatever credentials the client sent and injects the real one, read from the
   model's `api_key_file` (never logged, never sent back);
+- sends the group's configured model whatever the request names: a request body must be a
+  JSON object, and its `model` is set to the configured one unless it names one of the
+  entry's `allow_models` (the key is paid for the models the operator chose, not the ones
+  the agent prefers);
+- refuses every request of a group that used its daily token budget
+  (`limits.tokens_per_day`) with HTTP 429 `mdclaw_over_budget`, saying when it resets;
 - forwards to the configured upstream and streams the answer back as it arrives;
 - counts the request and the tokens the API reports in the state database (`model_usage`),
   per group, model and UTC day — `mdclaw usage` shows them.
@@ -38,14 +44,17 @@ import socket
 import sqlite3
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import aiohttp
 from aiohttp import web
 
 from mdclaw import agentfs
 from mdclaw.config import Config, ModelSpec, read_secret
+from mdclaw.failures import BUDGET_PREFIX
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.state import Database, now_iso
 
@@ -101,6 +110,7 @@ class Upstream:
     model: str | None
     base_url: str
     api_key_file: Path | None = None
+    allow_models: tuple[str, ...] = ()
 
     def url_for(self, path: str, query: str) -> str:
         base = self.base_url.rstrip("/")
@@ -126,7 +136,34 @@ class Upstream:
             return cls(backend="claude", model=None, base_url=DEFAULT_BASE_URLS["claude"])
         return cls(backend=spec.backend, model=spec.model,
                    base_url=spec.base_url or DEFAULT_BASE_URLS[spec.backend],
-                   api_key_file=spec.api_key_file)
+                   api_key_file=spec.api_key_file, allow_models=spec.allow_models)
+
+    def pin_model(self, body: bytes) -> tuple[bytes, str]:
+        """(the body to forward, the model it names) for a request body of the agent: the
+        configured model replaces whatever the body names, unless that is one of
+        `allow_models`. The body is parsed and written again, so the upstream reads exactly
+        what was checked (no duplicate keys). Without a configured model the body goes as
+        it is. Raises ValueError when the body is not a JSON object."""
+        if self.model is None:
+            return body, _named_model(body) or ""
+        try:
+            sent = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("the request body is not JSON") from None
+        if not isinstance(sent, dict):
+            raise ValueError("the request body is not a JSON object")
+        asked = sent.get("model")
+        if not (isinstance(asked, str) and asked in self.allow_models):
+            sent["model"] = self.model
+        return json.dumps(sent, separators=(",", ":")).encode(), sent["model"]
+
+
+def _named_model(body: bytes) -> str | None:
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        sent = json.loads(body)
+        if isinstance(sent, dict) and isinstance(sent.get("model"), str):
+            return str(sent["model"])[:128]
+    return None
 
 
 def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | None]:
@@ -270,6 +307,33 @@ def record_usage_batch(db: Database, rows: dict[tuple[str, str, str], list[int]]
                                    for (f, d, m), (r, e, i, o) in rows.items()])
 
 
+def tokens_on_day(db: Database, folder: str, day: str) -> int:
+    """Tokens (input + output) the group's requests used on UTC day `day` (YYYY-MM-DD), as
+    written to the database."""
+    rows = db.query("SELECT COALESCE(SUM(input_tokens + output_tokens), 0) AS n "
+                    "FROM model_usage WHERE group_folder = ? AND day = ?", (folder, day))
+    return int(rows[0]["n"]) if rows else 0
+
+
+def next_reset(now: datetime | None = None) -> datetime:
+    """When the daily token budgets start again: the next midnight UTC."""
+    now = now or datetime.now(UTC)
+    return datetime(now.year, now.month, now.day, tzinfo=UTC) + timedelta(days=1)
+
+
+def budget_message(used: int, budget: int, timezone: str = "UTC",
+                   now: datetime | None = None) -> str:
+    """What the agent (and through it the chat) is told when the group is over its budget:
+    how much, and when it resets, in UTC and in the assistant's timezone."""
+    reset = next_reset(now)
+    when = "midnight UTC"
+    if timezone != "UTC":
+        with contextlib.suppress(Exception):
+            local = reset.astimezone(ZoneInfo(timezone))
+            when += f", {local:%H:%M} in {timezone}"
+    return f"{BUDGET_PREFIX} ({used} of {budget} tokens). It resets at {when}."
+
+
 def usage_rows(db: Database, *, group: str | None = None,
                since_day: str | None = None) -> list[dict[str, Any]]:
     """Usage totals per group and model (summed over days from `since_day` on)."""
@@ -296,12 +360,16 @@ class _Caps:
     """One group's limits on its socket: open connections, and requests as a token bucket
     (`per_minute` tokens at most, refilled at `per_minute` a minute)."""
 
-    def __init__(self, max_connections: int, per_minute: int) -> None:
+    def __init__(self, max_connections: int, per_minute: int,
+                 tokens_per_day: int | None = None, timezone: str = "UTC") -> None:
         self.max_connections = max_connections
         self.per_minute = per_minute
+        self.tokens_per_day = tokens_per_day
+        self.timezone = timezone
         self.open = 0
         self.refused = 0  # connections closed at accept time
         self.limited = 0  # requests answered 429
+        self.over_budget = 0  # requests refused for the daily token budget
         self._tokens = float(per_minute)
         self._at = time.monotonic()
 
@@ -520,6 +588,9 @@ class CredentialProxy:
         self.last_failure: dict[str, tuple[str, float]] = {}
         # folder -> request handlers under way (cancelled when the group's proxy stops).
         self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
+        # folder -> [UTC day, tokens used that day] (the database's count plus every request
+        # counted since it was read), for the daily token budget.
+        self._today: dict[str, list[Any]] = {}
 
     def socket_path(self, folder: str) -> Path:
         return self.layout.proxy_socket(folder)
@@ -547,9 +618,12 @@ class CredentialProxy:
 
     async def start_group(self, folder: str, upstream: Upstream, *,
                           max_connections: int | None = None,
-                          requests_per_minute: int | None = None) -> Path:
+                          requests_per_minute: int | None = None,
+                          tokens_per_day: int | None = None,
+                          timezone: str = "UTC") -> Path:
         """Serve `folder`'s socket (replacing a stale one); return its path. The caps
-        default to the proxy's own.
+        default to the proxy's own; `tokens_per_day` None: no token budget (`timezone` is
+        the one the budget's reset time is told in).
 
         Raises ProxyError if the socket cannot be made.
         """
@@ -561,7 +635,8 @@ class CredentialProxy:
         except (OSError, agentfs.UnsafePath) as e:
             raise ProxyError(f"cannot listen on {path}: {e}") from None
         caps = _Caps(max_connections or self.max_connections,
-                     requests_per_minute or self.requests_per_minute)
+                     requests_per_minute or self.requests_per_minute,
+                     tokens_per_day, timezone)
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream, caps))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -591,7 +666,9 @@ class CredentialProxy:
         _key, spec = model_for_group(cfg, folder)
         conns, rate = cfg.proxy_caps(folder)
         return await self.start_group(folder, Upstream.from_spec(spec), max_connections=conns,
-                                      requests_per_minute=rate)
+                                      requests_per_minute=rate,
+                                      tokens_per_day=cfg.token_budget(folder),
+                                      timezone=cfg.group_timezone())
 
     @contextlib.asynccontextmanager
     async def for_run(self, cfg: Config, folder: str):  # noqa: ANN201 - async generator
@@ -618,6 +695,10 @@ class CredentialProxy:
             task.cancel()
         await site.listener.close()
         await site.runner.cleanup()
+        if site.caps.over_budget:
+            log.warning("group %s: the model proxy refused %d request(s) over the daily "
+                        "budget of %d tokens", folder, site.caps.over_budget,
+                        site.caps.tokens_per_day or 0)
         if site.caps.refused or site.caps.limited:
             log.warning("group %s: the model proxy closed %d connection(s) over the cap of %d "
                         "and answered %d request(s) over %d a minute with 429", folder,
@@ -649,7 +730,24 @@ class CredentialProxy:
             return None
         c = site.caps
         return {"max_connections": c.max_connections, "open": c.open, "refused": c.refused,
-                "requests_per_minute": c.per_minute, "limited": c.limited}
+                "requests_per_minute": c.per_minute, "limited": c.limited,
+                "tokens_per_day": c.tokens_per_day or 0, "over_budget": c.over_budget}
+
+    async def tokens_today(self, folder: str) -> int:
+        """Tokens the group used today (UTC): the database's rows plus the counts not yet
+        written. Read from the database once a day per group, then kept up to date by
+        every counted request."""
+        day = now_iso()[:10]
+        got = self._today.get(folder)
+        if got is not None and got[0] == day:
+            return int(got[1])
+        async with self._flush_lock:  # no counts in flight between memory and database
+            n = (await asyncio.to_thread(tokens_on_day, self.db, folder, day)
+                 if self.db is not None else 0)
+            n += sum(v[2] + v[3] for (f, d, _m), v in self._unflushed.items()
+                     if f == folder and d == day)
+            self._today[folder] = [day, n]
+        return n
 
     # ------------------------------------------------------------------ request path
     def _make_handler(self, folder: str, upstream: Upstream, caps: _Caps):  # noqa: ANN202
@@ -678,6 +776,10 @@ class CredentialProxy:
                     {"error": {"type": "not_found",
                                "message": f"{request.method} {request.path} is not a model "
                                           "API path this proxy forwards"}}, status=404)
+            if caps.tokens_per_day is not None:
+                used = await self.tokens_today(folder)
+                if used >= caps.tokens_per_day:
+                    return self._over_budget(folder, caps, used)
             task = asyncio.current_task()
             inflight = self._inflight.setdefault(folder, set())
             if task is not None:
@@ -690,15 +792,37 @@ class CredentialProxy:
 
         return handle
 
+    def _over_budget(self, folder: str, caps: _Caps, used: int) -> web.Response:
+        caps.over_budget += 1
+        if caps.over_budget == 1:
+            log.warning("group %s: used %d model tokens today, over its budget of %d; "
+                        "refusing its model requests until midnight UTC", folder, used,
+                        caps.tokens_per_day)
+        self._note_failure(folder, "over_budget")
+        seconds = max(1, math.ceil((next_reset() - datetime.now(UTC)).total_seconds()))
+        assert caps.tokens_per_day is not None
+        return web.json_response(
+            {"type": "error",
+             "error": {"type": "mdclaw_over_budget",
+                       "message": budget_message(used, caps.tokens_per_day, caps.timezone)}},
+            # x-should-retry: the model SDKs' own retries would only be refused again.
+            status=429, headers={"retry-after": str(seconds), "x-should-retry": "false"})
+
     async def _forward(self, request: web.Request, folder: str,
                        upstream: Upstream) -> web.StreamResponse:
         body = await request.read()
         model = upstream.model or ""
-        if body:
-            with contextlib.suppress(ValueError, UnicodeDecodeError):
-                sent = json.loads(body)
-                if isinstance(sent, dict) and isinstance(sent.get("model"), str):
-                    model = sent["model"][:128]
+        if request.method == "POST":
+            try:
+                body, model = upstream.pin_model(body)
+            except ValueError as e:
+                return web.json_response(
+                    {"type": "error", "error": {"type": "mdclaw_bad_request",
+                                                "message": f"{e}; mdclaw's model proxy "
+                                                           "forwards JSON objects only"}},
+                    status=400)
+        else:
+            body = b""  # GET /v1/models: nothing for the upstream to read
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in DROP_REQUEST_HEADERS}
         try:
@@ -745,9 +869,9 @@ class CredentialProxy:
             counter.finish()
             if ok:
                 self.last_failure.pop(folder, None)
-            # The body's model name is the container's word: keep it only when the API
-            # accepted the request, so made-up names cannot fill the usage table.
-            self._count(folder, model if ok else (upstream.model or ""), ok=ok, usage=counter)
+            # The model is the configured one (or an allowed one): made-up names cannot
+            # fill the usage table.
+            self._count(folder, model, ok=ok, usage=counter)
         return response
 
     def _note_failure(self, folder: str, cause: str) -> None:
@@ -786,9 +910,13 @@ class CredentialProxy:
         s["output_tokens"] += tout
         if folder in self._sites:
             self._sites[folder].requests += 1
+        day = now_iso()[:10]
+        today = self._today.get(folder)
+        if today is not None and today[0] == day:
+            today[1] += tin + tout
         if self.db is None:
             return
-        row = self._unflushed.setdefault((folder, now_iso()[:10], model), [0, 0, 0, 0])
+        row = self._unflushed.setdefault((folder, day, model), [0, 0, 0, 0])
         row[0] += 1
         row[1] += 0 if ok else 1
         row[2] += tin

@@ -502,7 +502,7 @@ class ContainerRunner:
             mounts=mounts,
             user="1000:1000",
             group_add=[str(gid)] if gid != 1000 else [],
-            network=(group.network if group and group.network else "none"),
+            network=cfg.network_for(folder),
             memory=lim.memory, cpus=lim.cpus, pids=lim.pids,
         )
         ctx = RunContext(folder, is_main, group_dir, ipc_dir, cfg)

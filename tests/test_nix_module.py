@@ -252,7 +252,7 @@ def test_a_good_config_of_every_kind_evaluates(lib: Path, tmp_path: Path, cli) -
         channels.telegram = { token_file = "$CREDENTIALS_DIRECTORY/tg"; api_base = "http://127.0.0.1:8081"; };
         channels.http = { enabled = false; secret_file = "/run/credentials/mdclaw.service/web"; };
         limits = { idle_timeout = 60000; ipc_poll_interval = "500ms"; memory = "1g"; pids = 256; };
-        runtime.install_id = "home-1";
+        runtime = { install_id = "home-1"; allowed_networks = [ "bridge" ]; };
         tasks = [ { id = "t1"; group = "main"; prompt = "p"; interval = "1h"; context_mode = "group"; }
                   { id = "t2"; group = "main"; prompt = "p"; once = "2030-01-01T08:00:00"; timezone = "UTC"; catch_up = false; } ];
       };

@@ -105,7 +105,8 @@ def test_build_spec_applies_hooks_limits_and_the_defaults(tmp_path) -> None:
     cfg = Config(data_dir=tmp_path / "data", groups={
         "main": {"name": "A", "jid": "tg:1", "main": True},
         "fam": {"name": "F", "jid": "tg:2", "network": "bridge"}},
-        limits={"memory": "1g", "cpus": 1.5, "pids": 100})
+        limits={"memory": "1g", "cpus": 1.5, "pids": 100},
+        runtime={"allowed_networks": ["bridge"]})
     runner = ContainerRunner(cfg, DockerRuntime(f"unix://{tmp_path}/none.sock"))
     seen = []
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from mdclaw.commands.common import load_or_exit, open_db_or_exit
 from mdclaw.commands.output import print_rows
 from mdclaw.schedule import utc_now
 
+if TYPE_CHECKING:
+    from mdclaw.config import Config
+    from mdclaw.state import Database
+
 USAGE_FIELDS = ("group_folder", "model", "requests", "errors", "input_tokens", "output_tokens",
                 "first_day", "last_day")
+BUDGET_FIELDS = ("group_folder", "day", "tokens_today", "tokens_per_day", "over")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -19,8 +25,28 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--group", "-g", metavar="FOLDER", help="only this group")
     p.add_argument("--days", type=int, metavar="N",
                    help="only the last N days (UTC), today included")
+    p.add_argument("--budgets", action="store_true",
+                   help="only each group's tokens today against its daily budget "
+                        "(limits.tokens_per_day)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_usage)
+
+
+def budget_rows(cfg: Config, db: Database, group: str | None = None) -> list[dict[str, Any]]:
+    """Per configured group with a daily token budget: the tokens it used today (UTC, as
+    written by the proxy, which flushes every few seconds) against the budget."""
+    from mdclaw.proxy import tokens_on_day
+
+    day = utc_now().strftime("%Y-%m-%d")
+    out = []
+    for folder in sorted(cfg.groups):
+        budget = cfg.token_budget(folder)
+        if budget is None or (group and folder != group):
+            continue
+        used = tokens_on_day(db, folder, day)
+        out.append({"group_folder": folder, "day": day, "tokens_today": used,
+                    "tokens_per_day": budget, "over": used >= budget})
+    return out
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
@@ -36,11 +62,23 @@ def cmd_usage(args: argparse.Namespace) -> int:
     db = open_db_or_exit(cfg)
     try:
         rows = usage_rows(db, group=args.group, since_day=since)
+        budgets = budget_rows(cfg, db, args.group)
     finally:
         db.close()
+    if args.budgets:
+        print_rows(budgets, BUDGET_FIELDS, as_json=args.json,
+                   empty="no group has a daily token budget (limits.tokens_per_day)")
+        return 0
     print_rows(rows, USAGE_FIELDS, as_json=args.json, empty="no model requests recorded")
     if rows and not args.json:
         print(f"total: {sum(r['requests'] for r in rows)} request(s), "
               f"{sum(r['input_tokens'] for r in rows)} input and "
               f"{sum(r['output_tokens'] for r in rows)} output token(s)")
+    if budgets and not args.json:
+        print(f"daily token budgets ({budgets[0]['day']}, UTC; they reset at midnight UTC):")
+        for b in budgets:
+            over = " (over budget: model requests refused until midnight UTC)" \
+                if b["over"] else ""
+            print(f"  {b['group_folder']}: {b['tokens_today']} of {b['tokens_per_day']} "
+                  f"tokens today{over}")
     return 0

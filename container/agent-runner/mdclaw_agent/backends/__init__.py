@@ -91,6 +91,10 @@ def classify_http(status: int, body: str, retry_after: str | None = None) -> Bac
         return BackendError(head, "turn_timeout", http_status=status)
     if "mdclaw_key_unreadable" in low:
         return BackendError(head, "key_missing", http_status=status)
+    if "mdclaw_over_budget" in low:
+        # The host's daily token budget for this group: refused until it resets (the
+        # message says when); not retried.
+        return BackendError(head, "over_budget", http_status=status, api_message=message)
     if "mdclaw_proxy_busy" in low or "mdclaw_proxy_rate_limited" in low:
         # The host's own caps on this group's connections and requests: wait and retry.
         try:
@@ -118,9 +122,22 @@ def classify_http(status: int, body: str, retry_after: str | None = None) -> Bac
     return BackendError(head, "model_refused", http_status=status, api_message=message)
 
 
+_BUDGET_MESSAGE = re.compile(r'mdclaw_over_budget\\?"\s*,\s*\\?"message\\?"\s*:\s*\\?"'
+                             r'([^"\\]{1,300})')
+
+
+def budget_message(text: str) -> str | None:
+    """The host's over-budget message (which says when the budget resets) out of an error
+    known only as text, when the text carries the proxy's JSON answer."""
+    m = _BUDGET_MESSAGE.search(text)
+    return m.group(1) if m else None
+
+
 def classify_text(text: str) -> str:
     """A cause for an error known only as text (the claude backend's CLI errors)."""
     low = text.lower()
+    if "mdclaw_over_budget" in low:
+        return "over_budget"
     m = re.search(r"api error:? (\d{3})", low) or re.search(r"\bstatus(?: code)?:? (\d{3})", low)
     if m:
         return classify_http(int(m.group(1)), text).cause

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from mdclaw_agent.backends import BackendError, TurnResult, classify_text
+from mdclaw_agent.backends import BackendError, TurnResult, budget_message, classify_text
 from mdclaw_agent.tools import Tool, ToolContext, run_tool
 
 log = logging.getLogger("mdclaw_agent.claude")
@@ -201,13 +201,14 @@ class ClaudeBackend:
                                        "agent_crash") from None
             except Exception as e:  # noqa: BLE001 - SDK and CLI errors alike
                 text = f"the Claude CLI failed: {e}"
-                raise BackendError(text, classify_text(text)) from None
+                raise BackendError(text, classify_text(text),
+                                   api_message=budget_message(text)) from None
         result, session_id, error = collect_result(messages)
         if session_id:
             self.session_id = session_id
         if error:
             cause = ("over_budget" if "max_budget" in error else classify_text(error))
-            raise BackendError(error, cause)
+            raise BackendError(error, cause, api_message=budget_message(error))
         return TurnResult(result, self.session_id)
 
     def close(self) -> None:
