@@ -97,8 +97,8 @@ class Env:
         return self.engine.drain()
 
     def errors_for(self, group: str, name: str) -> dict[str, Any] | None:
-        p = self.errors / f"{group}-{name}.error.json"
-        return json.loads(p.read_text()) if p.exists() else None
+        found = list(self.errors.glob(f"{group}.*.{name}.error.json"))
+        return json.loads(found[0].read_text()) if found else None
 
     def pending(self, group: str, sub: str = "tasks") -> list[str]:
         return sorted(n for n in os.listdir(self.ipc / group / sub) if n.endswith(".json"))

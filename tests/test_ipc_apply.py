@@ -306,7 +306,7 @@ def test_quarantine_is_capped_and_pruning_is_logged(tmp_path: Path,
         with caplog.at_level(logging.WARNING, logger="mdclaw.ipc"):
             assert e.drain().rejected == 15
         left = sorted(p.name for p in e.errors.iterdir() if p.name.endswith(".error.json"))
-        assert left == sorted(f"family-{n}.error.json" for n in names[5:])
+        assert left == sorted(f"family.tasks.{n}.error.json" for n in names[5:])
         assert "pruned the 1 oldest entry" in caplog.text
         assert "unknown command type 'bogus'" in caplog.text
         assert e.engine.quarantine.count == 10
@@ -501,3 +501,50 @@ def test_adding_an_action_handler(env: Env) -> None:
             "requestId": "e2", "status": "error", "error": "asked to fail", "executedAt": None}
     finally:
         HANDLERS.pop("test_echo", None)
+
+
+def test_quarantine_names_of_two_groups_cannot_collide(tmp_path: Path) -> None:
+    """Group `a-b`'s c.json and group `a`'s b-c.json were one entry, `a-b-c.json.error`,
+    under the old naming: the second overwrote the first. So were messages/x.json and
+    tasks/x.json of one group."""
+    from mdclaw import agentfs
+    from mdclaw.ipc.quarantine import Quarantine, list_errors
+
+    errors = tmp_path / "errors"
+    q = Quarantine(errors, 100, 1 << 20)
+    for group, sub, name in (("a-b", "tasks", "c.json"), ("a", "tasks", "b-c.json"),
+                             ("a", "messages", "b-c.json")):
+        src = tmp_path / "ipc" / group / sub
+        src.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(f"{group}/{sub}")
+        fd = agentfs.open_root(src)
+        try:
+            q.put(group, fd, sub, name, f"bad {group}/{sub}")
+        finally:
+            os.close(fd)
+    q.close()
+    entries = list_errors(errors)
+    assert len(entries) == 3
+    assert sorted((e.source_group, e.original_file, e.error) for e in entries) == [
+        ("a", "messages/b-c.json", "bad a/messages"), ("a", "tasks/b-c.json", "bad a/tasks"),
+        ("a-b", "tasks/c.json", "bad a-b/tasks")]
+    payloads = sorted(p.read_text() for p in errors.iterdir() if p.name.endswith(".error"))
+    assert payloads == ["a-b/tasks", "a/messages", "a/tasks"]
+
+
+def test_old_quarantine_names_are_renamed_at_start(tmp_path: Path) -> None:
+    from mdclaw.ipc.quarantine import Quarantine, list_errors
+
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    (errors / "a-b-c.json.error").write_text("payload")
+    (errors / "a-b-c.json.error.json").write_text(json.dumps(
+        {"original_file": "tasks/c.json", "source_group": "a-b", "error": "old",
+         "processed_at": "2026-01-01T00:00:00.000Z"}))
+    (errors / "junk.error.json").write_text("not json")  # left alone
+    q = Quarantine(errors, 100, 1 << 20)
+    assert q.count == 2
+    q.close()
+    assert (errors / "a-b.tasks.c.json.error").read_text() == "payload"
+    assert not (errors / "a-b-c.json.error").exists()
+    assert [e.name for e in list_errors(errors)] == ["a-b.tasks.c.json.error"]

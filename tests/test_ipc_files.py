@@ -93,7 +93,7 @@ def test_hostile_corpus_each_quarantined_with_reason(env: Env, tmp_path: Path) -
         assert reason in meta["error"], (name, meta)
         assert set(meta) == {"original_file", "source_group", "error", "processed_at"}
         assert meta["original_file"] == f"tasks/{name}" and meta["source_group"] == "family"
-        assert (env.errors / f"family-{name}.error").exists()
+        assert (env.errors / f"family.tasks.{name}.error").exists()
         assert not os.path.lexists(tasks / name)
     # Nothing was read through the symlink or the hard link, and the targets are intact.
     assert env.tasks() == []
@@ -105,10 +105,10 @@ def test_hostile_corpus_each_quarantined_with_reason(env: Env, tmp_path: Path) -
     # Non-regular or oversized payloads are not kept in errors/: an empty stand-in is.
     for name in ("a-dir.json", "b-fifo.json", "c-socket.json", "d-symlink.json",
                  "e-hardlink.json", "f-huge.json"):
-        st = os.lstat(env.errors / f"family-{name}.error")
+        st = os.lstat(env.errors / f"family.tasks.{name}.error")
         assert stat.S_ISREG(st.st_mode) and st.st_size == 0, name
     # A small bad file is kept as evidence.
-    assert (env.errors / "family-g-utf8.json.error").read_bytes().endswith(b'\xff\xfe"}')
+    assert (env.errors / "family.tasks.g-utf8.json.error").read_bytes().endswith(b'\xff\xfe"}')
 
 
 def test_depth_check_ignores_brackets_in_strings() -> None:

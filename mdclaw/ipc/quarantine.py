@@ -1,4 +1,10 @@
-"""The IPC error quarantine: ipc/errors/<group>-<name>.error and .error.json beside it.
+"""The IPC error quarantine: ipc/errors/<group>.<sub>.<name>.error and .error.json beside it.
+
+The name cannot collide between groups or folders: a group folder has no `.`
+(`[A-Za-z0-9][A-Za-z0-9_-]*`) and neither has `sub` (messages, tasks...), so the first two
+dots delimit them. (Before, `<group>-<name>` made group `a-b`'s `c.json` and group `a`'s
+`b-c.json` the same entry.) Entries of the old naming are renamed at start from what their
+`.error.json` says.
 
 A rejected file is moved (not copied) out of the container's reach. Only a regular
 single-link file small enough is kept as the `.error` payload; anything else (a directory,
@@ -9,6 +15,7 @@ entry count and bytes; the oldest entries go first and the log says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,11 +32,24 @@ log = logging.getLogger("mdclaw.ipc")
 
 META_SUFFIX = ".error.json"
 PAYLOAD_SUFFIX = ".error"
+_MAX_NAME = 255  # bytes in a file name
+
+
+def entry_base(group: str, sub: str, name: str) -> str:
+    """The quarantine entry's name (without suffix) for `sub/name` of `group`'s IPC folder:
+    `<group>.<sub>.<name>`; a name too long for the file system is cut and given a hash of
+    the whole name."""
+    base = f"{group}.{sub}.{name}"
+    if len((base + META_SUFFIX).encode()) <= _MAX_NAME:
+        return base
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    head = name.encode("utf-8", "surrogateescape")[:96].decode("utf-8", "ignore")
+    return f"{group}.{sub}.{head}~{digest}"
 
 
 @dataclass(frozen=True)
 class ErrorEntry:
-    name: str  # <group>-<file>.error
+    name: str  # <group>.<sub>.<file>.error
     original_file: str
     source_group: str
     error: str
@@ -63,12 +83,36 @@ class Quarantine:
         for name in agentfs.listdir(self.fd):
             if not name.endswith(META_SUFFIX):
                 continue
-            st = agentfs.lstat(self.fd, name)
+            base = self._rename_old(name[: -len(META_SUFFIX)])
+            st = agentfs.lstat(self.fd, base + META_SUFFIX)
             if st is not None:
-                entries.append((st.st_mtime_ns, name[: -len(META_SUFFIX)]))
+                entries.append((st.st_mtime_ns, base))
         for _, base in sorted(entries):
             self._sizes[base] = self._entry_bytes(base)
             self._bytes += self._sizes[base]
+
+    def _rename_old(self, base: str) -> str:
+        """An entry of the old naming (`<group>-<name>`) under its name of today, read from
+        its `.error.json`; the base it has now (unchanged when it cannot be told)."""
+        text = agentfs.read_text(self.fd, base + META_SUFFIX, 1024 * 1024)
+        try:
+            meta = json.loads(text or "")
+            group, (sub, _, name) = meta["source_group"], meta["original_file"].partition("/")
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return base
+        if not (isinstance(group, str) and sub and name):
+            return base
+        new = entry_base(group, sub, name)
+        if new == base or agentfs.lstat(self.fd, new + META_SUFFIX) is not None:
+            return base
+        try:
+            for suffix in (PAYLOAD_SUFFIX, META_SUFFIX):  # the meta last: it marks the entry
+                if agentfs.lstat(self.fd, base + suffix) is not None:
+                    agentfs.move(self.fd, base + suffix, self.fd, new + suffix)
+        except (OSError, agentfs.UnsafePath) as e:
+            log.warning("ipc: could not rename quarantine entry %s: %s", base, e)
+            return base
+        return new
 
     def _entry_bytes(self, base: str) -> int:
         total = 0
@@ -86,7 +130,7 @@ class Quarantine:
         """Move `name` out of the open folder `src_dir_fd` into the quarantine with its
         reason. Returns the `.error` name. Never raises for a vanished source; raises
         OSError only if the errors folder itself cannot be written."""
-        base = f"{group}-{name}"
+        base = entry_base(group, sub, name)
         processed_at = processed_at or to_iso(utc_now())
         meta = {"original_file": f"{sub}/{name}", "source_group": group, "error": reason,
                 "processed_at": processed_at}
