@@ -450,3 +450,43 @@ def test_chatid_command_tells_the_jid_and_stays_out_of_the_chat() -> None:
         assert [(a["chat_id"], a["text"]) for a in answer] == [(-1009, "This chat is tg:-1009")]
 
     run(body)
+
+
+def test_the_offset_survives_a_restart(tmp_path) -> None:
+    """After a restart the first getUpdates carries the saved offset: updates handed over
+    before it are not delivered again."""
+    from mdclaw.state import Database
+
+    db = Database(tmp_path / "state.db")
+
+    async def main() -> None:
+        api = FakeBotApi()
+        await api.start()
+        try:
+            for n in range(2):
+                api.push({"message_id": n + 1, "date": 1_767_225_600,
+                          "chat": {"id": 5, "type": "private"},
+                          "from": {"id": 42, "first_name": "A"}, "text": f"m{n}"})
+            got: list[InboundMessage] = []
+            first = TelegramChannel(TOKEN, api_base=api.base, on_inbound=got.append,
+                                    poll_timeout=1, db=db)
+            await first.connect()
+            await wait_until(lambda: len(got) == 2)
+            last = max(u["update_id"] for u in api.updates)
+            await wait_until(lambda: (last + 1) in api.offsets)
+            await first.disconnect()
+            api.offsets.clear()
+            again: list[InboundMessage] = []
+            second = TelegramChannel(TOKEN, api_base=api.base, on_inbound=again.append,
+                                     poll_timeout=1, db=db)
+            await second.connect()
+            await wait_until(lambda: len(api.offsets) >= 1)
+            await asyncio.sleep(0.2)
+            await second.disconnect()
+            assert api.offsets[0] == last + 1
+            assert again == []  # nothing handed over twice
+        finally:
+            await api.stop()
+
+    asyncio.run(main())
+    db.close()

@@ -29,7 +29,7 @@ def build_channels(cfg: Config, db: Database,
     tg = cfg.channels.telegram
     if tg is not None and tg.enabled:
         channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,
-                                                    trigger=f"@{cfg.assistant.name}"))
+                                                    trigger=f"@{cfg.assistant.name}", db=db))
     return channels
 
 

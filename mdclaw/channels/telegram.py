@@ -1,7 +1,9 @@
 """Telegram (`tg:<chat id>`) over the Bot API, with aiohttp.
 
 In: long polling with `getUpdates` (the offset confirms what was handed over; a crash before
-that means Telegram sends the update again and the host's dedupe by id drops the copy). Text
+that means Telegram sends the update again and the host's dedupe by id drops the copy). The
+offset is kept in the state database (`router_state`, per bot) after every batch, so a
+restart asks for what came after it instead of the last day's updates all over again. Text
 and photo/document captions become InboundMessages with id `tg:<chat>:<message id>`;
 `/chatid` is answered by the channel itself with the chat's JID, to help writing the config.
 Out: `sendMessage` (4096 UTF-16 units, the Bot API's measure), `sendPhoto`/`sendDocument`
@@ -17,6 +19,7 @@ import asyncio
 import logging
 import mimetypes
 import re
+import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,8 @@ import aiohttp
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
 from mdclaw.config import read_secret
 from mdclaw.retry import Backoff
-from mdclaw.state import now_iso
+from mdclaw.state import Database, now_iso
+from mdclaw.state.conversations import get_router_value, set_router_value
 
 log = logging.getLogger("mdclaw.channels.telegram")
 
@@ -57,7 +61,8 @@ class TelegramChannel(Channel):
 
     def __init__(self, token: str, *, api_base: str = "https://api.telegram.org",
                  on_inbound: InboundCallback | None = None, poll_timeout: int = 25,
-                 request_timeout: float = 30.0, trigger: str | None = None) -> None:
+                 request_timeout: float = 30.0, trigger: str | None = None,
+                 db: Database | None = None) -> None:
         super().__init__(on_inbound)
         if not token or "/" in token or any(c.isspace() for c in token):
             raise ChannelError("the Telegram bot token is empty or malformed")
@@ -69,6 +74,8 @@ class TelegramChannel(Channel):
         self._poller: asyncio.Task[None] | None = None
         self._typing: dict[str, asyncio.Task[None]] = {}
         self._offset: int | None = None
+        self._saved_offset: int | None = None
+        self.db = db  # where the getUpdates offset is kept across restarts (None: nowhere)
         self._running = False  # between connect() and disconnect()
         self._connected = False  # running, and the last call reached Telegram
         self.bot_username: str | None = None
@@ -80,7 +87,8 @@ class TelegramChannel(Channel):
     @classmethod
     def from_config(cls, section: Any, *,
                     on_inbound: InboundCallback | None = None,
-                    trigger: str | None = None) -> TelegramChannel:
+                    trigger: str | None = None,
+                    db: Database | None = None) -> TelegramChannel:
         """Build from the `channels.telegram` config section; reads the token file now.
 
         Raises ChannelError naming the file (never its content) if it cannot be read.
@@ -90,7 +98,33 @@ class TelegramChannel(Channel):
         except OSError as e:
             raise ChannelError(f"cannot read channels.telegram.token_file "
                                f"{section.token_file}: {e.strerror}") from None
-        return cls(token, api_base=section.api_base, on_inbound=on_inbound, trigger=trigger)
+        return cls(token, api_base=section.api_base, on_inbound=on_inbound, trigger=trigger,
+                   db=db)
+
+    @property
+    def _offset_key(self) -> str:
+        # Update ids are per bot; the token's first part is the bot's (public) id.
+        return f"telegram_offset:{self._token.split(':', 1)[0]}"
+
+    def _load_offset(self) -> None:
+        if self.db is None or self._offset is not None:
+            return
+        try:
+            value = get_router_value(self.db, self._offset_key)
+        except sqlite3.Error as e:
+            log.warning("telegram: could not read the saved getUpdates offset: %s", e)
+            return
+        if value is not None and value.lstrip("-").isdigit():
+            self._offset = self._saved_offset = int(value)
+
+    def _save_offset(self) -> None:
+        if self.db is None or self._offset is None or self._offset == self._saved_offset:
+            return
+        try:
+            set_router_value(self.db, self._offset_key, str(self._offset))
+            self._saved_offset = self._offset
+        except sqlite3.Error as e:  # kept in memory; saved with the next batch
+            log.warning("telegram: could not save the getUpdates offset: %s", e)
 
     def redact(self, text: str) -> str:
         """`text` with the token replaced by ***."""
@@ -112,6 +146,7 @@ class TelegramChannel(Channel):
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self._running = True
+        self._load_offset()
         try:
             me = await self.call("getMe")
             if isinstance(me, dict):
@@ -228,6 +263,7 @@ class TelegramChannel(Channel):
                     break
                 refused = 0
                 self._offset = update["update_id"] + 1
+            self._save_offset()
 
     async def _handle_update(self, update: dict[str, Any]) -> None:
         msg = update.get("message")

@@ -80,6 +80,16 @@ def _set_state(db: Database, key: str, value: str | None) -> None:
                       "DO UPDATE SET value = excluded.value", (key, value))
 
 
+def get_router_value(db: Database, key: str) -> str | None:
+    """A value of router_state (a channel's own bookkeeping, e.g. Telegram's offset)."""
+    return _get_state(db, key)
+
+
+def set_router_value(db: Database, key: str, value: str | None) -> None:
+    """Set (None: remove) a value of router_state."""
+    _set_state(db, key, value)
+
+
 def get_cursor(db: Database, folder: str) -> str | None:
     return _get_state(db, f"last_agent_timestamp:{folder}")
 
