@@ -23,6 +23,10 @@ within the limit; a run the disk guard stopped is not retried.
 
 Scheduled tasks run through the same queue (tasks first), with the group's session for
 `context_mode: group` and a fresh one for `isolated`; their result goes to the task's chat.
+A task that comes due while its group's conversation container runs does not wait for the
+idle timer: an idle conversation (every turn answered) is closed at once, a busy one as soon
+as its turn's answer is out (no follow-up is fed into it meanwhile); the task then runs in
+the group's one container. The run log says when the task started and what it waited for.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from mdclaw.paths import Layout
 from mdclaw.queue import GroupQueue, Job
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
 from mdclaw.runtime import engine_errors
+from mdclaw.schedule import utc_now
 from mdclaw.senders import Decision, decide
 from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import (
@@ -66,7 +71,7 @@ from mdclaw.state.groups import (
     list_groups,
 )
 from mdclaw.state.outbox import enqueue
-from mdclaw.state.tasks import TaskRow
+from mdclaw.state.tasks import TaskRow, mark_run_started
 
 log = logging.getLogger("mdclaw.orchestrator")
 
@@ -120,6 +125,13 @@ class _Conversation:
     answered_ts: str | None = None  # the cursor after the latest answered (or settled) turn
     pending: TurnFailure | None = None  # a transient failure no later turn has answered
     pending_upto: str | None = None  # the newest message given to the agent when it failed
+    turns_open: int = 0  # prompts and follow-ups given to the agent, not yet answered
+    yield_to_task: bool = False  # a task is due: close once no turn is open, feed no more
+
+    @property
+    def busy(self) -> bool:
+        """The agent is working on a turn (an answer block has not come yet)."""
+        return self.turns_open > 0
 
 
 class Orchestrator:
@@ -233,7 +245,8 @@ class Orchestrator:
         """Feed the group's running conversation, or queue a run for it."""
         handle = self.runner.active(group.folder) if self.runner else None
         conv = self._conv.get(group.folder)
-        if handle is not None and not handle.closed and conv is not None and not conv.scheduled:
+        if (handle is not None and not handle.closed and conv is not None
+                and not conv.scheduled and not conv.yield_to_task):
             self._feed(group, handle, conv)
             return
         self.queue.enqueue_message(group.folder, payload={"t_inbound": t_inbound},
@@ -272,6 +285,7 @@ class Orchestrator:
             context = []
             fed += 1
         if fed:
+            conv.turns_open += fed
             handle.touch()
             log.info("group %s: %d follow-up message(s) into the running conversation",
                      group.folder, fed)
@@ -305,20 +319,96 @@ class Orchestrator:
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        if not self.queue.enqueue_task(task.group_folder, task.id, payload={"task": task,
-                                                                            "future": fut}):
+        payload = {"task": task, "future": fut, "queued_at": time.perf_counter()}
+        if not self.queue.enqueue_task(task.group_folder, task.id, payload=payload):
             raise RunFailed(f"task {task.id} is already queued or running")
+        payload["waits_for"] = self._make_way(task)
         self._task_waiters[task.id] = fut
         try:
             return await fut
         finally:
             self._task_waiters.pop(task.id, None)
 
+    def _make_way(self, task: TaskRow) -> str | None:
+        """`task` was just queued: free its group's container for it. Returns what it waits
+        for (None: nothing, it starts now; else a phrase for the run log).
+
+        One container per group: an idle conversation is closed at once (nothing is lost;
+        the next message starts a new container with the same session), a busy one as soon
+        as its turn is answered; a running task is single-turn and ends by itself.
+        """
+        folder = task.group_folder
+        ahead = [j.id for j in self.queue.pending(folder) if j.kind == "task" and j.id != task.id]
+        after = f" and for task(s) {', '.join(ahead)} queued before it" if ahead else ""
+        job = self.queue.running_job(folder)
+        if job is not None and job.kind == "task":
+            if job.id == task.id:
+                return None  # picked at once
+            return f"for task {job.id} to finish{after}"
+        if job is None:
+            if ahead:
+                return after.removeprefix(" and ")
+            if self.queue.running_count < self.queue.max_concurrent:
+                return None
+            freed = self._close_idle_elsewhere(folder)
+            if freed:
+                return f"for group {freed}'s idle conversation, closed to free a container slot"
+            return "for a free container slot (limits.max_concurrent_containers)"
+        conv = self._conv.get(folder)
+        if conv is None or conv.scheduled:
+            return f"for the group's current run to finish{after}"
+        conv.yield_to_task = True
+        if conv.busy:
+            log.info("group %s: task %s is due; the conversation ends after its turn",
+                     folder, task.id)
+            return f"for the conversation's turn to finish{after}"
+        handle = self.runner.active(folder) if self.runner else None
+        if handle is not None:
+            log.info("group %s: task %s is due; closing the idle conversation", folder, task.id)
+            handle.close()
+        return f"for the idle conversation, closed for it, to end{after}"
+
+    def _close_idle_elsewhere(self, folder: str) -> str | None:
+        """Every container slot is taken: close the conversation idle longest (of another
+        group) so a due task of `folder` gets its slot. Returns that group, or None."""
+        best: tuple[float, str] | None = None
+        for other in self.queue.running_groups():
+            conv = self._conv.get(other)
+            handle = self.runner.active(other) if self.runner else None
+            if (other == folder or conv is None or conv.scheduled or conv.busy
+                    or handle is None or handle.closed):
+                continue
+            if best is None or handle.last_activity < best[0]:
+                best = (handle.last_activity, other)
+        if best is None:
+            return None
+        conv = self._conv[best[1]]
+        conv.yield_to_task = True
+        log.info("group %s: closing its idle conversation so a due task of %s can start",
+                 best[1], folder)
+        handle = self.runner.active(best[1]) if self.runner else None
+        if handle is not None:
+            handle.close()
+        return best[1]
+
+    def _task_starting(self, task: TaskRow, payload: dict[str, Any]) -> None:
+        """Record in the run log that `task` is handed to the container runner now, and what
+        it waited for (when it waited at all)."""
+        waited = time.perf_counter() - payload.get("queued_at", time.perf_counter())
+        why = payload.get("waits_for")
+        note = f"waited {waited:.1f} s {why}" if why else None
+        if note:
+            log.info("task %s: %s", task.id, note)
+        try:
+            mark_run_started(self.db, task.id, utc_now(), note)
+        except Exception:  # noqa: BLE001 - the log line is bookkeeping; the run goes on
+            log.exception("task %s: could not record its start", task.id)
+
     # ------------------------------------------------------------------ jobs
     async def run_job(self, job: Job) -> Any:
         if job.kind == "task":
             payload = job.payload
-            result = await self._run_task(payload["task"])
+            result = await self._run_task(payload["task"], payload)
             fut = payload["future"]
             if not fut.done():
                 fut.set_result(result)
@@ -512,7 +602,8 @@ class Orchestrator:
 
     async def _run_container(self, group: GroupRow, make_input: Callable[[dict[str, Any]],
                              ContainerInput], on_output: Callable[[str], Any], *,
-                             first_try: bool = False) -> ContainerResult:
+                             first_try: bool = False,
+                             on_start: Callable[[], None] | None = None) -> ContainerResult:
         """Start the group's container and wait for it. Raises RunFailed with the failure
         when it cannot run (configuration, engine, image, proxy)."""
         pre = await self._precheck_config(group)
@@ -544,6 +635,8 @@ class Orchestrator:
         if pre is not None:
             raise RunFailed(pre.detail or pre.cause, pre)
         timeout = (group.container_config.get("timeout_ms") or 0) / 1000 or None
+        if on_start is not None:
+            on_start()
         try:
             if self.proxy is not None:
                 async with self.proxy.for_run(self.cfg, group.folder) as fields:
@@ -650,7 +743,8 @@ class Orchestrator:
         prompt = self._prompt(msgs, tuple(failed_deliveries.splitlines())
                               if failed_deliveries else ())
         conv = _Conversation(start_cursor=start_cursor, last_ts=msgs[-1].timestamp,
-                             sent_ids={m.id for m in msgs}, answered_ts=start_cursor)
+                             sent_ids={m.id for m in msgs}, answered_ts=start_cursor,
+                             turns_open=1)
         job.payload["upto"] = conv.last_ts
         self._conv[group.folder] = conv
         session = get_session(self.db, group.folder)
@@ -658,6 +752,19 @@ class Orchestrator:
         marks = {"picked": time.perf_counter()}
 
         def on_output(block: str) -> None:
+            conv.turns_open = max(0, conv.turns_open - 1)
+            try:
+                answer(block)
+            finally:
+                if conv.yield_to_task and not conv.busy:
+                    # A task is due: the turn is answered, so the conversation ends now.
+                    handle = self.runner.active(group.folder) if self.runner else None
+                    if handle is not None and not handle.closed:
+                        log.info("group %s: turn answered; closing the conversation for a "
+                                 "due task", group.folder)
+                        handle.close()
+
+        def answer(block: str) -> None:
             out = self._parse_block(group, block)
             if out is None:
                 return
@@ -767,7 +874,7 @@ class Orchestrator:
                       "DO UPDATE SET value = excluded.value",
                       (f"failures_told:{group.folder}", now_iso()))
 
-    async def _run_task(self, task: TaskRow) -> str:
+    async def _run_task(self, task: TaskRow, payload: dict[str, Any] | None = None) -> str:
         group = get_group(self.db, task.group_folder)
         if group is None or group.jid is None:
             raise RunFailed(f"task {task.id}: group {task.group_folder!r} is not registered")
@@ -792,7 +899,8 @@ class Orchestrator:
         try:
             result = await self._run_container(
                 group, lambda f: self._container_input(group, task.prompt, session=session,
-                                                       scheduled=True, fields=f), on_output)
+                                                       scheduled=True, fields=f), on_output,
+                on_start=lambda: self._task_starting(task, payload or {}))
         except RunRefused as e:
             self._refused(group, e.verdict)
             raise

@@ -15,6 +15,8 @@ Rules:
   Meanwhile the group holds its place and its later jobs wait, so order is kept. After the
   last try the failure is recorded in `failures` and `on_failure(job, error)` is called to
   tell the user;
+* a group whose message waits to retry still runs a task that comes due meanwhile (a
+  scheduled task is not held up by a chat's retry backoff); the message keeps its place;
 * one task id is never queued or run twice at the same time (`enqueue_task` returns False);
 * `shutdown(grace)` stops taking jobs, lets running ones finish for `grace` seconds, cancels
   the rest (the runner then kills their containers) and returns every job that did not run.
@@ -83,6 +85,7 @@ class GroupQueue:
         self._messages: dict[str, deque[Job]] = {}
         self._running: dict[str, tuple[Job, asyncio.Task[None]]] = {}
         self._held: dict[str, asyncio.TimerHandle] = {}
+        self._held_kind: dict[str, Kind] = {}  # the kind of job each held group waits to retry
         self._keys: set[tuple[str, str]] = set()
         self._seq = itertools.count(1)
         self._closing = False
@@ -126,6 +129,11 @@ class GroupQueue:
     def running_groups(self) -> list[str]:
         return list(self._running)
 
+    def running_job(self, group: str) -> Job | None:
+        """The job `group` is running now, or None."""
+        got = self._running.get(group)
+        return got[0] if got is not None else None
+
     def pending(self, group: str | None = None) -> list[Job]:
         groups = [group] if group else sorted(set(self._tasks) | set(self._messages))
         out: list[Job] = []
@@ -155,10 +163,15 @@ class GroupQueue:
         while not self._closing and len(self._running) < self.max_concurrent:
             best: tuple[int, int, str] | None = None
             for group in set(self._tasks) | set(self._messages):
-                if group in self._running or group in self._held:
+                if group in self._running:
                     continue
                 head = self._head(group)
                 if head is None:
+                    continue
+                # A message waiting to retry holds its group's later messages, not a task
+                # (tasks go first anyway); a task waiting to retry holds everything.
+                if group in self._held and (head.kind != "task"
+                                            or self._held_kind.get(group) == "task"):
                     continue
                 key = (0 if head.kind == "task" else 1, head.seq, group)
                 if best is None or key < best:
@@ -213,6 +226,7 @@ class GroupQueue:
                 book.setdefault(job.group, deque()).appendleft(job)
                 loop = asyncio.get_running_loop()
                 self._held[job.group] = loop.call_later(delay, self._release, job.group)
+                self._held_kind[job.group] = job.kind
             else:
                 self._keys.discard((job.kind, job.id))
                 log.error("%s %s for %s failed after %d tries: %s", job.kind, job.id,
@@ -238,6 +252,7 @@ class GroupQueue:
 
     def _release(self, group: str) -> None:
         self._held.pop(group, None)
+        self._held_kind.pop(group, None)
         self._pump()
 
     # ----------------------------------------------------------------- shutdown
@@ -251,6 +266,7 @@ class GroupQueue:
         for handle in self._held.values():
             handle.cancel()
         self._held.clear()
+        self._held_kind.clear()
         left = self.pending()
         self._tasks.clear()
         self._messages.clear()

@@ -190,7 +190,7 @@ class Scheduler:
                 log.info("task %s %s; next run %s", task_id, reason, nxt_iso or "none")
                 return Skip(task_id, reason, nxt)
 
-            run_id = insert_run(conn, task_id, now, missed)
+            run_id = insert_run(conn, task_id, now, missed, due_at=scheduled)
             if once:
                 conn.execute("UPDATE scheduled_tasks SET status = 'running', next_run = NULL,"
                              " last_run = ?, updated_at = ? WHERE id = ?", (stamp, stamp, task_id))

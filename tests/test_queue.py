@@ -300,3 +300,28 @@ def test_errors_choose_their_tries_and_wait_and_retries_are_reported() -> None:
     assert retries == [(1, 0.3)]
     assert failed == [2] and len(times) == 2
     assert times[1] - times[0] >= 0.29
+
+
+def test_a_message_waiting_to_retry_does_not_hold_up_a_task_of_its_group() -> None:
+    order: list[str] = []
+    task_ran = asyncio.Event()
+
+    async def run(job: Job) -> None:
+        order.append(job.id)
+        if job.id == "m" and order.count("m") == 1:
+            raise RuntimeError("model away")
+        if job.kind == "task":
+            task_ran.set()
+
+    async def main() -> None:
+        q = GroupQueue(run, max_concurrent=2, retry_base=30.0, retry_jitter=0.0)
+        q.enqueue_message("g", job_id="m")
+        while "g" not in q.status()["retrying"]:
+            await asyncio.sleep(0.01)
+        q.enqueue_task("g", "t")
+        await asyncio.wait_for(task_ran.wait(), 2)  # not after the 30 s backoff
+        assert q.pending("g")[0].id == "m"  # the message keeps its place
+        await q.shutdown(1)
+
+    asyncio.run(main())
+    assert order == ["m", "t"]

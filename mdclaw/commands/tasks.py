@@ -33,7 +33,8 @@ JSON_FIELDS = ("id", "group_folder", "chat_jid", "prompt", "schedule_type", "sch
                "context_mode", "status", "next_run", "last_run", "last_result", "source",
                "timezone", "catch_up", "created_at", "updated_at")
 TABLE_COLUMNS = ("id", "group", "schedule", "status", "next_run", "source", "prompt")
-LOG_COLUMNS = ("id", "run_at", "status", "duration", "missed", "outcome")
+LOG_COLUMNS = ("id", "due", "started", "status", "duration", "missed", "outcome", "delay")
+LATE_CLAIM_S = 2.0  # a claim later than this after the slot is explained in `delay`
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -64,7 +65,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         p.add_argument("--json", action="store_true", help="print the task as JSON afterwards")
         p.set_defaults(func=func)
 
-    p = tsub.add_parser("logs", parents=[common], help="a task's runs, newest first")
+    p = tsub.add_parser("logs", parents=[common],
+                        help="a task's runs, newest first: when each was due, when it started "
+                        "(seconds after due) and why any delay")
     p.add_argument("task_id", metavar="ID")
     p.add_argument("--limit", "-n", type=int, default=20, help="at most N runs (default 20)")
     p.add_argument("--json", action="store_true", help="machine-readable output (UTC times)")
@@ -201,11 +204,36 @@ def cmd_run_now(args: argparse.Namespace) -> int:
     return _change(args, run_now, "is due now; the running daemon starts it within a second")
 
 
+def _seconds(later: str | None, earlier: str | None) -> float | None:
+    if not later or not earlier:
+        return None
+    try:
+        return (schedule.from_iso(later) - schedule.from_iso(earlier)).total_seconds()
+    except ValueError:
+        return None
+
+
+def _delay(r) -> str:  # noqa: ANN001 - RunLog
+    """Why the run started when it did: a late claim (mdclaw was down or busy), and what
+    the run then waited for (the run log's start_note)."""
+    why = []
+    late_claim = _seconds(r.run_at, r.due_at)
+    if late_claim is not None and late_claim > LATE_CLAIM_S:
+        why.append(f"claimed {late_claim:.1f} s after due (mdclaw was not running then)")
+    if r.start_note:
+        why.append(r.start_note)
+    return "; ".join(why) or "-"
+
+
 def _log_row(r, tz: str) -> dict[str, Any]:  # noqa: ANN001 - RunLog
     outcome = r.result if r.status == "success" else r.error
-    return {"id": r.id, "run_at": local_time(r.run_at, tz), "status": r.status,
+    after = _seconds(r.started_at, r.due_at or r.run_at)
+    started = (f"+{after:.1f}s" if after is not None
+               else "not yet" if r.status == "running" else "-")
+    return {"id": r.id, "due": local_time(r.due_at or r.run_at, tz), "started": started,
+            "status": r.status,
             "duration": "-" if r.status == "running" else f"{r.duration_ms / 1000:.1f}s",
-            "missed": r.missed, "outcome": outcome}
+            "missed": r.missed, "outcome": outcome, "delay": _delay(r)}
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

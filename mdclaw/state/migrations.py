@@ -268,6 +268,14 @@ CREATE TABLE failed_turns (
 CREATE INDEX idx_failed_turns_group_created ON failed_turns(group_folder, created_at);
 CREATE INDEX idx_failed_turns_created ON failed_turns(created_at);
 """),
+    (8, "task runs: when each was due, when it started, and why it started late", """
+-- due_at: the slot the run is for (a task claimed late after downtime keeps its slot's time);
+-- started_at: when the task was handed to the container runner; start_note: what it waited
+-- for first, if anything (an idle conversation closed for it, a turn it let finish...).
+ALTER TABLE task_run_logs ADD COLUMN due_at TEXT;
+ALTER TABLE task_run_logs ADD COLUMN started_at TEXT;
+ALTER TABLE task_run_logs ADD COLUMN start_note TEXT;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

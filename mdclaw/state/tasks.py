@@ -145,6 +145,9 @@ class RunLog:
     error: str | None
     missed: int
     finished_at: str | None
+    due_at: str | None = None  # the slot this run is for
+    started_at: str | None = None  # when the task was handed to the container runner
+    start_note: str | None = None  # what the run waited for before it could start
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,12 +186,30 @@ def running_run_id(conn: sqlite3.Connection | Database, task_id: str) -> int | N
     return r[0] if r and r[1] == "running" else None
 
 
-def insert_run(conn: sqlite3.Connection, task_id: str, run_at: datetime, missed: int = 0) -> int:
-    """Record the start of a run (status 'running'); return the run log id."""
+def insert_run(conn: sqlite3.Connection, task_id: str, run_at: datetime, missed: int = 0,
+               due_at: datetime | None = None) -> int:
+    """Record the claim of a run (status 'running') for the slot `due_at`; return its id."""
     cur = conn.execute(
-        "INSERT INTO task_run_logs (task_id, run_at, duration_ms, status, missed)"
-        " VALUES (?, ?, 0, 'running', ?)", (task_id, schedule.to_iso(run_at), missed))
+        "INSERT INTO task_run_logs (task_id, run_at, duration_ms, status, missed, due_at)"
+        " VALUES (?, ?, 0, 'running', ?, ?)",
+        (task_id, schedule.to_iso(run_at), missed,
+         schedule.to_iso(due_at) if due_at is not None else None))
     return int(cur.lastrowid or 0)
+
+
+def mark_run_started(db: Database, task_id: str, started_at: datetime,
+                     note: str | None = None) -> bool:
+    """Record when the task's running run was handed to the container runner, and what it
+    waited for first (`note`). The first start counts: a retry does not move it. False if
+    the task has no running run (or its start was recorded already)."""
+    with db.transaction() as conn:
+        run_id = running_run_id(conn, task_id)
+        if run_id is None:
+            return False
+        cur = conn.execute("UPDATE task_run_logs SET started_at = ?, start_note = ?"
+                           " WHERE id = ? AND started_at IS NULL",
+                           (schedule.to_iso(started_at), note, run_id))
+        return cur.rowcount > 0
 
 
 def finish_run(conn: sqlite3.Connection, run_id: int, status: str, finished_at: datetime, *,
