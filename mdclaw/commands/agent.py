@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from datetime import timedelta
 
-from mdclaw.commands.common import load_or_exit, open_db_or_exit
+from mdclaw.commands.common import load_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_rows
 from mdclaw.schedule import utc_now
 
@@ -33,11 +33,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
             print("mdclaw: --days must be at least 1")
             return 2
         since = (utc_now() - timedelta(days=args.days - 1)).strftime("%Y-%m-%d")
-    db = open_db_or_exit(cfg)
-    try:
+    with read_db_or_exit(cfg, as_json=args.json) as db:
         rows = usage_rows(db, group=args.group, since_day=since)
-    finally:
-        db.close()
     print_rows(rows, USAGE_FIELDS, as_json=args.json, empty="no model requests recorded")
     if rows and not args.json:
         print(f"total: {sum(r['requests'] for r in rows)} request(s), "
