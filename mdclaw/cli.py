@@ -1,6 +1,8 @@
 """The `mdclaw` command line. Each area registers its subcommands from mdclaw/commands/.
 
-Exit status: 0 success, 1 failure (invalid config, failed check...), 2 usage error.
+Exit status: 0 success, 1 failure (invalid config, failed check...), 2 usage error; the
+read-only commands exit 3 (database not ready), 4 (newer) or 5 (locked): see
+mdclaw/commands/common.py and README's "Exit status".
 """
 
 from __future__ import annotations

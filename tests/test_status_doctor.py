@@ -15,12 +15,15 @@ from conftest import REPO
 def test_status_without_daemon(cli, write_config) -> None:
     cfg = str(write_config())
     r = cli("status", "--json", "--config", cfg)
+    assert r.returncode == 3, r.stderr  # no database yet: see README, "Exit status"
+    s = json.loads(r.stdout)
+    assert s["daemon"] == "stopped" and s["database"] == "missing" and s["groups"] is None
+    assert "mdclaw reconcile" in s["database_detail"]
+    cli("reconcile", "--config", cfg)
+    r = cli("status", "--json", "--config", cfg)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
-    assert s["daemon"] == "stopped" and s["groups"] == 0
-    cli("reconcile", "--config", cfg)
-    s = json.loads(cli("status", "--json", "--config", cfg).stdout)
-    assert s["groups"] == 2 and s["outbox"]["pending"] == 0
+    assert s["database"] == "ready" and s["groups"] == 2 and s["outbox"]["pending"] == 0
     assert "daemon: not running" in cli("status", "--config", cfg).stdout
 
 
@@ -68,8 +71,15 @@ def test_doctor_reports_each_problem_with_a_fix(cli, write_config, tmp_path) -> 
         runtime: {{socket: "unix://{tmp_path}/no-engine.sock"}}
     """))
     r = cli("doctor", "--json", "--config", cfg)
+    assert r.returncode == 3  # no database yet comes first: see README, "Exit status"
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert checks["database"]["state"] == "missing" and checks["database"]["level"] == "warn"
+    assert checks["engine"]["level"] == "fail"  # every check is still made
+    assert cli("reconcile", "--config", cfg).returncode == 0
+    r = cli("doctor", "--json", "--config", cfg)
     assert r.returncode == 1
     checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert checks["database"]["level"] == "ok"
     assert checks["config"]["level"] == "ok"
     assert checks["data_dir"]["level"] == "ok"
     assert checks["engine"]["level"] == "fail" and checks["engine"]["fix"]

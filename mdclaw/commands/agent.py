@@ -6,7 +6,7 @@ import argparse
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from mdclaw.commands.common import load_or_exit, open_db_or_exit
+from mdclaw.commands.common import load_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_rows
 from mdclaw.schedule import utc_now
 
@@ -59,12 +59,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
             print("mdclaw: --days must be at least 1")
             return 2
         since = (utc_now() - timedelta(days=args.days - 1)).strftime("%Y-%m-%d")
-    db = open_db_or_exit(cfg)
-    try:
+    with read_db_or_exit(cfg, as_json=args.json) as db:
         rows = usage_rows(db, group=args.group, since_day=since)
         budgets = budget_rows(cfg, db, args.group)
-    finally:
-        db.close()
     if args.budgets:
         print_rows(budgets, BUDGET_FIELDS, as_json=args.json,
                    empty="no group has a daily token budget (limits.tokens_per_day)")

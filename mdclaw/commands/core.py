@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Literal
 
-from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
+from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import (
     Config,
@@ -194,12 +194,9 @@ def _senders_cell(row: dict[str, object]) -> str:
 
 def cmd_groups_list(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
-    db = open_db_or_exit(cfg)
-    try:
+    with read_db_or_exit(cfg, as_json=args.json) as db:
         counts = refusals(db)
         rows = [group_listing(g, counts.get(g.folder, Refusals())) for g in list_groups(db)]
-    finally:
-        db.close()
     if not args.json:
         rows = [{**r, "senders": _senders_cell(r)} for r in rows]
     print_rows(rows, GROUP_COLUMNS, as_json=args.json, empty="no groups registered")

@@ -48,10 +48,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+DB_KEYS = ("groups", "outbox", "tasks_active", "next_task", "failed_messages", "failed_turns")
+
+
 def gather_status(cfg: Config) -> dict[str, Any]:
-    """The daemon's last published status merged with what the database says now."""
+    """The daemon's last published status merged with what the database says now.
+
+    `database` is the database's state (see mdclaw/commands/common.py); when it is not
+    `ready` the keys read from it (DB_KEYS) are null and `database_detail` says why."""
+    from mdclaw.commands.common import database_fields, recheck
     from mdclaw.daemon import status_path
-    from mdclaw.state import DatabaseError
+    from mdclaw.state import inspect_database
 
     out: dict[str, Any] = {"daemon": "stopped", "config_data_dir": str(cfg.data_dir)}
     try:
@@ -65,24 +72,25 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     except (OSError, ValueError, KeyError):
         pass
     out["disk"] = _disk(cfg)
-    if not cfg.db_path.exists():
-        out.update(groups=0, outbox={}, next_task=None, tasks_active=0)
-        return out
-    try:
-        _db_status(cfg, out)
-    except (sqlite3.Error, DatabaseError, OSError) as e:  # created or migrated right now
-        out.setdefault("groups", 0)
-        out.setdefault("outbox", {})
-        out.setdefault("next_task", None)
-        out["database"] = f"not readable yet: {e}"
+    info = inspect_database(cfg.db_path)
+    if info.state == "ready":
+        try:
+            out.update(_db_status(cfg))
+        except sqlite3.Error as e:  # locked or migrated between the look and the queries
+            info = recheck(cfg, e)
+    out.update(database_fields(info, cfg.db_path))
+    if info.state != "ready":
+        out.update(dict.fromkeys(DB_KEYS))
     return out
 
 
-def _db_status(cfg: Config, out: dict[str, Any]) -> None:
+def _db_status(cfg: Config) -> dict[str, Any]:
+    from mdclaw.commands.common import READ_TIMEOUT
     from mdclaw.outbox import outbox_counts
     from mdclaw.state import Database
 
-    with Database(cfg.db_path, migrate=False) as db:
+    out: dict[str, Any] = {}
+    with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
         out["groups"] = db.scalar("SELECT COUNT(*) FROM registered_groups")
         out["outbox"] = outbox_counts(db)
         out["tasks_active"] = db.scalar(
@@ -95,29 +103,31 @@ def _db_status(cfg: Config, out: dict[str, Any]) -> None:
             for x in db.query("SELECT id, chat_jid, last_error FROM outbox WHERE "
                               "status = 'failed' ORDER BY id DESC LIMIT 5")]
         out["failed_turns"] = _recent_failed_turns(db)
+    return out
 
 
 def _recent_failed_turns(db: Any, days: float = 1.0, limit: int = 5) -> list[dict[str, Any]]:
-    """The latest failed agent turns (a database older than the failed_turns table: none)."""
+    """The latest failed agent turns (the database is ready: the table is there)."""
     from datetime import timedelta
 
     from mdclaw.state.failed_turns import list_failed_turns
 
-    try:
-        rows = list_failed_turns(db, since=to_iso(utc_now() - timedelta(days=days)),
-                                 limit=limit)
-    except sqlite3.OperationalError:  # no such table: not migrated yet
-        return []
+    rows = list_failed_turns(db, since=to_iso(utc_now() - timedelta(days=days)), limit=limit)
     return [{k: r[k] for k in ("created_at", "group_folder", "cause", "outcome", "attempts",
                                "detail")} for r in rows]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Exit status 0, or DB_EXIT[state] when the database is not ready (everything else
+    is still printed)."""
+    from mdclaw.commands.common import DB_EXIT
+
     cfg = load_or_exit(args)
     s = gather_status(cfg)
+    code = DB_EXIT[s["database"]]
     if args.json:
         print_json(s)
-        return 0
+        return code
     if s["daemon"] == "running":
         print(f"daemon: running (pid {s.get('pid')}, since {s.get('started_at')})")
         print(f"engine: {s.get('engine')}")
@@ -132,6 +142,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"last reload failed: {s['reload_error']}")
     else:
         print("daemon: not running")
+    if s["database"] != "ready":
+        print(s["database_detail"])
+        _print_disk(s.get("disk") or {})
+        return code
     print(f"groups: {s['groups']}")
     ob = s.get("outbox") or {}
     print(f"outbox: {ob.get('pending', 0)} pending, {ob.get('sent', 0)} sent, "
@@ -147,7 +161,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     nt = s.get("next_task")
     print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
     _print_disk(s.get("disk") or {})
-    return 0
+    return code
 
 
 def _disk(cfg: Config) -> dict[str, Any]:
@@ -177,17 +191,14 @@ FAILURE_FIELDS = ("created_at", "group_folder", "cause", "outcome", "attempts", 
 def cmd_failures(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
-    from mdclaw.commands.common import open_db_or_exit
+    from mdclaw.commands.common import read_db_or_exit
     from mdclaw.commands.output import print_rows
     from mdclaw.state.failed_turns import list_failed_turns
 
     cfg = load_or_exit(args)
     since = to_iso(utc_now() - timedelta(days=args.days))
-    db = open_db_or_exit(cfg)
-    try:
+    with read_db_or_exit(cfg, as_json=args.json) as db:
         rows = list_failed_turns(db, group=args.group, since=since, limit=args.limit)
-    finally:
-        db.close()
     print_rows(rows, FAILURE_FIELDS, as_json=args.json,
                empty=f"no failed turns in the last {args.days:g} day(s)")
     return 0
@@ -212,7 +223,8 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                "run `mdclaw check-config` for every error and fix the file")
         return results
     _check(results, "config", "ok", f"{len(cfg.groups)} group(s), main: {cfg.main_folder}")
-    _check_main_senders(results, cfg)
+    db_ready = _check_database(results, cfg)
+    _check_main_senders(results, cfg, db_ready)
     # data dir (checked, never created here)
     target = cfg.data_dir
     while not target.exists() and target != target.parent:
@@ -264,7 +276,8 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                    f"make {path} readable by this user (and by no one else)")
     asyncio.run(_check_endpoints(results, cfg, used))
     _check_http_port(results, cfg)
-    _check_failures(results, cfg)
+    if db_ready:
+        _check_failures(results, cfg)
     # clock and timezone
     now = utc_now()
     if now.year < 2024:
@@ -277,28 +290,44 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
     return results
 
 
-def known_group_chat(cfg: Config, jid: str) -> bool | None:
-    """What the `chats` table says about `jid` (channels set is_group as messages arrive):
-    None when the database or the chat is not known yet, or cannot be read."""
-    from mdclaw.state import Database, DatabaseError
+def _check_database(results: list[dict[str, str]], cfg: Config) -> bool:
+    """The database's state (read-only; see mdclaw/commands/common.py); True when ready.
+    The check carries `state`, and `mdclaw doctor` exits with its status when not ready."""
+    from mdclaw.commands.common import database_line
+    from mdclaw.state import inspect_database
 
-    if not cfg.db_path.exists():
-        return None
+    info = inspect_database(cfg.db_path)
+    level = {"ready": "ok", "newer": "fail", "unreadable": "fail"}.get(info.state, "warn")
+    fix = {"newer": "upgrade mdclaw, or restore a backup made by this version",
+           "locked": "try again in a moment; see which process holds state.db (fuser)",
+           "unreadable": f"make {cfg.db_path} readable by this user, or restore a backup",
+           "ready": ""}.get(info.state, "start the daemon or run `mdclaw reconcile`")
+    _check(results, "database", level, database_line(info, cfg.db_path), fix)
+    results[-1]["state"] = info.state
+    return info.state == "ready"
+
+
+def known_group_chat(cfg: Config, jid: str) -> bool | None:
+    """What the `chats` table of the (ready) database says about `jid` (channels set
+    is_group as messages arrive): None when the chat is not known yet, or on a lock."""
+    from mdclaw.commands.common import READ_TIMEOUT
+    from mdclaw.state import Database
+
     try:
-        with Database(cfg.db_path, migrate=False) as db:
+        with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
             r = db.query_one("SELECT is_group FROM chats WHERE jid = ?", (jid,))
-    except (DatabaseError, OSError, sqlite3.Error):
+    except sqlite3.Error:
         return None
     return None if r is None else bool(r[0])
 
 
-def _check_main_senders(results: list[dict[str, str]], cfg: Config) -> None:
+def _check_main_senders(results: list[dict[str, str]], cfg: Config, db_ready: bool) -> None:
     """Warn when every member of a group chat can drive the main group's agent."""
     folder = cfg.main_folder
     if folder is None:
         return
     g = cfg.groups[folder]
-    known = known_group_chat(cfg, g.jid)
+    known = known_group_chat(cfg, g.jid) if db_ready else None
     group_chat = known if known is not None else jid_is_group_chat(g.jid)
     source = "the chats table" if known is not None else "its jid"
     warning = main_group_warning(folder, g.jid, group_chat=group_chat,
@@ -497,20 +526,19 @@ def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float =
     """Repeated failed turns of one group are a warning."""
     from datetime import timedelta
 
+    from mdclaw.commands.common import READ_TIMEOUT
     from mdclaw.state import Database, DatabaseError
     from mdclaw.state.failed_turns import failures_per_group, list_failed_turns
 
-    if not cfg.db_path.exists():
-        return
     since = to_iso(utc_now() - timedelta(days=days))
     try:
-        with Database(cfg.db_path) as db:
+        with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
             counts = failures_per_group(db, since)
             bad = {g: n for g, n in counts.items() if n >= threshold}
             causes = {g: sorted({r["cause"] for r in list_failed_turns(db, group=g,
                                                                           since=since)})
                       for g in bad}
-    except (sqlite3.Error, DatabaseError, OSError) as e:  # an old, newer or busy database
+    except (sqlite3.Error, DatabaseError) as e:  # locked since the database check
         _check(results, "failed turns", "warn", f"not checked: {e}")
         return
     if bad:
@@ -524,7 +552,16 @@ def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float =
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """Exit status: DB_EXIT[state] when the database is not ready (every check is still
+    printed), else 1 when a check failed, else 0."""
+    from mdclaw.commands.common import DB_EXIT
+
     results = run_checks(args.config)
+    state = next((r["state"] for r in results if r["check"] == "database"), "ready")
+    if state != "ready":
+        code = DB_EXIT[state]
+    else:
+        code = 1 if any(r["level"] == "fail" for r in results) else 0
     if args.json:
         print_json(results)
     else:
@@ -533,4 +570,4 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             if r["fix"] and r["level"] != "ok":
                 line += f"\n      fix: {r['fix']}"
             print(line)
-    return 1 if any(r["level"] == "fail" for r in results) else 0
+    return code

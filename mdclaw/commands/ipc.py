@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mdclaw.commands.common import load_or_exit, open_db_or_exit
+from mdclaw.commands.common import load_or_exit, open_db_or_exit, read_db_or_exit, ready_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.paths import Layout
 
@@ -64,6 +64,7 @@ def cmd_errors(args: argparse.Namespace) -> int:
     from mdclaw.ipc.quarantine import list_errors
 
     cfg = load_or_exit(args)
+    ready_db_or_exit(cfg, as_json=args.json)
     rows = [e.as_dict() for e in list_errors(Layout(cfg.data_dir).errors_dir)]
     print_rows(rows, ERROR_FIELDS, as_json=args.json, empty="no quarantined files")
     return 0
@@ -73,11 +74,8 @@ def cmd_outbox_list(args: argparse.Namespace) -> int:
     from mdclaw.state.outbox import list_outbox
 
     cfg = load_or_exit(args)
-    db = open_db_or_exit(cfg)
-    try:
+    with read_db_or_exit(cfg, as_json=args.json) as db:
         rows = [{k: getattr(r, k) for k in OUTBOX_FIELDS}
                 for r in list_outbox(db, status=args.status)]
-    finally:
-        db.close()
     print_rows(rows, OUTBOX_FIELDS, as_json=args.json, empty="the outbox is empty")
     return 0

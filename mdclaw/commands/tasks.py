@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mdclaw import schedule
-from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit
+from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_table
 from mdclaw.config import Config
 from mdclaw.state import Database
@@ -104,12 +104,21 @@ def table_row(t: TaskRow, cfg: Config) -> dict[str, Any]:
 
 
 def _with_db(args: argparse.Namespace, body: Callable[[Config, Database], int]) -> int:
+    """Run a change on the database (created and migrated if need be)."""
     cfg = load_or_exit(args)
     db = open_db_or_exit(cfg)
     try:
         return body(cfg, db)
     finally:
         db.close()
+
+
+def _reading(args: argparse.Namespace, body: Callable[[Config, Database], int]) -> int:
+    """Run a read-only listing on a ready database (see commands/common.py for the exit
+    status when it is not)."""
+    cfg = load_or_exit(args)
+    with read_db_or_exit(cfg, as_json=args.json) as db:
+        return body(cfg, db)
 
 
 def _get_or_fail(db: Database, task_id: str) -> TaskRow:
@@ -130,7 +139,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             print_table([table_row(t, cfg) for t in rows], TABLE_COLUMNS,
                         empty="no tasks" + (f" in group {args.group!r}" if args.group else ""))
         return 0
-    return _with_db(args, body)
+    return _reading(args, body)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -162,7 +171,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print("\nrecent runs:")
             print_table([_log_row(r, tz) for r in runs], LOG_COLUMNS)
         return 0
-    return _with_db(args, body)
+    return _reading(args, body)
 
 
 def _change(args: argparse.Namespace, op: Callable[..., TaskRow], verb: str) -> int:
@@ -246,4 +255,4 @@ def cmd_logs(args: argparse.Namespace) -> int:
             print_table([_log_row(r, zone_for(t, cfg)) for r in runs], LOG_COLUMNS,
                         empty=f"task {t.id} has not run yet")
         return 0
-    return _with_db(args, body)
+    return _reading(args, body)

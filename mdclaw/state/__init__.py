@@ -1,8 +1,17 @@
 """State database: schema, migrations and the small repositories the host uses."""
 
-from mdclaw.state.db import Database, DatabaseError, now_iso
+from mdclaw.state.db import (
+    Database,
+    DatabaseError,
+    DatabaseInfo,
+    DatabaseState,
+    database_state,
+    inspect_database,
+    now_iso,
+)
 
-__all__ = ["Database", "DatabaseError", "now_iso", "open_db"]
+__all__ = ["Database", "DatabaseError", "DatabaseInfo", "DatabaseState", "database_state",
+           "inspect_database", "now_iso", "open_db"]
 
 
 def open_db(path) -> Database:  # noqa: ANN001 - str or PathLike

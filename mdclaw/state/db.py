@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
@@ -29,23 +31,33 @@ class Database:
 
     The connection runs in autocommit mode; `transaction()` opens `BEGIN IMMEDIATE` so a
     writer takes the lock up front and never fails half-way with SQLITE_BUSY.
+
+    `readonly=True` is for the CLI's read-only commands: it opens an existing file read-only
+    (`mode=ro`), never creates, migrates or switches the journal mode, and waits at most
+    `timeout` seconds for a lock. Check `inspect_database()` first.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, migrate: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, migrate: bool = True,
+                 readonly: bool = False, timeout: float = 30.0) -> None:
         self.path = Path(path)
+        self._lock = threading.RLock()
+        self._depth = 0
+        if readonly:
+            self.conn = connect_readonly(self.path, timeout)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA query_only=ON")
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists()
         self.conn = sqlite3.connect(
-            str(self.path), isolation_level=None, timeout=30, check_same_thread=False
+            str(self.path), isolation_level=None, timeout=timeout, check_same_thread=False
         )
         if new:
             os.chmod(self.path, 0o600)
         self.conn.row_factory = sqlite3.Row
-        self._lock = threading.RLock()
-        self._depth = 0
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.execute("PRAGMA busy_timeout=30000")
+        self.conn.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
         self.conn.execute("PRAGMA foreign_keys=ON")
         if migrate:
             self.migrate()
@@ -144,3 +156,112 @@ def _split_sql(script: str) -> list[str]:
     """Split a migration script into statements: comments out first, then split at ';'."""
     lines = [ln for ln in script.splitlines() if not ln.strip().startswith("--")]
     return [stmt.strip() for stmt in "\n".join(lines).split(";") if stmt.strip()]
+
+
+# ---------------------------------------------------------------------- read-only probing
+
+DatabaseState = Literal["missing", "creating", "migrating", "older", "newer", "locked",
+                        "unreadable", "ready"]
+
+PROBE_TIMEOUT = 1.0  # seconds a read-only probe waits for another process's lock
+
+
+@dataclass(frozen=True)
+class DatabaseInfo:
+    """What a read-only look at state.db found: its state, its schema version (when it
+    could be read), the tables it lacks for that version, and the error behind
+    `locked`/`unreadable`."""
+
+    state: DatabaseState
+    version: int | None = None
+    missing_tables: tuple[str, ...] = ()
+    error: str = ""
+
+
+def connect_readonly(path: Path, timeout: float = PROBE_TIMEOUT) -> sqlite3.Connection:
+    """A read-only connection to an existing database file (never creates one)."""
+    uri = path.absolute().as_uri() + "?mode=ro"
+    return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=timeout,
+                           check_same_thread=False)
+
+
+@functools.cache
+def tables_by_version() -> dict[int, frozenset[str]]:
+    """The tables a database has after each migration, found by running the migrations on
+    an in-memory database (so the list is never written twice)."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        out = {0: frozenset[str]()}
+        for version, _desc, script in MIGRATIONS:
+            for statement in _split_sql(script):
+                conn.execute(statement)
+            out[version] = _table_names(conn)
+        return out
+    finally:
+        conn.close()
+
+
+def _table_names(conn: sqlite3.Connection) -> frozenset[str]:
+    return frozenset(r[0] for r in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"))
+
+
+def _busy(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(e) or "busy" in str(e)
+
+
+def inspect_database(path: str | os.PathLike[str], *,
+                     timeout: float = PROBE_TIMEOUT) -> DatabaseInfo:
+    """Look at the database at `path` read-only, waiting at most `timeout` seconds for a
+    lock, and say which state it is in:
+
+    - missing: no file (the daemon or `mdclaw reconcile` has not made it yet);
+    - creating: a file without any schema yet (being created right now);
+    - migrating: the schema lacks tables its version should have (half built);
+    - older: a complete schema of an earlier version, not migrated (yet) to this mdclaw's;
+    - newer: made by a newer mdclaw (user_version above LATEST_VERSION);
+    - locked: another process holds a lock that keeps readers out;
+    - unreadable: not a database, corrupt, or not readable by this user;
+    - ready: this mdclaw's schema, readable.
+
+    Version and tables are read in one transaction, so they belong to the same commit.
+    Never writes, never creates the file, never raises.
+    """
+    p = Path(path)
+    try:
+        if not p.exists():
+            return DatabaseInfo("missing")
+        conn = connect_readonly(p, timeout)
+    except OSError as e:
+        return DatabaseInfo("unreadable", error=str(e))
+    except sqlite3.Error as e:
+        if not p.exists():  # removed between the look and the open
+            return DatabaseInfo("missing")
+        return DatabaseInfo("locked" if _busy(e) else "unreadable", error=str(e))
+    try:
+        conn.execute("BEGIN")
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        tables = _table_names(conn)
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        return DatabaseInfo("locked" if _busy(e) else "unreadable", error=str(e))
+    finally:
+        conn.close()
+    if version > LATEST_VERSION:
+        return DatabaseInfo("newer", version)
+    if version == 0:
+        return DatabaseInfo("older" if tables else "creating", version)
+    lacking = tuple(sorted(tables_by_version().get(version, frozenset()) - tables))
+    if lacking:
+        return DatabaseInfo("migrating", version, lacking)
+    return DatabaseInfo("older" if version < LATEST_VERSION else "ready", version)
+
+
+def database_state(path: str | os.PathLike[str], *,
+                   timeout: float = PROBE_TIMEOUT) -> DatabaseState:
+    """`inspect_database(path).state`: one of missing, creating, migrating, older, newer,
+    locked, unreadable, ready."""
+    return inspect_database(path, timeout=timeout).state
