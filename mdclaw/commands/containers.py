@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mdclaw import mounts
-from mdclaw.commands.common import fail, load_or_exit, ready_db_or_exit
+from mdclaw.commands.common import fail, load_or_exit
 from mdclaw.commands.core import CONFIG_CHECKS
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import Config
@@ -160,8 +160,7 @@ def cmd_image_status(args: argparse.Namespace) -> int:
 
 
 def cmd_containers_list(args: argparse.Namespace) -> int:
-    rt, cfg = _runtime(args)
-    ready_db_or_exit(cfg, as_json=args.json)
+    rt, cfg = _runtime(args)  # (asks the engine: no database needed)
     labels = {LABEL: "true"} if args.all_installs else install_labels(cfg)
     try:
         rows = [c.as_dict() for c in rt.list(labels, all=True)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mdclaw.commands.common import load_or_exit, open_db_or_exit, read_db_or_exit, ready_db_or_exit
+from mdclaw.commands.common import load_or_exit, open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.paths import Layout
 
@@ -63,8 +63,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_errors(args: argparse.Namespace) -> int:
     from mdclaw.ipc.quarantine import list_errors
 
-    cfg = load_or_exit(args)
-    ready_db_or_exit(cfg, as_json=args.json)
+    cfg = load_or_exit(args)  # (the quarantine is files: no database needed)
     rows = [e.as_dict() for e in list_errors(Layout(cfg.data_dir).errors_dir)]
     print_rows(rows, ERROR_FIELDS, as_json=args.json, empty="no quarantined files")
     return 0
