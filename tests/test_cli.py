@@ -10,6 +10,8 @@ import sys
 import time
 
 from conftest import REPO
+from mdclaw.config import load_config
+from mdclaw.daemon import status_path
 
 
 def test_check_config_valid_invalid_usage(cli, write_config) -> None:
@@ -105,7 +107,11 @@ def test_logs_carry_journald_priority_under_systemd(write_config, tmp_path) -> N
     env.update(PYTHONPATH=str(REPO), JOURNAL_STREAM="8:12345")
     proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", cfg], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+    # Up (and so it has logged its start) once it has written its status file.
+    status_file = status_path(load_config(cfg))
+    deadline = time.monotonic() + 60
+    while not status_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=40)
     lines = [ln for ln in err.splitlines() if ln and not ln.startswith("  ")]

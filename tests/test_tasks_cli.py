@@ -16,6 +16,7 @@ import pytest
 
 from mdclaw import schedule
 from mdclaw.config import load_config
+from mdclaw.daemon import status_path
 from mdclaw.reconcile import reconcile
 from mdclaw.scheduler import Scheduler
 from mdclaw.state import Database
@@ -183,8 +184,12 @@ def test_daemon_picks_up_run_now(env, cli, data_dir) -> None:
                             env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        time.sleep(1.5)  # daemon up; nothing due for an hour
-        assert proc.poll() is None
+        # The daemon is up (its scheduler runs) once it has written its status file.
+        status_file = status_path(load_config(path))
+        up = time.monotonic()
+        while not status_file.exists() and proc.poll() is None and time.monotonic() - up < 60:
+            time.sleep(0.05)
+        assert proc.poll() is None and status_file.exists(), "the daemon did not start"
         assert list_runs(db, "plants") == []
         before = get_task(db, "plants").next_run
         ok(cli("tasks", "run-now", "plants", "--config", path))
