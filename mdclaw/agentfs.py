@@ -34,7 +34,7 @@ import shutil
 import socket
 import stat
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -595,18 +595,10 @@ def copy_into(src_fd: int, dst_dir_fd: int, name: str, limit: int, mode: int = 0
         finally:
             os.close(dfd)
     except BaseException:
-        with _suppress_os_error():
+        with suppress(OSError):
             os.unlink(name, dir_fd=dst_dir_fd)
         raise
     return n
-
-
-@contextmanager
-def _suppress_os_error() -> Iterator[None]:
-    try:
-        yield
-    except OSError:
-        pass
 
 
 # --------------------------------------------------------------------------- measuring

@@ -16,8 +16,8 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
+from mdclaw.agentfs import UnsafePath, generation
 from mdclaw.ipc.apply import IpcEngine
-from mdclaw.ipc.files import UnsafePath, generation
 from mdclaw.ipc.writers import write_close, write_follow_up, write_snapshots
 from mdclaw.schedule import from_iso
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc_helpers import Env, schedule_body
+from mdclaw.agentfs import open_beneath
 from mdclaw.agentfs import open_root as open_dir_path
 from mdclaw.config import Config
 from mdclaw.ipc.files import (
@@ -26,7 +27,6 @@ from mdclaw.ipc.files import (
     decode_json,
     is_candidate,
     json_depth_exceeds,
-    open_beneath,
 )
 from mdclaw.mounts import resolve_container_path
 

@@ -20,17 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mdclaw import agentfs
-from mdclaw.agentfs import (
-    FileData,
-    Rejected,
-    UnsafePath,
-    Vanished,
-    generation,
-    lstat_generation,
-    open_beneath,
-    open_dir,
-    open_regular,
-)
+from mdclaw.agentfs import FileData, Rejected, UnsafePath, Vanished, open_dir
 from mdclaw.ipc.protocol import SEND_FILE_MAX_BYTES
 
 log = logging.getLogger("mdclaw.ipc")
@@ -39,10 +29,9 @@ COMMAND_MAX_BYTES = 1024 * 1024
 MAX_JSON_DEPTH = 32
 COMMAND_DIRS = ("messages", "tasks", "groups", "actions")
 
-__all__ = ["COMMAND_DIRS", "COMMAND_MAX_BYTES", "FileData", "GroupDirs", "MAX_JSON_DEPTH",
-           "Rejected", "SEND_FILE_MAX_BYTES", "UnsafePath", "Vanished", "decode_json",
-           "generation", "is_candidate", "lstat_generation", "open_beneath", "open_dir",
-           "open_regular", "read_command_file"]
+__all__ = ["COMMAND_DIRS", "COMMAND_MAX_BYTES", "GroupDirs", "MAX_JSON_DEPTH", "Rejected",
+           "SEND_FILE_MAX_BYTES", "UnsafePath", "Vanished", "decode_json", "is_candidate",
+           "read_command_file"]
 
 
 def is_candidate(name: str) -> bool:

@@ -37,13 +37,6 @@ MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
 CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
 
 
-def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int = FILE_MODE, *,
-                    durable: bool = True) -> None:
-    """Write `data` to `name` in the open folder `dir_fd` atomically (see
-    `agentfs.atomic_write`). Raises OSError."""
-    agentfs.atomic_write(dir_fd, name, data, mode, durable=durable)
-
-
 def _dump(obj: Any) -> bytes:
     # Compact on purpose: with `indent` the json module falls back to its pure-Python
     # encoder, ten times slower for a snapshot of every task.
@@ -73,7 +66,7 @@ def write_in_group(layout: Layout, folder: str, sub: str | None, name: str, data
     """Atomically write ipc/<folder>/[<sub>/]<name>. Raises UnsafePath or OSError."""
     fd = _open_group_ipc(layout, folder, sub)
     try:
-        atomic_write_at(fd, name, data, mode)
+        agentfs.atomic_write(fd, name, data, mode)
     finally:
         os.close(fd)
 
@@ -123,7 +116,7 @@ def write_action_result(group_fd: int, request_id: str, body: dict[str, Any]) ->
     """
     fd = agentfs.ensure_dir(group_fd, "action_results", IPC_DIR_MODE)
     try:
-        atomic_write_at(fd, f"{request_id}.json", _dump(body))
+        agentfs.atomic_write(fd, f"{request_id}.json", _dump(body), FILE_MODE)
     finally:
         os.close(fd)
 
@@ -189,23 +182,19 @@ def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = Non
             continue
         try:
             if tasks:
-                atomic_write_at(fd, "current_tasks.json",
-                                _dump(tasks_snapshot(task_rows, g.folder, g.is_main)),
-                                durable=False)
+                agentfs.atomic_write(fd, "current_tasks.json",
+                                     _dump(tasks_snapshot(task_rows, g.folder, g.is_main)),
+                                     durable=False)
             if groups:
-                atomic_write_at(fd, "available_groups.json",
-                                _dump(groups_snapshot(all_groups, chats, g.is_main, now)),
-                                durable=False)
+                agentfs.atomic_write(fd, "available_groups.json",
+                                     _dump(groups_snapshot(all_groups, chats, g.is_main, now)),
+                                     durable=False)
             written.append(g.folder)
         except OSError as e:
             log.warning("ipc: cannot write snapshots for %s: %s", g.folder, e)
         finally:
             os.close(fd)
     return written
-
-
-def snapshot_path(layout: Layout, folder: str, name: str) -> Path:
-    return layout.group_ipc_dir(folder) / name
 
 
 class SnapshotWriter:

@@ -23,7 +23,6 @@ from mdclaw_agent.tools import ToolContext, tools_for
 log = logging.getLogger("mdclaw_agent")
 
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
-DEFAULT_MODELS: dict[str, str | None] = {"claude": None, "openai": DEFAULT_OPENAI_MODEL}
 
 
 def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noqa: ANN201
