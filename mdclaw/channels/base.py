@@ -12,11 +12,32 @@ import abc
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("mdclaw.channels")
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """A photo, document, audio file or voice note that came with an inbound message.
+
+    Everything here is what the sender claims (untrusted): the name is sanitised and the size
+    enforced by whoever saves the file. `fetch(limit)` downloads the content and raises
+    ChannelError when it is larger than `limit` bytes, so nothing big is ever held.
+    """
+
+    kind: str                       # "image" | "document" | "audio" | "voice" | "video"
+    name: str | None
+    mime: str | None
+    size: int | None                # as announced by the service, if it says
+    fetch: Callable[[int], Awaitable[bytes]]
+    caption: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "mime": self.mime, "size": self.size,
+                "caption": self.caption}
 
 
 @dataclass(frozen=True)
@@ -39,9 +60,13 @@ class InboundMessage:
     #: The person addressed the assistant by the chat service's own means (a @mention of
     #: the bot, a reply to one of its messages): treat it as triggered.
     addressed: bool = False
+    #: Files that came with the message (the content is then the caption, or empty).
+    attachments: tuple[Attachment, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "attachments"}
+        d["attachments"] = [a.as_dict() for a in self.attachments]
+        return d
 
 
 InboundCallback = Callable[[InboundMessage], "Awaitable[None] | None"]
@@ -107,6 +132,13 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def is_connected(self) -> bool:
         """True while the channel can send."""
+
+    def status_info(self) -> dict[str, Any]:
+        """What the operator sees of this channel (status, doctor, the operator page): at
+        least {"connected": bool}. A channel that must be paired adds "link_state"
+        ("linked" | "unlinked" | "logged_out") and, while unlinked, "qr" (the text to show
+        as a QR code)."""
+        return {"connected": self.is_connected()}
 
     def owns_jid(self, jid: str) -> bool:
         """True if `jid` is a chat of this channel (by prefix)."""
