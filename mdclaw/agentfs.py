@@ -33,7 +33,7 @@ import secrets
 import shutil
 import socket
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,6 +425,59 @@ def atomic_write(dir_fd: int, name: str, data: bytes, mode: int = 0o640, *,
         raise
 
 
+def _numbered(name: str, n: int) -> str:
+    """`name` with ` (n)` before its extension: photo.jpg -> photo (2).jpg."""
+    stem, dot, ext = name.rpartition(".")
+    if not dot or not stem:
+        return f"{name} ({n})"
+    return f"{stem} ({n}).{ext}"
+
+
+def write_new_file(root: Path | int, parts: Sequence[str], name: str,
+                   data: bytes | Iterable[bytes], limit: int, *, mode: int = 0o660,
+                   dir_mode: int = GROUP_DIR_MODE, max_names: int = 1000) -> str:
+    """Write `data` (bytes, or chunks of them) as a new file in root/parts[0]/.../parts[-1].
+
+    Missing folders are made with `dir_mode`; a symlink or a non-folder on the way is refused
+    (UnsafePath), never followed. The bytes go to a random `O_EXCL|O_NOFOLLOW` temp file
+    (at most `limit` bytes: one more and the write stops with UnsafePath, nothing is left
+    behind), fsynced, then hard-linked under `name`, or `name (2)`, `name (3)`... when that
+    is taken by anything at all (a file, a symlink, a hard link, a folder): an existing entry
+    is never replaced or written through. Returns the name used.
+    """
+    check_name(name)
+    chunks: Iterable[bytes] = (data,) if isinstance(data, bytes | bytearray) else data
+    with opened(root, *parts, create=dir_mode) as dfd:
+        tmp = f".{secrets.token_hex(6)}.part.tmp"
+        fd = os.open(tmp, _NEW_FILE_FLAGS, mode, dir_fd=dfd)
+        try:
+            try:
+                os.fchmod(fd, mode)
+                total = 0
+                for chunk in chunks:
+                    total += len(chunk)
+                    if total > limit:
+                        raise UnsafePath(f"larger than the limit of {limit} bytes")
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            for n in range(1, max_names + 1):
+                candidate = name if n == 1 else _numbered(name, n)
+                try:
+                    os.link(tmp, candidate, src_dir_fd=dfd, dst_dir_fd=dfd,
+                            follow_symlinks=False)
+                except FileExistsError:
+                    continue
+                return candidate
+            raise UnsafePath(f"no free name for {name!r} after {max_names} tries")
+        finally:
+            with suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+
+
 def write_sentinel(dir_fd: int, name: str, mode: int = 0o660) -> None:
     """Make `name` an empty file in `dir_fd` (atomically, like `atomic_write`)."""
     atomic_write(dir_fd, name, b"", mode, durable=False)
@@ -760,5 +813,6 @@ __all__ = [
     "ensure_dir", "ensure_group_dirs", "free_space", "generation", "is_our_temp", "kind_of",
     "listdir", "lstat", "lstat_generation", "make_dirs", "move", "open_beneath", "open_dir",
     "open_regular", "open_root", "openat2_available", "opened", "read_fd_bounded", "read_file",
-    "read_text", "remove_entry", "set_mode", "tree_usage", "unlink", "walk", "write_sentinel",
+    "read_text", "remove_entry", "set_mode", "tree_usage", "unlink", "walk", "write_new_file",
+    "write_sentinel",
 ]

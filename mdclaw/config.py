@@ -509,6 +509,48 @@ class Channels(Frozen):
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
 
 
+class Media(Frozen):
+    max_bytes: Size = Field(
+        "20M", description="Largest file a person may send the assistant (photo, document, "
+        "audio, voice note, web chat upload); a larger one is not saved and the chat is told. "
+        "Telegram's Bot API lets bots download at most 20 MB whatever this says.")
+
+    @property
+    def limit(self) -> int:
+        """`max_bytes` in bytes."""
+        return parse_size(self.max_bytes)
+
+
+class Transcription(Frozen):
+    provider: Literal["local", "openai"] = Field(
+        description="local: a faster-whisper model on this machine's CPU (int8; needs the "
+        "`transcribe` extra); openai: an OpenAI-compatible /audio/transcriptions endpoint.")
+    model: str | None = Field(
+        None, min_length=1, description="local: a faster-whisper model name (tiny, base, "
+        "small...) or the path of a downloaded model folder, default base; openai: the "
+        "model name, default whisper-1.")
+    base_url: str | None = Field(
+        None, pattern=r"^https?://", description="openai: the API root the "
+        "/audio/transcriptions path is added to (default https://api.openai.com/v1).")
+    api_key_file: SecretFile | None = Field(
+        None, description="openai: file holding the API key (sent as a bearer token).")
+    language: str | None = Field(
+        None, pattern=r"^[A-Za-z]{2,3}$",
+        description="Language of the voice notes (ISO 639-1, e.g. en); default: detected.")
+    timeout: Duration = Field(timedelta(minutes=2),
+                              description="Longest a transcription may take.")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or ("base" if self.provider == "local" else "whisper-1")
+
+    @property
+    def url(self) -> str:
+        """The transcription endpoint (openai)."""
+        return (self.base_url or "https://api.openai.com/v1").rstrip("/") + \
+            "/audio/transcriptions"
+
+
 def _iso_text(value: Any) -> Any:
     """YAML reads an unquoted 2026-12-01T09:00:00 as a datetime: take it as ISO text again."""
     return value.isoformat() if isinstance(value, date) else value
@@ -587,6 +629,12 @@ class Config(_Settings):
     channels: Channels = Field(default_factory=Channels,
                                description="Chat channels mdclaw listens on.")
     tasks: tuple[TaskSpec, ...] = Field((), description="Scheduled tasks declared in config.")
+    media: Media = Field(default_factory=Media,
+                         description="Files people send the assistant (saved in the group's "
+                         "inbox/ folder).")
+    transcription: Transcription | None = Field(
+        None, description="Voice note transcription; without it the agent gets the audio "
+        "file and a note that no transcription is configured.")
 
     @field_validator("data_dir")
     @classmethod

@@ -321,6 +321,9 @@ class Daemon:
             self.diskguard.wake()  # limits may have changed: decide again now
         if self.orch is not None:
             self.orch.queue.max_concurrent = new.limits.max_concurrent_containers
+            if new.transcription != old.transcription:
+                from mdclaw.transcribe import make_transcriber
+                self.orch.transcriber = make_transcriber(new.transcription)
         if self.watcher is not None:
             self.watcher.cfg = new
             self.watcher.engine.cfg = new

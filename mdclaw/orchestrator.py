@@ -36,10 +36,10 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mdclaw import failures
+from mdclaw import failures, media
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, format_duration, read_secret
 from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
@@ -57,6 +57,7 @@ from mdclaw.state.conversations import (
     StoredMessage,
     get_cursor,
     get_session,
+    message_exists,
     messages_since,
     set_cursor,
     set_session,
@@ -72,6 +73,7 @@ from mdclaw.state.groups import (
 )
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import TaskRow, mark_run_started
+from mdclaw.transcribe import Transcriber, make_transcriber
 
 log = logging.getLogger("mdclaw.orchestrator")
 
@@ -178,6 +180,8 @@ class Orchestrator:
         self._refusals_logged: set[tuple[str, str]] = set()
         # image ref -> (time.monotonic(), backends label or None, present)
         self._image_checks: dict[str, tuple[float, tuple[str, ...] | None, bool]] = {}
+        # Voice notes to text (transcription: in config); None when not configured.
+        self.transcriber: Transcriber | None = make_transcriber(cfg.transcription)
 
     # ------------------------------------------------------------------ inbound
     @staticmethod
@@ -207,6 +211,11 @@ class Orchestrator:
         t0 = time.perf_counter()
         group = get_group_by_jid(self.db, msg.chat_jid)
         decision = self.decision(group, msg)
+        if msg.attachments and decision.store:
+            if await asyncio.to_thread(message_exists, self.db, msg.id):
+                return  # a duplicate delivery: its files were saved the first time
+            msg = await self._take_attachments(group, msg)
+            decision = self.decision(group, msg)  # a transcript may name the trigger
         if decision.store:
             stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name,
                                    msg.content, msg.timestamp, False, False)
@@ -232,6 +241,22 @@ class Orchestrator:
                       "sender)", group.folder, msg.id)
             return
         self.dispatch(group, t_inbound=t0)
+
+    async def _take_attachments(self, group: GroupRow | None,
+                                msg: InboundMessage) -> InboundMessage:
+        """Save `msg`'s files in its group's inbox (mdclaw.media) and return the message
+        with a line per file for the agent. Files that could not be kept are named with the
+        reason, and the chat is told."""
+        if group is None:
+            saved = media.not_saved_note(msg.attachments, "this chat is no registered group")
+        else:
+            saved = await media.save_all(self.cfg, group.folder, msg.attachments,
+                                         transcriber=self.transcriber)
+            lost = [s for s in saved if s.container_path is None]
+            if lost and group.jid:
+                self._send_text(group.jid, group.folder, "\n".join(
+                    f"I could not keep {s.name!r}: {s.error}" for s in lost))
+        return replace(msg, content=media.with_attachments(msg.content, saved))
 
     def _log_refusal(self, group: GroupRow, msg: InboundMessage, decision: Decision) -> None:
         key = (group.folder, msg.sender)

@@ -1,0 +1,207 @@
+"""Files people send the assistant: saved in the group's folder, described in the prompt.
+
+Every channel puts what came with a message on `InboundMessage.attachments` (see
+`mdclaw.channels.base.Attachment`); the orchestrator hands them here before the message is
+stored. Each attachment is downloaded (`fetch`, async, at most `media.max_bytes`), written
+through the one door into `groups/<g>/inbox/<YYYY-MM-DD>/<name>` (a thread does the file
+work; folders are walked without following symlinks; an existing entry is never replaced,
+the new file gets `name (2).ext`), and voice notes are transcribed when `transcription:` is
+configured. The result is text appended to the message, so the agent reads where the file is
+(`/workspace/group/inbox/...`), its type, size and caption, and the transcript; a file that
+was too large or could not be fetched is named with the reason, never silently dropped.
+
+Names are the sender's, so they are sanitised: one plain component (no `/`, `\\`, `..`,
+control or format characters, no leading dot), at most NAME_MAX characters with the
+extension kept; a name with nothing left gets one made from the kind and type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mimetypes
+import re
+import unicodedata
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from mdclaw import agentfs, schedule
+from mdclaw.agentfs import UnsafePath
+from mdclaw.channels.base import Attachment, ChannelError
+from mdclaw.config import Config, format_size
+from mdclaw.mounts import GROUP_ROOT
+from mdclaw.paths import GROUP_DIR_MODE, Layout
+from mdclaw.transcribe import Transcriber, TranscriptionError
+
+log = logging.getLogger("mdclaw.media")
+
+INBOX = "inbox"
+NAME_MAX = 100  # characters of a saved file's name
+EXT_MAX = 12  # characters of an extension kept as it is
+FILE_MODE = 0o660  # the agent (the group's gid) reads it, and may tidy it away
+KINDS = ("image", "document", "audio", "voice", "video")
+KIND_WORDS = {"image": "image", "document": "document", "audio": "audio file",
+              "voice": "voice note", "video": "video"}
+_DEFAULT_STEM = {"image": "photo", "document": "document", "audio": "audio", "voice": "voice",
+                 "video": "video"}
+_DEFAULT_EXT = {"image": ".jpg", "voice": ".ogg", "audio": ".mp3", "video": ".mp4",
+                "document": ".bin"}
+_EXT_RE = re.compile(r"^\.[A-Za-z0-9]{1," + str(EXT_MAX) + "}$")
+
+
+def kind_for_mime(mime: str | None) -> str:
+    """The attachment kind a MIME type suggests (for uploads that do not say)."""
+    top = (mime or "").split("/", 1)[0].lower()
+    return {"image": "image", "audio": "audio", "video": "video"}.get(top, "document")
+
+
+def safe_name(name: str | None, kind: str = "document", mime: str | None = None) -> str:
+    """`name` as one safe file name (see the module's notes); never empty."""
+    text = unicodedata.normalize("NFC", name or "")
+    text = text.replace("\\", "/").rsplit("/", 1)[-1]  # a path: its last part
+    text = "".join("_" if unicodedata.category(c)[0] == "C" else c for c in text)
+    text = " ".join(text.split()).lstrip(". ").rstrip(" .")
+    stem, dot, ext = text.rpartition(".")
+    if not dot or not stem or not _EXT_RE.match("." + ext):
+        stem, ext = text, ""
+    else:
+        ext = "." + ext.lower()
+    if not ext:
+        guessed = mimetypes.guess_extension(mime or "", strict=False) if mime else None
+        ext = guessed if guessed and _EXT_RE.match(guessed) else _DEFAULT_EXT.get(kind, ".bin")
+    stem = stem[:NAME_MAX - len(ext)].rstrip(" .")
+    while len((stem + ext).encode()) > 200:  # file systems count bytes (255 at most)
+        stem = stem[:-1]
+    if not stem or stem in (".", ".."):
+        stem = _DEFAULT_STEM.get(kind, "file")
+    return stem + ext
+
+
+def describe_size(n: int) -> str:
+    return format_size(n)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What became of one attachment."""
+
+    kind: str
+    name: str  # the saved file's name, or the sanitised name of what was not saved
+    mime: str | None
+    size: int | None
+    caption: str | None = None
+    container_path: str | None = None  # None: not saved
+    error: str | None = None  # why it was not saved (for the agent and the chat)
+    transcript: str | None = None
+    transcript_note: str | None = None  # why there is no transcript (voice notes)
+
+    def describe(self) -> str:
+        """One line (or two) for the prompt."""
+        word = KIND_WORDS.get(self.kind, "file")
+        if self.container_path is None:
+            return f"[{word} {self.name!r} not saved: {self.error}]"
+        facts = [self.mime or "unknown type"]
+        if self.size is not None:
+            facts.append(describe_size(self.size))
+        line = f"[{word} attached: {self.container_path} ({', '.join(facts)})"
+        if self.caption:
+            line += f"; caption: {self.caption}"
+        if self.transcript is not None:
+            line += f"]\n[transcript: {self.transcript}]"
+        elif self.transcript_note:
+            line += f"; {self.transcript_note}]"
+        else:
+            line += "]"
+        return line
+
+
+def inbox_date(cfg: Config, now: datetime | None = None) -> str:
+    """Today in the assistant's timezone, the name of the day's inbox folder."""
+    when = now or schedule.utc_now()
+    try:
+        when = when.astimezone(schedule.get_zone(cfg.assistant.timezone))
+    except schedule.ScheduleError:
+        pass
+    return when.strftime("%Y-%m-%d")
+
+
+def write_inbox(layout: Layout, folder: str, day: str, name: str, data: bytes,
+                limit: int) -> str:
+    """Write `data` as groups/<folder>/inbox/<day>/<name> (or a free variant of the name);
+    returns the name used. Raises UnsafePath or OSError. Blocking: call on a thread."""
+    return agentfs.write_new_file(layout.groups_dir, (folder, INBOX, day), name, data, limit,
+                                  mode=FILE_MODE, dir_mode=GROUP_DIR_MODE)
+
+
+async def save_attachment(cfg: Config, folder: str, att: Attachment, *,
+                          transcriber: Transcriber | None, day: str) -> Saved:
+    """Fetch `att` (bounded), save it in the group's inbox, transcribe a voice note."""
+    kind = att.kind if att.kind in KINDS else "document"
+    name = safe_name(att.name, kind, att.mime)
+    mime = att.mime or mimetypes.guess_type(name)[0]
+    limit = cfg.media.limit
+    base = Saved(kind=kind, name=name, mime=mime, size=att.size, caption=att.caption)
+    if att.size is not None and att.size > limit:
+        return replace(base, error=f"it is {describe_size(att.size)}, over the "
+                                    f"{describe_size(limit)} limit for files sent here")
+    try:
+        data = await att.fetch(limit)
+    except ChannelError as e:
+        return replace(base, error=str(e))
+    except Exception as e:  # noqa: BLE001 - a channel's download failed in some other way
+        log.warning("group %s: downloading %s failed", folder, name, exc_info=True)
+        return replace(base, error=f"the download failed ({type(e).__name__})")
+    if len(data) > limit:
+        return replace(base, size=len(data),
+                        error=f"it is over the {describe_size(limit)} limit for files sent "
+                              "here")
+    try:
+        saved = await asyncio.to_thread(write_inbox, Layout(cfg.data_dir), folder, day, name,
+                                        data, limit)
+    except (UnsafePath, OSError) as e:
+        log.warning("group %s: cannot save %s in inbox/%s: %s", folder, name, day, e)
+        return replace(base, size=len(data), error=f"it could not be saved in the group's "
+                                                    f"folder ({e})")
+    out = replace(base, name=saved, size=len(data),
+                   container_path=f"{GROUP_ROOT}/{INBOX}/{day}/{saved}")
+    log.info("group %s: %s saved as inbox/%s/%s (%d bytes)", folder, kind, day, saved,
+             len(data))
+    if kind != "voice":
+        return out
+    if transcriber is None:
+        return replace(out, transcript_note="no transcription is configured (the operator "
+                                             "can set transcription: in config.yaml)")
+    try:
+        text = await transcriber.transcribe(data, saved, mime)
+    except TranscriptionError as e:
+        log.warning("group %s: transcribing %s failed: %s", folder, saved, e)
+        return replace(out, transcript_note=f"transcription failed: {e}")
+    return replace(out, transcript=text)
+
+
+async def save_all(cfg: Config, folder: str, attachments: tuple[Attachment, ...], *,
+                   transcriber: Transcriber | None = None,
+                   now: datetime | None = None) -> list[Saved]:
+    """Save every attachment of one message (one after the other); never raises for one
+    that fails: its Saved says why."""
+    day = inbox_date(cfg, now)
+    return [await save_attachment(cfg, folder, a, transcriber=transcriber, day=day)
+            for a in attachments]
+
+
+def with_attachments(content: str, saved: list[Saved]) -> str:
+    """The message text the agent reads: the person's text, then a line per attachment
+    (a caption equal to the text is not repeated)."""
+    lines = [content] if content.strip() else []
+    for s in saved:
+        if s.caption and s.caption.strip() == content.strip():
+            s = replace(s, caption=None)
+        lines.append(s.describe())
+    return "\n".join(lines)
+
+
+def not_saved_note(attachments: tuple[Attachment, ...], why: str) -> list[Saved]:
+    """Attachments that are not fetched at all (`why`), described like the rest."""
+    return [Saved(kind=a.kind if a.kind in KINDS else "document",
+                  name=safe_name(a.name, a.kind, a.mime), mime=a.mime, size=a.size,
+                  caption=a.caption, error=why) for a in attachments]
