@@ -25,7 +25,8 @@ TOKEN = "123456:SECRET-token_value"
 
 class FakeBotApi:
     """Just enough of the Bot API: getMe, getUpdates (long poll with offset), the send
-    methods (recorded), and scripted failures per method."""
+    methods (recorded), getFile and the file download URL (files put in `files`), and
+    scripted failures per method."""
 
     def __init__(self, token: str = TOKEN) -> None:
         self.token = token
@@ -37,10 +38,14 @@ class FakeBotApi:
         self.next_message_id = 1000
         self.runner: web.AppRunner | None = None
         self.base = ""
+        # file_id -> (file_path, content, file_size getFile announces or None)
+        self.files: dict[str, tuple[str, bytes, int | None]] = {}
+        self.downloads: list[str] = []
 
     async def start(self, port: int = 0) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/bot{token}/{method}", self.handle)
+        app.router.add_get("/file/bot{token}/{path:.+}", self.download)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True)
@@ -96,10 +101,37 @@ class FakeBotApi:
         if method == "getMe":
             return web.json_response({"ok": True, "result": {"id": 1, "is_bot": True,
                                                              "username": "mdclaw_test_bot"}})
+        if method == "getFile":
+            entry = self.files.get(params.get("file_id", ""))
+            if entry is None:
+                return web.json_response({"ok": False, "error_code": 400,
+                                          "description": "Bad Request: invalid file_id"},
+                                         status=400)
+            path, content, announced = entry
+            return web.json_response({"ok": True, "result": {
+                "file_id": params["file_id"], "file_unique_id": "u" + params["file_id"],
+                "file_size": len(content) if announced is None else announced,
+                "file_path": path}})
         if method in ("sendMessage", "sendDocument", "sendPhoto"):
             self.next_message_id += 1
             return web.json_response({"ok": True, "result": {"message_id": self.next_message_id}})
         return web.json_response({"ok": True, "result": True})
+
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        if request.match_info["token"] != self.token:
+            return web.Response(status=401)
+        path = request.match_info["path"]
+        self.downloads.append(path)
+        for fpath, content, _ in self.files.values():
+            if fpath == path:
+                resp = web.StreamResponse()  # chunked: no Content-Length to trust
+                await resp.prepare(request)
+                for i in range(0, len(content), 4096):
+                    await resp.write(content[i:i + 4096])
+                await resp.write_eof()
+                return resp
+        return web.Response(status=404)
 
 
 async def wait_until(pred, timeout: float = 10.0) -> None:
@@ -490,3 +522,81 @@ def test_the_offset_survives_a_restart(tmp_path) -> None:
 
     asyncio.run(main())
     db.close()
+
+
+def test_photos_documents_and_voice_notes_arrive_as_attachments_fetched_with_getfile(
+        tmp_path: Path, write_config) -> None:
+    from mdclaw.config import load_config
+    from mdclaw.media import save_all, with_attachments
+
+    cfg = load_config(write_config())
+    (cfg.data_dir / "groups" / "main").mkdir(parents=True)
+    photo_big = os.urandom(50_000)
+
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        api.files["small"] = ("photos/file_1.jpg", b"small", None)
+        api.files["big"] = ("photos/file_2.jpg", photo_big, None)
+        api.files["doc"] = ("documents/file_3.pdf", b"%PDF-1.4 hello", None)
+        api.files["voice"] = ("voice/file_4.oga", b"OggS voice", None)
+        chat = {"id": 99, "type": "private", "first_name": "Bob"}
+        api.push({"message_id": 20, "date": 1_767_225_600, "chat": chat, "from": {"id": 99},
+                  "caption": "the garden",
+                  "photo": [{"file_id": "small", "file_size": 5, "width": 90, "height": 60},
+                            {"file_id": "big", "file_size": 50_000, "width": 1280,
+                             "height": 960}]})
+        api.push({"message_id": 21, "date": 1_767_225_601, "chat": chat, "from": {"id": 99},
+                  "document": {"file_id": "doc", "file_name": "../../Report.PDF",
+                               "mime_type": "application/pdf", "file_size": 14}})
+        api.push({"message_id": 22, "date": 1_767_225_602, "chat": chat, "from": {"id": 99},
+                  "voice": {"file_id": "voice", "mime_type": "audio/ogg", "duration": 2,
+                            "file_size": 10}})
+        await wait_until(lambda: len(got) == 3)
+        photo, doc, voice = got
+        assert photo.content == "the garden" and doc.content == "" and voice.content == ""
+        assert [(a.kind, a.name, a.mime, a.size, a.caption) for m in got
+                for a in m.attachments] == [
+            ("image", "photo.jpg", "image/jpeg", 50_000, "the garden"),
+            ("document", "../../Report.PDF", "application/pdf", 14, None),
+            ("voice", None, "audio/ogg", 10, None)]
+        saved = []
+        for m in got:
+            saved += await save_all(cfg, "main", m.attachments)
+        assert api.of("getFile") == [{"file_id": "big"}, {"file_id": "doc"},
+                                     {"file_id": "voice"}]
+        assert api.downloads == ["photos/file_2.jpg", "documents/file_3.pdf",
+                                 "voice/file_4.oga"]
+        inbox = cfg.data_dir / "groups" / "main" / "inbox"
+        (day,) = [p.name for p in inbox.iterdir()]
+        assert (inbox / day / "photo.jpg").read_bytes() == photo_big
+        assert (inbox / day / "Report.pdf").read_bytes() == b"%PDF-1.4 hello"
+        assert (inbox / day / "voice.oga").read_bytes() == b"OggS voice"
+        text = with_attachments(photo.content, saved[:1])
+        assert text == (f"the garden\n[image attached: /workspace/group/inbox/{day}/photo.jpg "
+                        "(image/jpeg, 48.8 KiB)]")
+
+    run(body)
+
+
+def test_downloads_are_capped_and_their_errors_hide_the_token(caplog) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        api.files["liar"] = ("documents/liar.bin", b"z" * 100_000, 10)  # says 10 bytes
+        api.files["huge"] = ("documents/huge.bin", b"", 25 * 1024 * 1024)
+        with pytest.raises(ChannelError, match="larger than the 1000 bytes"):
+            await ch.download("liar", 1000)
+        with pytest.raises(ChannelError, match="over the 20971520 bytes"):
+            await ch.download("huge", 100 * 1024 * 1024)  # the Bot API's 20 MB wins
+        assert api.downloads == ["documents/liar.bin"]  # the huge one was never asked for
+        with pytest.raises(ChannelError, match="invalid file_id") as ei:
+            await ch.download("unknown", 1000)
+        errors = [str(ei.value)]
+        api.files["ok"] = ("documents/ok.bin", b"fine", None)
+        await api.stop()  # Telegram is away: a connection error, token masked
+        with pytest.raises(ChannelError) as ei2:
+            await ch.download("ok", 1000)
+        errors.append(str(ei2.value))
+        for text in errors + [r.getMessage() for r in caplog.records]:
+            assert TOKEN not in text and "SECRET" not in text
+
+    run(body)

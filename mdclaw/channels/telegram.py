@@ -4,7 +4,10 @@ In: long polling with `getUpdates` (the offset confirms what was handed over; a 
 that means Telegram sends the update again and the host's dedupe by id drops the copy). The
 offset is kept in the state database (`router_state`, per bot) after every batch, so a
 restart asks for what came after it instead of the last day's updates all over again. Text
-and photo/document captions become InboundMessages with id `tg:<chat>:<message id>`;
+becomes InboundMessages with id `tg:<chat>:<message id>`; a photo (its largest size), document,
+audio file, voice note or video comes as an Attachment (with the caption as text) that the host
+downloads on demand: `getFile`, then the file URL, streamed and capped (the Bot API lets bots
+download at most 20 MB);
 `/chatid` is answered by the channel itself with the chat's JID, to help writing the config.
 Out: `sendMessage` (4096 UTF-16 units, the Bot API's measure), `sendPhoto`/`sendDocument`
 (multipart), `setMessageReaction`, `sendChatAction` (repeated every 4 s while typing is on).
@@ -26,7 +29,13 @@ from typing import Any
 
 import aiohttp
 
-from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
+from mdclaw.channels.base import (
+    Attachment,
+    Channel,
+    ChannelError,
+    InboundCallback,
+    InboundMessage,
+)
 from mdclaw.config import read_secret
 from mdclaw.retry import Backoff
 from mdclaw.state import Database, now_iso
@@ -38,6 +47,7 @@ JID_RE = re.compile(r"^tg:(-?\d{1,20})$")
 PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 MAX_PHOTO_BYTES = 10 * 1024 * 1024
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+MAX_DOWNLOAD_BYTES = 20 * 1024 * 1024  # the Bot API's getFile limit
 MAX_CAPTION = 1024
 TYPING_REPEAT_SECONDS = 4.0
 TYPING_MAX_SECONDS = 300.0
@@ -295,10 +305,84 @@ class TelegramChannel(Channel):
             log.warning("telegram: could not answer /chatid: %s", e)
         return True
 
+    def attachments_of(self, msg: dict[str, Any]) -> tuple[Attachment, ...]:
+        """The file a Bot API Message carries (photo: its largest size), as an Attachment
+        fetched with getFile when the host asks for it."""
+        caption = msg.get("caption") if isinstance(msg.get("caption"), str) else None
+        photos = msg.get("photo")
+        if isinstance(photos, list) and photos:
+            sizes = [p for p in photos if isinstance(p, dict) and p.get("file_id")]
+            if sizes:
+                best = max(sizes, key=lambda p: (p.get("file_size") or 0,
+                                                 (p.get("width") or 0) * (p.get("height") or 0)))
+                return (self._attachment("image", best, "photo.jpg", "image/jpeg", caption),)
+        for key, kind in (("document", "document"), ("audio", "audio"), ("voice", "voice"),
+                          ("video", "video"), ("video_note", "video")):
+            obj = msg.get(key)
+            if isinstance(obj, dict) and obj.get("file_id"):
+                return (self._attachment(kind, obj, None, None, caption),)
+        return ()
+
+    def _attachment(self, kind: str, obj: dict[str, Any], name: str | None,
+                    mime: str | None, caption: str | None) -> Attachment:
+        file_id = str(obj["file_id"])
+        size = obj.get("file_size") if isinstance(obj.get("file_size"), int) else None
+        file_name = obj.get("file_name") if isinstance(obj.get("file_name"), str) else name
+        mime_type = obj.get("mime_type") if isinstance(obj.get("mime_type"), str) else mime
+
+        async def fetch(limit: int) -> bytes:
+            return await self.download(file_id, limit)
+
+        return Attachment(kind=kind, name=file_name, mime=mime_type, size=size, fetch=fetch,
+                          caption=caption)
+
+    async def download(self, file_id: str, limit: int) -> bytes:
+        """The content of Telegram file `file_id` (getFile, then the file URL), at most
+        `limit` bytes and never more than the Bot API's 20 MB. Raises ChannelError
+        (token-free) when it is larger or cannot be fetched."""
+        limit = min(limit, MAX_DOWNLOAD_BYTES)
+        info = await self.call("getFile", {"file_id": file_id})
+        if not isinstance(info, dict) or not isinstance(info.get("file_path"), str):
+            raise ChannelError("telegram getFile: no file path in the answer (files over "
+                               "20 MB cannot be downloaded by bots)")
+        size = info.get("file_size")
+        if isinstance(size, int) and size > limit:
+            raise ChannelError(f"it is {size} bytes, over the {limit} bytes a file may have "
+                               "here")
+        if self._session is None:
+            raise ChannelError("the Telegram channel is not connected")
+        path = info["file_path"].lstrip("/")
+        url = f"{self.api_base}/file/bot{self._token}/{path}"
+        chunks: list[bytes] = []
+        total = 0
+        try:
+            async with self._session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=max(self.request_timeout, 120))
+            ) as r:
+                if r.status != 200:
+                    raise ChannelError(f"telegram file download: HTTP {r.status}",
+                                       code=r.status, permanent=r.status in (400, 403, 404))
+                async for chunk in r.content.iter_chunked(64 * 1024):
+                    total += len(chunk)
+                    if total > limit:
+                        raise ChannelError(f"larger than the {limit} bytes a file may have "
+                                           "here")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ChannelError("telegram file download: no answer in time") from None
+        except aiohttp.ClientError as e:
+            raise ChannelError(self.redact(f"telegram file download: {type(e).__name__}: "
+                                           f"{e}")) from None
+        return b"".join(chunks)
+
     def parse_message(self, msg: dict[str, Any]) -> InboundMessage | None:
-        """A Bot API Message as an InboundMessage; None if it holds no text or caption."""
+        """A Bot API Message as an InboundMessage; None if it holds no text, caption or
+        file."""
         chat = msg.get("chat") or {}
         text = msg.get("text") or msg.get("caption")
+        attachments = self.attachments_of(msg)
+        if attachments and not isinstance(text, str):
+            text = ""
         if not isinstance(text, str) or not isinstance(chat.get("id"), int):
             return None
         sender = msg.get("from") or msg.get("sender_chat") or {}
@@ -318,7 +402,7 @@ class TelegramChannel(Channel):
             id=f"{jid}:{msg.get('message_id')}", chat_jid=jid,
             sender=str(sender.get("id", "")), sender_name=name, content=text, timestamp=ts,
             chat_name=chat_name, is_group=chat.get("type") in ("group", "supergroup"),
-            channel=self.name, addressed=addressed)
+            channel=self.name, addressed=addressed, attachments=attachments)
 
     def _addresses_bot(self, msg: dict[str, Any], text: str) -> bool:
         """True if `msg` @mentions this bot or replies to one of its messages."""
