@@ -27,7 +27,7 @@ from datetime import datetime
 
 from mdclaw import agentfs, schedule
 from mdclaw.agentfs import UnsafePath
-from mdclaw.channels.base import Attachment, ChannelError
+from mdclaw.channels.base import Attachment, ChannelError, kind_for_mime
 from mdclaw.config import Config, format_size
 from mdclaw.mounts import GROUP_ROOT
 from mdclaw.paths import GROUP_DIR_MODE, Layout
@@ -47,12 +47,6 @@ _DEFAULT_STEM = {"image": "photo", "document": "document", "audio": "audio", "vo
 _DEFAULT_EXT = {"image": ".jpg", "voice": ".ogg", "audio": ".mp3", "video": ".mp4",
                 "document": ".bin"}
 _EXT_RE = re.compile(r"^\.[A-Za-z0-9]{1," + str(EXT_MAX) + "}$")
-
-
-def kind_for_mime(mime: str | None) -> str:
-    """The attachment kind a MIME type suggests (for uploads that do not say)."""
-    top = (mime or "").split("/", 1)[0].lower()
-    return {"image": "image", "audio": "audio", "video": "video"}.get(top, "document")
 
 
 def safe_name(name: str | None, kind: str = "document", mime: str | None = None) -> str:
@@ -136,7 +130,7 @@ def write_inbox(layout: Layout, folder: str, day: str, name: str, data: bytes,
 async def save_attachment(cfg: Config, folder: str, att: Attachment, *,
                           transcriber: Transcriber | None, day: str) -> Saved:
     """Fetch `att` (bounded), save it in the group's inbox, transcribe a voice note."""
-    kind = att.kind if att.kind in KINDS else "document"
+    kind = att.kind if att.kind in KINDS else kind_for_mime(att.mime)
     name = safe_name(att.name, kind, att.mime)
     mime = att.mime or mimetypes.guess_type(name)[0]
     limit = cfg.media.limit

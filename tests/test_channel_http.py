@@ -294,3 +294,127 @@ def test_from_config_reads_secret_file(tmp_path: Path) -> None:
     ch = HttpChannel.from_config(section, db, assistant_name="Bob")
     assert ch._secret == b"tok-123" and ch.assistant_name == "Bob"
     db.close()
+
+
+def upload_form(data: bytes | object, name: str = "notes.txt", *, jid: str = "hl:family",
+                text: str = "", mime: str = "text/plain") -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    form.add_field("jid", jid)
+    form.add_field("sender_name", "Alice")
+    form.add_field("text", text)
+    form.add_field("file", data, filename=name, content_type=mime)
+    return form
+
+
+def test_uploads_arrive_as_attachments_capped_while_streaming(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, got = await started(db, secret="s3", max_upload_bytes=100_000)
+        auth = {"Authorization": "Bearer s3"}
+        try:
+            async with aiohttp.ClientSession(ch.url) as http:
+                async with http.post("/upload", data=upload_form(b"hello")) as r:
+                    assert r.status == 401  # the same bearer as posting a message
+                async with http.post("/upload", data=upload_form(b"x" * 5000, "cat.png",
+                                                                 text="my cat",
+                                                                 mime="image/png"),
+                                     headers=auth) as r:
+                    assert r.status == 202, await r.text()
+                    body = await r.json()
+                (msg,) = got
+                assert (msg.chat_jid, msg.sender_name, msg.content) == (
+                    "hl:family", "Alice", "my cat")
+                (att,) = msg.attachments
+                assert (att.kind, att.name, att.mime, att.size, att.caption) == (
+                    "image", "cat.png", "image/png", 5000, "my cat")
+                assert await att.fetch(5000) == b"x" * 5000
+                with pytest.raises(Exception, match="over the 10 bytes"):
+                    await att.fetch(10)
+                rows = ch.transcript("hl:family")
+                assert [(r["kind"], r["direction"], r["file_name"], r["content"],
+                         r["download"]) for r in rows] == [
+                    ("file", "in", "cat.png", "my cat", None)]
+                assert rows[0]["id"] == body["message_id"]
+
+                # over the limit while streaming (chunked: no Content-Length to go by)
+                sent = []
+
+                async def endless():
+                    for i in range(1000):
+                        sent.append(i)
+                        yield b"z" * 10_000
+
+                async with http.post("/upload", data=upload_form(endless(), "big.bin"),
+                                     headers=auth) as r:
+                    assert r.status == 413
+                assert len(sent) < 1000  # the server stopped reading long before the end
+                async with http.post("/upload", data=b"not multipart", headers=auth) as r:
+                    assert r.status == 400
+                form = aiohttp.FormData()
+                form.add_field("jid", "hl:family")
+                async with http.post("/upload", data=form, headers=auth) as r:
+                    assert r.status == 400  # no file
+                async with http.post("/upload", data=upload_form(b"x", jid="tg:42"),
+                                     headers=auth) as r:
+                    assert r.status == 400
+            assert len(got) == 1
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+PNG_1PX = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d4944415478da63f8cfc0f01f0005000201ffa1f1d4a00000000049454e44ae426082")
+
+
+def test_files_the_assistant_sends_are_served_only_in_their_chat(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        files = tmp_path / "http-files"
+        ch, _got = await started(db, secret="s3", files_dir=files, keep_per_chat=3)
+        auth = {"Authorization": "Bearer s3"}
+        spool = tmp_path / "spool"
+        spool.mkdir()
+        (spool / "1-x-pic.png").write_bytes(PNG_1PX)
+        (spool / "2-y-page.html").write_bytes(b"<script>alert(1)</script>")
+        try:
+            img_id = await ch.send_file("hl:family", spool / "1-x-pic.png",
+                                        file_name="pic.png", caption="a picture")
+            html_id = await ch.send_file("hl:family", spool / "2-y-page.html",
+                                         file_name="page.html")
+            (spool / "1-x-pic.png").unlink()  # the outbox removes its spool copy
+            rows = ch.transcript("hl:family")
+            links = [r["download"] for r in rows]
+            assert all(links) and [r["id"] for r in rows] == [img_id, html_id]
+            async with aiohttp.ClientSession(ch.url) as http:
+                async with http.get(links[0]) as r:
+                    assert r.status == 401
+                async with http.get(links[0], headers=auth) as r:
+                    assert r.status == 200 and await r.read() == PNG_1PX
+                    assert r.headers["Content-Type"] == "image/png"
+                    assert r.headers["Content-Disposition"] == \
+                        "inline; filename*=UTF-8''pic.png"
+                    assert r.headers["X-Content-Type-Options"] == "nosniff"
+                    assert "sandbox" in r.headers["Content-Security-Policy"]
+                async with http.get(links[1], headers=auth) as r:
+                    assert r.status == 200
+                    assert r.headers["Content-Type"] == "application/octet-stream"
+                    assert r.headers["Content-Disposition"].startswith("attachment;")
+                # another chat, a made-up id, a path: nothing
+                for params in ({"jid": "hl:main", "id": img_id},
+                               {"jid": "hl:family", "id": "hl:family:" + "0" * 32},
+                               {"jid": "hl:family", "id": "hl:family:../../state.db"}):
+                    async with http.get("/file", params=params, headers=auth) as r:
+                        assert r.status == 404, params
+            # pruned rows take their files with them
+            for i in range(3):
+                await ch.send_message("hl:family", f"m{i}")
+            assert sorted(p.name for p in files.iterdir()) == []
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())

@@ -40,6 +40,12 @@ class Attachment:
                 "caption": self.caption}
 
 
+def kind_for_mime(mime: str | None) -> str:
+    """The attachment kind a MIME type suggests, for channels whose uploads do not say."""
+    top = (mime or "").split("/", 1)[0].lower()
+    return {"image": "image", "audio": "audio", "video": "video"}.get(top, "document")
+
+
 @dataclass(frozen=True)
 class InboundMessage:
     """One message a person wrote in a chat, as every channel reports it.

@@ -10,6 +10,14 @@ Endpoints (JSON unless noted):
   SEQ: what was posted (`direction: "in"`) and what the assistant sent (`"out"`: text, files
   by name, reactions), oldest first, plus `cursor` for the next call and `typing`. With `wait`
   it long-polls up to S seconds (at most 30) for something new.
+- `POST /upload` — multipart (`jid`, `sender_name`?, `text`? as the caption, one `file`): a
+  person sends a file; it reaches the host as the message's attachment (saved in the group's
+  inbox like any channel's). 413 when the file is over the upload limit (checked while the
+  body streams in), else as `/message`.
+- `GET /file?jid=hl:x&id=<message id>` — a file the assistant sent to that chat (its
+  transcript row carries this link as `download`): images the page shows inline (PNG, JPEG,
+  GIF, WebP), anything else as a download (`Content-Disposition: attachment`, octet-stream),
+  never rendered as a page (`nosniff`, a sandboxing CSP).
 - `GET /groups` — the registered groups that answer in this channel.
 - `GET /health` — liveness, no auth.
 - `GET /` — a single-page chat (HTML and JavaScript, no build step).
@@ -17,6 +25,9 @@ Endpoints (JSON unless noted):
 The transcript lives in the `http_messages` table (its `seq` is the cursor), apart from the
 `messages` table the orchestrator keeps, so replies never show up as prompt context. Each
 chat keeps its newest `keep_per_chat` rows.
+
+Files the assistant sends are copied into `files_dir` (host-owned, under data_dir) and removed
+with their transcript rows.
 
 Security: bound to 127.0.0.1 by default; with a secret every endpoint but `/health` and `/`
 needs `Authorization: Bearer <secret>` (compared in constant time). Cross-site requests are
@@ -31,17 +42,26 @@ import hmac
 import ipaddress
 import json
 import logging
+import mimetypes
 import re
+import shutil
 import time
 import uuid
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
-from mdclaw.channels.base import Channel, ChannelError, InboundCallback, InboundMessage
+from mdclaw.channels.base import (
+    Attachment,
+    Channel,
+    ChannelError,
+    InboundCallback,
+    InboundMessage,
+    kind_for_mime,
+)
 from mdclaw.config import read_secret
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
@@ -60,8 +80,12 @@ _SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 _PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-             "frame-ancestors 'none'")
+             "connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; "
+             "form-action 'none'; frame-ancestors 'none'")
+# A served file is never a page: no script, no plugin, a sandbox of its own.
+_FILE_CSP = "default-src 'none'; img-src 'self'; sandbox"
+INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
+FILE_KEY_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -109,7 +133,8 @@ class HttpChannel(Channel):
     def __init__(self, db: Database, *, listen: str = "127.0.0.1:3000",
                  secret: str | None = None, on_inbound: InboundCallback | None = None,
                  assistant_name: str = "Andy", max_body_bytes: int = 64 * 1024,
-                 keep_per_chat: int = 1000) -> None:
+                 keep_per_chat: int = 1000, max_upload_bytes: int = 20 * 1024 * 1024,
+                 files_dir: Path | None = None) -> None:
         super().__init__(on_inbound)
         self.db = db
         self.host, self.port = parse_listen(listen)
@@ -117,6 +142,10 @@ class HttpChannel(Channel):
         self.assistant_name = assistant_name
         self.max_body_bytes = max_body_bytes
         self.keep_per_chat = keep_per_chat
+        self.max_upload_bytes = max_upload_bytes
+        # Where copies of files the assistant sends are kept for the page (None: not kept,
+        # the transcript names them only).
+        self.files_dir = files_dir
         self._runner: web.AppRunner | None = None
         self._connected = False
         self._closing = False
@@ -126,7 +155,9 @@ class HttpChannel(Channel):
 
     @classmethod
     def from_config(cls, section: Any, db: Database, *, assistant_name: str = "Andy",
-                    on_inbound: InboundCallback | None = None) -> HttpChannel:
+                    on_inbound: InboundCallback | None = None,
+                    max_upload_bytes: int = 20 * 1024 * 1024,
+                    files_dir: Path | None = None) -> HttpChannel:
         """Build from the `channels.http` config section; the secret file is read now.
 
         Raises ChannelError naming the file (never its content) if it cannot be read.
@@ -141,7 +172,8 @@ class HttpChannel(Channel):
             if not secret:
                 raise ChannelError(f"channels.http.secret_file {section.secret_file} is empty")
         return cls(db, listen=section.listen, secret=secret, on_inbound=on_inbound,
-                   assistant_name=assistant_name)
+                   assistant_name=assistant_name, max_upload_bytes=max_upload_bytes,
+                   files_dir=files_dir)
 
     @property
     def url(self) -> str:
@@ -161,6 +193,8 @@ class HttpChannel(Channel):
         app.router.add_get("/health", self._health)
         app.router.add_get("/groups", self._groups)
         app.router.add_post("/message", self._post_message)
+        app.router.add_post("/upload", self._upload)
+        app.router.add_get("/file", self._get_file)
         app.router.add_get("/messages", self._get_messages)
         runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                shutdown_timeout=1.0)
@@ -207,9 +241,40 @@ class HttpChannel(Channel):
         if not await asyncio.to_thread(Path(path).is_file):
             raise ChannelError(f"file {Path(path).name!r} to send does not exist",
                                permanent=True)
+        key = uuid.uuid4().hex
+        if self.files_dir is not None:
+            try:
+                await asyncio.to_thread(self._keep_file, Path(path), key)
+            except OSError as e:
+                raise ChannelError(f"file {Path(path).name!r} could not be kept for the "
+                                   f"chat page: {e.strerror or e}") from None
         return self._record(jid, "out", "file", content=caption or "", sender="assistant",
                             sender_name=self.assistant_name,
-                            file_name=file_name or Path(path).name)[1]
+                            file_name=file_name or Path(path).name,
+                            message_id=f"{jid}:{key}")[1]
+
+    def _keep_file(self, src: Path, key: str) -> None:
+        """Copy the host's spool file `src` to files_dir/<key> (temp name, then rename)."""
+        assert self.files_dir is not None
+        self.files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.files_dir / f".{key}.tmp"
+        try:
+            shutil.copyfile(src, tmp)
+            tmp.rename(self.files_dir / key)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _drop_files(self, message_ids: list[str]) -> None:
+        """Remove the kept copies of pruned file rows."""
+        if self.files_dir is None:
+            return
+        for mid in message_ids:
+            key = mid.rsplit(":", 1)[-1]
+            if FILE_KEY_RE.match(key):
+                try:
+                    (self.files_dir / key).unlink(missing_ok=True)
+                except OSError as e:
+                    log.warning("local HTTP channel: cannot remove a kept file: %s", e)
 
     async def react(self, jid: str, message_id: str, emoji: str) -> None:
         self._check_jid(jid)
@@ -245,6 +310,7 @@ class HttpChannel(Channel):
                 message_id: str | None = None) -> tuple[int, str]:
         """Append one transcript row; return (seq, message id)."""
         mid = message_id or f"{jid}:{uuid.uuid4().hex}"
+        pruned: list[str] = []
         with self.db.transaction() as c:
             seq = int(c.execute(
                 """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
@@ -252,11 +318,17 @@ class HttpChannel(Channel):
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
                  now_iso())).lastrowid or 0)
+            oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
+                                ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
+            pruned = [r[0] for r in c.execute(
+                f"""SELECT message_id FROM http_messages WHERE chat_jid = ? AND kind = 'file'
+                       AND direction = 'out' AND seq <= {oldest_kept}""",  # noqa: S608 - constant
+                (jid, jid, self.keep_per_chat))]
             c.execute(
-                """DELETE FROM http_messages WHERE chat_jid = ? AND seq <= COALESCE((
-                       SELECT seq FROM http_messages WHERE chat_jid = ?
-                       ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)""",
+                f"DELETE FROM http_messages WHERE chat_jid = ? AND seq <= {oldest_kept}",  # noqa: S608 - constant
                 (jid, jid, self.keep_per_chat))
+        if pruned:
+            self._drop_files(pruned)
         self._notify()
         return seq, mid
 
@@ -268,7 +340,15 @@ class HttpChannel(Channel):
         return [{"seq": r["seq"], "id": r["message_id"], "direction": r["direction"],
                  "kind": r["kind"], "sender": r["sender"], "sender_name": r["sender_name"],
                  "content": r["content"], "file_name": r["file_name"],
-                 "reply_to": r["reply_to"], "timestamp": r["created_at"]} for r in rows]
+                 "reply_to": r["reply_to"], "timestamp": r["created_at"],
+                 "download": self._download_link(r)} for r in rows]
+
+    def _download_link(self, row: Any) -> str | None:
+        """The `/file` link of a file the assistant sent (None for any other row)."""
+        if (row["kind"] != "file" or row["direction"] != "out" or self.files_dir is None
+                or not FILE_KEY_RE.match(str(row["message_id"]).rsplit(":", 1)[-1])):
+            return None
+        return "/file?" + urlencode({"jid": row["chat_jid"], "id": row["message_id"]})
 
     # ------------------------------------------------------------------ HTTP
     @web.middleware
@@ -408,3 +488,115 @@ class HttpChannel(Channel):
                 pass
         cursor = rows[-1]["seq"] if rows else after
         return _json({"jid": jid, "messages": rows, "cursor": cursor, "typing": typing})
+
+    async def _upload(self, request: web.Request) -> web.Response:
+        limit = self.max_upload_bytes
+        too_large = _error(413, f"file over {limit} bytes")
+        if (request.content_length is not None
+                and request.content_length > limit + self.max_body_bytes):
+            return too_large
+        if request.content_type != "multipart/form-data":
+            return _error(400, "send the file as multipart/form-data with a 'file' field")
+        fields: dict[str, str] = {}
+        data: bytes | None = None
+        file_name = mime = None
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    return _error(400, "nested multipart bodies are not taken")
+                if part.name == "file" and part.filename is not None:
+                    if data is not None:
+                        return _error(400, "send one file per upload")
+                    buf = bytearray()
+                    while chunk := await part.read_chunk(64 * 1024):
+                        buf += chunk
+                        if len(buf) > limit:  # stop reading: nothing more is held
+                            return too_large
+                    data, file_name = bytes(buf), part.filename
+                    mime = part.headers.get("Content-Type")
+                elif part.name in ("jid", "text", "sender", "sender_name"):
+                    raw = bytearray()
+                    while chunk := await part.read_chunk(8192):
+                        raw += chunk
+                        if len(raw) > self.max_body_bytes:
+                            return _error(413, f"field {part.name!r} over "
+                                               f"{self.max_body_bytes} bytes")
+                    fields[part.name] = bytes(raw).decode("utf-8", errors="replace")
+                else:
+                    await part.release()
+        except ValueError as e:
+            return _error(400, f"malformed multipart body: {e}")
+        if data is None or file_name is None:
+            return _error(400, "field 'file' (a file) is missing")
+        for key in ("sender", "sender_name"):
+            if len(fields.get(key, "")) > MAX_FIELD:
+                return _error(400, f"field {key!r} must be at most {MAX_FIELD} characters")
+        try:
+            jid = self._jid_from(fields)
+        except ValueError as e:
+            return _error(400, str(e))
+        if self._on_inbound is None:
+            return _error(503, "mdclaw is starting and not taking messages yet")
+        caption = fields.get("text", "")
+        sender = fields.get("sender") or fields.get("sender_name") or "local"
+        sender_name = fields.get("sender_name") or sender
+        mime = mime if mime and mime != "application/octet-stream" else (
+            mimetypes.guess_type(file_name)[0] or mime)
+        content = data
+
+        async def fetch(max_bytes: int) -> bytes:
+            if len(content) > max_bytes:
+                raise ChannelError(f"it is {len(content)} bytes, over the {max_bytes} bytes "
+                                   "a file may have here")
+            return content
+
+        request_id = uuid.uuid4().hex
+        message_id = f"{jid}:{request_id}"
+        seq, _ = self._record(jid, "in", "file", content=caption, sender=sender,
+                              sender_name=sender_name, message_id=message_id,
+                              file_name=file_name[:MAX_FIELD])
+        group = get_group_by_jid(self.db, jid)
+        msg = InboundMessage(
+            id=message_id, chat_jid=jid, sender=sender, sender_name=sender_name,
+            content=caption, timestamp=now_iso(),
+            chat_name=group.name if group else jid[3:], is_group=False, channel=self.name,
+            attachments=(Attachment(kind=kind_for_mime(mime), name=file_name, mime=mime,
+                                    size=len(data), fetch=fetch, caption=caption or None),))
+        try:
+            await self.deliver_inbound(msg)
+        except Exception:  # noqa: BLE001 - the host's callback: the sender is told to retry
+            log.exception("local HTTP channel: the host did not take upload %s", message_id)
+            with self.db.transaction() as c:
+                c.execute("DELETE FROM http_messages WHERE seq = ?", (seq,))
+            return _error(500, "the file could not be accepted; try again")
+        return _json({"id": request_id, "message_id": message_id, "jid": jid, "seq": seq,
+                      "size": len(data), "status": "accepted"}, status=202)
+
+    async def _get_file(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        try:
+            jid = normalize_jid(q.get("jid") or "")
+        except ValueError as e:
+            return _error(400, str(e))
+        mid = q.get("id") or ""
+        key = mid.rsplit(":", 1)[-1]
+        row = self.db.query_one(
+            "SELECT file_name FROM http_messages WHERE chat_jid = ? AND message_id = ? "
+            "AND kind = 'file' AND direction = 'out'", (jid, mid))
+        if row is None or self.files_dir is None or not FILE_KEY_RE.match(key):
+            return _error(404, "no such file in this chat")
+        path = self.files_dir / key
+        if not await asyncio.to_thread(path.is_file):
+            return _error(404, "the file is no longer kept")
+        name = row["file_name"] or "file"
+        mime = mimetypes.guess_type(name)[0]
+        inline = mime in INLINE_IMAGES
+        disposition = "inline" if inline else "attachment"
+        return web.FileResponse(path, headers={
+            **_SECURITY_HEADERS,
+            "Content-Type": mime if inline and mime else "application/octet-stream",
+            "Content-Disposition": f"{disposition}; filename*=UTF-8''{quote(name, safe='')}",
+            "Content-Security-Policy": _FILE_CSP,
+            "Cross-Origin-Resource-Policy": "same-origin",
+            "Cache-Control": "private, no-store"})

@@ -24,8 +24,10 @@ def build_channels(cfg: Config, db: Database,
     channels: list[Channel] = []
     http = cfg.channels.http
     if http is not None and http.enabled:
-        channels.append(HttpChannel.from_config(http, db, assistant_name=cfg.assistant.name,
-                                                on_inbound=on_inbound))
+        channels.append(HttpChannel.from_config(
+            http, db, assistant_name=cfg.assistant.name, on_inbound=on_inbound,
+            max_upload_bytes=cfg.media.limit,
+            files_dir=cfg.data_dir / "http" / "files"))
     tg = cfg.channels.telegram
     if tg is not None and tg.enabled:
         channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,
