@@ -70,6 +70,8 @@ def test_options_wiring(dirs) -> None:
     assert "mcp__mdclaw__send_message" in opts.allowed_tools
     assert "mcp__mdclaw__register_group" not in opts.allowed_tools
     assert opts.add_dirs == [str(dirs["global"])]
+    # No network in the container: the CLI's own web tools are off; ours ask the host.
+    assert set(opts.disallowed_tools) == {"WebFetch", "WebSearch"}
 
 
 def test_cli_tool_call_follow_up_close_and_resume(dirs) -> None:

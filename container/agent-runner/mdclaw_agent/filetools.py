@@ -88,6 +88,8 @@ def _read_file(ctx: ToolContext, a: dict[str, Any]) -> str:
     t = _resolve(ctx, "read_file", a["path"])
     offset = a.get("offset", 1)
     limit = a.get("limit", READ_DEFAULT_LINES)
+    if t.real.is_dir():
+        raise ToolError(f"read_file: {t.shown} is a folder; use list_dir")
     try:
         with open(t.real, "rb") as f:
             st = os.fstat(f.fileno())
@@ -127,8 +129,10 @@ def _read_file(ctx: ToolContext, a: dict[str, Any]) -> str:
         notes.append(f"more lines follow; next: offset {last + 1}")
     if long_lines:
         notes.append(f"{long_lines} line(s) longer than {LINE_CAP} characters were cut")
-    tail = f"\n[{'; '.join(notes)}]" if notes else ""
-    return f"{head}\n{out.text()}{tail}"
+    body = out.text()
+    if notes:
+        body += ("" if body.endswith("\n") else "\n") + f"[{'; '.join(notes)}]"
+    return f"{head}\n{body}"
 
 
 # --------------------------------------------------------------------------- write/edit
@@ -350,8 +354,8 @@ FILE_TOOLS: tuple[Tool, ...] = (
          _read_file, tags=("workspace",)),
     Tool("write_file", "Create or replace a file with the given text (written atomically; "
          f"missing folders are made; at most {WRITE_CAP} bytes).",
-         schema(["path", "content"], path=string(_PATH),
-                content=string("The whole new content of the file.")),
+         schema(["path"], path=string(_PATH),
+                content=string("The whole new content of the file (default: empty).")),
          _write_file, tags=("workspace",)),
     Tool("edit_file", "Replace an exact piece of text in a file. old_string must occur "
          "exactly once (give enough surrounding text), unless replace_all is true.",
