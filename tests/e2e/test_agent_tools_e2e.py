@@ -1,7 +1,8 @@
 """The openai backend's workspace tools in the real image on the real engine: a scripted
 model runs `bash` to write a file and `read_file` to read it back (the file is on the host in
 the group folder), an endless `bash` loop is cut at its timeout, a call over the group's
-`tool_timeout` is refused, and a `write_file` outside the roots is refused."""
+`tool_timeout` is refused, and a `write_file` outside the roots, into a read-only extra
+mount or into the global folder (non-main group) is refused."""
 
 from __future__ import annotations
 
@@ -49,8 +50,16 @@ def test_workspace_tools_in_the_container(tmp_path, engine, real_agent_image, in
         call("bash", command="true", timeout=25),
         call("write_file", path="/workspace/ipc/tasks/evil.json", content="{}"),
         call("write_file", path="../outside.txt", content="x"),
+        call("read_file", path="/workspace/extra/docs/guide.txt"),
+        call("write_file", path="/workspace/extra/docs/guide.txt", content="changed"),
+        call("write_file", path="/workspace/global/CLAUDE.md", content="changed"),
         say("tools done"),
     ]).start()
+    docs = tmp_path / "shared" / "docs"
+    docs.mkdir(parents=True)
+    (docs / "guide.txt").write_text("read me\n")
+    docs.chmod(0o777)  # the image's user could write here but for the read-only mount
+    (docs / "guide.txt").chmod(0o666)
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(textwrap.dedent(f"""\
         data_dir: {tmp_path / 'data'}
@@ -59,7 +68,9 @@ def test_workspace_tools_in_the_container(tmp_path, engine, real_agent_image, in
           local: {{backend: openai, model: fake-model, base_url: "{server.url}/v1"}}
         groups:
           main: {{name: Admin, jid: "tg:1", main: true}}
-          family: {{name: Family, jid: "tg:2", tool_timeout: 20s}}
+          family: {{name: Family, jid: "tg:2", tool_timeout: 20s,
+                    mounts: [{{host: "{docs}", container: docs, readonly: true}}]}}
+        mount_policy: {{allowed_roots: [{{path: "{tmp_path / 'shared'}"}}]}}
         limits: {{container_timeout: 120s, idle_timeout: 60s, memory: 256m, cpus: 1.0,
                   pids: 128}}
         runtime: {{image: {real_agent_image}, install_id: {install_id}}}
@@ -91,7 +102,7 @@ def test_workspace_tools_in_the_container(tmp_path, engine, real_agent_image, in
     assert res.exit_code == 0 and res.status == "success", res.stderr_tail
     assert outs[0]["result"] == "tools done"
     results = tool_results(server)
-    assert len(results) == 6, results
+    assert len(results) == 9, results
 
     # bash wrote the file in the group folder, as the image's user; it is on the host.
     first = json.loads(results[0])
@@ -112,4 +123,10 @@ def test_workspace_tools_in_the_container(tmp_path, engine, real_agent_image, in
     assert not (layout.group_ipc_dir("family") / "tasks" / "evil.json").exists()
     assert not list((layout.group_ipc_dir("family") / "tasks").glob("*.json"))
     assert not (layout.groups_dir / "outside.txt").exists()
+    # The read-only extra mount is readable, not writable (the mount's flag, not the
+    # folder's permissions, says so); the global folder is read-only for a non-main group.
+    assert results[6].endswith("read me\n")
+    assert "mounted read-only" in results[7], results[7]
+    assert (docs / "guide.txt").read_text() == "read me\n"
+    assert "/workspace/global is read-only for this group" in results[8]
     assert took < 100
