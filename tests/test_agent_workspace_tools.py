@@ -157,6 +157,22 @@ def test_symlink_out_of_the_roots_is_refused(ctx: ToolContext, tmp_path: Path) -
     assert "No matches" in ok(ctx, "grep", pattern="^s$")
 
 
+def test_symlink_loop_and_dangling_links(ctx: ToolContext, tmp_path: Path) -> None:
+    """A symlink loop before a link out must not leave the rest unresolved (found by the
+    property below); a dangling link out is replaced by a write, never followed."""
+    g = ctx.group_dir
+    (g / "loop").symlink_to("loop")
+    (g / "out").symlink_to(tmp_path / "outside")
+    (tmp_path / "outside" / "secret").write_text("s")
+    assert "cannot be resolved" in refused(ctx, "read_file", path="loop/../out/secret")
+    assert "cannot be resolved" in refused(ctx, "write_file", path="loop/../out/x",
+                                           content="x")
+    (g / "dangling").symlink_to(tmp_path / "outside" / "new.txt")
+    ok(ctx, "write_file", path="dangling", content="inside")
+    assert not (tmp_path / "outside" / "new.txt").exists()
+    assert not (g / "dangling").is_symlink() and (g / "dangling").read_text() == "inside"
+
+
 def test_symlink_inside_the_roots_is_followed(ctx: ToolContext) -> None:
     (ctx.group_dir / "real.txt").write_text("hello")
     (ctx.group_dir / "alias.txt").symlink_to("real.txt")

@@ -90,6 +90,31 @@ def _container_to_local(given: str, roots: list[Root]) -> Path:
     return Path(given)
 
 
+def real_path(local: Path) -> Path:
+    """`local` with every symlink resolved, as the kernel would follow it: the longest part
+    that exists is resolved strictly (a symlink loop or a file used as a folder is refused,
+    never left half-resolved), and the names after it, which do not exist, are appended (they
+    may not contain `..`)."""
+    head = os.path.abspath(os.fspath(local)) if not local.is_absolute() else os.fspath(local)
+    tail: list[str] = []
+    while True:
+        try:
+            base = os.path.realpath(head, strict=True)
+            break
+        except FileNotFoundError:
+            head, name = os.path.split(head)
+            if not name:
+                raise PathRefused(f"{local} does not exist") from None
+            tail.insert(0, name)
+        except OSError as e:
+            raise PathRefused(f"{local} cannot be resolved: {e.strerror or e} (a symlink "
+                              "loop, or a file used as a folder)") from None
+    tail = [n for n in tail if n not in ("", ".")]
+    if ".." in tail:
+        raise PathRefused(f"{local} goes up (..) out of a folder that does not exist")
+    return Path(base).joinpath(*tail)
+
+
 def resolve(given: str, roots: list[Root], *, write: bool = False) -> Target:
     """The real path `given` names, checked to lie inside a root (and, for a write, in a
     writable one). Relative paths are relative to the group folder. Raises PathRefused."""
@@ -97,7 +122,7 @@ def resolve(given: str, roots: list[Root], *, write: bool = False) -> Target:
         raise PathRefused("an empty path or one with a NUL byte names nothing")
     p = Path(given)
     local = _container_to_local(given, roots) if p.is_absolute() else roots[0].path / p
-    real = Path(os.path.realpath(local))
+    real = real_path(local)
     for root in roots:
         if real == root.real or root.real in real.parents:
             break
