@@ -321,6 +321,9 @@ class Group(Frozen):
     trigger: str | None = Field(None, description="Trigger word; default '@' + assistant name.")
     mounts: tuple[GroupMount, ...] = Field((), description="Extra host folders for this group.")
     timeout: Duration | None = Field(None, description="Hard container timeout for this group.")
+    tool_timeout: Duration | None = Field(
+        None, description="Longest a single `bash` tool call of this group's agent may run "
+        "(overrides `limits.tool_timeout`).")
     model: str | None = Field(None, description="Model for this group: a key of `models`.")
     network: str | None = Field(
         None, description="Container network: `none` (the default: no network at all), or a "
@@ -372,6 +375,11 @@ class Limits(Frozen):
                                         description="Hard timeout of one container run.")
     idle_timeout: Duration = Field(timedelta(minutes=10),
                                    description="Close a conversation idle this long.")
+    tool_timeout: Duration = Field(
+        timedelta(minutes=10), description="Longest a single `bash` tool call of an agent "
+        "(openai backend) may run: a call may ask for up to this (the default is 120 s, or "
+        "this when shorter); then its process group is stopped. Per group: "
+        "`groups.<g>.tool_timeout`.")
     max_output_bytes: int = Field(10 * 1024 * 1024, ge=1024,
                                   description="Container output kept per run; excess dropped.")
     memory: str = Field("2g", description="Container memory limit (docker syntax).")
@@ -676,6 +684,13 @@ class Config(_Settings):
                 if group and group.proxy_requests_per_minute else None)
         return (conns or self.limits.proxy_connections,
                 rate or self.limits.proxy_requests_per_minute)
+
+    def tool_timeout_seconds(self, folder: str) -> float:
+        """The longest one bash tool call of the group may run (groups.<g>.tool_timeout,
+        else limits.tool_timeout), in seconds."""
+        group = self.groups.get(folder)
+        value = group.tool_timeout if group is not None and group.tool_timeout else None
+        return (value or self.limits.tool_timeout).total_seconds()
 
     def token_budget(self, folder: str) -> int | None:
         """Model tokens the group may use per UTC day (groups.<g>.tokens_per_day, else

@@ -70,6 +70,8 @@ def test_options_wiring(dirs) -> None:
     assert "mcp__mdclaw__send_message" in opts.allowed_tools
     assert "mcp__mdclaw__register_group" not in opts.allowed_tools
     assert opts.add_dirs == [str(dirs["global"])]
+    # No network in the container: the CLI's own web tools are off; ours ask the host.
+    assert set(opts.disallowed_tools) == {"WebFetch", "WebSearch"}
 
 
 def test_cli_tool_call_follow_up_close_and_resume(dirs) -> None:
@@ -152,3 +154,51 @@ def test_cli_through_proxy_gets_real_key(tmp_path: Path) -> None:
         proxy.close()
     leaked = [p for p in home.rglob("*") if p.is_file() and b"REALKEY" in p.read_bytes()]
     assert leaked == []
+
+
+def test_cli_keeps_its_own_tools_and_gets_web_tools_through_the_host(dirs) -> None:
+    """The CLI offers the model its own file and shell tools plus the mdclaw IPC, memory
+    and web tools (not its network-needing WebFetch/WebSearch, not our file tools); a
+    web_fetch call becomes an action request that a stand-in host answers."""
+    import threading
+    import time
+
+    from mdclaw_agent.ipc import write_json_atomic
+
+    stop = threading.Event()
+    asked: list[dict] = []
+
+    def host() -> None:
+        actions = dirs["ipc"] / "actions"
+        while not stop.is_set():
+            for p in sorted(actions.glob("*.json")) if actions.is_dir() else []:
+                body = json.loads(p.read_text())
+                p.unlink()
+                asked.append(body)
+                write_json_atomic(dirs["ipc"] / "action_results", {
+                    "requestId": body["request_id"], "status": "success",
+                    "result": {"final_url": body["params"]["url"], "status": 200,
+                               "content_type": "text/html", "text": "PAGE-TEXT-42"}},
+                    f"{body['request_id']}.json")
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    script = [call("mcp__mdclaw__web_fetch", url="https://example.test/page"), say("fetched")]
+    try:
+        with FakeAnthropic(script) as api:
+            r = run(dirs, inp(isScheduledTask=True), api.url)
+            assert r.wait_exit(120) == 0, r.stderr_lines[-20:]
+            reqs = [q for q in api.requests if q.path == "/v1/messages"]
+    finally:
+        stop.set()
+        thread.join(5)
+    assert r.results[0]["result"] == "fetched"
+    tools = {t["name"] for t in reqs[0].body["tools"]}
+    assert {"mcp__mdclaw__web_fetch", "mcp__mdclaw__web_search",
+            "mcp__mdclaw__memory_search", "Bash", "Read", "Edit", "Write"} <= tools
+    assert not {"WebFetch", "WebSearch", "mcp__mdclaw__read_file",
+                "mcp__mdclaw__bash"} & tools
+    assert [(b["action"], b["params"]) for b in asked] == [
+        ("web_fetch", {"url": "https://example.test/page"})]
+    assert "PAGE-TEXT-42" in json.dumps(reqs[1].body)

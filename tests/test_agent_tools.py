@@ -226,6 +226,61 @@ def test_memory_error_result_and_timeout(ctx: ToolContext) -> None:
     assert 0.25 < time.monotonic() - t0 < 2
 
 
+def test_web_fetch_and_search_round_trip(ctx: ToolContext) -> None:
+    """web_fetch and web_search are action requests the host answers (a stand-in here);
+    they wait for the web timeout, longer than other actions' (a fetch is slow)."""
+    seen = []
+
+    def answer(body: dict) -> dict:
+        seen.append(body)
+        host_parse(body)
+        if body["action"] == "web_fetch":
+            time.sleep(0.6)  # a slow fetch: longer than the memory actions' timeout
+            return {"status": "success", "result": {
+                "url": "http://example.test/a", "final_url": "http://example.test/b",
+                "status": 200, "content_type": "text/html", "title": "B",
+                "text": "# B\nhello web", "truncated": True}}
+        return {"status": "success", "result": {"results": [
+            {"title": "One", "url": "http://one.test/", "snippet": "first"},
+            {"title": "Two", "url": "http://two.test/", "snippet": "second"}]}}
+
+    quick = ToolContext(**{**ctx.__dict__, "action_timeout": 0.3, "web_timeout": 10.0})
+    stop = threading.Event()
+    _answer_actions(ctx.ipc_dir, answer, stop)
+    try:
+        reply, err = run_tool(tools_for(False), quick, "web_fetch",
+                              {"url": "http://example.test/a", "max_chars": 5000})
+        assert not err, reply
+        assert reply.startswith("http://example.test/b (HTTP 200, text/html)\nTitle: B\n")
+        assert "hello web" in reply and "larger max_chars" in reply
+        reply, err = run_tool(tools_for(False), quick, "web_search",
+                              {"query": "mdclaw", "count": 2})
+        assert not err, reply
+        assert "1. One\n   http://one.test/\n   first" in reply and "2. Two" in reply
+    finally:
+        stop.set()
+    assert [(b["action"], b["params"]) for b in seen] == [
+        ("web_fetch", {"url": "http://example.test/a", "max_chars": 5000}),
+        ("web_search", {"query": "mdclaw", "count": 2})]
+    assert files(ctx.ipc_dir / "action_results") == []
+
+
+def test_web_refusal_and_timeout(ctx: ToolContext) -> None:
+    stop = threading.Event()
+    host = _answer_actions(ctx.ipc_dir, lambda b: {
+        "status": "error", "error": "127.0.0.1 is a loopback address"}, stop)
+    try:
+        reply, err = run_tool(tools_for(False), ctx, "web_fetch",
+                              {"url": "http://127.0.0.1:9/"})
+        assert err and "web_fetch failed: 127.0.0.1 is a loopback address" in reply
+    finally:
+        stop.set()
+        host.join(5)  # nobody answers from here on
+    quick = ToolContext(**{**ctx.__dict__, "web_timeout": 0.3})
+    reply, err = run_tool(tools_for(False), quick, "web_search", {"query": "x"})
+    assert err and "no answer from the host to web_search within 0.3 s" in reply
+
+
 def test_every_tool_schema_is_an_object_schema() -> None:
     for t in TOOLS:
         assert t.parameters["type"] == "object"

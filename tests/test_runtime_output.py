@@ -104,8 +104,8 @@ def test_build_spec_applies_hooks_limits_and_the_defaults(tmp_path) -> None:
 
     cfg = Config(data_dir=tmp_path / "data", groups={
         "main": {"name": "A", "jid": "tg:1", "main": True},
-        "fam": {"name": "F", "jid": "tg:2", "network": "bridge"}},
-        limits={"memory": "1g", "cpus": 1.5, "pids": 100},
+        "fam": {"name": "F", "jid": "tg:2", "network": "bridge", "tool_timeout": "45s"}},
+        limits={"memory": "1g", "cpus": 1.5, "pids": 100, "tool_timeout": "5m"},
         runtime={"allowed_networks": ["bridge"]})
     runner = ContainerRunner(cfg, DockerRuntime(f"unix://{tmp_path}/none.sock"))
     seen = []
@@ -131,6 +131,9 @@ def test_build_spec_applies_hooks_limits_and_the_defaults(tmp_path) -> None:
     assert spec.labels["mdclaw"] == "true" and spec.labels["mdclaw.group"] == "main"
     fam = runner.build_spec("fam", ContainerInput("p", "fam", "tg:2"))
     assert fam.network == "bridge"
+    # The longest bash call: the group's own limit, else the config's.
+    assert (spec.env["MDCLAW_TOOL_TIMEOUT_MAX"], fam.env["MDCLAW_TOOL_TIMEOUT_MAX"]) == (
+        "300", "45")
     assert {m.container: m.readonly for m in fam.mounts}["/workspace/global"] is True
     assert (tmp_path / "data" / "sessions" / "fam" / ".claude" / "settings.json").is_file()
     assert (tmp_path / "data" / "groups" / "fam").stat().st_mode & 0o2770 == 0o2770

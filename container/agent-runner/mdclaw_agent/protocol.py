@@ -120,6 +120,9 @@ class Settings:
     action_timeout_seconds: float
     max_tool_rounds: int
     history_chars: int = 200_000
+    extra_dir: Path = Path("/workspace/extra")
+    tool_timeout_max: float = 600.0
+    web_timeout_seconds: float = 60.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -135,6 +138,9 @@ class Settings:
             action_timeout_seconds=float(env.get("MDCLAW_ACTION_TIMEOUT", "30")),
             max_tool_rounds=int(env.get("MDCLAW_MAX_TOOL_ROUNDS", "16")),
             history_chars=int(env.get("MDCLAW_HISTORY_CHARS", "200000")),
+            extra_dir=Path(env.get("MDCLAW_EXTRA_DIR", "/workspace/extra")),
+            tool_timeout_max=float(env.get("MDCLAW_TOOL_TIMEOUT_MAX", "600")),
+            web_timeout_seconds=float(env.get("MDCLAW_WEB_TIMEOUT", "60")),
         )
 
 

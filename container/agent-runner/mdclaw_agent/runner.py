@@ -30,12 +30,15 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
     proxy serves: `/v1/...` paths below it)."""
     ctx = ToolContext(ipc_dir=settings.ipc_dir, group_folder=inp.group_folder,
                       chat_jid=inp.chat_jid, is_main=inp.is_main, group_dir=settings.group_dir,
-                      action_timeout=settings.action_timeout_seconds)
-    tools = tools_for(inp.is_main)
+                      action_timeout=settings.action_timeout_seconds,
+                      global_dir=settings.global_dir, extra_dir=settings.extra_dir,
+                      tool_timeout_max=settings.tool_timeout_max,
+                      web_timeout=settings.web_timeout_seconds)
     system = system_prompt(inp, settings.group_dir, settings.global_dir)
     if inp.backend == "openai":
         from mdclaw_agent.backends.openai import OpenAIBackend
 
+        tools = tools_for(inp.is_main)
         return OpenAIBackend(base_url=base_url.rstrip("/") + "/v1", api_key=PLACEHOLDER_KEY,
                              model=inp.model or DEFAULT_OPENAI_MODEL, system=system,
                              tools=tools, ctx=ctx, max_tool_rounds=settings.max_tool_rounds,
@@ -65,6 +68,8 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
         # A dozen tools: give the model all of them up front instead of a tool search.
         "ENABLE_TOOL_SEARCH": "false",
     }
+    # Claude Code keeps its own file and shell tools; ours add the IPC, memory and web tools.
+    tools = tools_for(inp.is_main, workspace=False)
     return ClaudeBackend(model=inp.model, system=system, tools=tools, ctx=ctx,
                          cwd=settings.group_dir, session_id=inp.session_id, env=env,
                          extra_dirs=[settings.global_dir])

@@ -1,7 +1,10 @@
-"""The agent's tools: each writes one canonical IPC command file or reads a host snapshot.
+"""The agent's tools. The IPC tools each write one canonical command file, read a host
+snapshot, or ask the host for an action (memory, web) and wait for its answer; the
+workspace tools (filetools, shell) read and write the group's files and run commands.
 
-Both backends use this one registry: the claude backend wraps it as an in-process MCP server,
-the openai backend as function tools. A tool returns plain words telling the agent what
+Both backends use this one registry: the claude backend wraps it as an in-process MCP server
+(without the workspace tools: Claude Code has its own), the openai backend as function
+tools. A tool returns plain words telling the agent what
 happened; a tool that fails raises ToolError whose message is shown to the agent.
 
 Main-only tools (group registration) are not in the list a non-main container gets at all.
@@ -19,65 +22,20 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mdclaw_agent import commands
 from mdclaw_agent.commands import MAX_FILE_BYTES
+from mdclaw_agent.filetools import FILE_TOOLS
 from mdclaw_agent.ipc import read_json_file, write_json_atomic
-from mdclaw_agent.schema_check import errors
+from mdclaw_agent.shell import BASH_TOOL
+from mdclaw_agent.toolbase import Tool, ToolContext, ToolError
+from mdclaw_agent.toolbase import schema as _schema
+from mdclaw_agent.toolbase import string as _s
 
 SCHEDULE_TYPES = commands.enum("schedule_task", "schedule_type")
 CONTEXT_MODES = commands.enum("schedule_task", "context_mode")
-
-
-class ToolError(Exception):
-    """The tool could not do what was asked; the message says why, for the agent."""
-
-
-@dataclass(frozen=True)
-class ToolContext:
-    """What the tools know about this container."""
-
-    ipc_dir: Path
-    group_folder: str
-    chat_jid: str
-    is_main: bool
-    group_dir: Path = Path("/workspace/group")
-    action_timeout: float = 30.0
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict[str, Any]  # JSON schema of the arguments (an object)
-    handler: Callable[[ToolContext, dict[str, Any]], str]
-    main_only: bool = False
-    tags: tuple[str, ...] = field(default=())
-
-    def call(self, ctx: ToolContext, args: dict[str, Any]) -> str:
-        """Run the tool after checking the arguments against its whole schema (types, enums,
-        arrays, nested objects, lengths, required and unknown keys). A null or empty-string
-        argument counts as not given (models send both for arguments they mean to leave
-        out), so an empty required one is missing."""
-        if not isinstance(args, dict):
-            raise ToolError(f"{self.name}: arguments must be an object")
-        given = {k: v for k, v in args.items() if v is not None and v != ""}
-        problems = errors(self.parameters, given)
-        if problems:
-            raise ToolError(f"{self.name}: {'; '.join(problems)}")
-        return self.handler(ctx, given)
-
-
-def _schema(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": required,
-            "additionalProperties": False}
-
-
-def _s(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "string", "description": description, **extra}
 
 
 def _command_schema(ctype: str, **descriptions: str) -> dict[str, Any]:
@@ -260,7 +218,8 @@ def request_action(ctx: ToolContext, body: dict[str, Any],
     results = ctx.ipc_dir / "action_results"
     write_command(ctx, "actions", {"type": "action", "request_id": request_id, **body})
     path = results / f"{request_id}.json"
-    deadline = time.monotonic() + (ctx.action_timeout if timeout is None else timeout)
+    wait = ctx.action_timeout if timeout is None else timeout
+    deadline = time.monotonic() + wait
     delay = 0.01
     while True:
         try:
@@ -279,7 +238,7 @@ def request_action(ctx: ToolContext, body: dict[str, Any],
             return envelope
         if time.monotonic() >= deadline:
             raise ToolError(f"no answer from the host to {body.get('action')} within "
-                            f"{ctx.action_timeout:g} s (request {request_id})")
+                            f"{wait:g} s (request {request_id})")
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
@@ -322,6 +281,53 @@ def _memory_get(ctx: ToolContext, a: dict[str, Any]) -> str:
     return json.dumps(result, ensure_ascii=False)
 
 
+def _web_fetch(ctx: ToolContext, a: dict[str, Any]) -> str:
+    params: dict[str, Any] = {"url": a["url"]}
+    if "max_chars" in a:
+        params["max_chars"] = a["max_chars"]
+    result = _action_reply(request_action(ctx, {"action": "web_fetch", "params": params},
+                                          timeout=ctx.web_timeout), "web_fetch")
+    if not isinstance(result, dict):
+        return json.dumps(result, ensure_ascii=False)
+    text = result.get("text", result.get("content"))
+    final = result.get("final_url") or result.get("finalUrl") or result.get("url") or a["url"]
+    status = result.get("status")
+    ctype = result.get("content_type") or result.get("contentType")
+    head = f"{final}" + (f" (HTTP {status}" if status is not None else " (")
+    head += f", {ctype})" if ctype else ")"
+    if head.endswith(" ()"):
+        head = head[:-3]
+    notes = []
+    if result.get("truncated"):
+        notes.append("truncated by the host; ask with a larger max_chars for more")
+    tail = f"\n[{'; '.join(notes)}]" if notes else ""
+    body = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
+    title = result.get("title")
+    title_line = f"Title: {title}\n" if isinstance(title, str) and title else ""
+    return f"{head}\n{title_line}\n{body}{tail}"
+
+
+def _web_search(ctx: ToolContext, a: dict[str, Any]) -> str:
+    params: dict[str, Any] = {"query": a["query"]}
+    if "count" in a:
+        params["count"] = a["count"]
+    result = _action_reply(request_action(ctx, {"action": "web_search", "params": params},
+                                          timeout=ctx.web_timeout), "web_search")
+    hits = result.get("results") if isinstance(result, dict) else result
+    if not hits:
+        return f"No web results for {a['query']!r}."
+    if not isinstance(hits, list):
+        return json.dumps(result, ensure_ascii=False)
+    lines = [f"{len(hits)} web result(s) for {a['query']!r}:"]
+    for n, h in enumerate(hits, 1):
+        if isinstance(h, dict):
+            lines.append(f"{n}. {h.get('title') or '(no title)'}\n   {h.get('url', '')}\n"
+                         f"   {h.get('snippet') or ''}".rstrip())
+        else:
+            lines.append(f"{n}. {h}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- registry
 
 _TASK_ID = "The task id, as list_tasks shows it."
@@ -336,7 +342,7 @@ def _task_schema(ctype: str) -> dict[str, Any]:
     return _command_schema(ctype, task_id=_TASK_ID)
 
 
-TOOLS: tuple[Tool, ...] = (
+_IPC_TOOLS: tuple[Tool, ...] = (
     Tool("send_message", "Send a text message to the chat now (also while you keep working).",
          _command_schema("message", text="The message text.", chat_jid=_CHAT,
                          sender="Optional display name to send as.",
@@ -391,6 +397,20 @@ TOOLS: tuple[Tool, ...] = (
          _memory_search),
     Tool("memory_get", "Read one memory file (MEMORY.md or memory/<name>.md).",
          _schema(["path"], path=_s("MEMORY.md or memory/<name>.md.")), _memory_get),
+    Tool("web_fetch", "Fetch a web page (http or https) through the host and get its "
+         "readable text, final URL, HTTP status and content type. The host's policy decides "
+         "which sites may be fetched.",
+         _schema(["url"], url=_s("The http(s) URL."),
+                 max_chars={"type": "integer", "minimum": 100, "maximum": 1_000_000,
+                            "description": "Most characters of text to return (the host "
+                                           "caps it too)."}),
+         _web_fetch),
+    Tool("web_search", "Search the web through the host's search provider; returns title, "
+         "URL and snippet of each result.",
+         _schema(["query"], query=_s("What to search for."),
+                 count={"type": "integer", "minimum": 1, "maximum": 20,
+                        "description": "How many results (default: the host's)."}),
+         _web_search),
     Tool("register_group", "Register a chat as a new group with its own folder (main only).",
          _command_schema("register_group", jid="The chat id, e.g. tg:-100123.",
                          name="Display name.", folder="Folder name: letters, digits, _ or -.",
@@ -409,9 +429,16 @@ TOOLS: tuple[Tool, ...] = (
 )
 
 
-def tools_for(is_main: bool) -> list[Tool]:
-    """The tools a container gets: main-only ones are left out for other groups."""
-    return [t for t in TOOLS if is_main or not t.main_only]
+# One registry for both backends; the claude backend leaves out the "workspace" ones
+# (Claude Code has its own file and shell tools).
+TOOLS: tuple[Tool, ...] = _IPC_TOOLS + FILE_TOOLS + (BASH_TOOL,)
+
+
+def tools_for(is_main: bool, *, workspace: bool = True) -> list[Tool]:
+    """The tools a container gets: main-only ones are left out for other groups; the
+    workspace tools (files, bash) only when the backend has none of its own."""
+    return [t for t in TOOLS if (is_main or not t.main_only)
+            and (workspace or "workspace" not in t.tags)]
 
 
 def run_tool(tools: list[Tool], ctx: ToolContext, name: str, args: Any) -> tuple[str, bool]:

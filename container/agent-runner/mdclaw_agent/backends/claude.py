@@ -25,6 +25,7 @@ from mdclaw_agent.tools import Tool, ToolContext, run_tool
 log = logging.getLogger("mdclaw_agent.claude")
 
 MCP_SERVER_NAME = "mdclaw"
+DISALLOWED_CLI_TOOLS = ("WebFetch", "WebSearch")
 
 
 def tool_names(tools: list[Tool]) -> list[str]:
@@ -75,6 +76,9 @@ def build_options(*, model: str | None, system: str, tools: list[Tool], ctx: Too
         system_prompt={"type": "preset", "preset": "claude_code", "append": system},
         mcp_servers={MCP_SERVER_NAME: build_mcp_server(tools, ctx)},
         allowed_tools=tool_names(tools),
+        # The container has no network: the CLI's own web tools cannot work. The mdclaw
+        # web_fetch and web_search tools ask the host instead.
+        disallowed_tools=list(DISALLOWED_CLI_TOOLS),
         # The container is the sandbox: no one is there to approve tool use.
         permission_mode="bypassPermissions",
         cwd=str(cwd),
