@@ -346,9 +346,10 @@ WHEN NEW.kind IN ('text', 'file') BEGIN
            NEW.created_at, b
     FROM (SELECT COALESCE((SELECT folder FROM registered_groups WHERE jid = NEW.chat_jid),
                           NEW.source_group) AS f,
-                 TRIM(COALESCE(NEW.text, '') || CASE WHEN NEW.kind = 'file'
-                      AND NEW.file_name IS NOT NULL THEN char(10) || '[file ' ||
-                      NEW.file_name || ']' ELSE '' END) AS b)
+                 CASE WHEN NEW.kind = 'file' AND NEW.file_name IS NOT NULL
+                      THEN COALESCE(NULLIF(NEW.text, '') || char(10), '') || '[file ' ||
+                           NEW.file_name || ']'
+                      ELSE COALESCE(NEW.text, '') END AS b)
     WHERE f IS NOT NULL AND b != '';
 END;
 CREATE TRIGGER transcript_outbox_ad AFTER DELETE ON outbox BEGIN
@@ -391,9 +392,10 @@ INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_fold
   SELECT 'outbox', CAST(o.id AS TEXT), 'reply', 'out', f, o.chat_jid, o.sender, o.created_at, b
   FROM (SELECT o.*, COALESCE((SELECT folder FROM registered_groups WHERE jid = o.chat_jid),
                              o.source_group) AS f,
-               TRIM(COALESCE(o.text, '') || CASE WHEN o.kind = 'file'
-                    AND o.file_name IS NOT NULL THEN char(10) || '[file ' || o.file_name ||
-                    ']' ELSE '' END) AS b
+               CASE WHEN o.kind = 'file' AND o.file_name IS NOT NULL
+                    THEN COALESCE(NULLIF(o.text, '') || char(10), '') || '[file ' ||
+                         o.file_name || ']'
+                    ELSE COALESCE(o.text, '') END AS b
         FROM outbox o WHERE o.kind IN ('text', 'file')) o
   WHERE f IS NOT NULL AND b != '' ORDER BY o.id;
 UPDATE transcript SET kind = 'task', task_run = r.id, task_id = r.task_id
