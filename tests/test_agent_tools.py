@@ -492,3 +492,21 @@ def test_the_body_check_agrees_with_the_hosts_parser() -> None:
             assert isinstance(body.get("schedule_value"), int), (body, commands.problems(body))
 
     check()
+
+
+def test_memory_search_shows_when_and_who_for_past_conversations(ctx: ToolContext) -> None:
+    hits = [{"source": "sessions", "kind": "message", "direction": "in", "sender": "Alice",
+             "timestamp": "2026-01-01T10:00:00.000Z", "snippet": "rent a **kayak**"},
+            {"source": "sessions", "kind": "reply", "direction": "out", "sender": None,
+             "timestamp": "2026-01-01T10:00:05.000Z", "snippet": "a **kayak** costs 40"}]
+    stop = threading.Event()
+    _answer_actions(ctx.ipc_dir, lambda b: {"status": "success", "result": {"hits": hits}},
+                    stop)
+    try:
+        reply, err = run_tool(tools_for(False), ctx, "memory_search",
+                              {"query": "kayak", "sources": "sessions"})
+    finally:
+        stop.set()
+    assert not err, reply
+    assert "- 2026-01-01T10:00:00.000Z message (Alice): rent a **kayak**" in reply
+    assert "- 2026-01-01T10:00:05.000Z reply (assistant): a **kayak** costs 40" in reply

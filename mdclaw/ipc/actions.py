@@ -20,6 +20,7 @@ import re
 import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any
 
 from mdclaw import agentfs
@@ -27,6 +28,7 @@ from mdclaw.agentfs import UnsafePath
 from mdclaw.config import validate_folder
 from mdclaw.ipc.auth import Caller, check_group_target
 from mdclaw.paths import Layout
+from mdclaw.state import transcripts
 
 
 class ActionFailed(Exception):
@@ -107,7 +109,9 @@ def _memory_files(layout: Layout, folder: str) -> list[tuple[str, str]]:
 
 @action("memory_search")
 def memory_search(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """Lines of the group's memory files that contain the query's words, best first."""
+    """Lines of the group's memory files that contain the query's words, best first
+    (`sources: memory`); ranked matches in its past conversations (`sessions`, see
+    mdclaw.state.transcripts); or both, interleaved (`all`)."""
     query = params.get("query")
     if not isinstance(query, str) or not query.strip():
         raise ActionFailed("memory_search needs a non-empty string 'query'")
@@ -126,10 +130,18 @@ def memory_search(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
                 low = line.lower()
                 score = sum(low.count(t) for t in terms)
                 if score:
-                    hits.append({"path": path, "line": lineno, "snippet": line.strip()[:300],
-                                 "score": score})
+                    hits.append({"source": "memory", "path": path, "line": lineno,
+                                 "snippet": line.strip()[:300], "score": score})
     hits.sort(key=lambda h: (-h["score"], h["path"], h["line"]))
-    return {"hits": hits[:top_k]}
+    if sources == "memory":
+        return {"hits": hits[:top_k]}
+    said = [{"source": "sessions", **h.as_dict()}
+            for h in transcripts.search(ctx.conn, folder, query, top_k)]
+    if sources == "sessions":
+        return {"hits": said}
+    # The two rankings' scores do not compare: take the best of each in turn.
+    merged = [h for pair in zip_longest(hits[:top_k], said) for h in pair if h is not None]
+    return {"hits": merged[:top_k]}
 
 
 @action("memory_get")

@@ -153,9 +153,21 @@ class Database:
 
 
 def _split_sql(script: str) -> list[str]:
-    """Split a migration script into statements: comments out first, then split at ';'."""
+    """Split a migration script into statements: comments out first, then split at ';'.
+    A piece that is not a complete statement yet (a trigger's body has ';' inside its
+    BEGIN ... END) is joined with the next ones until it is."""
     lines = [ln for ln in script.splitlines() if not ln.strip().startswith("--")]
-    return [stmt.strip() for stmt in "\n".join(lines).split(";") if stmt.strip()]
+    out: list[str] = []
+    pending = ""
+    for piece in "\n".join(lines).split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                out.append(pending.strip().removesuffix(";").strip())
+            pending = ""
+    if pending.strip(" \n;"):
+        out.append(pending.strip().removesuffix(";").strip())
+    return out
 
 
 # ---------------------------------------------------------------------- read-only probing
@@ -199,6 +211,13 @@ def tables_by_version() -> dict[int, frozenset[str]]:
         return out
     finally:
         conn.close()
+
+
+def tables_at(version: int) -> frozenset[str]:
+    """The tables a database at schema `version` has: those of the newest migration at or
+    below it (numbers may have gaps while branches that add migrations are merged)."""
+    known = tables_by_version()
+    return known[max(v for v in known if v <= version)] if version >= 0 else frozenset()
 
 
 def _table_names(conn: sqlite3.Connection) -> frozenset[str]:
@@ -254,7 +273,7 @@ def inspect_database(path: str | os.PathLike[str], *,
         return DatabaseInfo("newer", version)
     if version == 0:
         return DatabaseInfo("older" if tables else "creating", version)
-    lacking = tuple(sorted(tables_by_version().get(version, frozenset()) - tables))
+    lacking = tuple(sorted(tables_at(version) - tables))
     if lacking:
         return DatabaseInfo("migrating", version, lacking)
     return DatabaseInfo("older" if version < LATEST_VERSION else "ready", version)

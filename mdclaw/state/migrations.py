@@ -276,6 +276,146 @@ ALTER TABLE task_run_logs ADD COLUMN due_at TEXT;
 ALTER TABLE task_run_logs ADD COLUMN started_at TEXT;
 ALTER TABLE task_run_logs ADD COLUMN start_note TEXT;
 """),
+    (10, "searchable transcript of every group's conversations (FTS5)", """
+-- One row per thing said in a group's conversation: an inbound message (kind 'message',
+-- direction 'in'), a text or file the host sent to the chat (kind 'reply', direction 'out'),
+-- or the output of a scheduled task run (kind 'task'). Rows are written by the triggers
+-- below, in the transaction that stores the source row, so every write path is covered.
+-- `source`/`source_id` name the row it copies (messages.id, outbox.id, task_run_logs.id).
+-- A group's rows belong to its folder (the chat's group when the row was written).
+-- `grp` is the folder as one index token, so a search is confined to one group inside the
+-- full-text index itself (hex keeps any folder one token; the trailing 0 keeps the porter
+-- stemmer off it). See mdclaw/state/transcripts.py.
+CREATE TABLE transcript (
+  id INTEGER PRIMARY KEY,
+  source TEXT NOT NULL CHECK(source IN ('messages', 'outbox', 'task_run_logs')),
+  source_id TEXT NOT NULL,
+  kind TEXT NOT NULL CHECK(kind IN ('message', 'reply', 'task')),
+  direction TEXT NOT NULL CHECK(direction IN ('in', 'out')),
+  group_folder TEXT NOT NULL,
+  chat_jid TEXT,
+  sender TEXT,
+  task_id TEXT,
+  task_run INTEGER,
+  ts TEXT NOT NULL,
+  body TEXT NOT NULL,
+  grp TEXT GENERATED ALWAYS AS ('g' || lower(hex(group_folder)) || '0') VIRTUAL,
+  UNIQUE (source, source_id)
+);
+CREATE INDEX idx_transcript_group_ts ON transcript(group_folder, ts);
+CREATE INDEX idx_transcript_task_run ON transcript(task_run) WHERE task_run IS NOT NULL;
+
+-- The index reads its text from `transcript` (external content: stored once more, not twice).
+CREATE VIRTUAL TABLE transcript_fts USING fts5(
+  body, grp, content='transcript', content_rowid='id',
+  tokenize='porter unicode61 remove_diacritics 2'
+);
+
+CREATE TRIGGER transcript_fts_ai AFTER INSERT ON transcript BEGIN
+  INSERT INTO transcript_fts(rowid, body, grp) VALUES (NEW.id, NEW.body, NEW.grp);
+END;
+CREATE TRIGGER transcript_fts_ad AFTER DELETE ON transcript BEGIN
+  INSERT INTO transcript_fts(transcript_fts, rowid, body, grp)
+    VALUES ('delete', OLD.id, OLD.body, OLD.grp);
+END;
+CREATE TRIGGER transcript_fts_au AFTER UPDATE OF body, group_folder ON transcript BEGIN
+  INSERT INTO transcript_fts(transcript_fts, rowid, body, grp)
+    VALUES ('delete', OLD.id, OLD.body, OLD.grp);
+  INSERT INTO transcript_fts(rowid, body, grp) VALUES (NEW.id, NEW.body, NEW.grp);
+END;
+
+-- Inbound messages of a chat that is a group's.
+CREATE TRIGGER transcript_messages_ai AFTER INSERT ON messages WHEN NEW.content != '' BEGIN
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, ts, body)
+    SELECT 'messages', NEW.id, 'message', 'in', g.folder, NEW.chat_jid,
+           COALESCE(NULLIF(NEW.sender_name, ''), NEW.sender), NEW.timestamp, NEW.content
+    FROM registered_groups g WHERE g.jid = NEW.chat_jid;
+END;
+CREATE TRIGGER transcript_messages_ad AFTER DELETE ON messages BEGIN
+  DELETE FROM transcript WHERE source = 'messages' AND source_id = OLD.id;
+END;
+
+-- What the host sends to a chat (texts, files with their caption and name): the chat's
+-- group's conversation, or the sending group's when the chat is no group's.
+CREATE TRIGGER transcript_outbox_ai AFTER INSERT ON outbox
+WHEN NEW.kind IN ('text', 'file') BEGIN
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, ts, body)
+    SELECT 'outbox', CAST(NEW.id AS TEXT), 'reply', 'out', f, NEW.chat_jid, NEW.sender,
+           NEW.created_at, b
+    FROM (SELECT COALESCE((SELECT folder FROM registered_groups WHERE jid = NEW.chat_jid),
+                          NEW.source_group) AS f,
+                 CASE WHEN NEW.kind = 'file' AND NEW.file_name IS NOT NULL
+                      THEN COALESCE(NULLIF(NEW.text, '') || char(10), '') || '[file ' ||
+                           NEW.file_name || ']'
+                      ELSE COALESCE(NEW.text, '') END AS b)
+    WHERE f IS NOT NULL AND b != '';
+END;
+CREATE TRIGGER transcript_outbox_ad AFTER DELETE ON outbox BEGIN
+  DELETE FROM transcript WHERE source = 'outbox' AND source_id = CAST(OLD.id AS TEXT);
+END;
+
+-- A task run that succeeded: its output was sent to the chat during the run, so those
+-- replies (sent since the run began, to the task's chat, text contained in the result)
+-- are relabelled as the task's; only a result that reached no reply gets a row of its own.
+CREATE TRIGGER transcript_task_runs_au AFTER UPDATE OF status ON task_run_logs
+WHEN OLD.status = 'running' AND NEW.status = 'success' AND COALESCE(NEW.result, '') != ''
+BEGIN
+  UPDATE transcript SET kind = 'task', task_id = NEW.task_id, task_run = NEW.id
+    WHERE group_folder = (SELECT group_folder FROM scheduled_tasks WHERE id = NEW.task_id)
+      AND ts >= NEW.run_at AND source = 'outbox' AND kind = 'reply'
+      AND chat_jid = (SELECT chat_jid FROM scheduled_tasks WHERE id = NEW.task_id)
+      AND instr(NEW.result, body) > 0;
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, task_id, task_run, ts, body)
+    SELECT 'task_run_logs', CAST(NEW.id AS TEXT), 'task', 'out', t.group_folder, t.chat_jid,
+           NULL, NEW.task_id, NEW.id, COALESCE(NEW.finished_at, NEW.run_at), NEW.result
+    FROM scheduled_tasks t WHERE t.id = NEW.task_id
+      AND NOT EXISTS (SELECT 1 FROM transcript WHERE task_run = NEW.id);
+END;
+CREATE TRIGGER transcript_task_runs_ad AFTER DELETE ON task_run_logs BEGIN
+  DELETE FROM transcript WHERE source = 'task_run_logs' AND source_id = CAST(OLD.id AS TEXT);
+  UPDATE transcript SET kind = 'reply', task_id = NULL, task_run = NULL
+    WHERE task_run = OLD.id;
+END;
+
+-- Backfill what was stored before this migration, in the same order.
+INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder, chat_jid,
+    sender, ts, body)
+  SELECT 'messages', m.id, 'message', 'in', g.folder, m.chat_jid,
+         COALESCE(NULLIF(m.sender_name, ''), m.sender), m.timestamp, m.content
+  FROM messages m JOIN registered_groups g ON g.jid = m.chat_jid
+  WHERE m.content != '' ORDER BY m.rowid;
+INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder, chat_jid,
+    sender, ts, body)
+  SELECT 'outbox', CAST(o.id AS TEXT), 'reply', 'out', f, o.chat_jid, o.sender, o.created_at, b
+  FROM (SELECT o.*, COALESCE((SELECT folder FROM registered_groups WHERE jid = o.chat_jid),
+                             o.source_group) AS f,
+               CASE WHEN o.kind = 'file' AND o.file_name IS NOT NULL
+                    THEN COALESCE(NULLIF(o.text, '') || char(10), '') || '[file ' ||
+                         o.file_name || ']'
+                    ELSE COALESCE(o.text, '') END AS b
+        FROM outbox o WHERE o.kind IN ('text', 'file')) o
+  WHERE f IS NOT NULL AND b != '' ORDER BY o.id;
+UPDATE transcript SET kind = 'task', task_run = r.id, task_id = r.task_id
+  FROM (SELECT r.id, r.task_id, r.run_at, COALESCE(r.finished_at, r.run_at) AS till,
+               r.result, t.group_folder, t.chat_jid
+        FROM task_run_logs r JOIN scheduled_tasks t ON t.id = r.task_id
+        WHERE r.status = 'success' AND COALESCE(r.result, '') != '') AS r
+  WHERE transcript.source = 'outbox' AND transcript.kind = 'reply'
+    AND transcript.group_folder = r.group_folder AND transcript.chat_jid = r.chat_jid
+    AND transcript.ts >= r.run_at AND transcript.ts <= r.till
+    AND instr(r.result, transcript.body) > 0;
+INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder, chat_jid,
+    sender, task_id, task_run, ts, body)
+  SELECT 'task_run_logs', CAST(r.id AS TEXT), 'task', 'out', t.group_folder, t.chat_jid, NULL,
+         r.task_id, r.id, COALESCE(r.finished_at, r.run_at), r.result
+  FROM task_run_logs r JOIN scheduled_tasks t ON t.id = r.task_id
+  WHERE r.status = 'success' AND COALESCE(r.result, '') != ''
+    AND NOT EXISTS (SELECT 1 FROM transcript x WHERE x.task_run = r.id)
+  ORDER BY r.id;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

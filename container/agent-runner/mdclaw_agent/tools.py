@@ -260,7 +260,11 @@ def _memory_search(ctx: ToolContext, a: dict[str, Any]) -> str:
         return f"No memory matches for {a['query']!r}."
     lines = [f"{len(hits)} match(es) for {a['query']!r}:"]
     for h in hits:
-        if isinstance(h, dict):
+        if isinstance(h, dict) and h.get("source") == "sessions":  # past conversations
+            who = h.get("sender") or ("assistant" if h.get("direction") == "out" else "?")
+            lines.append(f"- {h.get('timestamp', '?')} {h.get('kind', '?')} ({who}): "
+                         f"{h.get('snippet') or ''}")
+        elif isinstance(h, dict):
             where = h.get("path") or h.get("source") or "?"
             line = f" line {h['line']}" if h.get("line") else ""
             text = h.get("snippet") or h.get("text") or ""
