@@ -39,6 +39,8 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/outbox.py": "removes the host's spool copies once a file row is final",
     "mdclaw/channels/telegram.py": "reads the host's spool copy of a file to upload",
     "mdclaw/channels/http.py": "its packaged chat page and the host's spool copies",
+    "mdclaw/channels/whatsapp.py": "the WhatsApp session file and link state in data_dir, "
+                                   "and the host's spool copy of a file to upload",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
 }
