@@ -611,3 +611,93 @@ def test_the_real_neonize_client_starts_and_stops_without_a_network(tmp_path: Pa
         assert link_state(ch.session_path) == (UNLINKED, None)
         assert stat.S_IMODE(ch.session_path.stat().st_mode) == 0o600
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def test_link_draws_qr_codes_until_a_phone_scans_one(tmp_path: Path) -> None:
+    import io
+
+    from mdclaw.commands.whatsapp import run_link
+
+    async def main() -> None:
+        ch, clients = make_channel(tmp_path)
+        out = io.StringIO()
+        link = asyncio.create_task(run_link(ch, phone=None, timeout=30, out=out))
+        await until(lambda: clients and clients[0].session is not None)
+        c = clients[0]
+        await c.event.qr_handler(c, b"2@first,code")
+        await c.event.qr_handler(c, b"2@second,code")
+        assert out.getvalue().count("Linked devices") == 2
+        assert "█" in out.getvalue() or "▀" in out.getvalue()  # segno's terminal drawing
+        await c.emit(T.PairStatus(ID=jid(f"{ME}@s.whatsapp.net"), Status=T.PairStatus.SUCCESS))
+        assert await link == 0
+        assert f"linked to {ME}@s.whatsapp.net" in out.getvalue()
+        assert c.stopped  # the foreground session ended
+    asyncio.run(main())
+
+
+def test_link_with_a_phone_number_prints_a_pairing_code(tmp_path: Path) -> None:
+    import io
+
+    from mdclaw.commands.whatsapp import run_link
+
+    async def main() -> None:
+        ch, clients = make_channel(tmp_path)
+        out = io.StringIO()
+        link = asyncio.create_task(run_link(ch, phone="+49 170 0000001", timeout=30, out=out))
+        await until(lambda: clients and clients[0].session is not None)
+        c = clients[0]
+        await c.event.qr_handler(c, b"2@code")
+        await until(lambda: "CODE-0001" in out.getvalue())
+        assert "█" not in out.getvalue()
+        await c.emit(T.PairStatus(ID=jid(f"{ME}@s.whatsapp.net"), Status=T.PairStatus.SUCCESS))
+        assert await link == 0
+    asyncio.run(main())
+
+
+WA_CONFIG = """\
+data_dir: {data_dir}
+assistant: {name: Andy}
+groups: {main: {name: Main, jid: 'hl:main', main: true}}
+channels: {whatsapp: {enabled: true}}
+"""
+
+
+def test_status_and_doctor_say_unlinked_with_the_fix(cli, write_config, data_dir) -> None:
+    cfg = write_config(WA_CONFIG)
+    r = cli("status", "--config", str(cfg))
+    assert "whatsapp: unlinked — fix: pair it: run `mdclaw whatsapp link`" in r.stdout
+    r = cli("status", "--json", "--config", str(cfg))
+    assert json.loads(r.stdout)["whatsapp"]["link_state"] == UNLINKED
+    r = cli("doctor", "--json", "--config", str(cfg), timeout=120)
+    wa = next(c for c in json.loads(r.stdout) if c["check"] == "whatsapp")
+    assert wa["level"] == "fail" and "mdclaw whatsapp link" in wa["fix"]
+    # Logged out by the phone: the record beside the session says so.
+    (data_dir / "whatsapp").mkdir(parents=True)
+    (data_dir / "whatsapp" / "link-state.json").write_text(
+        json.dumps({"state": LOGGED_OUT, "jid": f"{ME}@s.whatsapp.net"}))
+    r = cli("status", "--config", str(cfg))
+    assert f"whatsapp: logged_out ({ME}@s.whatsapp.net) — fix: the phone removed" in r.stdout
+
+
+def test_status_and_doctor_say_linked(cli, write_config, data_dir) -> None:
+    cfg = write_config(WA_CONFIG)
+    session = data_dir / "whatsapp" / "session.sqlite3"
+    session.parent.mkdir(parents=True)
+    with sqlite3.connect(session) as c:  # the one column mdclaw reads of whatsmeow's table
+        c.execute("CREATE TABLE whatsmeow_device (jid TEXT PRIMARY KEY)")
+        c.execute("INSERT INTO whatsmeow_device VALUES (?)", (f"{ME}.0:3@s.whatsapp.net",))
+    session.chmod(0o644)
+    r = cli("doctor", "--json", "--config", str(cfg), timeout=120)
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert checks["whatsapp"]["level"] == "ok"
+    assert checks["whatsapp_session"]["level"] == "warn"
+    r = cli("status", "--config", str(cfg))
+    assert f"whatsapp: linked ({ME}.0:3@s.whatsapp.net)" in r.stdout
+
+
+def test_link_refuses_without_the_channel_configured(cli, write_config) -> None:
+    r = cli("whatsapp", "link", "--config", str(write_config()))
+    assert r.returncode != 0 and "not configured" in r.stderr
