@@ -13,6 +13,9 @@ import asyncio
 import json
 import sqlite3
 import stat
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -244,12 +247,22 @@ def test_session_file_is_private(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_link_state_read_from_a_session_whatsmeow_made(tmp_path: Path) -> None:
-    from neonize.aioze.client import ClientFactory
+def in_subprocess(code: str) -> None:
+    """Run `code` in a Python of its own: whatsmeow's native library calls back into Python
+    from Go threads, and this CPython (3.11.7) can then fail later `ast.parse` calls of the
+    test process (SystemError "AST constructor recursion depth mismatch")."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
+
+def test_link_state_read_from_a_session_whatsmeow_made(tmp_path: Path) -> None:
     session = tmp_path / "session.sqlite3"
     assert link_state(session) == (UNLINKED, None)  # no file
-    ClientFactory.get_all_devices_from_db(str(session))  # whatsmeow creates its tables
+    in_subprocess(f"""
+        from neonize.aioze.client import ClientFactory
+        ClientFactory.get_all_devices_from_db({str(session)!r})  # whatsmeow makes its tables
+    """)
     assert link_state(session) == (UNLINKED, None)  # no device: never paired
     with sqlite3.connect(session) as c:
         cols = [r[1] for r in c.execute("PRAGMA table_info(whatsmeow_device)")]
@@ -598,19 +611,29 @@ def test_registry_builds_the_channel_from_config(tmp_path: Path) -> None:
 def test_the_real_neonize_client_starts_and_stops_without_a_network(tmp_path: Path) -> None:
     """The real client on a real session file: this machine cannot reach WhatsApp, so the
     session fails to dial; the channel stays not connected, retries, and stops cleanly."""
-    async def main() -> None:
-        ch = WhatsAppChannel(tmp_path / "wa" / "session.sqlite3", trigger="@Andy")
-        ch.reconnect_backoff = Backoff(base=0.2, factor=1.0, cap=0.2, jitter=0)
-        await ch.connect()
-        try:
-            await until(lambda: ch.sessions_started >= 2, timeout=60)
+    session = tmp_path / "wa" / "session.sqlite3"
+    in_subprocess(f"""
+        import asyncio, stat, time
+        from pathlib import Path
+        from mdclaw.channels.whatsapp import UNLINKED, WhatsAppChannel, link_state
+        from mdclaw.retry import Backoff
+
+        async def main():
+            ch = WhatsAppChannel(Path({str(session)!r}), trigger="@Andy")
+            ch.reconnect_backoff = Backoff(base=0.2, factor=1.0, cap=0.2, jitter=0)
+            await ch.connect()
+            deadline = time.monotonic() + 60
+            while ch.sessions_started < 2:
+                assert time.monotonic() < deadline, "no second session"
+                await asyncio.sleep(0.05)
             assert not ch.is_connected()
             assert ch.status_info()["link_state"] == UNLINKED
-        finally:
             await ch.disconnect()
-        assert link_state(ch.session_path) == (UNLINKED, None)
-        assert stat.S_IMODE(ch.session_path.stat().st_mode) == 0o600
-    asyncio.run(main())
+            assert link_state(ch.session_path) == (UNLINKED, None)
+            assert stat.S_IMODE(ch.session_path.stat().st_mode) == 0o600
+
+        asyncio.run(main())
+    """)
 
 
 # ---------------------------------------------------------------------- CLI

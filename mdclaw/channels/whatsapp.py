@@ -354,6 +354,8 @@ class WhatsAppChannel(Channel):
     async def _watch(self, task: Any) -> None:
         """Wait for the session task, or for a stop."""
         stop = asyncio.ensure_future(self._stop.wait())
+        # Stopped first: the session's own ending (an error, often) is read, never left over.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
