@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "mdclaw.commands.core",
     "mdclaw.commands.tasks",
     "mdclaw.commands.channels",
+    "mdclaw.commands.whatsapp",
     "mdclaw.commands.containers",
     "mdclaw.commands.ipc",
     "mdclaw.commands.schema",

@@ -306,7 +306,8 @@ class AllowSenders(Frozen):
         "messages are counted (`mdclaw groups list`) and never answered.")
     ids: tuple[SenderId, ...] = Field(
         description="Sender ids that may drive the agent, as the channel reports the sender: "
-        "Telegram user ids (e.g. '123456789', without 'tg:'), the local HTTP channel's "
+        "Telegram user ids (e.g. '123456789', without 'tg:'), WhatsApp jids (e.g. "
+        "'4915112345678@s.whatsapp.net', without 'wa:'), the local HTTP channel's "
         "`sender` field. An empty list lets no one.")
 
 
@@ -510,11 +511,26 @@ class TelegramChannel(Frozen):
                           description="Bot API base URL (for a local Bot API server or tests).")
 
 
+class WhatsAppChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to WhatsApp as a linked device of your "
+                          "phone's account (pair with `mdclaw whatsapp link`).")
+    session_file: Path | None = Field(
+        None, description="Where the linked device's keys are kept (an SQLite file, mode "
+        "0600; whoever reads it can act as your WhatsApp account). Default: "
+        "data_dir/whatsapp/session.sqlite3.")
+    send_interval: float = Field(
+        1.0, ge=0, le=60, description="Seconds between two messages the assistant sends "
+        "(WhatsApp bans accounts that send in bursts).")
+
+
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
         description="Local HTTP channel (jids hl:<id>), on by default on 127.0.0.1:3000.")
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
+    whatsapp: WhatsAppChannel | None = Field(
+        None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
+        "wa:120363012345678901@g.us for a group, wa:4915112345678@s.whatsapp.net for a person).")
 
 
 class Media(Frozen):
@@ -665,6 +681,15 @@ class Config(_Settings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "state.db"
+
+    @property
+    def whatsapp_session_path(self) -> Path:
+        """The WhatsApp session file (channels.whatsapp.session_file, relative to data_dir;
+        default data_dir/whatsapp/session.sqlite3)."""
+        wa = self.channels.whatsapp
+        if wa is None or wa.session_file is None:
+            return self.data_dir / "whatsapp" / "session.sqlite3"
+        return self.data_dir / wa.session_file
 
     def group_timezone(self) -> str:
         return self.assistant.timezone

@@ -40,6 +40,8 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/channels/telegram.py": "reads the host's spool copy of a file to upload",
     "mdclaw/channels/http.py": "its packaged chat page, the host's spool copies and its own "
                                "copies of sent files (data_dir/http/files)",
+    "mdclaw/channels/whatsapp.py": "the WhatsApp session file and link state in data_dir, "
+                                   "and the host's spool copy of a file to upload",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
 }

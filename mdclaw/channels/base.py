@@ -68,6 +68,8 @@ class InboundMessage:
     addressed: bool = False
     #: Files that came with the message (the content is then the caption, or empty).
     attachments: tuple[Attachment, ...] = ()
+    #: The id (as above) of the message this one replies to, when the service says.
+    reply_to: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "attachments"}

@@ -19,7 +19,7 @@ def build_channels(cfg: Config, db: Database,
     """The enabled channels of `cfg`, not yet connected (local HTTP first).
 
     Raises ChannelError if a channel's secret file cannot be read (the message names the
-    file, never its content).
+    file, never its content), or WhatsApp is enabled without neonize installed.
     """
     channels: list[Channel] = []
     http = cfg.channels.http
@@ -32,6 +32,13 @@ def build_channels(cfg: Config, db: Database,
     if tg is not None and tg.enabled:
         channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,
                                                     trigger=f"@{cfg.assistant.name}", db=db))
+    wa = cfg.channels.whatsapp
+    if wa is not None and wa.enabled:
+        from mdclaw.channels.whatsapp import WhatsAppChannel  # neonize is optional
+
+        channels.append(WhatsAppChannel.from_config(
+            wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
+            trigger=f"@{cfg.assistant.name}", db=db))
     return channels
 
 

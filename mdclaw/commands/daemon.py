@@ -72,6 +72,11 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     except (OSError, ValueError, KeyError):
         pass
     out["disk"] = _disk(cfg)
+    from mdclaw.commands.whatsapp import whatsapp_status
+
+    wa = whatsapp_status(cfg)
+    if wa is not None:
+        out["whatsapp"] = wa
     info = inspect_database(cfg.db_path)
     if info.state == "ready":
         try:
@@ -142,6 +147,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"last reload failed: {s['reload_error']}")
     else:
         print("daemon: not running")
+    wa = s.get("whatsapp")
+    if wa:
+        print(f"whatsapp: {wa['link_state']}"
+              + (f" ({wa['account']})" if wa.get("account") else "")
+              + (f" — fix: {wa['fix']}" if wa.get("fix") else ""))
     if s["database"] != "ready":
         print(s["database_detail"])
         _print_disk(s.get("disk") or {})
@@ -276,6 +286,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                    f"make {path} readable by this user (and by no one else)")
     asyncio.run(_check_endpoints(results, cfg, used))
     _check_http_port(results, cfg)
+    _check_whatsapp(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
     # clock and timezone
@@ -495,6 +506,35 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                    "put the token @BotFather gave you into channels.telegram.token_file")
 
     await asyncio.gather(*(one(k) for k in used), telegram())
+
+
+def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
+    """WhatsApp: neonize installed, the device linked, the session file private."""
+    from mdclaw.commands.whatsapp import whatsapp_status
+
+    wa = whatsapp_status(cfg)
+    if wa is None:
+        return
+    try:
+        import neonize  # noqa: F401 - is it there?
+    except ImportError:
+        _check(results, "whatsapp", "fail", "neonize is not installed",
+               "install mdclaw with the whatsapp extra: pip install 'mdclaw[whatsapp]'")
+        return
+    if wa["link_state"] == "linked":
+        _check(results, "whatsapp", "ok", f"linked to {wa['account']}")
+    else:
+        _check(results, "whatsapp", "fail", f"{wa['link_state'].replace('_', ' ')} "
+               f"({wa['session']})", wa["fix"] or "")
+    session = cfg.whatsapp_session_path
+    try:
+        mode = session.stat().st_mode & 0o077
+    except OSError:
+        return
+    if mode:
+        _check(results, "whatsapp_session", "warn",
+               f"{session} can be read by other users (it holds the account's keys)",
+               f"chmod 600 {session}")
 
 
 def _check_http_port(results: list[dict[str, str]], cfg: Config) -> None:
