@@ -40,6 +40,7 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/channels/telegram.py": "reads the host's spool copy of a file to upload",
     "mdclaw/channels/http.py": "its packaged chat page and the host's spool copies",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
+    "mdclaw/operator/web.py": "its packaged page (HTML, JavaScript, CSS)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
 }
 

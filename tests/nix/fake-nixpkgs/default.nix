@@ -36,6 +36,7 @@ let
     "pytestCheckHook"
     "pyyaml"
     "sdnotify"
+    "segno"
     "setuptools"
     "tzdata"
   ];
