@@ -247,3 +247,46 @@ def test_every_view_in_chromium(tmp_path: Path, cli) -> None:
 
     with running_daemon(cfg_path, port) as daemon:
         asyncio.run(main())
+
+
+def test_logging_in_with_the_token_in_chromium(tmp_path: Path) -> None:
+    """With a token the page asks for it; a wrong one is refused, the right one sets the
+    session cookie and the views load; logging out asks again."""
+    chromium()
+    port = free_port()
+    token = tmp_path / "http.token"
+    token.write_text("browser-token\n")
+    token.chmod(0o600)
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(
+        f"data_dir: {tmp_path / 'data'}\n"
+        "groups:\n  main: {name: Admin, jid: \"hl:main\", main: true}\n"
+        f"channels:\n  http: {{listen: \"127.0.0.1:{port}\", secret_file: {token}}}\n")
+
+    async def main() -> None:
+        proc, ws_url = await open_page(f"http://127.0.0.1:{port}/operator/",
+                                       tmp_path / "chromium-profile")
+        try:
+            async with aiohttp.ClientSession() as http, http.ws_connect(
+                    ws_url, max_msg_size=0) as ws:
+                page = DevTools(ws)
+                await page.wait_for("!document.getElementById('login').hidden")
+                await page.type_into("token", "wrong")
+                await page.click("login-button")
+                await page.wait_for("document.getElementById('login-error').textContent"
+                                    ".includes('wrong token')")
+                await page.js("document.getElementById('token').value = ''")
+                await page.type_into("token", "browser-token")
+                await page.click("login-button")
+                await page.wait_for("!!document.getElementById('outbox-counts')")
+                assert await page.js("document.cookie") == ""  # HttpOnly: not for scripts
+                await show(page, "groups", "document.body.innerText.includes('Admin')")
+                await page.click("logout")
+                await page.wait_for("!document.getElementById('login').hidden")
+                await page.js("location.reload()")
+                await page.wait_for("!document.getElementById('login').hidden")
+        finally:
+            await close_browser(proc)
+
+    with running_daemon(cfg_path, port):
+        asyncio.run(main())

@@ -56,7 +56,7 @@ async function api(path, options) {
   const r = await fetch("/operator/" + path, opts);
   let data = null;
   try { data = await r.json(); } catch (e) { data = null; }
-  if (r.status === 401) { showLogin(); throw new Error("log in first"); }
+  if (r.status === 401 && path !== "login") { showLogin(); throw new Error("log in first"); }
   if (!r.ok) throw new Error((data && data.error) || ("HTTP " + r.status));
   return data;
 }
