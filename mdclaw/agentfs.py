@@ -570,6 +570,25 @@ def read_file(dir_fd: int, name: str, max_bytes: int) -> FileData:
     return FileData(data, hashlib.sha256(data).hexdigest(), gen, st.st_mtime_ns)
 
 
+def read_head(dir_fd: int, name: str, limit: int) -> tuple[bytes, bool] | None:
+    """The first `limit` bytes of regular single-link file `name` and whether there was
+    more; None if it is absent or not such a file. Never reads past `limit` + 1 bytes."""
+    try:
+        fd, _ = open_regular(dir_fd, name, 1 << 62)
+    except (Vanished, Rejected):
+        return None
+    try:
+        data = b""
+        while len(data) <= limit:
+            chunk = os.read(fd, limit + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    return data[:limit], len(data) > limit
+
+
 def read_text(dir_fd: int, name: str, max_bytes: int) -> str | None:
     """The text of regular file `name` (UTF-8, bad bytes replaced), or None if it is absent,
     not a regular single-link file, or larger than `max_bytes`."""

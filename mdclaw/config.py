@@ -1134,3 +1134,25 @@ def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:
         yield "channels.http.secret_file", cfg.channels.http.secret_file
     if cfg.channels.telegram:
         yield "channels.telegram.token_file", cfg.channels.telegram.token_file
+
+
+def secret_state(path: Path) -> str:
+    """"set" when the secret file can be read and holds something, else "missing". The
+    secret itself is read only to tell, never returned."""
+    try:
+        return "set" if read_secret(path) else "missing"
+    except (OSError, UnicodeDecodeError):
+        return "missing"
+
+
+def config_for_display(cfg: Config) -> dict[str, Any]:
+    """The config as JSON, each secret file shown as "set" or "missing" (never its path's
+    content); for the operator page."""
+    out: dict[str, Any] = cfg.model_dump(mode="json")
+    for key, path in iter_secret_files(cfg):
+        node = out
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = secret_state(path)
+    return out

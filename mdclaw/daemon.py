@@ -56,6 +56,8 @@ class Daemon:
         self.failed: list[str] = []
         self.engine_status = "checking"
         self.reload_error: str | None = None
+        # The last SIGHUP reload: {"at", "ok", "changes" or "error"}; None before the first.
+        self.last_reload: dict[str, Any] | None = None
         self.started_at = to_iso(utc_now())
         self._tasks: list[asyncio.Task[Any]] = []
         self._sigterms = 0
@@ -69,6 +71,7 @@ class Daemon:
         self.proxy: Any = None
         self.orch: Any = None
         self.diskguard: Any = None
+        self.operator_access: Any = None  # mdclaw.operator.access.Access, once mounted
         self._scheduler_tick = (0, time.monotonic())
 
     # ---------------------------------------------------------------- signals
@@ -168,6 +171,7 @@ class Daemon:
         self.channels = build_channels(cfg, db, on_inbound=self.orch.on_inbound)
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
+        self._mount_operator()
         await self.outbox.start()
         problems = await connect_all(self.channels)
         for name, reason in problems.items():
@@ -179,6 +183,12 @@ class Daemon:
         self._watch(asyncio.create_task(self._status_loop(), name="status"), "status")
         self._watch(asyncio.create_task(self.diskguard.run(self.stop_event), name="disk"),
                     "disk")
+
+    def _mount_operator(self) -> None:
+        """The operator page beside the local HTTP chat (mdclaw.operator), if that runs."""
+        from mdclaw.operator import mount_operator
+
+        mount_operator(self)
 
     def _after_ipc_commit(self, items: list[Any]) -> None:
         if self.outbox is not None:
@@ -284,6 +294,8 @@ class Daemon:
                 plan = await asyncio.to_thread(reconcile, new, self.db)
             except ConfigError as e:
                 self.reload_error = "; ".join(i.render(e.file) for i in e.issues)[:500]
+                self.last_reload = {"at": to_iso(utc_now()), "ok": False,
+                                    "error": self.reload_error}
                 log.error("reload: invalid config, keeping the running one: %s",
                           self.reload_error)
                 self._publish()
@@ -291,12 +303,16 @@ class Daemon:
                 return False
             except ReconcileError as e:
                 self.reload_error = str(e)[:500]
+                self.last_reload = {"at": to_iso(utc_now()), "ok": False,
+                                    "error": self.reload_error}
                 log.error("reload: cannot apply config, keeping the running one: %s", e)
                 self._publish()
                 self.notifier.ready(self.status_line())
                 return False
             self.reload_error = None
             self.apply_config(new)
+            self.last_reload = {"at": to_iso(utc_now()), "ok": True,
+                                "changes": [a.describe() for a in plan.actions]}
             log.info("reloaded: %d change(s)", len(plan.actions))
             self._publish()
             self.notifier.ready(self.status_line())

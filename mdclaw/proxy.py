@@ -353,6 +353,24 @@ def usage_rows(db: Database, *, group: str | None = None,
     return [dict(r) for r in db.query(sql, tuple(params))]
 
 
+def daily_usage(db: Database, *, group: str | None = None,
+                since_day: str | None = None) -> list[dict[str, Any]]:
+    """Usage per group and UTC day (summed over models), oldest day first."""
+    where, params = [], []
+    if group:
+        where.append("group_folder = ?")
+        params.append(group)
+    if since_day:
+        where.append("day >= ?")
+        params.append(since_day)
+    # Fixed column names only; every value is a parameter.
+    sql = ("SELECT group_folder, day, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
+           "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens "
+           "FROM model_usage" + (" WHERE " + " AND ".join(where) if where else "")
+           + " GROUP BY group_folder, day ORDER BY day, group_folder")
+    return [dict(r) for r in db.query(sql, tuple(params))]
+
+
 # --------------------------------------------------------------------------- server
 
 

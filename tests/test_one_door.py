@@ -43,6 +43,7 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/channels/whatsapp.py": "the WhatsApp session file and link state in data_dir, "
                                    "and the host's spool copy of a file to upload",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
+    "mdclaw/operator/web.py": "its packaged page (HTML, JavaScript, CSS)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
 }
 

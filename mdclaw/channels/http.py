@@ -22,6 +22,10 @@ Endpoints (JSON unless noted):
 - `GET /health` — liveness, no auth.
 - `GET /` — a single-page chat (HTML and JavaScript, no build step).
 
+Other parts of mdclaw (the operator page) add their own sub-application with `mount()`:
+its requests pass the same host and origin checks, and it decides on access itself with
+`bearer_ok()` (the same secret, compared the same way).
+
 The transcript lives in the `http_messages` table (its `seq` is the cursor), apart from the
 `messages` table the orchestrator keeps, so replies never show up as prompt context. Each
 chat keeps its newest `keep_per_chat` rows.
@@ -151,6 +155,7 @@ class HttpChannel(Channel):
         self._closing = False
         self._new = asyncio.Event()
         self._typing: dict[str, float] = {}
+        self._mounts: list[tuple[str, web.Application]] = []
         self._page = resources.files("mdclaw.channels").joinpath("static/chat.html").read_bytes()
 
     @classmethod
@@ -183,6 +188,33 @@ class HttpChannel(Channel):
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
+    # ------------------------------------------------------------------ mounts and access
+    def mount(self, prefix: str, app: web.Application) -> None:
+        """Serve `app` under `prefix` (e.g. "/operator"), from the next `connect()` on. Its
+        requests get this channel's host and origin checks but not its bearer check: the
+        sub-application applies its own access rule (see `bearer_ok`)."""
+        if not prefix.startswith("/") or prefix.endswith("/") or prefix == "":
+            raise ValueError(f"mount prefix {prefix!r} must be like /name")
+        self._mounts.append((prefix, app))
+
+    @property
+    def has_secret(self) -> bool:
+        """True when the channel has a bearer token (channels.http.secret_file)."""
+        return self._secret is not None
+
+    def token_ok(self, token: str) -> bool:
+        """`token` is this channel's secret (constant-time); False when it has none."""
+        return self._secret is not None and hmac.compare_digest(token.strip().encode(),
+                                                                self._secret)
+
+    def bearer_ok(self, request: web.BaseRequest) -> bool:
+        """The request carries `Authorization: Bearer <this channel's secret>`."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and self.token_ok(token)
+
+    def _mounted(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p, _ in self._mounts)
+
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> None:
         if self._runner is not None:
@@ -196,6 +228,8 @@ class HttpChannel(Channel):
         app.router.add_post("/upload", self._upload)
         app.router.add_get("/file", self._get_file)
         app.router.add_get("/messages", self._get_messages)
+        for prefix, sub in self._mounts:
+            app.add_subapp(prefix, sub)
         runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                shutdown_timeout=1.0)
         await runner.setup()
@@ -363,11 +397,9 @@ class HttpChannel(Channel):
                 return _error(403, "cross-origin requests are not allowed")
         elif origin == "null" and request.method != "GET":
             return _error(403, "cross-origin requests are not allowed")
-        if request.path not in ("/", "/health") and self._secret is not None:
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode(), self._secret):
+        if (request.path not in ("/", "/health") and not self._mounted(request.path)
+                and self._secret is not None):
+            if not self.bearer_ok(request):
                 return _error(401, "missing or wrong bearer token",
                               **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
         return await handler(request)

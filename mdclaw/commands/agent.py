@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 USAGE_FIELDS = ("group_folder", "model", "requests", "errors", "input_tokens", "output_tokens",
                 "first_day", "last_day")
+DAY_FIELDS = ("group_folder", "day", "requests", "errors", "input_tokens", "output_tokens")
 BUDGET_FIELDS = ("group_folder", "day", "tokens_today", "tokens_per_day", "over")
 
 
@@ -28,6 +29,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--budgets", action="store_true",
                    help="only each group's tokens today against its daily budget "
                         "(limits.tokens_per_day)")
+    p.add_argument("--by-day", action="store_true",
+                   help="one row per group and UTC day (all models together)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_usage)
 
@@ -49,8 +52,13 @@ def budget_rows(cfg: Config, db: Database, group: str | None = None) -> list[dic
     return out
 
 
+def since_day(days: int) -> str:
+    """The first UTC day of the last `days` days, today included."""
+    return (utc_now() - timedelta(days=days - 1)).strftime("%Y-%m-%d")
+
+
 def cmd_usage(args: argparse.Namespace) -> int:
-    from mdclaw.proxy import usage_rows
+    from mdclaw.proxy import daily_usage, usage_rows
 
     cfg = load_or_exit(args)
     since = None
@@ -58,10 +66,14 @@ def cmd_usage(args: argparse.Namespace) -> int:
         if args.days < 1:
             print("mdclaw: --days must be at least 1")
             return 2
-        since = (utc_now() - timedelta(days=args.days - 1)).strftime("%Y-%m-%d")
+        since = since_day(args.days)
     with read_db_or_exit(cfg, as_json=args.json) as db:
         rows = usage_rows(db, group=args.group, since_day=since)
+        days = daily_usage(db, group=args.group, since_day=since) if args.by_day else []
         budgets = budget_rows(cfg, db, args.group)
+    if args.by_day:
+        print_rows(days, DAY_FIELDS, as_json=args.json, empty="no model requests recorded")
+        return 0
     if args.budgets:
         print_rows(budgets, BUDGET_FIELDS, as_json=args.json,
                    empty="no group has a daily token budget (limits.tokens_per_day)")

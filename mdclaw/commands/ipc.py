@@ -1,12 +1,18 @@
-"""ipc drain, ipc errors, outbox list."""
+"""ipc drain, ipc errors, ipc delete-error, outbox list, outbox retry, outbox drop."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from mdclaw.commands.common import load_or_exit, open_db_or_exit, read_db_or_exit
+from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.paths import Layout
+
+if TYPE_CHECKING:
+    from mdclaw.config import Config
+    from mdclaw.state import Database
+    from mdclaw.state.outbox import OutboxRow
 
 ERROR_FIELDS = ("name", "source_group", "original_file", "error", "processed_at")
 OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "status", "source_group", "attempts",
@@ -24,6 +30,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = gsub.add_parser("errors", parents=[common], help="list quarantined files and reasons")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_errors)
+    p = gsub.add_parser("delete-error", parents=[common],
+                        help="delete a quarantined file and its reason (NAME as `ipc errors` "
+                             "lists it)")
+    p.add_argument("name", metavar="NAME")
+    p.set_defaults(func=cmd_delete_error)
 
     o = sub.add_parser("outbox", help="the durable outbox of outbound messages")
     osub = o.add_subparsers(dest="outbox_command", metavar="SUBCOMMAND")
@@ -33,6 +44,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="only rows with this status")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_outbox_list)
+    for name, helptext, func in (
+        ("retry", "give a failed row a fresh set of tries (the running daemon sends it soon)",
+         cmd_outbox_retry),
+        ("drop", "delete a failed row for good", cmd_outbox_drop),
+    ):
+        p = osub.add_parser(name, parents=[common], help=helptext)
+        p.add_argument("row_id", metavar="ID", type=int)
+        p.add_argument("--json", action="store_true", help="print the row as JSON")
+        p.set_defaults(func=func)
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -78,3 +98,61 @@ def cmd_outbox_list(args: argparse.Namespace) -> int:
                 for r in list_outbox(db, status=args.status)]
     print_rows(rows, OUTBOX_FIELDS, as_json=args.json, empty="the outbox is empty")
     return 0
+
+
+def delete_quarantined(cfg: Config, name: str) -> bool:
+    """Delete quarantine entry `name` (`mdclaw ipc delete-error`, the operator page).
+    Raises QuarantineError for a bad name."""
+    from mdclaw.ipc.quarantine import delete_error
+
+    return delete_error(Layout(cfg.data_dir).errors_dir, name)
+
+
+def cmd_delete_error(args: argparse.Namespace) -> int:
+    from mdclaw.ipc.quarantine import QuarantineError
+
+    cfg = load_or_exit(args)
+    try:
+        found = delete_quarantined(cfg, args.name)
+    except QuarantineError as e:
+        fail(str(e))
+    if not found:
+        fail(f"no quarantined file {args.name!r}; see: mdclaw ipc errors")
+    print(f"deleted {args.name}")
+    return 0
+
+
+def change_outbox_row(db: Database, row_id: int, action: str) -> OutboxRow:
+    """`retry` or `drop` failed outbox row `row_id` (`mdclaw outbox retry|drop`, the operator
+    page). Raises OutboxError."""
+    from mdclaw.state.outbox import drop_failed, retry_failed
+
+    op = {"retry": retry_failed, "drop": drop_failed}[action]
+    with db.transaction() as conn:
+        return op(conn, row_id)
+
+
+def _outbox_change(args: argparse.Namespace, action: str, verb: str) -> int:
+    from mdclaw.state.outbox import OutboxError
+
+    cfg = load_or_exit(args)
+    db = open_db_or_exit(cfg)
+    try:
+        row = change_outbox_row(db, args.row_id, action)
+    except OutboxError as e:
+        fail(str(e))
+    finally:
+        db.close()
+    if args.json:
+        print_json({k: getattr(row, k) for k in OUTBOX_FIELDS})
+    else:
+        print(f"outbox row {row.id} {verb}")
+    return 0
+
+
+def cmd_outbox_retry(args: argparse.Namespace) -> int:
+    return _outbox_change(args, "retry", "will be sent again")
+
+
+def cmd_outbox_drop(args: argparse.Namespace) -> int:
+    return _outbox_change(args, "drop", "dropped")

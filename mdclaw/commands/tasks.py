@@ -169,48 +169,77 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"{k.ljust(width)}  {v}")
         if runs:
             print("\nrecent runs:")
-            print_table([_log_row(r, tz) for r in runs], LOG_COLUMNS)
+            print_table([log_row(r, tz) for r in runs], LOG_COLUMNS)
         return 0
     return _reading(args, body)
 
 
-def _change(args: argparse.Namespace, op: Callable[..., TaskRow], verb: str) -> int:
+TASK_ACTIONS: dict[str, tuple[Callable[..., TaskRow], str]] = {
+    "pause": (pause_task, "paused"),
+    "resume": (resume_task, "resumed"),
+    "cancel": (cancel_task, "cancelled"),
+    "run-now": (run_now, "is due now; the running daemon starts it within a second"),
+}
+
+
+def change_task(cfg: Config, db: Database, task_id: str, action: str) -> tuple[TaskRow, TaskRow]:
+    """Pause, resume, cancel or run-now (`action`, a key of TASK_ACTIONS) task `task_id`, as
+    `mdclaw tasks <action>` and the operator page do; returns (before, after). Raises
+    TaskError (no such task, or the change is not allowed) or ScheduleError."""
+    op = TASK_ACTIONS[action][0]
+    before = get_task(db, task_id)
+    if before is None:
+        raise TaskError(f"no task with id {task_id!r}; see: mdclaw tasks list")
+    with db.transaction() as conn:
+        after = (op(conn, task_id, cfg.assistant.timezone) if op is resume_task
+                 else op(conn, task_id))
+    return before, after
+
+
+def change_summary(before: TaskRow, after: TaskRow, action: str, cfg: Config) -> str:
+    """What a change did, in one line for people."""
+    same = before.status == after.status and before.next_run == after.next_run
+    when = local_time(after.next_run, zone_for(after, cfg))
+    verb = TASK_ACTIONS[action][1]
+    return (f"task {after.id} {'was already ' + after.status if same else verb}"
+            + (f"; next run {when}" if when and after.status == "active" else ""))
+
+
+CONFIG_CANCEL_NOTE = ("note: this task comes from the config; remove it there too, or it stays "
+                      "cancelled until its schedule changes")
+
+
+def _change(args: argparse.Namespace, action: str) -> int:
     def body(cfg: Config, db: Database) -> int:
-        before = _get_or_fail(db, args.task_id)
+        _get_or_fail(db, args.task_id)
         try:
-            with db.transaction() as conn:
-                t = (op(conn, args.task_id, cfg.assistant.timezone) if op is resume_task
-                     else op(conn, args.task_id))
+            before, t = change_task(cfg, db, args.task_id, action)
         except (TaskError, schedule.ScheduleError) as e:
             fail(str(e))
         if args.json:
             print_json(task_json(t))
         else:
-            same = before.status == t.status and before.next_run == t.next_run
-            when = local_time(t.next_run, zone_for(t, cfg))
-            print(f"task {t.id} {'was already ' + t.status if same else verb}"
-                  + (f"; next run {when}" if when and t.status == "active" else ""))
-        if t.source == "config" and op is cancel_task and not args.json:
-            print("note: this task comes from the config; remove it there too, or it stays "
-                  "cancelled until its schedule changes", file=sys.stderr)
+            print(change_summary(before, t, action, cfg))
+        if t.source == "config" and action == "cancel" and not args.json:
+            print(CONFIG_CANCEL_NOTE, file=sys.stderr)
         return 0
     return _with_db(args, body)
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    return _change(args, pause_task, "paused")
+    return _change(args, "pause")
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    return _change(args, resume_task, "resumed")
+    return _change(args, "resume")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    return _change(args, cancel_task, "cancelled")
+    return _change(args, "cancel")
 
 
 def cmd_run_now(args: argparse.Namespace) -> int:
-    return _change(args, run_now, "is due now; the running daemon starts it within a second")
+    return _change(args, "run-now")
 
 
 def _seconds(later: str | None, earlier: str | None) -> float | None:
@@ -234,7 +263,7 @@ def _delay(r) -> str:  # noqa: ANN001 - RunLog
     return "; ".join(why) or "-"
 
 
-def _log_row(r, tz: str) -> dict[str, Any]:  # noqa: ANN001 - RunLog
+def log_row(r, tz: str) -> dict[str, Any]:  # noqa: ANN001 - RunLog
     outcome = r.result if r.status == "success" else r.error
     after = _seconds(r.started_at, r.due_at or r.run_at)
     started = (f"+{after:.1f}s" if after is not None
@@ -252,7 +281,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if args.json:
             print_json([r.as_dict() for r in runs])
         else:
-            print_table([_log_row(r, zone_for(t, cfg)) for r in runs], LOG_COLUMNS,
+            print_table([log_row(r, zone_for(t, cfg)) for r in runs], LOG_COLUMNS,
                         empty=f"task {t.id} has not run yet")
         return 0
     return _reading(args, body)

@@ -207,3 +207,60 @@ def list_errors(errors_dir: Path) -> list[ErrorEntry]:
         os.close(fd)
     out.sort(key=lambda e: (e.processed_at, e.name))
     return out
+
+
+class QuarantineError(ValueError):
+    """An operator's request about a quarantine entry that cannot be met (a bad or unknown
+    name). The message is safe to show."""
+
+
+def _entry_base(name: str) -> str:
+    """The entry's base (without suffix) from its `.error` name, checked to be one plain
+    name in the folder."""
+    if not name.endswith(PAYLOAD_SUFFIX) or name.endswith(META_SUFFIX):
+        raise QuarantineError(f"{name!r} is not a quarantine entry (<group>.<sub>.<file>.error)")
+    try:
+        agentfs.check_name(name)
+    except agentfs.UnsafePath:
+        raise QuarantineError(f"{name!r} is not a quarantine entry") from None
+    return name[: -len(PAYLOAD_SUFFIX)]
+
+
+def read_error_payload(errors_dir: Path, name: str, limit: int = 64 * 1024) -> tuple[str, bool]:
+    """The quarantined file's content as text (bad UTF-8 replaced) and whether it was cut at
+    `limit` bytes; ("", False) when only the empty stand-in was kept. Raises QuarantineError
+    for an unknown entry."""
+    base = _entry_base(name)
+    try:
+        fd = agentfs.open_root(errors_dir)
+    except (FileNotFoundError, agentfs.UnsafePath):
+        raise QuarantineError(f"no quarantine entry {name!r}") from None
+    try:
+        if agentfs.lstat(fd, base + META_SUFFIX) is None:
+            raise QuarantineError(f"no quarantine entry {name!r}")
+        head = agentfs.read_head(fd, name, limit)
+    finally:
+        os.close(fd)
+    if head is None:
+        return "", False
+    data, cut = head
+    return data.decode("utf-8", errors="replace"), cut
+
+
+def delete_error(errors_dir: Path, name: str) -> bool:
+    """Remove quarantine entry `name` (its `.error` payload and `.error.json` reason).
+    False when there was no such entry. Raises QuarantineError for a bad name. A running
+    daemon's count of the folder catches up at its next start (its cap only ever errs on
+    the side of keeping fewer entries)."""
+    base = _entry_base(name)
+    try:
+        fd = agentfs.open_root(errors_dir)
+    except (FileNotFoundError, agentfs.UnsafePath):
+        return False
+    try:
+        found = agentfs.lstat(fd, base + META_SUFFIX) is not None
+        for suffix in (META_SUFFIX, PAYLOAD_SUFFIX):  # the reason first: it marks the entry
+            agentfs.remove_entry(fd, base + suffix)
+    finally:
+        os.close(fd)
+    return found

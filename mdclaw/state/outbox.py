@@ -70,3 +70,37 @@ def list_outbox(db: Database, status: str | None = None, limit: int = 1000) -> l
         params = (status,)
     sql += " ORDER BY id DESC LIMIT ?"
     return [OutboxRow(**dict(r)) for r in db.query(sql, (*params, limit))]
+
+
+class OutboxError(ValueError):
+    """An operator's change to an outbox row that cannot be made (no such row, not failed).
+    The message is safe to show."""
+
+
+def _failed_row(conn: sqlite3.Connection, row_id: int) -> sqlite3.Row:
+    r = conn.execute("SELECT * FROM outbox WHERE id = ?", (row_id,)).fetchone()
+    if r is None:
+        raise OutboxError(f"no outbox row with id {row_id}")
+    if r["status"] != "failed":
+        raise OutboxError(f"outbox row {row_id} is {r['status']}, not failed: only failed "
+                          "rows can be retried or dropped")
+    return r
+
+
+def retry_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
+    """Give a failed row a fresh set of tries, due now (in the caller's transaction); the
+    running daemon's outbox worker sends it at its next look. Raises OutboxError."""
+    _failed_row(conn, row_id)
+    now = now_iso()
+    conn.execute("UPDATE outbox SET status = 'pending', attempts = 0, next_attempt_at = ?, "
+                 "updated_at = ? WHERE id = ?", (now, now, row_id))
+    r = conn.execute("SELECT * FROM outbox WHERE id = ?", (row_id,)).fetchone()
+    return OutboxRow(**dict(r))
+
+
+def drop_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
+    """Remove a failed row for good (in the caller's transaction); returns what it was.
+    Raises OutboxError."""
+    r = _failed_row(conn, row_id)
+    conn.execute("DELETE FROM outbox WHERE id = ?", (row_id,))
+    return OutboxRow(**dict(r))

@@ -1,0 +1,203 @@
+"""What each view of the operator page shows, as JSON, from what the running daemon knows.
+
+Every read and every change goes through the functions the CLI uses (mdclaw.commands.*,
+mdclaw.state.*, mdclaw.ipc.quarantine, mdclaw.proxy): no rule is defined twice. `d` is the
+running daemon (mdclaw.daemon.Daemon): its config, database, channels, queue and status.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import time
+from typing import Any
+
+from mdclaw import __version__
+from mdclaw.commands.agent import budget_rows, since_day
+from mdclaw.commands.core import group_listing
+from mdclaw.commands.ipc import change_outbox_row, delete_quarantined
+from mdclaw.commands.tasks import (
+    CONFIG_CANCEL_NOTE,
+    TASK_ACTIONS,
+    change_summary,
+    change_task,
+    local_time,
+    log_row,
+    task_json,
+    zone_for,
+)
+from mdclaw.config import config_for_display, find_config_path
+from mdclaw.ipc.quarantine import list_errors, read_error_payload
+from mdclaw.outbox import outbox_counts
+from mdclaw.paths import Layout
+from mdclaw.proxy import container_model_fields, daily_usage
+from mdclaw.state.chats import list_chats
+from mdclaw.state.groups import Refusals, list_groups, refusals
+from mdclaw.state.outbox import list_outbox
+from mdclaw.state.tasks import get_task, list_runs, list_tasks
+
+log = logging.getLogger("mdclaw.operator")
+
+OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "file_name", "emoji", "status",
+                 "source_group", "attempts", "next_attempt_at", "last_error", "created_at",
+                 "updated_at")
+
+
+def qr_svg(text: str) -> str | None:
+    """`text` as a QR code: an SVG data URL (for an <img>, where no script runs)."""
+    try:
+        import segno
+    except ImportError:  # pragma: no cover - a dependency; the page then shows the text
+        return None
+    buf = io.BytesIO()
+    segno.make(text, error="m").save(buf, kind="svg", scale=6, border=2, xmldecl=False)
+    return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def channel_info(ch: Any) -> dict[str, Any]:
+    """A channel's status_info for the page, with its QR drawn while it waits to be linked."""
+    try:
+        info = dict(ch.status_info())
+    except Exception as e:  # noqa: BLE001 - one channel's report must not take the page down
+        info = {"connected": False, "error": ch.redact(f"{type(e).__name__}: {e}")}
+    info["name"] = ch.name
+    qr = info.get("qr")
+    if isinstance(qr, str) and qr:
+        info["qr_svg"] = qr_svg(qr)
+    return info
+
+
+def containers(d: Any) -> list[dict[str, Any]]:
+    """Running containers: the group, the job it runs and for how long."""
+    if d.orch is None:
+        return []
+    q = d.orch.queue
+    now = time.perf_counter()
+    out = []
+    for group in q.running_groups():
+        job = q.running_job(group)
+        out.append({"group": group, "job": f"{job.kind}:{job.id}" if job else None,
+                    "age_s": round(now - job.picked_at, 1) if job and job.picked_at else None})
+    return out
+
+
+def overview(d: Any) -> dict[str, Any]:
+    status = d.status()
+    return {
+        "daemon": {"pid": status["pid"], "version": __version__,
+                   "started_at": status["started_at"], "updated_at": status["updated_at"],
+                   "groups": status["groups"], "next_task": status["next_task"],
+                   "status_line": d.status_line()},
+        "engine": status["engine"],
+        "channels": [channel_info(ch) for ch in d.channels],
+        "containers": containers(d),
+        "queue": status["queue"],
+        "outbox": status["outbox"],
+        "disk": status["disk"],
+        "reload": d.last_reload, "reload_error": d.reload_error,
+    }
+
+
+def groups(d: Any) -> list[dict[str, Any]]:
+    counts = refusals(d.db)
+    activity = {c["jid"]: c["last_activity"] for c in list_chats(d.db)}
+    running = set(d.orch.queue.running_groups()) if d.orch else set()
+    queued = {j.group for j in d.orch.queue.pending()} if d.orch else set()
+    out = []
+    for g in list_groups(d.db):
+        row = group_listing(g, counts.get(g.folder, Refusals()))
+        blocked = d.diskguard.blocked(g.folder) if d.diskguard else None
+        row["container"] = ("running" if g.folder in running else "refused (disk)" if blocked
+                            else "queued" if g.folder in queued else "idle")
+        row["model"] = container_model_fields(d.cfg, g.folder)["model"] \
+            if g.folder in d.cfg.groups else None
+        row["last_activity"] = activity.get(g.jid or "")
+        row["chat_url"] = (f"/?jid={g.jid}" if g.jid and any(
+            ch.name == "http" and ch.owns_jid(g.jid) for ch in d.channels) else None)
+        out.append(row)
+    return out
+
+
+def tasks(d: Any) -> list[dict[str, Any]]:
+    out = []
+    for t in list_tasks(d.db):
+        row = task_json(t)
+        tz = zone_for(t, d.cfg)
+        row["zone"] = tz
+        row["next_run_local"] = local_time(t.next_run, tz)
+        row["last_run_local"] = local_time(t.last_run, tz)
+        out.append(row)
+    return out
+
+
+def task_runs(d: Any, task_id: str, limit: int = 20) -> dict[str, Any] | None:
+    t = get_task(d.db, task_id)
+    if t is None:
+        return None
+    tz = zone_for(t, d.cfg)
+    return {"task": task_json(t), "zone": tz,
+            "runs": [log_row(r, tz) for r in list_runs(d.db, t.id, limit=limit)]}
+
+
+def change(d: Any, task_id: str, action: str) -> dict[str, Any]:
+    """Pause/resume/cancel/run-now, as `mdclaw tasks <action>`. Raises KeyError for an unknown
+    action, TaskError/ScheduleError as the CLI."""
+    if action not in TASK_ACTIONS:
+        raise KeyError(action)
+    before, after = change_task(d.cfg, d.db, task_id, action)
+    if d.scheduler is not None:
+        d.scheduler.wake()
+    note = CONFIG_CANCEL_NOTE if after.source == "config" and action == "cancel" else None
+    return {"task": task_json(after), "message": change_summary(before, after, action, d.cfg),
+            "note": note}
+
+
+def outbox(d: Any) -> dict[str, Any]:
+    rows = [{k: getattr(r, k) for k in OUTBOX_FIELDS}
+            for r in list_outbox(d.db, status="failed", limit=500)]
+    return {"counts": outbox_counts(d.db), "failed": rows}
+
+
+def outbox_change(d: Any, row_id: int, action: str) -> dict[str, Any]:
+    """Retry or drop a failed row, as `mdclaw outbox retry|drop`. Raises OutboxError."""
+    row = change_outbox_row(d.db, row_id, action)
+    if action == "retry" and d.outbox is not None:
+        d.outbox.wake()
+    return {"id": row.id, "status": "pending" if action == "retry" else "dropped"}
+
+
+def quarantine(d: Any) -> list[dict[str, Any]]:
+    """Quarantined command files with reasons and (as text) their content. Blocking: run it
+    off the event loop."""
+    errors_dir = Layout(d.cfg.data_dir).errors_dir
+    out = []
+    for e in reversed(list_errors(errors_dir)):  # newest first
+        row = e.as_dict()
+        try:
+            row["payload"], row["payload_cut"] = read_error_payload(errors_dir, e.name, 16384)
+        except ValueError:  # QuarantineError: it went away meanwhile
+            row["payload"], row["payload_cut"] = "", False
+        out.append(row)
+    return out
+
+
+def quarantine_delete(d: Any, name: str) -> bool:
+    """As `mdclaw ipc delete-error`. Raises QuarantineError. Blocking."""
+    return delete_quarantined(d.cfg, name)
+
+
+def usage(d: Any, days: int = 14) -> dict[str, Any]:
+    since = since_day(days)
+    budgets = {b["group_folder"]: b["tokens_per_day"] for b in budget_rows(d.cfg, d.db)}
+    return {"since": since, "days": days, "rows": daily_usage(d.db, since_day=since),
+            "budgets": budgets, "today": budget_rows(d.cfg, d.db)}
+
+
+def config(d: Any) -> dict[str, Any]:
+    try:
+        path = str(find_config_path(d.config_path))
+    except Exception:  # noqa: BLE001 - only shown; the daemon runs on whatever it loaded
+        path = d.config_path
+    return {"file": path, "config": config_for_display(d.cfg),
+            "last_reload": d.last_reload, "reload_error": d.reload_error}

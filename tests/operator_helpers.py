@@ -1,0 +1,59 @@
+"""A real daemon (`python -m mdclaw run`) with the local HTTP channel, for the operator page's
+tests: started in a subprocess without a container engine, waited for until it answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running_daemon(config: Path, port: int) -> Iterator[subprocess.Popen[str]]:
+    """`mdclaw run --config config` until the block ends; up once /health answers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    env["DOCKER_HOST"] = "unix:///nonexistent/mdclaw-test-no-engine.sock"  # no engine
+    log = config.parent / "daemon.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config",
+                                 str(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if json.load(r).get("connected"):
+                        break
+            except (OSError, urllib.error.URLError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the daemon did not start:\n{log.read_text()}")
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
