@@ -32,6 +32,7 @@ let
     "inotify-simple"
     "jsonschema"
     "markdown-it-py"
+    "markdownify"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"
