@@ -167,10 +167,14 @@ class IpcEngine:
 
     # ------------------------------------------------------------------ listing
     def collect(self, targets: dict[str, tuple[str, ...]] | None = None, *,
-                cheap: bool = False) -> dict[str, list[tuple[str, str]]]:
+                cheap: bool = False, names: dict[str, dict[str, set[str]]] | None = None,
+                limit: int | None = None) -> dict[str, list[tuple[str, str]]]:
         """Pending files per group, in order: {folder: [(name, sub), ...]}.
 
-        `targets` limits the listing to some folders of some groups (inotify said so)."""
+        `targets` limits the listing to some folders of some groups (inotify said so);
+        `names` are the file names inotify reported since the last call ({folder: {sub:
+        names}}), which lets folders with a queue of known names skip their listing (see
+        GroupDirs.pending); `limit` keeps the first so many files of each group."""
         out: dict[str, list[tuple[str, str]]] = {}
         # With targets, only those groups are visited (a flood in one folder of 1,000 groups
         # must not walk the other 999 every batch); the order stays the engine's.
@@ -181,10 +185,17 @@ class IpcEngine:
             subs = COMMAND_DIRS if targets is None else targets.get(folder)
             if not subs:
                 continue
-            found = gd.pending(subs, cheap=cheap)
+            found = gd.pending(subs, cheap=cheap, limit=limit,
+                               names=None if names is None else names.get(folder, {}))
             if self.remover is not None and self.remover.keys:
                 hidden = self.remover.keys
-                found = [f for f in found if (folder, f[1], f[0]) not in hidden]
+                gone = [f for f in found if (folder, f[1], f[0]) in hidden]
+                if gone:
+                    # Applied, committed and being removed: not pending, and not to be kept
+                    # in the folder's queue either (a listing put them there).
+                    found = [f for f in found if (folder, f[1], f[0]) not in hidden]
+                    for name, sub in gone:
+                        gd.finished(sub, {name})
             if found:
                 out[folder] = found
         return out
@@ -291,10 +302,12 @@ class IpcEngine:
         if self.on_commit is not None:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
+        done: dict[tuple[str, str], set[str]] = {}
         for it in items:
             if it.outcome == "deferred":
                 res.deferred += 1
                 continue
+            done.setdefault((it.folder, it.sub), set()).add(it.name)
             if it.outcome == "gone":
                 res.vanished += 1
                 continue
@@ -312,6 +325,10 @@ class IpcEngine:
                           it.name)
             else:
                 res.rejected += 1
+        for (folder, sub), names in done.items():
+            gd = self.dirs.get(folder)
+            if gd is not None:
+                gd.finished(sub, names)
         self._after(fx)
         return res
 

@@ -74,6 +74,7 @@ class IpcWatcher:
         self._wd: dict[int, tuple[str, str | None]] = {}  # wd -> (folder, sub or None=group)
         self._watched: dict[tuple[str, str | None], tuple[int, int]] = {}  # -> (wd, ino)
         self._dirty: dict[str, set[str]] = {}
+        self._names: dict[str, dict[str, set[str]]] = {}  # what inotify reported, by name
         self._resync: set[str] = set()
         self._full_scan = True
         self._wake = asyncio.Event()
@@ -183,6 +184,7 @@ class IpcWatcher:
                 continue
             if is_candidate(ev.name):
                 self._dirty.setdefault(folder, set()).add(sub)
+                self._names.setdefault(folder, {}).setdefault(sub, set()).add(ev.name)
         if self._dirty or self._resync or self._full_scan:
             self._wake.set()
 
@@ -194,11 +196,14 @@ class IpcWatcher:
             self.sync_watches(folders)
         if self._full_scan:
             self._full_scan = False
-            pending = self.engine.collect(cheap=False)
+            self._names = {}
+            pending = self.engine.collect(cheap=False, limit=self.engine.batch_per_group)
         elif self._dirty:
             targets = {f: tuple(sorted(subs)) for f, subs in self._dirty.items()}
+            names, self._names = self._names, {}
             self._dirty = {}
-            pending = self.engine.collect(targets)
+            pending = self.engine.collect(targets, names=names,
+                                          limit=self.engine.batch_per_group)
         else:
             return False
         batch = self.engine.take_fair(pending)
