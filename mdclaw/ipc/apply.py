@@ -111,8 +111,10 @@ class BatchResult:
 class IpcEngine:
     """The synchronous core shared by the watcher loop and `mdclaw ipc drain`."""
 
+    # A round (one transaction) holds at most `batch_max` files (about 50-100 µs each), so
+    # another group's command, or the outbox, waits for the loop only a few milliseconds.
     def __init__(self, cfg: Config, db: Database, *, batch_per_group: int = 64,
-                 batch_max: int = 1024, settle_ns: int = 0) -> None:
+                 batch_max: int = 128, settle_ns: int = 0) -> None:
         self.cfg = cfg
         self.settle_ns = settle_ns
         self.db = db
