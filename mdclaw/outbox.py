@@ -36,6 +36,7 @@ from mdclaw.state.outbox import OutboxRow
 log = logging.getLogger("mdclaw.outbox")
 
 YIELD_EVERY = 16  # deliveries of one chat between yields to the event loop
+ROUND_PER_CHAT = 256  # deliveries of one chat per round of the background worker
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,9 @@ class OutboxWorker:
         while not self._stopping:
             self._wake.clear()
             try:
-                await self.run_once()
+                # Bounded rounds: a chat that is flooded does not hold back rows of chats
+                # that get theirs meanwhile; the next round starts at once if more is due.
+                await self.run_once(per_chat=ROUND_PER_CHAT)
             except Exception:  # noqa: BLE001 - the worker must not die: a locked database, a bug
                 log.exception("outbox: delivery round failed; trying again shortly")
                 await asyncio.sleep(1.0)
@@ -182,15 +185,17 @@ class OutboxWorker:
         return max(0.0, (from_iso(soonest) - utc_now()).total_seconds())
 
     # ------------------------------------------------------------------ delivery
-    async def run_once(self) -> int:
-        """Deliver every row that is due now; return how many rows reached sent or failed."""
+    async def run_once(self, per_chat: int | None = None) -> int:
+        """Deliver every row that is due now (at most `per_chat` of each chat); return how
+        many rows reached sent or failed."""
         now = now_iso()
         heads = [(h.chat_jid, h.id) for h in self._heads()
                  if h.status == "pending" and not h.waiting_for_copy
                  and (h.next_attempt_at or "") <= now]
         if not heads:
             return 0
-        counts = await asyncio.gather(*(self._drain_chat(jid, hid) for jid, hid in heads))
+        counts = await asyncio.gather(*(self._drain_chat(jid, hid, per_chat)
+                                        for jid, hid in heads))
         return sum(counts)
 
     def _next_rows(self, jid: str, after: int, limit: int = 64) -> list[OutboxRow]:
@@ -202,8 +207,9 @@ class OutboxWorker:
             "('pending', 'sending') ORDER BY id LIMIT ?", (jid, after, limit))
         return [_to_row(r) for r in rows]
 
-    async def _drain_chat(self, jid: str, head_id: int) -> int:
-        """Deliver the chat's rows in order until one is not due, waits or fails."""
+    async def _drain_chat(self, jid: str, head_id: int, limit: int | None = None) -> int:
+        """Deliver the chat's rows in order until one is not due, waits or fails (or
+        `limit` were delivered)."""
         done = 0
         unmarked: OutboxRow | None = None  # sent; its `sent` mark goes with the next claim
         async with self._sem:
@@ -224,6 +230,8 @@ class OutboxWorker:
                             return done
                         done += 1
                         after = row.id
+                        if limit is not None and done >= limit:
+                            return done
                         if done % YIELD_EVERY == 0:
                             # A chat service's send usually waits on the network; one that
                             # does not must still let the IPC loop and other chats run.
