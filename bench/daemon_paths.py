@@ -7,9 +7,12 @@
    container engine is asked to start the container — the real Orchestrator, GroupQueue,
    ContainerRunner and DockerRuntime against a live engine (needs DOCKER_HOST or a running
    Podman service and the `mdclaw-agent:e2e` image; skipped with a note otherwise).
-3. `idle_rss_mb`: resident memory of `mdclaw run` with 100 groups after 10 s idle.
+3. `idle_rss_mb`: resident memory of `mdclaw run` with 100 groups (`--groups`) after 12 s;
+   with `--idle-seconds S`, also the daemon's CPU over the S seconds after that
+   (`idle_cpu_s`).
 
 Prints one JSON object per figure. Usage: python bench/daemon_paths.py [--n 200]
+[--only idle] [--groups 100] [--idle-seconds 0]
 """
 
 from __future__ import annotations
@@ -155,10 +158,14 @@ async def inbound_to_start(n: int) -> None:
          note="host side only: store, trigger, queue, prompt, spec, settings file")
 
 
-def idle_rss() -> None:
+def idle_rss(groups: int = 100, idle_seconds: float = 0) -> None:
+    def cpu_of(pid: int) -> float:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        cfg = write_config(tmp, 100, extra="channels: {http: {listen: '127.0.0.1:0'}}\n"
+        cfg = write_config(tmp, groups, extra="channels: {http: {listen: '127.0.0.1:0'}}\n"
                            f"runtime: {{socket: 'unix://{tmp}/none.sock'}}\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
         env["PYTHONPATH"] = str(REPO)
@@ -169,21 +176,33 @@ def idle_rss() -> None:
         for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 rss_kb = int(line.split()[1])
-        cpu = sum(int(x) for x in Path(f"/proc/{p.pid}/stat").read_text().split()[13:15])
+        cpu = cpu_of(p.pid)
+        idle_cpu = None
+        if idle_seconds:
+            time.sleep(idle_seconds)
+            idle_cpu = round(cpu_of(p.pid) - cpu, 3)
+            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss_kb = max(rss_kb, int(line.split()[1]))
         p.terminate()
         p.wait(40)
-    print(json.dumps({"figure": "idle_rss_mb", "groups": 100, "value": round(rss_kb / 1024, 1),
-                      "cpu_seconds_first_12s": cpu / os.sysconf("SC_CLK_TCK")}), flush=True)
+    print(json.dumps({"figure": "idle_rss_mb", "groups": groups, "value": round(rss_kb / 1024, 1),
+                      "cpu_seconds_first_12s": cpu, "idle_cpu_s": idle_cpu,
+                      "idle_seconds": idle_seconds}), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--only", choices=("idle",), default=None)
+    ap.add_argument("--groups", type=int, default=100)
+    ap.add_argument("--idle-seconds", type=float, default=0)
     args = ap.parse_args()
-    asyncio.run(ipc_to_send(args.n))
-    asyncio.run(inbound_to_start(args.runs))
-    idle_rss()
+    if args.only is None:
+        asyncio.run(ipc_to_send(args.n))
+        asyncio.run(inbound_to_start(args.runs))
+    idle_rss(args.groups, args.idle_seconds)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from mdclaw.state.outbox import OutboxRow
 
 log = logging.getLogger("mdclaw.outbox")
 
+YIELD_EVERY = 16  # deliveries of one chat between yields to the event loop
+ROUND_PER_CHAT = 256  # deliveries of one chat per round of the background worker
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -147,7 +150,9 @@ class OutboxWorker:
         while not self._stopping:
             self._wake.clear()
             try:
-                await self.run_once()
+                # Bounded rounds: a chat that is flooded does not hold back rows of chats
+                # that get theirs meanwhile; the next round starts at once if more is due.
+                await self.run_once(per_chat=ROUND_PER_CHAT)
             except Exception:  # noqa: BLE001 - the worker must not die: a locked database, a bug
                 log.exception("outbox: delivery round failed; trying again shortly")
                 await asyncio.sleep(1.0)
@@ -180,41 +185,95 @@ class OutboxWorker:
         return max(0.0, (from_iso(soonest) - utc_now()).total_seconds())
 
     # ------------------------------------------------------------------ delivery
-    async def run_once(self) -> int:
-        """Deliver every row that is due now; return how many rows reached sent or failed."""
+    async def run_once(self, per_chat: int | None = None) -> int:
+        """Deliver every row that is due now (at most `per_chat` of each chat); return how
+        many rows reached sent or failed."""
         now = now_iso()
-        chats = [h.chat_jid for h in self._heads()
+        heads = [(h.chat_jid, h.id) for h in self._heads()
                  if h.status == "pending" and not h.waiting_for_copy
                  and (h.next_attempt_at or "") <= now]
-        if not chats:
+        if not heads:
             return 0
-        counts = await asyncio.gather(*(self._drain_chat(jid) for jid in chats))
+        counts = await asyncio.gather(*(self._drain_chat(jid, hid, per_chat)
+                                        for jid, hid in heads))
         return sum(counts)
 
-    async def _drain_chat(self, jid: str) -> int:
+    def _next_rows(self, jid: str, after: int, limit: int = 64) -> list[OutboxRow]:
+        """The chat's next unfinished rows after id `after`, in order (a range seek in
+        idx_outbox_chat, whose entries are ordered by chat, then id: rows already sent are
+        not walked again)."""
+        rows = self.db.query(
+            "SELECT * FROM outbox WHERE chat_jid = ? AND id > ? AND status IN "
+            "('pending', 'sending') ORDER BY id LIMIT ?", (jid, after, limit))
+        return [_to_row(r) for r in rows]
+
+    async def _drain_chat(self, jid: str, head_id: int, limit: int | None = None) -> int:
+        """Deliver the chat's rows in order until one is not due, waits or fails (or
+        `limit` were delivered)."""
         done = 0
+        unmarked: OutboxRow | None = None  # sent; its `sent` mark goes with the next claim
         async with self._sem:
-            while not self._stopping:
-                r = self.db.query_one(
-                    "SELECT * FROM outbox WHERE chat_jid = ? AND status IN ('pending', 'sending')"
-                    " ORDER BY id LIMIT 1", (jid,))
-                if r is None:
-                    break
-                row = OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__})
-                if (row.status != "pending" or row.waiting_for_copy
-                        or (row.next_attempt_at or "") > now_iso()):
-                    break
-                finished = await self._deliver(row)
-                if not finished:
-                    break
-                done += 1
+            after = head_id - 1
+            try:
+                while not self._stopping:
+                    rows = self._next_rows(jid, after)
+                    if not rows:
+                        return done
+                    now = now_iso()
+                    for row in rows:
+                        if (self._stopping or row.status != "pending" or row.waiting_for_copy
+                                or (row.next_attempt_at or "") > now):
+                            return done
+                        prev, unmarked = unmarked, None
+                        finished, unmarked = await self._deliver(row, prev)
+                        if not finished:
+                            return done
+                        done += 1
+                        after = row.id
+                        if limit is not None and done >= limit:
+                            return done
+                        if done % YIELD_EVERY == 0:
+                            # A chat service's send usually waits on the network; one that
+                            # does not must still let the IPC loop and other chats run.
+                            # No row stays `sending` over the pause.
+                            if unmarked is not None:
+                                self._mark_sent(unmarked)
+                                unmarked = None
+                            await asyncio.sleep(0)
+            finally:
+                if unmarked is not None:
+                    self._mark_sent(unmarked)
         return done
 
-    def _claim(self, row: OutboxRow) -> bool:
+    def _claim(self, row: OutboxRow, sent: OutboxRow | None = None) -> bool:
+        """Mark `row` as being sent; `sent` (the chat's previous row, just delivered) is
+        marked sent in the same transaction."""
+        now = now_iso()
         with self.db.transaction() as c:
-            return c.execute(
+            if sent is not None:
+                self._sent_in(c, sent, now)
+            claimed = c.execute(
                 "UPDATE outbox SET status = 'sending', attempts = attempts + 1, updated_at = ? "
-                "WHERE id = ? AND status = 'pending'", (now_iso(), row.id)).rowcount == 1
+                "WHERE id = ? AND status = 'pending'", (now, row.id)).rowcount == 1
+        if sent is not None:
+            self._after_sent(sent)
+        return claimed
+
+    @staticmethod
+    def _sent_in(c: Any, row: OutboxRow, now: str) -> None:
+        c.execute("UPDATE outbox SET status = 'sent', sent_at = ?, updated_at = ?, "
+                  "next_attempt_at = NULL WHERE id = ?", (now, now, row.id))
+        c.execute("DELETE FROM outbox_progress WHERE outbox_id = ?", (row.id,))
+
+    def _mark_sent(self, row: OutboxRow) -> None:
+        with self.db.transaction() as c:
+            self._sent_in(c, row, now_iso())
+        self._after_sent(row)
+
+    def _after_sent(self, row: OutboxRow) -> None:
+        log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
+                 row.attempts + 1)
+        self._callback(self.on_sent, row.id)
 
     def _parts_sent(self, row_id: int) -> int:
         r = self.db.query_one("SELECT parts_sent FROM outbox_progress WHERE outbox_id = ?",
@@ -232,7 +291,9 @@ class OutboxWorker:
             if not (row.text or "").strip():
                 raise ChannelError("the message is empty", permanent=True)
             parts = ch.split_text(row.text or "")
-            for i in range(self._parts_sent(row.id), len(parts)):
+            # Progress is recorded only during an attempt: a row never tried has none.
+            start = self._parts_sent(row.id) if row.attempts else 0
+            for i in range(start, len(parts)):
                 await ch.send_message(row.chat_jid, parts[i],
                                       reply_to=row.reply_to if i == 0 else None,
                                       sender=row.sender)
@@ -250,15 +311,20 @@ class OutboxWorker:
         else:
             raise ChannelError(f"unknown outbox kind {row.kind!r}", permanent=True)
 
-    async def _deliver(self, row: OutboxRow) -> bool:
-        """One attempt at `row`. True if it reached sent or failed, False if rescheduled."""
+    async def _deliver(self, row: OutboxRow, sent: OutboxRow | None = None
+                       ) -> tuple[bool, OutboxRow | None]:
+        """One attempt at `row`, after marking `sent` (the chat's previous row, delivered)
+        sent. Returns (True if it reached sent or failed, False if rescheduled; the row if it
+        was delivered and its `sent` mark is still to be written, else None)."""
         ch = channel_for(self.channels, row.chat_jid)
         if ch is not None and not ch.is_connected():
+            if sent is not None:
+                self._mark_sent(sent)
             # An outage delays messages, it does not use up their tries: look again soon.
             self._defer(row, f"waiting: the {ch.name} channel is not connected")
-            return False
-        if not self._claim(row):
-            return False
+            return False, None
+        if not self._claim(row, sent):
+            return False, None
         attempt = row.attempts + 1
         try:
             if ch is None:
@@ -269,7 +335,7 @@ class OutboxWorker:
             raise  # stays `sending`; recover() puts it back
         except ChannelError as e:
             reason = ch.redact(str(e)) if ch else str(e)
-            return self._failed_attempt(row, attempt, reason, e.permanent, e.retry_after)
+            return self._failed_attempt(row, attempt, reason, e.permanent, e.retry_after), None
         except Exception as e:  # noqa: BLE001 - a channel's bug is a failed attempt, not a crash
             # A channel bug: keep the type for the record; the text might hold anything
             # (a token, say), so neither it nor a traceback is logged.
@@ -277,15 +343,8 @@ class OutboxWorker:
                       ch.name if ch else "?", type(e).__name__, row.id)
             return self._failed_attempt(row, attempt, f"internal error in the "
                                         f"{ch.name if ch else '?'} channel: {type(e).__name__}",
-                                        False, None)
-        now = now_iso()
-        with self.db.transaction() as c:
-            c.execute("UPDATE outbox SET status = 'sent', sent_at = ?, updated_at = ?, "
-                      "next_attempt_at = NULL WHERE id = ?", (now, now, row.id))
-            c.execute("DELETE FROM outbox_progress WHERE outbox_id = ?", (row.id,))
-        log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid, attempt)
-        self._callback(self.on_sent, row.id)
-        return True
+                                        False, None), None
+        return True, row
 
     def _defer(self, row: OutboxRow, reason: str) -> None:
         now = utc_now()

@@ -251,7 +251,8 @@ def test_changes_made_elsewhere_reach_the_snapshots_within_a_poll(env: Env) -> N
 
 def test_the_poll_finds_what_inotify_did_not_report(env: Env, tmp_path: Path) -> None:
     """A file that appears without close-after-write or moved-to (here: a hard link made
-    and the original removed, which only raises IN_CREATE) is still found by the poll."""
+    and the original removed, which only raises IN_CREATE) is still found by the poll (here
+    every group is looked at within 0.5 s; by default within SAFETY_RESCAN)."""
     staging = env.ipc / "family" / "staging"
     staging.mkdir()
 
@@ -264,7 +265,30 @@ def test_the_poll_finds_what_inotify_did_not_report(env: Env, tmp_path: Path) ->
         took = await _until(lambda: len(env.outbox()) == 1, timeout=3)
         assert took < 1.5
 
-    run_loop(env, body, poll_interval=0.5)
+    run_loop(env, body, poll_interval=0.5, safety_rescan=0.5)
+
+
+def test_a_lost_event_is_found_by_the_rotation_and_a_tick_looks_at_a_slice(
+        tmp_path: Path) -> None:
+    """With inotify healthy a poll tick looks at ceil(groups * interval / safety_rescan)
+    groups, never all of them; a command whose event was lost is found within
+    `safety_rescan` all the same."""
+    e = Env(tmp_path, extra_groups=27)  # 30 groups
+
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None and not w._unwatched  # noqa: SLF001
+        seen: list[list[str]] = [w.poll_targets() for _ in range(10)]
+        assert all(len(t) == 3 for t in seen)  # 30 groups, 10 ticks per rescan
+        assert {f for t in seen for f in t} == set(w.engine.dirs)
+        e.write("family", {"type": "message", "text": "lost"}, sub="messages")
+        assert w.inotify.read(timeout=0)  # read here: the loop never hears of the file
+        took = await _until(lambda: len(e.outbox()) == 1, timeout=5)
+        assert took < 2.5  # one rescan (1 s) plus a tick, with room for a loaded machine
+
+    try:
+        run_loop(e, body, poll_interval=0.1, safety_rescan=1.0)
+    finally:
+        e.close()
 
 
 def test_inotify_queue_overflow_triggers_a_full_scan(env: Env) -> None:

@@ -10,6 +10,7 @@ keys, no NaN), and the mapping of a container path to the folder it lives in.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -102,6 +103,11 @@ class _DirState:
     fd: int
     ino: int
     listed_mtime: int = -1  # mtime_ns of the last listing that found nothing (and was safe)
+    # Names known to be waiting, sorted: the last listing plus what inotify reported since,
+    # less what was finished. While it is not empty, inotify-driven rounds take from it
+    # instead of listing the folder again (a flooded folder is listed once per drain, not
+    # once per batch).
+    queue: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -180,12 +186,17 @@ class GroupDirs:
         self.dirs[sub] = _DirState(fd, os.fstat(fd).st_ino)
         return fd
 
-    def pending(self, subs: tuple[str, ...] = COMMAND_DIRS, *, cheap: bool = False
+    def pending(self, subs: tuple[str, ...] = COMMAND_DIRS, *, cheap: bool = False,
+                names: dict[str, set[str]] | None = None, limit: int | None = None
                 ) -> list[tuple[str, str]]:
-        """Pending command files as (name, sub) sorted by name, then folder.
+        """Pending command files as (name, sub) sorted by name, then folder (the first
+        `limit` of them if given).
 
         With `cheap`, a folder whose mtime has not changed since a listing that found
-        nothing (and was taken well after that mtime) is not listed again.
+        nothing (and was taken well after that mtime) is not listed again. `names` (only
+        from inotify, which reports every file arriving in a watched folder) are the names
+        that arrived per folder since the last call: a folder whose queue of known names is
+        not empty is then served from it, without a listing.
         """
         out: list[tuple[str, str]] = []
         for sub in subs:
@@ -193,14 +204,37 @@ class GroupDirs:
             if fd is None:
                 continue
             st_dir = self.dirs[sub]
+            if names is not None and st_dir.queue:
+                q = st_dir.queue
+                for n in names.get(sub, ()):
+                    i = bisect.bisect_left(q, n)
+                    if i == len(q) or q[i] != n:
+                        q.insert(i, n)
+                out.extend((n, sub) for n in (q if limit is None else q[:limit]))
+                continue
             mtime = os.fstat(fd).st_mtime_ns
             if cheap and mtime == st_dir.listed_mtime:
                 continue
-            found = [(n, sub) for n in agentfs.listdir(fd) if is_candidate(n)]
+            listed = sorted(n for n in agentfs.listdir(fd) if is_candidate(n))
+            st_dir.queue = listed
             # A listing is "clean" only if the folder was last changed well before it, so a
             # file created in the same timestamp tick cannot hide behind an unchanged mtime.
-            clean = not found and time.time_ns() - mtime > 50_000_000
+            clean = not listed and time.time_ns() - mtime > 50_000_000
             st_dir.listed_mtime = mtime if clean else -1
-            out.extend(found)
+            out.extend((n, sub) for n in (listed if limit is None else listed[:limit]))
         out.sort()
-        return out
+        return out if limit is None else out[:limit]
+
+    def finished(self, sub: str, names: set[str]) -> None:
+        """Forget `names` (applied, rejected, gone) from the folder's queue of known names."""
+        st_dir = self.dirs.get(sub)
+        if st_dir is None or not st_dir.queue:
+            return
+        q = st_dir.queue
+        # They were taken from the head of the queue: look there first.
+        head = len(names) + 64
+        kept = [n for n in q[:head] if n not in names]
+        if len(kept) + len(names) == min(head, len(q)):
+            q[:head] = kept
+        else:
+            st_dir.queue = [n for n in q if n not in names]

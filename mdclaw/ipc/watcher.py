@@ -4,10 +4,16 @@ inotify (close-after-write and moved-to on every group's command folders) tells 
 which folders to look at, so a command is applied within a millisecond or two of its rename.
 Watches are placed on the folder the engine actually opened (via /proc/self/fd), never on a
 path a container could have swapped. The poll (limits.ipc_poll_interval, default 1 s) is the
-correctness baseline: it catches anything inotify missed (queue overflow, watch limits,
-network file systems), and is cheap when nothing changed (folders whose mtime did not move
-are not listed). Work is taken in fair, bounded batches per group, and the loop yields
-between batches, so one group's flood neither starves the others nor blocks the event loop.
+correctness baseline. Each tick it looks at every group inotify does not cover (no inotify,
+a watch that could not be added), at groups whose last look found files still there, and at
+a slice of the watched groups, so that every group is looked at within SAFETY_RESCAN
+seconds: its cost per tick does not grow with the number of groups while inotify is healthy.
+A queue overflow (`IN_Q_OVERFLOW`) makes the next round list every folder at once. A look is
+cheap when nothing changed (folders whose mtime did not move are not listed). The snapshots'
+fingerprint queries run only when something was committed to the database since the last
+tick. Work is taken in fair, bounded batches per group, and the loop yields between batches,
+so one group's flood neither starves the others nor blocks the event loop. docs/ipc.md says
+how long a lost event can delay a command.
 """
 
 from __future__ import annotations
@@ -34,13 +40,17 @@ log = logging.getLogger("mdclaw.ipc")
 DIR_MASK = F.CLOSE_WRITE | F.MOVED_TO | F.DELETE_SELF | F.MOVE_SELF | F.ONLYDIR
 LEDGER_PRUNE_EVERY = 3600.0  # seconds
 GROUP_MASK = F.CREATE | F.MOVED_TO | F.MOVED_FROM | F.DELETE | F.ONLYDIR
+# Every watched group is looked at by the poll at least this often (seconds): the longest a
+# command whose inotify event was lost (without an overflow) can wait.
+SAFETY_RESCAN = 30.0
 
 
 class IpcWatcher:
     """Runs an IpcEngine until stopped. `use_inotify=False` leaves only the poll."""
 
     def __init__(self, cfg: Config, db: Database, *, use_inotify: bool = True,
-                 poll_interval: float | None = None, engine: IpcEngine | None = None) -> None:
+                 poll_interval: float | None = None, engine: IpcEngine | None = None,
+                 safety_rescan: float = SAFETY_RESCAN) -> None:
         self.cfg = cfg
         self.engine = engine or IpcEngine(cfg, db, settle_ns=SETTLE_NS)
         self.snapshot_writer = SnapshotWriter(cfg.db_path, self.engine.layout)
@@ -57,6 +67,7 @@ class IpcWatcher:
         self.engine.on_jobs = self.actions.wake
         self.poll_interval = (poll_interval if poll_interval is not None
                               else cfg.limits.ipc_poll_interval.total_seconds())
+        self.safety_rescan = safety_rescan
         self.inotify: INotify | None = None
         if use_inotify:
             try:
@@ -67,23 +78,30 @@ class IpcWatcher:
         self._wd: dict[int, tuple[str, str | None]] = {}  # wd -> (folder, sub or None=group)
         self._watched: dict[tuple[str, str | None], tuple[int, int]] = {}  # -> (wd, ino)
         self._dirty: dict[str, set[str]] = {}
+        self._names: dict[str, dict[str, set[str]]] = {}  # what inotify reported, by name
         self._resync: set[str] = set()
         self._full_scan = True
         self._wake = asyncio.Event()
         self._watch_limit_logged = False
         self._synced_groups: set[str] = set()
         self._fingerprint: tuple[tuple[object, ...], tuple[object, ...]] | None = None
+        self._unwatched: set[str] = set()  # groups inotify does not fully cover
+        self._recheck: set[str] = set()  # groups the poll looks at again next tick
+        self._rotation: list[str] = []  # watched groups, looked at a slice per tick
+        self._rotation_at = 0
+        self._rotation_of: set[str] | None = None
         self.totals = BatchResult()
         self.idle = asyncio.Event()  # set while nothing is known to be pending
         self.last_progress = time.monotonic()
 
     # ------------------------------------------------------------------ watches
-    def _add_watch(self, key: tuple[str, str | None], fd: int, mask: int) -> None:
+    def _add_watch(self, key: tuple[str, str | None], fd: int, mask: int) -> bool:
+        """Watch `fd` under `key`; False if no watch could be added."""
         assert self.inotify is not None
         ino = os.fstat(fd).st_ino
         cur = self._watched.get(key)
         if cur is not None and cur[1] == ino:
-            return
+            return True
         if cur is not None:
             self._drop_watch(key)
         try:
@@ -93,9 +111,10 @@ class IpcWatcher:
                 log.warning("ipc: cannot add inotify watch (%s); the %.3fs poll covers it",
                             e, self.poll_interval)
                 self._watch_limit_logged = True
-            return
+            return False
         self._wd[wd] = key
         self._watched[key] = (wd, ino)
+        return True
 
     def _drop_watch(self, key: tuple[str, str | None]) -> None:
         cur = self._watched.pop(key, None)
@@ -115,19 +134,28 @@ class IpcWatcher:
         self._synced_groups = set(self.engine.dirs)
         for key in [k for k in self._watched if k[0] not in self.engine.dirs]:
             self._drop_watch(key)
+        self._unwatched &= self._synced_groups
         for folder, gd in self.engine.dirs.items():
             if folders is not None and folder not in folders:
                 continue
+            # Covered: the group's folder is watched (a command folder appearing is seen)
+            # and so is every command folder it has.
+            covered = True
             for sub in COMMAND_DIRS:
                 fd = gd.dir_fd(sub)
                 if fd is None:
                     self._drop_watch((folder, sub))
                 else:
-                    self._add_watch((folder, sub), fd, DIR_MASK)
+                    covered = self._add_watch((folder, sub), fd, DIR_MASK) and covered
             if gd.group_fd is not None:
-                self._add_watch((folder, None), gd.group_fd, GROUP_MASK)
+                covered = self._add_watch((folder, None), gd.group_fd, GROUP_MASK) and covered
             else:
                 self._drop_watch((folder, None))
+                covered = False
+            if covered:
+                self._unwatched.discard(folder)
+            else:
+                self._unwatched.add(folder)
 
     def _on_inotify(self) -> None:
         assert self.inotify is not None
@@ -148,6 +176,7 @@ class IpcWatcher:
                 self._watched.pop(key, None)
                 self._wd.pop(ev.wd, None)
                 self._resync.add(folder)
+                self._unwatched.add(folder)  # until the resync watches it again
                 continue
             if sub is None:  # the group's IPC folder: a command folder came or went
                 if ev.name in COMMAND_DIRS:
@@ -159,6 +188,7 @@ class IpcWatcher:
                 continue
             if is_candidate(ev.name):
                 self._dirty.setdefault(folder, set()).add(sub)
+                self._names.setdefault(folder, {}).setdefault(sub, set()).add(ev.name)
         if self._dirty or self._resync or self._full_scan:
             self._wake.set()
 
@@ -170,11 +200,14 @@ class IpcWatcher:
             self.sync_watches(folders)
         if self._full_scan:
             self._full_scan = False
-            pending = self.engine.collect(cheap=False)
+            self._names = {}
+            pending = self.engine.collect(cheap=False, limit=self.engine.batch_per_group)
         elif self._dirty:
             targets = {f: tuple(sorted(subs)) for f, subs in self._dirty.items()}
+            names, self._names = self._names, {}
             self._dirty = {}
-            pending = self.engine.collect(targets)
+            pending = self.engine.collect(targets, names=names,
+                                          limit=self.engine.batch_per_group)
         else:
             return False
         batch = self.engine.take_fair(pending)
@@ -182,6 +215,8 @@ class IpcWatcher:
             return False
         res = self.engine.process(batch)
         self.totals.add(res)
+        if res.deferred:  # files still being written: the poll looks again next tick
+            self._recheck.update(batch)
         if set(self.engine.dirs) != self._synced_groups:
             self.sync_watches()
         if not (res.applied or res.rejected or res.finished or res.vanished):
@@ -195,23 +230,48 @@ class IpcWatcher:
     def _poll(self) -> None:
         # Changes made outside this loop (scheduler runs, `mdclaw tasks pause`, new chats)
         # show in the snapshots within one poll interval.
-        tasks_fp, groups_fp = self.engine.state_fingerprint()
-        if self._fingerprint is not None:
-            if tasks_fp != self._fingerprint[0]:
-                self.engine.snapshots(None, tasks=True, groups=False)
-            if groups_fp != self._fingerprint[1]:
-                main = self.engine.main_folder()
-                self.engine.snapshots({main} if main else set(), tasks=False, groups=True)
-        self._fingerprint = (tasks_fp, groups_fp)
-        pending = self.engine.collect(cheap=True)
+        # The fingerprints are computed only if anything was committed since the last tick.
+        if self.engine.database_changed() or self._fingerprint is None:
+            tasks_fp, groups_fp = self.engine.state_fingerprint()
+            if self._fingerprint is not None:
+                if tasks_fp != self._fingerprint[0]:
+                    self.engine.snapshots(None, tasks=True, groups=False)
+                if groups_fp != self._fingerprint[1]:
+                    main = self.engine.main_folder()
+                    self.engine.snapshots({main} if main else set(), tasks=False, groups=True)
+            self._fingerprint = (tasks_fp, groups_fp)
+        targets = self.poll_targets()
+        pending = self.engine.collect({f: COMMAND_DIRS for f in targets}, cheap=True)
+        # A group whose look found files is looked at again next tick, until one finds none.
+        self._recheck = set(pending)
         for folder, files in pending.items():
             self._dirty.setdefault(folder, set()).update(sub for _, sub in files)
+
+    def poll_targets(self) -> list[str]:
+        """The groups this poll tick looks at: every one without inotify, those to look at
+        again, and the next slice of the rest (each within `safety_rescan` seconds)."""
+        if self.inotify is None:
+            return list(self.engine.dirs)
+        if self._rotation_of is not self._synced_groups:  # sync_watches made a new set
+            self._rotation_of = self._synced_groups
+            self._rotation = sorted(self._synced_groups)
+            self._rotation_at = 0
+        out = set(self._unwatched) | self._recheck
+        n = len(self._rotation)
+        if n:
+            ticks = max(1.0, self.safety_rescan / max(self.poll_interval, 1e-3))
+            share = min(n, -(-n // int(ticks)))  # ceil(n / ticks)
+            for i in range(share):
+                out.add(self._rotation[(self._rotation_at + i) % n])
+            self._rotation_at = (self._rotation_at + share) % n
+        return [f for f in out if f in self.engine.dirs]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set. Start-up writes every snapshot and drains the backlog."""
         loop = asyncio.get_running_loop()
         self.engine.start()
         self.actions.start()
+        self.engine.database_changed()
         self._fingerprint = self.engine.state_fingerprint()
         self.sync_watches()
         if self.inotify is not None:

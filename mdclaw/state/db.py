@@ -135,6 +135,14 @@ class Database:
             self._depth = 0
             self.conn.execute("COMMIT")
 
+    def change_mark(self) -> tuple[int, int]:
+        """A value that moves whenever anything is committed to the database: by another
+        connection (`PRAGMA data_version`) or by this one (`total_changes`). Cheap: no table
+        is read."""
+        with self._lock:
+            return (int(self.conn.execute("PRAGMA data_version").fetchone()[0]),
+                    self.conn.total_changes)
+
     def query(self, sql: str, params: tuple | dict = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self.conn.execute(sql, params).fetchall()
