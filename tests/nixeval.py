@@ -66,19 +66,22 @@ def eval_json(file: Path, args: dict[str, str], lib: Path, timeout: float = 120,
                           env={**nix_env(lib), **(env or {})})
 
 
-def eval_module(lib: Path, tmp_path: Path, configuration: str) -> dict[str, Any]:
-    """Evaluate nixos-module/ with `configuration` (a NixOS module as Nix text); the result."""
-    r = eval_module_raw(lib, tmp_path, configuration)
+def eval_module(lib: Path, tmp_path: Path, configuration: str, *,
+                allow_claude_code: bool = False) -> dict[str, Any]:
+    """Evaluate nixos-module/ with `configuration` (a NixOS module as Nix text); the result.
+    `allow_claude_code`: the stub nixpkgs allows the unfree claude-code."""
+    r = eval_module_raw(lib, tmp_path, configuration, allow_claude_code=allow_claude_code)
     assert r.returncode == 0, f"evaluation failed:\n{r.stderr}"
     return json.loads(r.stdout)
 
 
-def eval_module_raw(lib: Path, tmp_path: Path,
-                    configuration: str) -> subprocess.CompletedProcess[str]:
+def eval_module_raw(lib: Path, tmp_path: Path, configuration: str, *,
+                    allow_claude_code: bool = False) -> subprocess.CompletedProcess[str]:
     case = tmp_path / "configuration.nix"
     case.write_text(configuration)
     return eval_json(NIX_DIR / "eval-module.nix",
-                     {"nixpkgsLib": str(lib), "configuration": str(case)}, lib)
+                     {"nixpkgsLib": str(lib), "configuration": str(case),
+                      "allowClaudeCode": "true" if allow_claude_code else "false"}, lib)
 
 
 def nix_files() -> list[Path]:
