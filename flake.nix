@@ -1,6 +1,11 @@
 {
   description = "mdclaw: self-hosted personal AI assistant host, one sandboxed agent container per chat group";
 
+  # nixpkgs is the nixos-26.05 branch; the exact revision is what flake.lock records.
+  # flake.lock is not committed yet: it has to be made where github.com can be reached
+  # (`nix flake lock`, see docs/nixos.md "Pinning nixpkgs") and committed with the revision
+  # it found; until then the first `nix flake lock` (or `nix build`) picks the branch head
+  # of that day. tests/test_nix_flake.py::test_nixpkgs_is_pinned fails until it is done.
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
 
   outputs =

@@ -332,7 +332,7 @@ def _doc_blocks() -> list[str]:
 
 def test_documented_configuration_evaluates_and_passes_check_config(
         lib: Path, tmp_path: Path, cli) -> None:
-    [example] = [b for b in _doc_blocks() if "services.mdclaw = {" in b]
+    [example] = [b for b in _doc_blocks() if "services.mdclaw = {" in b and "telegram" in b]
     r = eval_module(lib, tmp_path, example, allow_claude_code=True)
     assert r["unit"]["serviceConfig"]["LoadCredential"] == [
         "anthropic:/run/secrets/anthropic-api-key", "telegram:/run/secrets/telegram-bot-token"]
@@ -341,3 +341,29 @@ def test_documented_configuration_evaluates_and_passes_check_config(
     res = cli("check-config", "--skip-secrets", "--skip-host-checks", "--config", str(path))
     assert res.returncode == 0, res.stderr
     assert "config ok: 3 group(s), main: main, 1 task(s)" in res.stdout
+
+
+def test_documented_first_setup_evaluates(lib: Path, tmp_path: Path, cli) -> None:
+    """The step-by-step block: a local model, no unfree package, alice in the mdclaw group
+    (her account exists elsewhere in a real configuration)."""
+    [first] = [b for b in _doc_blocks() if "services.mdclaw = {" in b and "telegram" not in b]
+    r = eval_module(lib, tmp_path, "{ imports = [ (" + first + ") ]; "
+                    "users.users.alice.isNormalUser = true; }")
+    assert r["settings"]["runtime"]["image"] == "mdclaw-agent:0123abcd"  # the free image
+    assert r["users"]["alice"]["extraGroups"] == ["mdclaw"]
+    assert r["unit"]["serviceConfig"]["LoadCredential"] == ["model-key:/run/secrets/model-key"]
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(r["settings"]))
+    res = cli("check-config", "--config", str(path))  # the credential: the service's
+    assert res.returncode == 0, res.stderr
+
+
+def test_documented_overlay_route_names_the_predicate() -> None:
+    from nixeval import REPO
+
+    text = (REPO / "docs" / "nixos.md").read_text()
+    assert 'nixpkgs.config.allowUnfreePredicate = pkg: builtins.elem (lib.getName pkg) ' \
+        '[ "claude-code" ];' in text
+    module = (REPO / "nixos-module" / "default.nix").read_text()
+    assert "nixpkgs.config.allowUnfreePredicate = pkg: builtins.elem (lib.getName pkg) " \
+        '[ \\"claude-code\\" ];' in module

@@ -120,8 +120,10 @@ let
         nixpkgs.config = opt types.attrs { };
         users.users = opt (attrsOf (
           submodule (
-            { name, ... }:
+            { name, config, ... }:
             {
+              # config/users-groups.nix: a normal user's group defaults to "users"
+              config.group = lib.mkIf config.isNormalUser (lib.mkDefault "users");
               options = {
                 name = opt str name;
                 isSystemUser = opt bool false;
