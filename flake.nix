@@ -1,6 +1,11 @@
 {
   description = "mdclaw: self-hosted personal AI assistant host, one sandboxed agent container per chat group";
 
+  # nixpkgs is the nixos-26.05 branch; the exact revision is what flake.lock records.
+  # flake.lock is not committed yet: it has to be made where github.com can be reached
+  # (`nix flake lock`, see docs/nixos.md "Pinning nixpkgs") and committed with the revision
+  # it found; until then the first `nix flake lock` (or `nix build`) picks the branch head
+  # of that day. tests/test_nix_flake.py::test_nixpkgs_is_pinned fails until it is done.
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
 
   outputs =
@@ -12,12 +17,19 @@
         "aarch64-linux"
       ];
 
+      # Everything the flake builds is free, except container-image-claude: the claude backend
+      # runs Anthropic's Claude Code CLI (unfree), allowed for that one output only.
       pkgsFor =
         system:
         import nixpkgs {
           inherit system;
           overlays = [ self.overlays.default ];
-          # The claude backend runs Anthropic's Claude Code CLI (unfree); nothing else is.
+        };
+      pkgsClaudeFor =
+        system:
+        import nixpkgs {
+          inherit system;
+          overlays = [ self.overlays.default ];
           config.allowUnfreePredicate = pkg: lib.getName pkg == "claude-code";
         };
       forAllSystems = f: lib.genAttrs systems (system: f (pkgsFor system));
@@ -62,7 +74,16 @@
       # The agent image's Python packages: container/requirements.txt, the one list the
       # Dockerfile's wheelhouse is built from too. Versions are nixpkgs' (the pins are pip's);
       # lines tagged "optional: claude" are included, with nixpkgs' claude-code CLI.
-      imageRequirements = parseRequirements (builtins.readFile ./container/requirements.txt);
+      imageRequirementsText = builtins.readFile ./container/requirements.txt;
+      imageRequirements = parseRequirements imageRequirementsText;
+      # Lines tagged "optional: claude": only in the Claude image.
+      claudeRequirements = parseRequirements (
+        lib.concatStringsSep "\n" (
+          builtins.filter (l: builtins.match ".*#.*optional: claude.*" l != null) (
+            lib.splitString "\n" imageRequirementsText
+          )
+        )
+      );
 
       # PyPI name -> nixpkgs python package, where the attribute differs from the name.
       # The agent runner itself is built from container/agent-runner, not taken from here.
@@ -80,24 +101,111 @@
       # it (with a warning) rather than not at all; groups using it then fail with a clear error.
       optionalInImage = [ "claude-agent-sdk" ];
       imageNames =
-        ps:
+        withClaude: ps:
         builtins.filter (
           name:
           if builtins.elem name optionalInImage && !(ps ? ${pythonAttr.${name} or name}) then
             lib.warn "mdclaw flake: nixpkgs has no python package '${name}'; the agent image is built without it" false
           else
             true
-        ) (lib.subtractLists skipInImage imageRequirements);
-      imagePythonPackages = ps: map (pythonPackage ps) (imageNames ps);
+        ) (lib.subtractLists (skipInImage ++ lib.optionals (!withClaude) claudeRequirements) imageRequirements);
+      imagePythonPackages = withClaude: ps: map (pythonPackage ps) (imageNames withClaude ps);
 
       # Programs a Python package needs next to it in the image (the SDK drives the CLI).
       imageExtraPrograms = pkgs: {
         claude-agent-sdk = [ pkgs.claude-code ];
       };
+      # The agent image (see the overlay): the free one, or with the claude backend.
+      mkAgentImage =
+        final:
+        { withClaude }:
+        let
+          python = final.python3.withPackages (
+            ps: [ final.mdclaw-agent-runner ] ++ imagePythonPackages withClaude ps
+          );
+          inImage = imageNames withClaude final.python3Packages;
+        extraPrograms = lib.concatLists (
+          lib.mapAttrsToList (name: programs: lib.optionals (builtins.elem name inImage) programs) (
+            imageExtraPrograms final
+          )
+        );
+        etc = final.runCommand "mdclaw-agent-etc" { } ''
+          mkdir -p $out/etc
+          cat > $out/etc/passwd <<'EOF'
+          root:x:0:0:root:/root:/bin/sh
+          node:x:1000:1000:agent:/home/node:/bin/sh
+          nobody:x:65534:65534:nobody:/var/empty:/bin/false
+          EOF
+          cat > $out/etc/group <<'EOF'
+          root:x:0:
+          node:x:1000:
+          nobody:x:65534:
+          EOF
+          echo 'hosts: files dns' > $out/etc/nsswitch.conf
+        '';
+      in
+      (final.dockerTools.buildLayeredImage {
+        name = "mdclaw-agent";
+        # No tag: the tag is derived from the image's content, so every change is a new
+        # reference and the NixOS module switches agents to it (settings.runtime.image).
+        created = "1970-01-01T00:00:01Z";
+        contents = [
+          python
+          etc
+          final.cacert
+          final.tzdata
+          final.bashInteractive
+          final.coreutils
+        ]
+        ++ extraPrograms;
+        extraCommands = ''
+          mkdir -p tmp workspace/group workspace/ipc workspace/global workspace/extra
+          chmod 1777 tmp
+        '';
+        fakeRootCommands = ''
+          mkdir -p home/node/.claude
+          chown -R 1000:1000 home/node
+        '';
+        config = {
+          User = "1000:1000";
+          WorkingDirectory = "/workspace/group";
+          # As container/Dockerfile: a command given at run time becomes the runner's arguments.
+          Entrypoint = [
+            "/bin/python3"
+            "-m"
+            "mdclaw_agent"
+          ];
+          Env = [
+            "PATH=/bin"
+            "HOME=/home/node"
+            "LANG=C.UTF-8"
+            "PYTHONUNBUFFERED=1"
+            "PYTHONDONTWRITEBYTECODE=1"
+            "SSL_CERT_FILE=/etc/ssl/certs/ca-bundle.crt"
+            "TZDIR=/share/zoneinfo"
+            "PYTHONTZPATH=/share/zoneinfo"
+          ];
+          Labels = {
+            "org.opencontainers.image.title" = "mdclaw-agent";
+            "org.opencontainers.image.description" = "mdclaw's in-container agent runner";
+            # The backends in the image: the host checks it before a run and in `doctor`.
+            "mdclaw.backends" =
+              if builtins.elem "claude-agent-sdk" inImage then "openai,claude" else "openai";
+          };
+        };
+      })
+      // {
+        # Read by the NixOS module's assertions (nothing here forces the image's build).
+        mdclawBackends = if builtins.elem "claude-agent-sdk" inImage then [ "openai" "claude" ] else [ "openai" ];
+        mdclawClaudeCodeAllowed =
+          !withClaude
+          || (final.config.allowUnfree or false)
+          || (final.config.allowUnfreePredicate or (_: false)) final.claude-code;
+      };
     in
     {
       lib = {
-        inherit parseRequirements imageRequirements;
+        inherit parseRequirements imageRequirements claudeRequirements;
         hostRequirements = map requirementName pyproject.project.dependencies;
       };
 
@@ -154,97 +262,34 @@
           pyproject = true;
           src = lib.cleanSource ./container/agent-runner;
           build-system = [ final.python3Packages.setuptools ];
-          dependencies = imagePythonPackages final.python3Packages;
+          # The free image's packages; the Claude image adds its own (mkAgentImage).
+          dependencies = imagePythonPackages false final.python3Packages;
           # Its tests live in the host's test suite (they drive it against the host).
           doCheck = false;
           pythonImportsCheck = [ "mdclaw_agent" ];
         };
 
-        # The agent image: reproducible (no timestamps, content-derived tag), non-root.
-        mdclaw-agent-image =
-          let
-            python = final.python3.withPackages (
-              ps: [ final.mdclaw-agent-runner ] ++ imagePythonPackages ps
-            );
-            inImage = imageNames final.python3Packages;
-            extraPrograms = lib.concatLists (
-              lib.mapAttrsToList (name: programs: lib.optionals (builtins.elem name inImage) programs) (
-                imageExtraPrograms final
-              )
-            );
-            etc = final.runCommand "mdclaw-agent-etc" { } ''
-              mkdir -p $out/etc
-              cat > $out/etc/passwd <<'EOF'
-              root:x:0:0:root:/root:/bin/sh
-              node:x:1000:1000:agent:/home/node:/bin/sh
-              nobody:x:65534:65534:nobody:/var/empty:/bin/false
-              EOF
-              cat > $out/etc/group <<'EOF'
-              root:x:0:
-              node:x:1000:
-              nobody:x:65534:
-              EOF
-              echo 'hosts: files dns' > $out/etc/nsswitch.conf
-            '';
-          in
-          final.dockerTools.buildLayeredImage {
-            name = "mdclaw-agent";
-            # No tag: the tag is derived from the image's content, so every change is a new
-            # reference and the NixOS module switches agents to it (settings.runtime.image).
-            created = "1970-01-01T00:00:01Z";
-            contents = [
-              python
-              etc
-              final.cacert
-              final.tzdata
-              final.bashInteractive
-              final.coreutils
-            ]
-            ++ extraPrograms;
-            extraCommands = ''
-              mkdir -p tmp workspace/group workspace/ipc workspace/global workspace/extra
-              chmod 1777 tmp
-            '';
-            fakeRootCommands = ''
-              mkdir -p home/node/.claude
-              chown -R 1000:1000 home/node
-            '';
-            config = {
-              User = "1000:1000";
-              WorkingDirectory = "/workspace/group";
-              # As container/Dockerfile: a command given at run time becomes the runner's arguments.
-              Entrypoint = [
-                "/bin/python3"
-                "-m"
-                "mdclaw_agent"
-              ];
-              Env = [
-                "PATH=/bin"
-                "HOME=/home/node"
-                "LANG=C.UTF-8"
-                "PYTHONUNBUFFERED=1"
-                "PYTHONDONTWRITEBYTECODE=1"
-                "SSL_CERT_FILE=/etc/ssl/certs/ca-bundle.crt"
-                "TZDIR=/share/zoneinfo"
-                "PYTHONTZPATH=/share/zoneinfo"
-              ];
-              Labels = {
-                "org.opencontainers.image.title" = "mdclaw-agent";
-                "org.opencontainers.image.description" = "mdclaw's in-container agent runner";
-                # The backends in the image: the host checks it before a run and in `doctor`.
-                "mdclaw.backends" =
-                  if builtins.elem "claude-agent-sdk" inImage then "openai,claude" else "openai";
-              };
-            };
-          };
+        # The agent images: reproducible (no timestamps, content-derived tag), non-root.
+        # mdclaw-agent-image is free (openai backend: local and OpenAI-compatible models);
+        # mdclaw-agent-image-claude adds the claude backend and claude-code (unfree: the
+        # nixpkgs it is built from must allow it, see docs/nixos.md).
+        mdclaw-agent-image = mkAgentImage final { withClaude = false; };
+        mdclaw-agent-image-claude = mkAgentImage final { withClaude = true; };
       };
 
-      packages = forAllSystems (pkgs: {
-        default = pkgs.mdclaw;
-        mdclaw = pkgs.mdclaw;
-        container-image = pkgs.mdclaw-agent-image;
-      });
-
+      packages = lib.genAttrs systems (
+        system:
+        let
+          pkgs = pkgsFor system;
+        in
+        {
+          default = pkgs.mdclaw;
+          mdclaw = pkgs.mdclaw;
+          container-image = pkgs.mdclaw-agent-image;
+          # Holds claude-code: by building it you accept its licence (unfree).
+          container-image-claude = (pkgsClaudeFor system).mdclaw-agent-image-claude;
+        }
+      );
       apps = forAllSystems (pkgs: {
         default = {
           type = "app";
@@ -278,17 +323,33 @@
       formatter = forAllSystems (pkgs: pkgs.nixfmt);
 
       # The module with this flake's package and image as defaults (no overlay needed).
+      # The free image, or the Claude one when a model uses the claude backend (the flake
+      # allows claude-code for that output only; your nixpkgs' config is not involved).
       nixosModules.default =
-        { pkgs, lib, ... }:
+        {
+          config,
+          pkgs,
+          lib,
+          ...
+        }:
+        let
+          own = self.packages.${pkgs.stdenv.hostPlatform.system};
+          usesClaude = lib.any (m: m.backend == "claude") (
+            lib.attrValues config.services.mdclaw.settings.models
+          );
+        in
         {
           imports = [ ./nixos-module ];
-          services.mdclaw.package = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.mdclaw;
-          services.mdclaw.image = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.container-image;
+          services.mdclaw.package = lib.mkDefault own.mdclaw;
+          services.mdclaw.image = lib.mkDefault (
+            if usesClaude then own.container-image-claude else own.container-image
+          );
         };
 
       checks = forAllSystems (pkgs: {
         # The package with its test suite (checkPhase).
         mdclaw = pkgs.mdclaw;
+        # The free image only: `nix flake check` needs no unfree licence.
         container-image = pkgs.mdclaw-agent-image;
         # A VM with the module, Podman's Docker socket, the image, a fake model server:
         # a message posted to the local HTTP channel gets the agent's reply.

@@ -16,6 +16,7 @@ import difflib
 import ipaddress
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -210,8 +211,35 @@ def secret_checks_skipped() -> Iterator[None]:
         _SKIP_SECRET_CHECKS.reset(token)
 
 
+# systemd's LoadCredential hands secrets to the service in $CREDENTIALS_DIRECTORY, a folder
+# that exists only inside the unit. A secret path naming it, read where the variable is unset
+# (the administrator's shell), is "set in the service's credentials": the config is valid, the
+# secret is simply not readable from here. Commands that need it say so (ServiceCredential).
+CREDENTIALS_VAR = "CREDENTIALS_DIRECTORY"
+_CREDENTIALS_REF = re.compile(r"\$(?:CREDENTIALS_DIRECTORY\b|\{CREDENTIALS_DIRECTORY\})")
+
+
+def in_service_credentials(path: str | os.PathLike[str]) -> bool:
+    """True for a secret path that names $CREDENTIALS_DIRECTORY while this process has none."""
+    return (_CREDENTIALS_REF.search(str(path)) is not None
+            and not os.environ.get(CREDENTIALS_VAR))
+
+
+class ServiceCredential(OSError):
+    """A secret that only the service can read (see in_service_credentials)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(f"{path} is set in the service's credentials: {CREDENTIALS_VAR} "
+                         "exists only inside the mdclaw service; run the command as root "
+                         "(`sudo mdclaw ...` runs it as the service, with its credentials)")
+        self.strerror = "set in the service's credentials"
+        self.filename = str(path)
+
+
 def _check_secret_file(value: Any) -> Path:
     """A secret file must exist, be a regular file and not be readable by everyone."""
+    if in_service_credentials(str(value)):
+        return Path(str(value))  # checked where it exists: inside the service
     path = Path(os.path.expandvars(str(value))).expanduser()
     if _SKIP_SECRET_CHECKS.get():
         return path
@@ -240,7 +268,10 @@ def read_secret(path: Path) -> str:
     """Return the secret held in `path`, stripped of surrounding whitespace.
 
     Raises OSError if the file went away; the message names the file, never the content.
+    ServiceCredential (an OSError) when the file is in the service's credentials only.
     """
+    if in_service_credentials(path):
+        raise ServiceCredential(path)
     return Path(path).read_text(encoding="utf-8").strip()
 
 
@@ -514,6 +545,11 @@ class HttpChannel(Frozen):
     listen: str = Field("127.0.0.1:3000", pattern=r"^[^:\s]*:\d{1,5}$",
                         description="host:port to listen on.")
     secret_file: SecretFile | None = Field(None, description="Bearer token file (optional).")
+    generate_secret: bool = Field(
+        False, description="When `secret_file` is unset: generate a random token into "
+        "`<data_dir>/http-secret` (mode 0600) on the daemon's first start and require it, so "
+        "no other local user can post as the main group. `mdclaw send` and `mdclaw "
+        "http-token` (for the chat page) read it. The NixOS module turns this on.")
 
 
 class TelegramChannel(Frozen):
@@ -1218,6 +1254,42 @@ def _cross_key_without(data: dict[str, Any], e: ValidationError) -> list[Problem
 
     return [(original(path), msg) for (path, msg), needs in zip(problems, requires, strict=True)
             if not depends_on_dropped(needs)]
+
+
+HTTP_SECRET_NAME = "http-secret"  # noqa: S105 - a file name, not a secret
+
+
+def http_secret_path(cfg: Config) -> Path | None:
+    """The local HTTP channel's token file: `secret_file`, else the generated one in
+    data_dir when `generate_secret` is on, else None (no token)."""
+    http = cfg.channels.http
+    if http is None:
+        return None
+    if http.secret_file is not None:
+        return http.secret_file
+    return cfg.data_dir / HTTP_SECRET_NAME if http.generate_secret else None
+
+
+def ensure_http_secret(cfg: Config) -> Path | None:
+    """http_secret_path(), generating the token first when it is to be generated and does
+    not exist yet (a new random token, mode 0600, never replaced once written)."""
+    path = http_secret_path(cfg)
+    http = cfg.channels.http
+    if path is None or http is None or http.secret_file is not None:
+        return path
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path  # made on an earlier start (or by a racing one): keep it
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def service_credential_secrets(cfg: Config) -> list[tuple[str, Path]]:
+    """The secret files this process cannot read because they are in the service's
+    credentials ($CREDENTIALS_DIRECTORY is unset here), as (config key path, file path)."""
+    return [(k, p) for k, p in iter_secret_files(cfg) if in_service_credentials(p)]
 
 
 def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:

@@ -5,7 +5,11 @@
 #   when it is built, so a bad config never reaches the running service.
 # - Secrets stay out of the Nix store: `credentials` hands files to the service with systemd's
 #   LoadCredential, and settings point at them as "$CREDENTIALS_DIRECTORY/<name>".
-# - The agent image from the flake is loaded into the engine before the daemon starts.
+# - The agent image from the flake is loaded into the engine by mdclaw-image.service before the
+#   daemon starts (skipped when the engine already has that exact image).
+# - `mdclaw` on the PATH is a wrapper for the administrator: as root it runs the command as the
+#   service's user with the service's credentials (systemd-run, LoadCredential); members of the
+#   `mdclaw` group run the read-only commands as themselves.
 # - The config lives at /etc/mdclaw/config.yaml: changing only settings reloads the daemon
 #   (SIGHUP) instead of restarting it; a new package or image restarts it.
 {
@@ -83,6 +87,71 @@ let
   stateDirName = lib.removePrefix "/var/lib/" dataDir;
   dataDirIsStateDir = lib.hasPrefix "/var/lib/" dataDir && stateDirName != "";
 
+  # data_dir must be mdclaw's own folder: tmpfiles chowns it to mdclaw and the unit makes it
+  # its only writable path, so a shared folder would be taken from everything else there.
+  sharedFolders = [
+    "/"
+    "/bin"
+    "/boot"
+    "/dev"
+    "/etc"
+    "/home"
+    "/lib"
+    "/lib64"
+    "/media"
+    "/mnt"
+    "/nix"
+    "/opt"
+    "/proc"
+    "/root"
+    "/run"
+    "/sbin"
+    "/srv"
+    "/sys"
+    "/tmp"
+    "/usr"
+    "/var"
+    "/var/cache"
+    "/var/db"
+    "/var/empty"
+    "/var/lib"
+    "/var/log"
+    "/var/spool"
+    "/var/tmp"
+  ];
+  # Folders whose contents are not mdclaw's to keep: volatile, system-owned or users' homes.
+  refusedTrees = [
+    "/nix/"
+    "/tmp/"
+    "/var/tmp/"
+    "/run/"
+    "/proc/"
+    "/sys/"
+    "/dev/"
+    "/etc/"
+    "/usr/"
+    "/boot/"
+    "/home/"
+    "/root/"
+  ];
+  dataDirProblem =
+    let
+      d = toString dataDir;
+      parts = builtins.filter (x: x != "") (lib.splitString "/" d);
+    in
+    if !(lib.hasPrefix "/" d) then
+      "is not an absolute path"
+    else if d != "/" && (lib.hasSuffix "/" d || lib.hasInfix "//" d || builtins.elem "." parts || builtins.elem ".." parts) then
+      "is not a plain path (no trailing '/', '//', '.' or '..')"
+    else if builtins.elem d sharedFolders then
+      "is a folder the whole system shares; mdclaw would own it (tmpfiles chowns it to mdclaw, mode 0750)"
+    else if lib.hasPrefix "/home/" d || lib.hasPrefix "/root/" d then
+      "is under a home folder: the unit hides /home and /root (ProtectHome) and the mdclaw user cannot enter a user's home"
+    else if lib.any (t: lib.hasPrefix t d) refusedTrees then
+      "is inside ${lib.findFirst (t: lib.hasPrefix t d) "" refusedTrees}, which is volatile or belongs to the system"
+    else
+      null;
+
   # Group mounts under /home or /root must stay visible to mdclaw, which checks them.
   mountRoots = map (r: r.path) (cfg.settings.mount_policy.allowed_roots or [ ]);
   needsHome = lib.any (p: lib.hasPrefix "/home" p || lib.hasPrefix "/root" p) mountRoots;
@@ -116,6 +185,104 @@ let
       "global"
       "errors"
     ];
+  claudeModels = lib.attrNames (lib.filterAttrs (_: m: m.backend == "claude") cfg.settings.models);
+  usesClaude = claudeModels != [ ];
+  imageBackends = if cfg.image == null then [ ] else cfg.image.mdclawBackends or [ "openai" "claude" ];
+
+  http = cfg.settings.channels.http;
+  httpEnabled = http != null && http.enabled != false;
+  httpListen = if http == null || http.listen == null then "127.0.0.1:3000" else http.listen;
+  httpMatch = builtins.match "(.*):([0-9]+)" httpListen;
+  httpHost = if httpMatch == null then "" else builtins.head httpMatch;
+  httpPort = if httpMatch == null then 0 else lib.toInt (lib.last httpMatch);
+  httpLoopback = builtins.elem httpHost [
+    "127.0.0.1"
+    "localhost"
+    "::1"
+    "[::1]"
+  ] || lib.hasPrefix "127." httpHost;
+  httpHasToken = http != null && (http.secret_file != null || http.generate_secret == true);
+
+  podmanCfg = config.virtualisation.podman;
+  dockerCfg = config.virtualisation.docker;
+
+  # The administrator's `mdclaw`: root gets the service's user, groups and credentials
+  # (a transient unit with the same LoadCredential=, so `sudo mdclaw doctor` reads the secrets
+  # as the service does); anyone else runs it as themselves (members of the `mdclaw` group can
+  # read data_dir: status, doctor, groups/tasks/outbox list, usage, tasks logs).
+  adminCli = pkgs.writeShellScriptBin "mdclaw" ''
+    export MDCLAW_CONFIG=${configPath}
+    case "''${1:-}" in
+      run)
+        echo "mdclaw: the daemon runs as mdclaw.service: systemctl start mdclaw (or restart, reload)" >&2
+        exit 2
+        ;;
+    esac
+    if [ "$(id -u)" = 0 ] && [ -z "''${MDCLAW_AS_ROOT:-}" ]; then
+      if [ -t 0 ] && [ -t 1 ]; then io=--pty; else io=--pipe; fi
+      exec ${config.systemd.package}/bin/systemd-run ${lib.concatStringsSep " " runAsService} -- ${exe} "$@"
+    fi
+    exec ${exe} "$@"
+  '';
+  runAsService = [
+    "--quiet"
+    "--collect"
+    "--wait"
+    "\"$io\""
+    "--service-type=exec"
+    "--uid=mdclaw"
+    "--gid=mdclaw"
+    "--property=SupplementaryGroups=${eng.group}"
+    "--property=UMask=0027"
+    "--working-directory=${dataDir}"
+    "--setenv=MDCLAW_CONFIG=${configPath}"
+  ]
+  ++ map (c: "--property=LoadCredential=${lib.escapeShellArg c}") credentialSpecs;
+  credentialSpecs = lib.mapAttrsToList (name: path: "${name}:${path}") cfg.credentials;
+
+  # Shared by the daemon and the image loader.
+  hardening = {
+    User = "mdclaw";
+    Group = "mdclaw";
+    SupplementaryGroups = [ eng.group ];
+    UMask = "0027";
+    # The engine resolves bind mounts in its own mount namespace, so data_dir (IPC and group
+    # folders) must be a real host path: no PrivateTmp, no temporary filesystems over it.
+    PrivateTmp = false;
+    ProtectSystem = "strict";
+    ProtectHome = if needsHome then "read-only" else true;
+    NoNewPrivileges = true;
+    PrivateDevices = true;
+    ProtectKernelTunables = true;
+    ProtectKernelModules = true;
+    ProtectKernelLogs = true;
+    ProtectControlGroups = true;
+    ProtectClock = true;
+    ProtectHostname = true;
+    ProtectProc = "invisible";
+    ProcSubset = "pid";
+    RestrictAddressFamilies = [
+      "AF_UNIX"
+      "AF_INET"
+      "AF_INET6"
+      "AF_NETLINK"
+    ];
+    RestrictNamespaces = true;
+    RestrictRealtime = true;
+    RestrictSUIDSGID = true;
+    LockPersonality = true;
+    RemoveIPC = true;
+    CapabilityBoundingSet = "";
+    AmbientCapabilities = "";
+    SystemCallArchitectures = "native";
+    SystemCallFilter = [
+      "@system-service"
+      "~@privileged"
+      "~@resources"
+    ];
+    SystemCallErrorNumber = "EPERM";
+  };
+
   groups = cfg.settings.groups;
   mainGroups = lib.attrNames (lib.filterAttrs (_: g: g.main == true) groups);
   modelNames = lib.attrNames cfg.settings.models;
@@ -142,14 +309,29 @@ in
 
     image = mkOption {
       type = types.nullOr types.package;
-      default = pkgs.mdclaw-agent-image or null;
-      defaultText = literalExpression "mdclaw.packages.\${system}.container-image";
+      default =
+        if usesClaude then pkgs.mdclaw-agent-image-claude or null else pkgs.mdclaw-agent-image or null;
+      defaultText = literalExpression "mdclaw.packages.\${system}.container-image (openai backend, free), or container-image-claude when a model uses the claude backend";
       description = ''
         The agent image (the flake's `container-image`, a docker-archive tarball), loaded
-        into the container engine with `mdclaw image load` before the daemon starts.
+        into the container engine with `mdclaw image load` by `mdclaw-image.service` before
+        the daemon starts (skipped when the engine already has that exact image). The
+        default is the free image (openai backend: local and OpenAI-compatible models), or
+        the Claude image when a model in `settings.models` uses `backend = "claude"`; that one
+        holds Anthropic's Claude Code CLI, which is unfree (see the manual).
         `settings.runtime.image` defaults to its name and tag, so an upgrade switches the
         agents to the new image. Null: manage the image yourself (`mdclaw image build`) and
         set `settings.runtime.image`.
+      '';
+    };
+
+    openFirewall = mkOption {
+      type = types.bool;
+      default = false;
+      description = ''
+        Open the local HTTP channel's port (`settings.channels.http.listen`) in the firewall.
+        Needs a listen address other than loopback, and a token (the module generates one by
+        default: `settings.channels.http.generate_secret`).
       '';
     };
 
@@ -160,9 +342,9 @@ in
       ];
       default = "podman";
       description = ''
-        The engine that runs the agent containers. `podman` enables Podman with its
-        Docker-compatible API socket (`virtualisation.podman.dockerSocket.enable`); `docker`
-        enables dockerd. Either way the `mdclaw` user joins the engine's socket group, which
+        The engine that runs the agent containers. `podman` enables Podman, and mdclaw talks
+        to its API socket at /run/podman/podman.sock (it needs no /run/docker.sock, so
+        dockerd may run beside it); `docker` enables dockerd. Either way the `mdclaw` user joins the engine's socket group, which
         is as good as root on this machine: agents are still confined by their containers.
       '';
     };
@@ -245,8 +427,50 @@ in
     };
   };
 
+  meta = {
+    # Nobody from nixpkgs' maintainer list yet: whoever upstreams the module adds themselves.
+    maintainers = [ ];
+    doc = ../docs/nixos.md;
+  };
+
   config = mkIf cfg.enable {
     assertions = [
+      {
+        assertion = dataDirProblem == null;
+        message = "services.mdclaw.settings.data_dir = \"${toString dataDir}\" ${
+          if dataDirProblem == null then "" else dataDirProblem
+        }. Give mdclaw a folder of its own, e.g. settings.data_dir = \"/var/lib/mdclaw\" (the default) or \"/srv/mdclaw\".";
+      }
+      {
+        assertion = !(cfg.containerEngine == "podman" && (podmanCfg.dockerSocket.enable or false) && (dockerCfg.enable or false));
+        message = "services.mdclaw.containerEngine = \"podman\": mdclaw talks to /run/podman/podman.sock and needs no /run/docker.sock, but virtualisation.podman.dockerSocket.enable makes Podman claim /run/docker.sock, which dockerd (virtualisation.docker.enable) owns. Turn virtualisation.podman.dockerSocket.enable off, or set services.mdclaw.containerEngine = \"docker\".";
+      }
+      {
+        assertion = !(cfg.containerEngine == "docker" && (podmanCfg.dockerSocket.enable or false));
+        message = "services.mdclaw.containerEngine = \"docker\" talks to dockerd at /run/docker.sock, which virtualisation.podman.dockerSocket.enable hands to Podman instead. Turn virtualisation.podman.dockerSocket.enable off, or set services.mdclaw.containerEngine = \"podman\".";
+      }
+      {
+        assertion = !(cfg.containerEngine == "docker" && (podmanCfg.dockerCompat or false));
+        message = "services.mdclaw.containerEngine = \"docker\" with virtualisation.podman.dockerCompat: the `docker` command would be Podman's. Turn virtualisation.podman.dockerCompat off, or set services.mdclaw.containerEngine = \"podman\".";
+      }
+      {
+        assertion = !(usesClaude && cfg.image != null && !builtins.elem "claude" imageBackends);
+        message = "services.mdclaw: settings.models.${lib.concatStringsSep ", " claudeModels} use backend \"claude\", but services.mdclaw.image holds only the ${lib.concatStringsSep ", " imageBackends} backend. Use the Claude image: services.mdclaw.image = mdclaw.packages.\${system}.container-image-claude (it holds claude-code, which is unfree).";
+      }
+      {
+        assertion = cfg.image == null || !builtins.elem "claude" imageBackends || (cfg.image.mdclawClaudeCodeAllowed or true);
+        message = "services.mdclaw.image is the Claude image from your nixpkgs (the overlay's mdclaw-agent-image-claude), which needs claude-code, an unfree package your nixpkgs does not allow. Accept its licence for that one package: nixpkgs.config.allowUnfreePredicate = pkg: builtins.elem (lib.getName pkg) [ \"claude-code\" ]; or use the flake's own mdclaw.packages.\${system}.container-image-claude.";
+      }
+      {
+        assertion = !cfg.openFirewall || (httpEnabled && httpPort != 0 && !httpLoopback);
+        message = "services.mdclaw.openFirewall opens the local HTTP channel's port, but settings.channels.http${
+          if httpEnabled then ".listen = \"${httpListen}\" listens on loopback only" else " is disabled"
+        }. Set settings.channels.http.listen = \"0.0.0.0:${toString (if httpPort == 0 then 3000 else httpPort)}\", or leave openFirewall off.";
+      }
+      {
+        assertion = !cfg.openFirewall || httpHasToken;
+        message = "services.mdclaw.openFirewall would let the network post to the local HTTP channel without a token: keep settings.channels.http.generate_secret = true (the default) or set settings.channels.http.secret_file.";
+      }
       {
         assertion = lib.all folderOk (lib.attrNames groups);
         message = "services.mdclaw.settings.groups: group names are folder names: 1-64 letters, digits, '_' or '-', starting with a letter or digit, not 'global' or 'errors' (got ${
@@ -289,6 +513,9 @@ in
 
     services.mdclaw.settings = {
       data_dir = mkDefault "/var/lib/mdclaw";
+      # No other local user may post to the loopback channel as the main group: a token is
+      # made on first start (data_dir/http-secret, 0600); `sudo mdclaw http-token` shows it.
+      channels.http.generate_secret = mkDefault true;
       runtime = {
         engine = mkDefault cfg.containerEngine;
         socket = mkDefault "unix://${eng.socket}";
@@ -296,11 +523,11 @@ in
       };
     };
 
-    virtualisation.podman = mkIf (cfg.containerEngine == "podman") {
-      enable = true;
-      dockerSocket.enable = mkDefault true;
-    };
+    # mdclaw uses Podman's own socket; /run/docker.sock is left to whoever wants it.
+    virtualisation.podman.enable = mkIf (cfg.containerEngine == "podman") true;
     virtualisation.docker.enable = mkIf (cfg.containerEngine == "docker") true;
+
+    networking.firewall.allowedTCPPorts = lib.optional (cfg.openFirewall && httpPort != 0) httpPort;
 
     users.users.mdclaw = {
       isSystemUser = true;
@@ -311,22 +538,45 @@ in
     users.groups.mdclaw = { };
 
     environment.etc."mdclaw/config.yaml".source = configFile;
-    # `mdclaw status`, `mdclaw reconcile --dry-run` ... for the administrator.
-    environment.systemPackages = [ cfg.package ];
+    # `sudo mdclaw <anything>` as the service; `mdclaw status` ... for the mdclaw group.
+    environment.systemPackages = [ adminCli ];
 
     systemd.tmpfiles.rules = lib.optional (!dataDirIsStateDir) "d '${dataDir}' 0750 mdclaw mdclaw - -";
+
+    systemd.services.mdclaw-image = mkIf (cfg.image != null) {
+      description = "Load mdclaw's agent image into the container engine";
+      requiredBy = [ "mdclaw.service" ];
+      before = [ "mdclaw.service" ];
+      requires = [ eng.unit ];
+      after = [ eng.unit ];
+      environment = {
+        MDCLAW_CONFIG = configPath;
+        TMPDIR = "/run/mdclaw-image";
+      };
+      serviceConfig = hardening // {
+        Type = "oneshot";
+        RemainAfterExit = true;
+        # Skipped in seconds when the engine has this exact image; a first load of a new
+        # image through the engine's API can take minutes on small machines.
+        ExecStart = "${exe} image load ${cfg.image}";
+        TimeoutStartSec = "15min";
+        RuntimeDirectory = "mdclaw-image";
+        RuntimeDirectoryMode = "0750";
+      };
+    };
 
     systemd.services.mdclaw = {
       description = "mdclaw AI assistant host";
       wantedBy = [ "multi-user.target" ];
       wants = [ "network-online.target" ];
-      requires = [ eng.unit ];
+      requires = [ eng.unit ] ++ lib.optional (cfg.image != null) "mdclaw-image.service";
       after = [
         "network-online.target"
         eng.unit
-      ];
+      ]
+      ++ lib.optional (cfg.image != null) "mdclaw-image.service";
       # Only the config changed: reload (SIGHUP re-reads and reconciles, keeps the old config
-      # running if the new one is bad). Package, image or unit changes restart.
+      # running if the new one is bad). Package or unit changes restart.
       reloadTriggers = [ configFile ];
       environment = {
         MDCLAW_CONFIG = configPath;
@@ -334,68 +584,27 @@ in
         # /tmp is read-only under ProtectSystem=strict (and must not be private, see below).
         TMPDIR = "/run/mdclaw";
       };
-      serviceConfig = {
+      serviceConfig = hardening // {
         Type = "notify";
         NotifyAccess = "main";
-        ExecStartPre = lib.optional (cfg.image != null) "${exe} image load ${cfg.image}";
         ExecStart = "${exe} run --config ${configPath}";
         ExecReload = "${pkgs.coreutils}/bin/kill -HUP $MAINPID";
         Restart = "on-failure";
         RestartSec = "5s";
         WatchdogSec = "${toString cfg.watchdogSec}s";
-        # Loading a large image on first start can take a while.
-        TimeoutStartSec = "10min";
+        # The image is loaded before (mdclaw-image.service); start to READY=1 measured at
+        # about 6 s on a busy 2-core machine (docs/performance.md): 90 s leaves room.
+        TimeoutStartSec = "90s";
         # SIGTERM drains for up to 30 s (closing conversations, stopping containers).
         TimeoutStopSec = "45s";
 
-        User = "mdclaw";
-        Group = "mdclaw";
-        SupplementaryGroups = [ eng.group ];
         StateDirectory = lib.optional dataDirIsStateDir stateDirName;
         StateDirectoryMode = "0750";
         RuntimeDirectory = "mdclaw";
         RuntimeDirectoryMode = "0750";
         ReadWritePaths = lib.optional (!dataDirIsStateDir) dataDir;
         WorkingDirectory = dataDir;
-        LoadCredential = lib.mapAttrsToList (name: path: "${name}:${path}") cfg.credentials;
-        UMask = "0027";
-
-        # Hardening. The engine resolves bind mounts in its own mount namespace, so data_dir
-        # (IPC and group folders) must be a real host path: no PrivateTmp, no temporary
-        # filesystems over it.
-        PrivateTmp = false;
-        ProtectSystem = "strict";
-        ProtectHome = if needsHome then "read-only" else true;
-        NoNewPrivileges = true;
-        PrivateDevices = true;
-        ProtectKernelTunables = true;
-        ProtectKernelModules = true;
-        ProtectKernelLogs = true;
-        ProtectControlGroups = true;
-        ProtectClock = true;
-        ProtectHostname = true;
-        ProtectProc = "invisible";
-        ProcSubset = "pid";
-        RestrictAddressFamilies = [
-          "AF_UNIX"
-          "AF_INET"
-          "AF_INET6"
-          "AF_NETLINK"
-        ];
-        RestrictNamespaces = true;
-        RestrictRealtime = true;
-        RestrictSUIDSGID = true;
-        LockPersonality = true;
-        RemoveIPC = true;
-        CapabilityBoundingSet = "";
-        AmbientCapabilities = "";
-        SystemCallArchitectures = "native";
-        SystemCallFilter = [
-          "@system-service"
-          "~@privileged"
-          "~@resources"
-        ];
-        SystemCallErrorNumber = "EPERM";
+        LoadCredential = credentialSpecs;
       };
     };
   };

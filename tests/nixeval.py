@@ -33,13 +33,17 @@ def nix_instantiate() -> str:
 
 
 def nixpkgs_lib() -> Path:
-    """The nixpkgs.lib checkout named by NIXPKGS_LIB; skips the test when it is unset.
+    """The nixpkgs.lib checkout named by NIXPKGS_LIB; skips the test when it is unset
+    (fails in CI, where .ci/run sets it).
 
     Set but unusable (no lib/default.nix, or nix-instantiate missing) is a failure, never a
     skip: whoever set it wants these tests to run.
     """
     value = os.environ.get("NIXPKGS_LIB")
     if not value:
+        if os.environ.get("CI") == "true":
+            pytest.fail("NIXPKGS_LIB is not set in CI: .ci/run takes it from "
+                        "../shared/nixpkgs-lib; the Nix evaluation tests must run, not skip")
         pytest.skip("NIXPKGS_LIB is not set (point it at a nix-community/nixpkgs.lib checkout)")
     path = Path(value)
     if not (path / "lib" / "default.nix").is_file():
@@ -66,19 +70,22 @@ def eval_json(file: Path, args: dict[str, str], lib: Path, timeout: float = 120,
                           env={**nix_env(lib), **(env or {})})
 
 
-def eval_module(lib: Path, tmp_path: Path, configuration: str) -> dict[str, Any]:
-    """Evaluate nixos-module/ with `configuration` (a NixOS module as Nix text); the result."""
-    r = eval_module_raw(lib, tmp_path, configuration)
+def eval_module(lib: Path, tmp_path: Path, configuration: str, *,
+                allow_claude_code: bool = False) -> dict[str, Any]:
+    """Evaluate nixos-module/ with `configuration` (a NixOS module as Nix text); the result.
+    `allow_claude_code`: the stub nixpkgs allows the unfree claude-code."""
+    r = eval_module_raw(lib, tmp_path, configuration, allow_claude_code=allow_claude_code)
     assert r.returncode == 0, f"evaluation failed:\n{r.stderr}"
     return json.loads(r.stdout)
 
 
-def eval_module_raw(lib: Path, tmp_path: Path,
-                    configuration: str) -> subprocess.CompletedProcess[str]:
+def eval_module_raw(lib: Path, tmp_path: Path, configuration: str, *,
+                    allow_claude_code: bool = False) -> subprocess.CompletedProcess[str]:
     case = tmp_path / "configuration.nix"
     case.write_text(configuration)
     return eval_json(NIX_DIR / "eval-module.nix",
-                     {"nixpkgsLib": str(lib), "configuration": str(case)}, lib)
+                     {"nixpkgsLib": str(lib), "configuration": str(case),
+                      "allowClaudeCode": "true" if allow_claude_code else "false"}, lib)
 
 
 def nix_files() -> list[Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -32,13 +33,15 @@ def test_outputs_for_both_systems(flake: dict) -> None:
     assert flake["nixpkgsUrl"].startswith("github:NixOS/nixpkgs/nixos-")
     for kind in ("packages", "apps", "devShells", "formatter", "checks"):
         assert flake["systems"][kind] == SYSTEMS, kind
-    assert set(flake["packages"]) == {"default", "mdclaw", "container-image"}
+    assert set(flake["packages"]) == {"default", "mdclaw", "container-image",
+                                      "container-image-claude"}
     assert flake["defaultIsMdclaw"]
     assert set(flake["checks"]) == {"mdclaw", "container-image", "nixos"}
     assert {"overlays", "nixosModules", "lib"} <= set(flake["outputs"])
     assert flake["app"]["type"] == "app" and flake["app"]["program"].endswith("/bin/mdclaw")
     assert flake["formatter"].startswith("nixfmt")
-    assert set(flake["overlayAttrs"]) == {"mdclaw", "mdclaw-agent-runner", "mdclaw-agent-image"}
+    assert set(flake["overlayAttrs"]) == {"mdclaw", "mdclaw-agent-runner", "mdclaw-agent-image",
+                                          "mdclaw-agent-image-claude"}
 
 
 def test_package_is_the_pyproject(flake: dict) -> None:
@@ -94,11 +97,43 @@ def test_image_holds_the_shared_requirement_list(flake: dict) -> None:
     expected = [_name(line.split("#")[0]) for line in shared.read_text().splitlines()
                 if line.split("#")[0].strip() and not line.strip().startswith("-")]
     assert reqs == expected and reqs
-    python = flake["image"]["python"]
+    claude_only = flake["lib"]["claudeRequirements"]
+    assert claude_only == ["claude-agent-sdk"]  # the lines tagged "optional: claude"
+    python = flake["claudeImage"]["python"]
     assert python[0].startswith("python3.12-mdclaw-agent-")
     assert python[1:] == [f"python3.12-{n}" for n in reqs if n != "mdclaw-agent"]
-    if "claude-agent-sdk" in reqs:  # the SDK drives the Claude Code CLI
-        assert any(c.startswith("claude-code") for c in flake["image"]["contents"])
+    # the SDK drives the Claude Code CLI
+    assert any(c.startswith("claude-code") for c in flake["claudeImage"]["contents"])
+    free = flake["image"]["python"]
+    assert free[1:] == [f"python3.12-{n}" for n in reqs
+                        if n != "mdclaw-agent" and n not in claude_only]
+
+
+def test_default_image_is_free_and_the_claude_image_its_own_output(flake: dict) -> None:
+    """`nix build .#container-image` needs no unfree licence: nothing in it is unfree (the
+    stub nixpkgs refuses claude-code's store path unless its config allows it, as nixpkgs
+    does). The Claude image is built from a nixpkgs that allows claude-code only."""
+    free, claude = flake["image"], flake["claudeImage"]
+    assert free["builds"] is True and claude["builds"] is True
+    assert not any("claude" in p for p in free["contents"] + free["python"])
+    assert free["backends"] == ["openai"] and free["config"]["Labels"]["mdclaw.backends"] == \
+        "openai"
+    assert claude["backends"] == ["openai", "claude"]
+    assert claude["config"]["Labels"]["mdclaw.backends"] == "openai,claude"
+    assert claude["claudeCodeAllowed"] is True
+    # the overlay in a nixpkgs that allows nothing unfree: the free image builds; the Claude
+    # image cannot, and says so (the module's assertion names allowUnfreePredicate)
+    assert flake["overlayFreeBuilds"] is True
+    assert flake["overlayClaudeBuilds"] is False
+    assert flake["overlayClaudeAllowed"] is False
+    # the flake check builds the free image only
+    assert "container-image-claude" not in flake["checks"]
+
+
+def test_flake_module_picks_the_image_by_backend(flake: dict) -> None:
+    mod = flake["nixosModule"]
+    assert mod["imageBackends"] == ["openai"]
+    assert mod["claudeImageBackends"] == ["openai", "claude"]
 
 
 def test_requirement_parsing(flake: dict) -> None:
@@ -164,8 +199,9 @@ def test_image_without_an_optional_backend_still_evaluates() -> None:
     r = eval_json(NIX_DIR / "eval-flake.nix", {"nixpkgsLib": str(lib)}, lib,
                   env={"FAKE_NIXPKGS_WITHOUT": "claude-agent-sdk"})
     assert r.returncode == 0, r.stderr
-    image = json.loads(r.stdout)["image"]
-    assert not any("claude" in p for p in image["python"] + image["contents"])
+    image = json.loads(r.stdout)["claudeImage"]
+    assert not any("claude" in p for p in image["python"])
+    assert image["backends"] == ["openai"]
     if "claude-agent-sdk" in json.loads(r.stdout)["lib"]["imageRequirements"]:
         assert "built without it" in r.stderr
 
@@ -176,3 +212,34 @@ def test_a_requirement_nixpkgs_lacks_fails_evaluation() -> None:
                   env={"FAKE_NIXPKGS_WITHOUT": "croniter"})
     assert r.returncode != 0
     assert "no nixpkgs python package 'croniter'" in r.stderr
+
+
+REV = re.compile(r"^[0-9a-f]{40}$")
+
+
+def nixpkgs_pin(url: str) -> str | None:
+    """The exact nixpkgs revision the flake builds with: from the input URL, else from a
+    committed flake.lock whose nixpkgs entry follows the same branch; None when neither."""
+    tail = url.rsplit("/", 1)[-1]
+    if REV.match(tail):
+        return tail
+    lock = REPO / "flake.lock"
+    if not lock.is_file():
+        return None
+    node = json.loads(lock.read_text())["nodes"]["nixpkgs"]
+    assert node["original"].get("ref") == tail, "flake.lock follows another branch"
+    rev = node["locked"]["rev"]
+    assert REV.match(rev) and node["locked"].get("narHash", "").startswith("sha256-")
+    return rev
+
+
+def test_nixpkgs_branch(flake: dict) -> None:
+    assert flake["nixpkgsUrl"] in ("github:NixOS/nixpkgs/nixos-26.05",) or \
+        REV.match(flake["nixpkgsUrl"].rsplit("/", 1)[-1])
+
+
+@pytest.mark.xfail(strict=True, reason="no nixos-26.05 revision could be fetched or verified "
+                   "where this was written (no network): run `nix flake lock` and commit "
+                   "flake.lock (docs/nixos.md, Pinning nixpkgs), then drop this marker")
+def test_nixpkgs_is_pinned(flake: dict) -> None:
+    assert nixpkgs_pin(flake["nixpkgsUrl"]) is not None

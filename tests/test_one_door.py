@@ -26,7 +26,8 @@ DOOR = "mdclaw/agentfs.py"
 
 # Modules that touch only the host's own files, and why that is not a container's tree.
 HOST_ONLY: dict[str, str] = {
-    "mdclaw/config.py": "reads config.yaml and the secret files it names",
+    "mdclaw/config.py": "reads config.yaml and the secret files it names; writes the "
+                        "generated HTTP token in data_dir",
     "mdclaw/state/db.py": "the state database file and its folder",
     "mdclaw/daemon.py": "the daemon's status file in data_dir",
     "mdclaw/commands/daemon.py": "the CLI reads the status file and the database path",

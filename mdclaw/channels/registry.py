@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.telegram import TelegramChannel
-from mdclaw.config import Config
+from mdclaw.config import Config, ensure_http_secret
 from mdclaw.state import Database
 
 log = logging.getLogger("mdclaw.channels")
@@ -24,6 +24,13 @@ def build_channels(cfg: Config, db: Database,
     channels: list[Channel] = []
     http = cfg.channels.http
     if http is not None and http.enabled:
+        if http.secret_file is None and http.generate_secret:
+            try:
+                http = http.model_copy(update={"secret_file": ensure_http_secret(cfg)})
+            except OSError as e:
+                raise ChannelError(f"cannot generate the local HTTP channel's token in "
+                                   f"{cfg.data_dir} (channels.http.generate_secret): "
+                                   f"{e.strerror or e}") from None
         channels.append(HttpChannel.from_config(
             http, db, assistant_name=cfg.assistant.name, on_inbound=on_inbound,
             max_upload_bytes=cfg.media.limit,

@@ -14,7 +14,7 @@ from typing import Any
 
 from mdclaw.commands.common import fail, load_or_exit
 from mdclaw.commands.output import print_json
-from mdclaw.config import Config, read_secret
+from mdclaw.config import Config, http_secret_path, read_secret
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("text", nargs="+", help="the message")
     p.set_defaults(func=cmd_send)
+    p = sub.add_parser("http-token", parents=[common],
+                       help="print the local HTTP channel's token (to paste into the chat page)")
+    p.set_defaults(func=cmd_http_token)
 
 
 def _group_jid(cfg: Config, folder: str) -> str:
@@ -96,18 +99,44 @@ def _request(url: str, token: str | None, listen: str, data: bytes | None = None
              f"(channels.http.listen; {why}); start it with `mdclaw run`")
 
 
+def _token(cfg: Config) -> str | None:
+    """The local HTTP channel's token (secret_file, or the generated one), or None."""
+    path = http_secret_path(cfg)
+    if path is None:
+        return None
+    key = ("channels.http.secret_file" if cfg.channels.http and cfg.channels.http.secret_file
+           else "the generated token (channels.http.generate_secret)")
+    try:
+        return read_secret(path)
+    except FileNotFoundError:
+        fail(f"{key} {path} does not exist yet: the daemon writes it when it first starts")
+    except PermissionError:
+        fail(f"cannot read {key} {path}: only the service's user can; run the command as "
+             "root (`sudo mdclaw ...`)")
+    except OSError as e:
+        fail(f"cannot read {key} {path}: {e.strerror or e}")
+
+
+def cmd_http_token(args: argparse.Namespace) -> int:
+    cfg = load_or_exit(args)
+    http = cfg.channels.http
+    if http is None or not http.enabled:
+        fail("the local HTTP channel is disabled (channels.http)")
+    token = _token(cfg)
+    if token is None:
+        fail("the local HTTP channel has no token: set channels.http.secret_file or "
+             "channels.http.generate_secret")
+    print(token)
+    return 0
+
+
 def cmd_send(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
     http = cfg.channels.http
     if http is None or not http.enabled:
         fail("the local HTTP channel is disabled (channels.http); `mdclaw send` needs it")
     jid = _group_jid(cfg, args.group)
-    token = None
-    if http.secret_file is not None:
-        try:
-            token = read_secret(http.secret_file)
-        except OSError as e:
-            fail(f"cannot read channels.http.secret_file {http.secret_file}: {e.strerror}")
+    token = _token(cfg)
     base = _base_url(http.listen)
     sender = args.sender or getpass.getuser()
     body = json.dumps({"text": " ".join(args.text), "jid": jid, "sender": sender,

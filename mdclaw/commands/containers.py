@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from mdclaw import mounts
@@ -45,10 +48,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                         help="load an image tarball (e.g. the output of nix build "
                              ".#container-image)")
     p.add_argument("tarball", type=Path)
+    p.add_argument("--force", action="store_true",
+                   help="load even when the engine already has the tarball's tags on the "
+                        "same image")
     p.set_defaults(func=cmd_image_load)
     p = isub.add_parser("status", parents=[common],
                         help="is the engine reachable and the configured image present?")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--tarball", type=Path, default=None,
+                   help="also say whether this image tarball is already loaded (so that "
+                        "`mdclaw image load` skips it)")
     p.set_defaults(func=cmd_image_status)
 
     c = sub.add_parser("containers", help="agent containers")
@@ -108,11 +117,67 @@ def image_backends(context: Path, build_args: dict[str, str]) -> str:
     return "openai,claude" if claude else "openai"
 
 
+@dataclass(frozen=True)
+class ArchiveImage:
+    """What a docker-archive tarball holds, from its manifest.json: the image's tags and
+    ID (the digest of its config, which is the image ID Docker and Podman give it)."""
+
+    refs: tuple[str, ...]
+    image_id: str | None
+
+
+def read_archive(tarball: Path) -> ArchiveImage:
+    """The tags and image ID of a (maybe compressed) docker-archive tarball, read without
+    the engine; empty when the tarball has no single-image manifest.json (an OCI archive:
+    then it is always loaded). Streams through the file once, holding one entry at a time.
+    """
+    try:
+        with tarfile.open(tarball, "r|*") as tar:
+            for member in tar:
+                if member.name.lstrip("./") != "manifest.json" or not member.isfile():
+                    continue
+                f = tar.extractfile(member)
+                manifest = json.loads(f.read(1_000_000)) if f is not None else None
+                if not isinstance(manifest, list) or len(manifest) != 1:
+                    break
+                entry = manifest[0]
+                refs = tuple(str(r) for r in entry.get("RepoTags") or ())
+                config = str(entry.get("Config") or "")
+                digest = config.rsplit("/", 1)[-1].removesuffix(".json")
+                if digest.startswith("sha256:"):
+                    digest = digest[len("sha256:"):]
+                ok = len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+                return ArchiveImage(refs, f"sha256:{digest}" if ok else None)
+    except (OSError, tarfile.TarError, ValueError, EOFError) as e:
+        fail(f"cannot read the image tarball {tarball}: {e}")
+    return ArchiveImage((), None)
+
+
+def already_loaded(rt: ContainerRuntime, archive: ArchiveImage) -> str | None:
+    """The engine's image ID when it already has every tag of the archive, each on exactly
+    the archive's image (same ID); else None (the tarball must be loaded)."""
+    if not archive.refs or archive.image_id is None:
+        return None
+    for ref in archive.refs:
+        info = rt.image_info(ref)
+        if info is None or info.id.removeprefix("sha256:") != \
+                archive.image_id.removeprefix("sha256:"):
+            return None
+    return archive.image_id
+
+
 def cmd_image_load(args: argparse.Namespace) -> int:
     rt, cfg = _runtime(args)
     if not args.tarball.is_file():
         fail(f"no image tarball at {args.tarball}")
     try:
+        if not args.force:
+            archive = read_archive(args.tarball)
+            present = already_loaded(rt, archive)
+            if present is not None:
+                print(f"{', '.join(archive.refs)} is already in the engine as {present[:19]}: "
+                      "not loaded again (--force loads it anyway)")
+                return 0
         refs = rt.load_image(args.tarball, progress=_progress)
     except EngineUnavailable as e:
         fail(f"container engine unreachable at {rt.description}: {e}")
@@ -142,6 +207,12 @@ def cmd_image_status(args: argparse.Namespace) -> int:
                        backends=",".join(info.backends) if info.backends is not None
                        else "unknown (no mdclaw.backends label)")
             code = 0
+        if args.tarball is not None:
+            archive = read_archive(args.tarball)
+            out["tarball"] = str(args.tarball)
+            out["tarball_refs"] = list(archive.refs)
+            out["tarball_image_id"] = archive.image_id
+            out["tarball_loaded"] = already_loaded(rt, archive) is not None
     except EngineUnavailable as e:
         out["error"] = str(e)
     if args.json:
@@ -156,6 +227,14 @@ def cmd_image_status(args: argparse.Namespace) -> int:
                   f"backends: {out['backends']})")
         else:
             print(f"image: {image} missing; run `mdclaw image build` or `mdclaw image load`")
+        if "tarball" in out:
+            refs = ", ".join(archive.refs) or "(no tags)"
+            if out["tarball_loaded"]:
+                print(f"tarball: {args.tarball} holds {refs}, already loaded "
+                      f"({str(out['tarball_image_id'])[:19]}): `mdclaw image load` skips it")
+            else:
+                print(f"tarball: {args.tarball} holds {refs}, not loaded yet: "
+                      "`mdclaw image load` uploads it")
     return code
 
 

@@ -21,6 +21,7 @@ from mdclaw.config import (
     key_lines,
     load_config,
     secret_checks_skipped,
+    service_credential_secrets,
     sorted_issues,
 )
 from mdclaw.reconcile import ReconcileError, reconcile
@@ -206,4 +207,10 @@ def cmd_groups_list(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from mdclaw.daemon import run_daemon
 
-    return run_daemon(load_or_exit(args), config_path=args.config)
+    cfg = load_or_exit(args)
+    unreadable = service_credential_secrets(cfg)
+    if unreadable:
+        fail("cannot run here: " + ", ".join(f"{k} ({p})" for k, p in unreadable)
+             + " is set in the service's credentials, which exist only inside the mdclaw "
+             "service: start it with `systemctl start mdclaw`")
+    return run_daemon(cfg, config_path=args.config)

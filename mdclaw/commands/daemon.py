@@ -13,7 +13,15 @@ from typing import Any
 
 from mdclaw.commands.common import load_or_exit
 from mdclaw.commands.output import print_json
-from mdclaw.config import Config, ConfigError, iter_secret_files, load_config, read_secret
+from mdclaw.config import (
+    Config,
+    ConfigError,
+    ServiceCredential,
+    in_service_credentials,
+    iter_secret_files,
+    load_config,
+    read_secret,
+)
 from mdclaw.schedule import from_iso, get_zone, to_iso, utc_now
 from mdclaw.senders import jid_is_group_chat, main_group_warning
 
@@ -281,6 +289,10 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                 _check(results, key, "ok", f"{path} is readable")
             else:
                 _check(results, key, "fail", f"{path} is empty", f"write the secret into {path}")
+        except ServiceCredential:
+            _check(results, key, "warn", f"{path}: set in the service's credentials "
+                   "(readable only inside the mdclaw service)",
+                   "run `sudo mdclaw doctor` to check it as the service does")
         except OSError as e:
             _check(results, key, "fail", f"{path}: {e.strerror or e}",
                    f"make {path} readable by this user (and by no one else)")
@@ -457,6 +469,10 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
     async def one(key: str) -> None:
         up = Upstream.from_spec(cfg.models[key])
         name = f"model {key}"
+        if up.api_key_file is not None and in_service_credentials(up.api_key_file):
+            _check(results, name, "warn", "not asked: its key is set in the service's "
+                   "credentials", "run `sudo mdclaw doctor` to ask it with the service's key")
+            return
         status, detail = await probe_upstream(up)
         where = f"{server_name(up.base_url)} ({up.base_url})"
         if status is None:

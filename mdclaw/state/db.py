@@ -199,10 +199,29 @@ class DatabaseInfo:
 
 
 def connect_readonly(path: Path, timeout: float = PROBE_TIMEOUT) -> sqlite3.Connection:
-    """A read-only connection to an existing database file (never creates one)."""
+    """A read-only connection to an existing database file (never creates one).
+
+    A reader that may not write the database's folder (a member of the service's group
+    reading a 0750 data_dir) cannot create the WAL index (`state.db-shm`) a WAL database
+    needs. That file exists whenever a connection has the database open (the running daemon
+    keeps one), so its absence means no writer is there: the file is read as it stands
+    (`immutable=1`). With the daemon running, the ordinary read-only open works.
+    """
     uri = path.absolute().as_uri() + "?mode=ro"
-    return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=timeout,
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=timeout,
                            check_same_thread=False)
+    try:
+        conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as e:
+        code = getattr(e, "sqlite_errorcode", 0) or 0
+        shm = path.with_name(path.name + "-shm")
+        if code & 0xFF != sqlite3.SQLITE_READONLY or shm.exists() or \
+                os.access(path.parent, os.W_OK):
+            return conn  # the caller's first query reports it
+        conn.close()
+        conn = sqlite3.connect(uri + "&immutable=1", uri=True, isolation_level=None,
+                               timeout=timeout, check_same_thread=False)
+    return conn
 
 
 @functools.cache

@@ -25,9 +25,30 @@ let
 
   mdclaw = outputs.packages.${sys}.mdclaw;
   image = outputs.packages.${sys}.container-image;
-  module = outputs.nixosModules.default {
-    inherit lib pkgs;
-    config = { };
+  claudeImage = outputs.packages.${sys}.container-image-claude;
+  moduleWith =
+    models:
+    outputs.nixosModules.default {
+      inherit lib pkgs;
+      config.services.mdclaw.settings.models = models;
+    };
+  module = moduleWith { };
+  # What a build of the image needs: every store path in it (throws on a refused unfree one).
+  buildInputsOf = img: map (d: d.outPath) (img.args.contents ++ (builtins.head img.args.contents).packages);
+  describeImage = img: {
+    inherit (img) name imageName imageTag;
+    inherit (img.args)
+      created
+      config
+      extraCommands
+      fakeRootCommands
+      ;
+    tag = img.args.tag or null;
+    contents = names img.args.contents;
+    python = names (builtins.head img.args.contents).packages;
+    backends = img.mdclawBackends;
+    claudeCodeAllowed = img.mdclawClaudeCodeAllowed;
+    builds = builtins.deepSeq (buildInputsOf img) true;
   };
 in
 {
@@ -68,20 +89,17 @@ in
     inherit (withOverlay.mdclaw-agent-runner.args) pname pyproject;
     dependencies = names withOverlay.mdclaw-agent-runner.args.dependencies;
   };
-  image = {
-    inherit (image) name imageName imageTag;
-    inherit (image.args)
-      created
-      config
-      extraCommands
-      fakeRootCommands
-      ;
-    tag = image.args.tag or null;
-    contents = names image.args.contents;
-    python = names (builtins.head image.args.contents).packages;
-  };
+  image = describeImage image;
+  claudeImage = describeImage claudeImage;
+  # The overlay in a nixpkgs that does not allow claude-code: the free image builds, the
+  # Claude image says (for the module's assertion) that it cannot.
+  overlayClaudeAllowed = withOverlay.mdclaw-agent-image-claude.mdclawClaudeCodeAllowed;
+  overlayFreeBuilds = builtins.deepSeq (buildInputsOf withOverlay.mdclaw-agent-image) true;
+  overlayClaudeBuilds =
+    (builtins.tryEval (builtins.deepSeq (buildInputsOf withOverlay.mdclaw-agent-image-claude) true))
+    .success;
   lib = {
-    inherit (outputs.lib) imageRequirements hostRequirements;
+    inherit (outputs.lib) imageRequirements hostRequirements claudeRequirements;
     parsed = outputs.lib.parseRequirements ''
       # the agent image
       inotify_simple>=1.3  # wake-ups
@@ -100,5 +118,12 @@ in
     package = module.services.mdclaw.package.content.name;
     packagePriority = module.services.mdclaw.package.priority;
     image = module.services.mdclaw.image.content.name;
+    imageBackends = module.services.mdclaw.image.content.mdclawBackends;
+    claudeImageBackends =
+      (moduleWith {
+        c = {
+          backend = "claude";
+        };
+      }).services.mdclaw.image.content.mdclawBackends;
   };
 }

@@ -79,7 +79,22 @@ let
     tzdata = drv "tzdata-2025b" { };
     bashInteractive = drv "bash-interactive-5.2" { };
     coreutils = drv "coreutils-9.5" { };
-    claude-code = drv "claude-code-2.0.0" { };
+    # Unfree, as in nixpkgs: evaluating its outPath (any build that holds it) fails unless the
+    # config allows it, with nixpkgs' own words. Its name stays readable (for predicates).
+    claude-code =
+      let
+        allowed = (config.allowUnfree or false) || (config.allowUnfreePredicate or (_: false)) {
+          name = "claude-code-2.0.0";
+          pname = "claude-code";
+        };
+      in
+      drv "claude-code-2.0.0" {
+        pname = "claude-code";
+        meta.license.free = false;
+      }
+      // lib.optionalAttrs (!allowed) {
+        outPath = throw "Package ‘claude-code-2.0.0’ has an unfree license (‘unfree’), refusing to evaluate.";
+      };
     nixfmt = drv "nixfmt-1.0.0" { };
     podman = drv "podman-5.4.0" { };
     gnumake = drv "gnumake-4.4.1" { };
