@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,lint,claude]'
+	$(PY) -m pip install --quiet -e '.[test,lint,claude,whatsapp]'
 	touch $@
 
 run: $(VENV)/.installed

@@ -31,11 +31,13 @@ let
     "hypothesis"
     "inotify-simple"
     "jsonschema"
+    "markdown-it-py"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"
     "pyyaml"
     "sdnotify"
+    "segno"
     "setuptools"
     "tzdata"
   ];
