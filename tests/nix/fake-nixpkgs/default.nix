@@ -32,6 +32,7 @@ let
     "inotify-simple"
     "jsonschema"
     "markdown-it-py"
+    "nh3"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"
