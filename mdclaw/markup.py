@@ -700,7 +700,7 @@ def to_html(markdown: str) -> str:
     return nh3.clean(raw, tags=set(HTML_TAGS),
                      attributes={k: set(v) for k, v in HTML_ATTRIBUTES.items()},
                      url_schemes=set(URL_SCHEMES), link_rel="noopener noreferrer",
-                     set_tag_attribute_values={"a": {"target": "_blank"}})
+                     set_tag_attribute_values={"a": {"target": "_blank"}}).strip()
 
 
 __all__ = ["parse", "split_message", "split_telegram", "to_html", "to_telegram",
