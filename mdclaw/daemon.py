@@ -131,7 +131,7 @@ class Daemon:
         from mdclaw.integrations import load_all
         from mdclaw.ipc.watcher import IpcWatcher
         from mdclaw.orchestrator import Orchestrator
-        from mdclaw.outbox import OutboxWorker, RetryPolicy, spool_cleaner
+        from mdclaw.outbox import OutboxWorker, RetryPolicy, service_replier, spool_cleaner
         from mdclaw.paths import Layout
         from mdclaw.proxy import CredentialProxy
         from mdclaw.runner import ContainerRunner
@@ -171,6 +171,9 @@ class Daemon:
         self.notifier.add_probe("scheduler", self._scheduler_progress)
         # Channels and delivery.
         self.channels = build_channels(cfg, db, on_inbound=self.orch.on_inbound)
+        # A channel's own answers (/chatid) go through the outbox like any reply.
+        for ch in self.channels:
+            ch.on_service_reply(service_replier(db, self.outbox.wake))
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
         self._mount_operator()

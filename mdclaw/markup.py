@@ -14,13 +14,25 @@ fenced block's language name.
 
 `split_message` cuts a rendered text into pieces of a service's length, never inside a
 ``` block without closing it and opening it again in the next piece.
+
+`to_telegram` walks the same tree into plain text plus Telegram `MessageEntity` dicts (offsets
+and lengths in UTF-16 code units, as the Bot API counts); nothing in it can fail to parse on
+Telegram's side. `split_telegram` cuts that at 4096 units, at a paragraph, line or word break
+no entity crosses; a code block too long for one message becomes several `pre` entities.
+
+`to_html` is the web chat's rendering: markdown-it-py with raw HTML off (written HTML shows as
+text), then an nh3 allow-list (tags, attributes, and only http, https and mailto links, which
+open in a new tab with `rel="noopener noreferrer"`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import html as _html
+from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Any
 
+import nh3
 from markdown_it import MarkdownIt
 from markdown_it.tree import SyntaxTreeNode
 
@@ -290,4 +302,406 @@ def split_message(text: str, limit: int, *, measure: Callable[[str], int] = len,
     return pieces or [text]
 
 
-__all__ = ["parse", "split_message", "to_whatsapp"]
+# ---------------------------------------------------------------------- Telegram
+
+TELEGRAM_LIMIT = 4096
+TG_BULLET = "• "
+#: A table at most this wide (characters) is shown as a monospace block; a wider one as
+#: "header: cell" lines, one group per row (what reads on a phone).
+TABLE_PRE_WIDTH = 40
+_CODE_TYPES = frozenset({"code", "pre"})
+_LINK_SCHEMES = ("http://", "https://")
+
+
+def utf16_len(text: str) -> int:
+    """Length in UTF-16 code units (Telegram's unit for lengths and entity offsets)."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+def _unit_index(text: str) -> list[int]:
+    """u[i] = UTF-16 units before code point i of `text` (len(text) + 1 entries)."""
+    out = [0] * (len(text) + 1)
+    n = 0
+    for i, ch in enumerate(text):
+        out[i] = n
+        n += 2 if ord(ch) > 0xFFFF else 1
+    out[len(text)] = n
+    return out
+
+
+class _Out:
+    """Plain text being built, with the entities over it (offsets in UTF-16 units)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.pos = 0
+        self.entities: list[dict[str, Any]] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, s: str) -> None:
+        if s:
+            self.parts.append(s)
+            self.pos += utf16_len(s)
+
+    def mark(self, type_: str, start: int, **extra: Any) -> None:
+        """An entity of `type_` from unit `start` to the current end (dropped when empty)."""
+        if self.pos > start:
+            self.entities.append({"type": type_, "offset": start, "length": self.pos - start,
+                                  **extra})
+
+    def extend(self, other: _Out) -> None:
+        base = self.pos
+        self.add(other.text)
+        self.entities.extend({**e, "offset": e["offset"] + base} for e in other.entities)
+
+    def indented(self, pad: str) -> _Out:
+        """A copy with `pad` after every line break that starts a non-empty line (entities
+        moved; a pad inserted where an entity starts goes before it, where one ends after
+        it)."""
+        text = self.text
+        u = _unit_index(text)
+        inserts = [u[i + 1] for i, ch in enumerate(text)
+                   if ch == "\n" and i + 1 < len(text) and text[i + 1] != "\n"]
+        out = _Out()
+        lines = text.split("\n")
+        out.add(lines[0] + "".join(f"\n{pad}{line}" if line else "\n" for line in lines[1:]))
+        p = utf16_len(pad)
+        for e in self.entities:
+            s, end = e["offset"], e["offset"] + e["length"]
+            ns = s + p * sum(1 for q in inserts if q <= s)
+            ne = end + p * sum(1 for q in inserts if q < end)
+            out.entities.append({**e, "offset": ns, "length": ne - ns})
+        return out
+
+
+def _language(info: str) -> str | None:
+    word = (info or "").strip().split(maxsplit=1)
+    lang = word[0] if word else ""
+    return lang if lang and len(lang) <= 32 and lang.replace("-", "").replace(
+        "+", "").replace("#", "").replace("_", "").isalnum() else None
+
+
+class _Telegram:
+    """Renders a tree as Telegram plain text plus message entities."""
+
+    def __init__(self) -> None:
+        self.quote_depth = 0
+
+    # ------------------------------------------------------------------ blocks
+    def blocks(self, nodes: list[SyntaxTreeNode], tight: bool = False) -> _Out:
+        out = _Out()
+        for n in nodes:
+            b = self.block(n)
+            if not b.text:
+                continue
+            if out.pos:
+                out.add("\n" if tight else "\n\n")
+            out.extend(b)
+        return out
+
+    def block(self, node: SyntaxTreeNode) -> _Out:
+        t = node.type
+        if t == "paragraph":
+            return self.inline_of(node)
+        if t == "heading":
+            out = self.inline_of(node)
+            out.mark("bold", 0)
+            return out
+        if t in ("bullet_list", "ordered_list"):
+            return self.list_(node)
+        if t == "blockquote":
+            self.quote_depth += 1
+            try:
+                out = self.blocks(node.children)
+            finally:
+                self.quote_depth -= 1
+            if self.quote_depth == 0:  # Telegram does not nest quotes
+                out.mark("blockquote", 0)
+            return out
+        if t in ("fence", "code_block"):
+            out = _Out()
+            out.add(node.content.rstrip("\n"))
+            lang = _language(node.info) if t == "fence" else None
+            out.mark("pre", 0, **({"language": lang} if lang else {}))
+            return out
+        if t == "hr":
+            out = _Out()
+            out.add(RULE)
+            return out
+        if t == "html_block":
+            out = _Out()
+            out.add(node.content.rstrip("\n"))
+            return out
+        if t == "table":
+            return self.table(node)
+        if t == "inline":
+            return self.inline(node.children)
+        if node.children:
+            return self.blocks(node.children)
+        out = _Out()
+        out.add(node.content)
+        return out
+
+    def list_(self, node: SyntaxTreeNode) -> _Out:
+        ordered = node.type == "ordered_list"
+        start = int(node.attrs.get("start", 1) or 1) if ordered else 1
+        tight = all(c.hidden for item in node.children for c in item.children
+                    if c.type == "paragraph")
+        out = _Out()
+        for i, item in enumerate(node.children):
+            marker = f"{start + i}. " if ordered else TG_BULLET
+            body = self.blocks(item.children, tight=tight).indented(" " * len(marker))
+            if out.pos:
+                out.add("\n" if tight else "\n\n")
+            out.add(marker)
+            out.extend(body)
+        return out
+
+    def table(self, node: SyntaxTreeNode) -> _Out:
+        head: list[_Out] = []
+        rows: list[list[_Out]] = []
+        for section in node.children:
+            for tr in section.children:
+                cells = [self.inline_of(cell) for cell in tr.children]
+                if section.type == "thead":
+                    head = cells
+                else:
+                    rows.append(cells)
+        plain = [[c.text.replace("\n", " ") for c in r] for r in ([head] if head else []) + rows]
+        ncols = max((len(r) for r in plain), default=0)
+        widths = [max((len(r[i]) for r in plain if i < len(r)), default=0) for i in range(ncols)]
+        out = _Out()
+        if sum(widths) + 3 * max(ncols - 1, 0) <= TABLE_PRE_WIDTH:
+            lines = [" | ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip()
+                     for r in plain]
+            if head:
+                lines.insert(1, "-+-".join("-" * w for w in widths))
+            out.add("\n".join(lines))
+            out.mark("pre", 0)
+            return out
+        # Too wide for a phone: each row as "header: cell" lines.
+        for r in rows:
+            if out.pos:
+                out.add("\n\n")
+            for i, cell in enumerate(r):
+                if i:
+                    out.add("\n")
+                if i < len(head) and head[i].text:
+                    s = out.pos
+                    out.extend(head[i])
+                    out.mark("bold", s)
+                    out.add(": ")
+                out.extend(cell)
+        if not rows and head:
+            s = out.pos
+            out.add(" | ".join(h.text for h in head))
+            out.mark("bold", s)
+        return out
+
+    # ------------------------------------------------------------------ inline
+    def inline_of(self, node: SyntaxTreeNode) -> _Out:
+        out = _Out()
+        for c in node.children:
+            out.extend(self.inline(c.children) if c.type == "inline" else self.block(c))
+        return out
+
+    def inline(self, nodes: list[SyntaxTreeNode]) -> _Out:
+        out = _Out()
+        for n in nodes:
+            self.span(n, out)
+        return out
+
+    def span(self, node: SyntaxTreeNode, out: _Out) -> None:
+        t = node.type
+        if t in ("text", "text_special", "html_inline"):
+            out.add(node.content)
+        elif t in ("softbreak", "hardbreak"):
+            out.add("\n")
+        elif t in ("strong", "em", "s"):
+            s = out.pos
+            for c in node.children:
+                self.span(c, out)
+            out.mark({"strong": "bold", "em": "italic", "s": "strikethrough"}[t], s)
+        elif t == "code_inline":
+            s = out.pos
+            out.add(node.content)
+            out.mark("code", s)
+        elif t in ("link", "image"):
+            sub = _Out()
+            for c in node.children:
+                self.span(c, sub)
+            text = sub.text
+            s = out.pos
+            out.extend(sub)
+            href = str(node.attrs.get("href" if t == "link" else "src", ""))
+            if node.markup == "autolink" or not href or text in (href, f"mailto:{text}") \
+                    or href in (text, f"mailto:{text}"):
+                if not text:
+                    out.add(href)
+                return
+            if href.lower().startswith(_LINK_SCHEMES) and text:
+                out.mark("text_link", s, url=href)
+            else:
+                out.add(f" ({href})" if text else href)
+        elif node.children:
+            for c in node.children:
+                self.span(c, out)
+        else:
+            out.add(node.content)
+
+
+def _clip_code(entities: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Telegram lets no entity but a quote contain or cross `code`/`pre`: cut the others
+    around them."""
+    code = sorted((e["offset"], e["offset"] + e["length"]) for e in entities
+                  if e["type"] in _CODE_TYPES)
+    if not code:
+        return entities
+    out: list[dict[str, Any]] = []
+    for e in entities:
+        if e["type"] in _CODE_TYPES or e["type"] == "blockquote":
+            out.append(e)
+            continue
+        s, end = e["offset"], e["offset"] + e["length"]
+        for cs, ce in code:
+            if ce <= s or cs >= end:
+                continue
+            if cs > s:
+                out.append({**e, "offset": s, "length": cs - s})
+            s = max(s, ce)
+            if s >= end:
+                break
+        if end > s:
+            out.append({**e, "offset": s, "length": end - s})
+    return out
+
+
+def _sorted(entities: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(entities, key=lambda e: (e["offset"], -e["length"]))
+
+
+def to_telegram(markdown: str) -> tuple[str, list[dict[str, Any]]]:
+    """`markdown` as Telegram plain text and `MessageEntity` dicts: bold, italic,
+    strikethrough, code, pre (with its language), text_link (http and https), blockquote;
+    lists with "• " and "1. ", tables as a monospace block or "header: cell" lines."""
+    if not (markdown or "").strip():
+        return markdown or "", []
+    out = _Telegram().blocks(parse(markdown).children)
+    text = out.text
+    # Nothing to trim at the start (blocks never begin with a break); trailing breaks go.
+    stripped = text.rstrip()
+    end = utf16_len(stripped)
+    ents = []
+    for e in out.entities:
+        length = min(e["offset"] + e["length"], end) - e["offset"]
+        if length > 0:
+            ents.append({**e, "length": length})
+    return stripped, _sorted(_clip_code(ents))
+
+
+def _crosses(entities: Sequence[dict[str, Any]], cut: int) -> bool:
+    return any(e["offset"] < cut < e["offset"] + e["length"] for e in entities)
+
+
+def split_telegram(text: str, entities: Sequence[dict[str, Any]],
+                   limit: int = TELEGRAM_LIMIT) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Cut (`text`, `entities`) into pieces of at most `limit` UTF-16 units, each with the
+    entities inside it (offsets relative to the piece).
+
+    A cut goes at a paragraph break, else a line break, else a space that no entity
+    crosses (the break itself is dropped); an entity longer than `limit` (a long code
+    block) is cut at a line break and continues as a second entity of the same kind in the
+    next piece; text without any break is cut hard. Joined with the dropped breaks, the
+    pieces are the whole text again.
+    """
+    if limit < 2:
+        raise ValueError("limit must be at least 2")
+    pieces: list[tuple[str, list[dict[str, Any]]]] = []
+    ents = [dict(e) for e in entities]
+    rest = text
+    while utf16_len(rest) > limit:
+        u = _unit_index(rest)
+        # The longest prefix (in code points) within the limit.
+        end = max(i for i in range(min(len(rest), limit) + 1) if u[i] <= limit)
+        window = rest[:end]
+        floor = end // 4
+        cut, skip = -1, 0
+        for seps, allow_cross, low in (
+                (("\n\n", "\n", " "), False, floor), (("\n\n", "\n", " "), False, 1),
+                (("\n", " "), True, floor)):
+            for sep in seps:
+                i = window.rfind(sep)
+                while i >= low and _crosses(ents, u[i]) and not allow_cross:
+                    i = window.rfind(sep, 0, i)
+                if i >= max(low, 1):
+                    cut, skip = i, len(sep)
+                    break
+            if cut > 0:
+                break
+        if cut <= 0:
+            cut, skip = end, 0
+        else:  # no piece ends or starts with a line break (spaces may be code's indent)
+            while cut > 1 and rest[cut - 1] == "\n":
+                cut -= 1
+                skip += 1
+            while cut + skip < len(rest) and rest[cut + skip] == "\n":
+                skip += 1
+        cu, nu = u[cut], u[cut + skip]
+        head: list[dict[str, Any]] = []
+        tail: list[dict[str, Any]] = []
+        for e in ents:
+            s, e_end = e["offset"], e["offset"] + e["length"]
+            if s < cu:
+                head.append({**e, "length": min(e_end, cu) - s})
+            if e_end > nu:
+                ns = max(s, nu)
+                tail.append({**e, "offset": ns - nu, "length": e_end - ns})
+        pieces.append((rest[:cut], _sorted([e for e in head if e["length"] > 0])))
+        rest = rest[cut + skip:]
+        ents = [e for e in tail if e["length"] > 0]
+    if rest or not pieces:
+        pieces.append((rest, _sorted(ents)))
+    return pieces
+
+
+# ---------------------------------------------------------------------- web chat HTML
+
+HTML_TAGS = frozenset({
+    "p", "br", "strong", "em", "s", "del", "code", "pre", "blockquote", "ul", "ol", "li",
+    "h1", "h2", "h3", "h4", "h5", "h6", "hr", "a", "table", "thead", "tbody", "tr", "th",
+    "td"})
+HTML_ATTRIBUTES = {"a": {"href", "title"}, "ol": {"start"}, "code": {"class"}}
+URL_SCHEMES = frozenset({"http", "https", "mailto"})
+
+
+def _image_as_link(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    """An image shows as a link to it (the page loads nothing from elsewhere)."""
+    token = tokens[idx]
+    alt = self.renderInlineAsText(token.children or [], options, env)
+    src = _html.escape(str(token.attrGet("src") or ""), quote=True)
+    return f'<a href="{src}">{_html.escape(alt or str(token.attrGet("src") or ""))}</a>'
+
+
+@lru_cache(maxsize=1)
+def _html_parser() -> MarkdownIt:
+    md = MarkdownIt("commonmark", {"html": False}).enable(["strikethrough", "table"])
+    md.add_render_rule("image", _image_as_link)
+    return md
+
+
+@lru_cache(maxsize=512)
+def to_html(markdown: str) -> str:
+    """`markdown` as safe HTML for the web chat (raw HTML shown as text, links only to
+    http, https and mailto, opened in a new tab without opener or referrer)."""
+    raw = _html_parser().render(markdown or "")
+    return nh3.clean(raw, tags=set(HTML_TAGS),
+                     attributes={k: set(v) for k, v in HTML_ATTRIBUTES.items()},
+                     url_schemes=set(URL_SCHEMES), link_rel="noopener noreferrer",
+                     set_tag_attribute_values={"a": {"target": "_blank"}}).strip()
+
+
+__all__ = ["parse", "split_message", "split_telegram", "to_html", "to_telegram",
+           "to_whatsapp", "utf16_len"]

@@ -31,7 +31,7 @@ from mdclaw.channels.base import Channel, ChannelError, channel_for
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
 from mdclaw.state import Database, now_iso
-from mdclaw.state.outbox import OutboxRow
+from mdclaw.state.outbox import OutboxRow, enqueue
 
 log = logging.getLogger("mdclaw.outbox")
 
@@ -290,13 +290,13 @@ class OutboxWorker:
         if row.kind == "text":
             if not (row.text or "").strip():
                 raise ChannelError("the message is empty", permanent=True)
-            parts = ch.split_text(row.text or "")
+            parts = ch.message_parts(row.text or "")
             # Progress is recorded only during an attempt: a row never tried has none.
             start = self._parts_sent(row.id) if row.attempts else 0
             for i in range(start, len(parts)):
-                await ch.send_message(row.chat_jid, parts[i],
-                                      reply_to=row.reply_to if i == 0 else None,
-                                      sender=row.sender)
+                await ch.send_part(row.chat_jid, parts[i],
+                                   reply_to=row.reply_to if i == 0 else None,
+                                   sender=row.sender)
                 if len(parts) > 1:
                     self._set_parts_sent(row.id, i + 1)
         elif row.kind == "file":
@@ -389,6 +389,19 @@ class OutboxWorker:
                 asyncio.ensure_future(result)
         except Exception:  # noqa: BLE001 - the owner's callback: the row is already final
             log.exception("outbox: result callback failed for message %d", row_id)
+
+
+def service_replier(db: Database, wake: Callable[[], None]) -> Callable[[str, str, str | None],
+                                                                         None]:
+    """The callback channels queue their own answers with (`/chatid`): a text row in the
+    outbox, delivered and retried like any reply (a 429 delays it, it is not lost)."""
+
+    def reply(jid: str, text: str, reply_to: str | None) -> None:
+        with db.transaction() as c:
+            enqueue(c, chat_jid=jid, kind="text", text=text, reply_to=reply_to)
+        wake()
+
+    return reply
 
 
 # ---------------------------------------------------------------------- queries for others

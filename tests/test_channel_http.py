@@ -418,3 +418,38 @@ def test_files_the_assistant_sends_are_served_only_in_their_chat(tmp_path: Path)
             db.close()
 
     asyncio.run(main())
+
+
+def test_history_before_a_cursor_and_html_of_the_assistants_markdown(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, _ = await started(db)
+        try:
+            async with aiohttp.ClientSession() as http:
+                r = await http.post(f"{ch.url}/message",
+                                    json={"jid": "hl:main", "text": "**mine** <b>x</b>"})
+                assert r.status == 202
+                for i in range(9):
+                    await ch.send_message("hl:main", f"**answer {i}** [a](javascript:x)")
+                r = await http.get(f"{ch.url}/messages",
+                                   params={"jid": "hl:main", "before": "99999", "limit": "4"})
+                page = await r.json()
+                assert [m["content"][:10] for m in page["messages"]] == [
+                    f"**answer {i}"[:10] for i in range(5, 9)]
+                assert page["older"] is True and page["cursor"] == page["messages"][-1]["seq"]
+                assert page["messages"][0]["html"] == (
+                    "<p><strong>answer 5</strong> [a](javascript:x)</p>")
+                oldest = page["messages"][0]["seq"]
+                r = await http.get(f"{ch.url}/messages",
+                                   params={"jid": "hl:main", "before": str(oldest)})
+                rest = await r.json()
+                assert len(rest["messages"]) == 6 and rest["older"] is False
+                mine = rest["messages"][0]
+                assert (mine["direction"], mine["html"]) == ("in", None)  # people: text
+                assert (await http.get(f"{ch.url}/messages", params={
+                    "jid": "hl:main", "before": "x"})).status == 400
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -598,5 +599,140 @@ def test_downloads_are_capped_and_their_errors_hide_the_token(caplog) -> None:
         errors.append(str(ei2.value))
         for text in errors + [r.getMessage() for r in caplog.records]:
             assert TOKEN not in text and "SECRET" not in text
+
+    run(body)
+
+
+def _covered(text: str, entities: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    raw = text.encode("utf-16-le")
+    return [(e["type"], raw[2 * e["offset"]:2 * (e["offset"] + e["length"])].decode("utf-16-le"))
+            for e in entities]
+
+
+def test_markdown_goes_out_as_text_with_entities_at_utf16_offsets(tmp_path: Path) -> None:
+    """Each construct arrives at the Bot API as an entity over the right text, offsets in
+    UTF-16 units (an emoji counts two), through the outbox like any reply."""
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        db = Database(tmp_path / "s.db")
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=2, base_delay=0.1))
+        await w.start()
+        try:
+            md = ("## 😀 Plan 计划\n\n**粗体** then *ital 😀* ~~no~~ `code` "
+                  "[link](https://example.org/x)\n\n- first\n- 😀 **second**\n\n"
+                  "> a quote\n\n```python\nx = '😀'\n```\n\n| k | v |\n|---|---|\n| a | 1 |")
+            with db.transaction() as c:
+                rid = enqueue(c, chat_jid="tg:99", kind="text", text=md, source_group="g")
+            w.wake()
+            await wait_until(lambda: get_row(db, rid).status == "sent")
+            (sent,) = api.of("sendMessage")
+            text, ents = sent["text"], sent["entities"]
+            assert "**" not in text and "```" not in text and "•" in text
+            assert _covered(text, ents) == [
+                ("bold", "😀 Plan 计划"), ("bold", "粗体"), ("italic", "ital 😀"),
+                ("strikethrough", "no"), ("code", "code"), ("text_link", "link"),
+                ("bold", "second"), ("blockquote", "a quote"), ("pre", "x = '😀'"),
+                ("pre", "k | v\n--+--\na | 1")]
+            assert ents[0] == {"type": "bold", "offset": 0, "length": 10}  # 😀 is 2 units
+            assert [e["language"] for e in ents if e["type"] == "pre" and "language" in e] \
+                == ["python"]
+            assert [e["url"] for e in ents if e["type"] == "text_link"] == [
+                "https://example.org/x"]
+        finally:
+            await w.stop()
+            db.close()
+
+    run(body)
+
+
+def test_a_long_answer_is_cut_into_valid_pieces_with_their_entities(tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        code = "\n".join(f"print('line {i} 😀')" for i in range(400))  # ~9k units
+        md = "**Intro** 😀\n\n```python\n" + code + "\n```\n\n_the end_"
+        await ch.send_message("tg:99", md)
+        sends = api.of("sendMessage")
+        assert len(sends) >= 3
+        for s in sends:
+            assert utf16_len(s["text"]) <= 4096
+            for e in s.get("entities", []):
+                assert 0 <= e["offset"] and e["offset"] + e["length"] <= utf16_len(s["text"])
+        pre = [t for s in sends for t, _ in [(_covered(s["text"], [e])[0][1], 0)
+                                              for e in s.get("entities", [])
+                                              if e["type"] == "pre"]]
+        assert "\n".join(pre) == code
+        assert _covered(sends[0]["text"], sends[0]["entities"])[0] == ("bold", "Intro")
+        assert _covered(sends[-1]["text"], sends[-1]["entities"])[-1] == ("italic", "the end")
+
+    run(body)
+
+
+def test_entities_telegram_refuses_fall_back_to_plain_text(tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        db = Database(tmp_path / "s.db")
+        refused = (400, {"ok": False, "error_code": 400,
+                         "description": "Bad Request: can't parse entities: unsupported"})
+        api.fail["sendMessage"] = [refused]
+        api.fail["sendDocument"] = [refused]
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=1, base_delay=0.1))
+        await w.start()
+        try:
+            with db.transaction() as c:
+                rid = enqueue(c, chat_jid="tg:99", kind="text", text="**important** news",
+                              source_group="g")
+            w.wake()
+            await wait_until(lambda: get_row(db, rid).status == "sent")
+            first, second = api.of("sendMessage")
+            assert first["entities"] and "entities" not in second
+            assert first["text"] == second["text"] == "important news"
+            # a caption's entities likewise
+            doc = tmp_path / "r.pdf"
+            doc.write_bytes(b"%PDF")
+            await ch.send_file("tg:99", doc, caption="the **report**")
+            a, b = api.of("sendDocument")
+            assert a["caption"] == b["caption"] == "the report"
+            assert json.loads(a["caption_entities"]) == [
+                {"type": "bold", "offset": 4, "length": 6}]
+            assert "caption_entities" not in b
+        finally:
+            await w.stop()
+            db.close()
+
+    run(body)
+
+
+def test_chatid_answer_goes_through_the_outbox_and_survives_a_429(tmp_path: Path) -> None:
+    """The /chatid answer meets Telegram's flood control first: it waits retry_after and
+    arrives, instead of being logged and lost."""
+    from mdclaw.outbox import service_replier
+
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        db = Database(tmp_path / "s.db")
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
+        ch.on_service_reply(service_replier(db, w.wake))
+        api.fail["sendMessage"] = [(429, {
+            "ok": False, "error_code": 429, "description": "Too Many Requests: retry after 1",
+            "parameters": {"retry_after": 1}})]
+        await w.start()
+        await ch.connect()
+        try:
+            api.push({"message_id": 3, "date": 1, "from": {"id": 1},
+                      "chat": {"id": -1009, "type": "supergroup", "title": "New"},
+                      "text": "/chatid"})
+            await wait_until(lambda: len(api.of("sendMessage")) == 2, timeout=15)
+            first, second = api.of("sendMessage")
+            assert first == second
+            assert second["text"] == "This chat is tg:-1009"
+            assert second["entities"] == [{"type": "code", "offset": 13, "length": 8}]
+            assert second["reply_parameters"]["message_id"] == 3
+            (row,) = db.query("SELECT * FROM outbox")
+            await wait_until(lambda: get_row(db, row["id"]).status == "sent")
+            final = get_row(db, row["id"])
+            assert final.attempts == 2 and final.chat_jid == "tg:-1009"
+            assert got == []  # the command stays out of the chat
+        finally:
+            await w.stop()
+            db.close()
 
     run(body)

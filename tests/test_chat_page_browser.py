@@ -135,7 +135,8 @@ def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> 
             got.append(msg)
             with db.transaction() as c:
                 enqueue(c, chat_jid=msg.chat_jid, kind="text",
-                        text=f"echo: {msg.content} <b>not bold</b>", source_group="main")
+                        text=f"echo: {msg.content} **bold** <b>not bold</b>",
+                        source_group="main")
             worker.wake()
 
         ch = HttpChannel(db, listen="127.0.0.1:0", secret="page-token", on_inbound=host,
@@ -165,7 +166,10 @@ def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> 
                 replies = await page.wait_for(
                     "(() => { const r = [...document.querySelectorAll('.msg.out .body')]"
                     ".map(e => e.textContent); return r.length ? r : null })()")
-                assert replies == ["echo: hello from chromium <b>not bold</b>"]
+                # the assistant's Markdown is rendered; HTML it writes is shown as text
+                assert replies == ["echo: hello from chromium bold <b>not bold</b>"]
+                assert await page.js("[...document.querySelectorAll('.msg.out strong')]"
+                                     ".map(e => e.textContent)") == ["bold"]
                 assert await page.js("document.querySelectorAll('.msg.out b').length") == 0
                 mine = await page.js("[...document.querySelectorAll('.msg.in .body')]"
                                      ".map(e => e.textContent)")

@@ -170,3 +170,121 @@ def test_pieces_fit_and_lose_no_letters(text: str, limit: int) -> None:
     pieces = split_message(text, limit, split_plain=lambda t, n: split_text(t, n))
     assert all(len(p) <= limit for p in pieces)
     assert _alnum("".join(pieces)) == _alnum(text)
+
+
+# ---------------------------------------------------------------------- Telegram
+
+from mdclaw.markup import split_telegram, to_html, to_telegram, utf16_len  # noqa: E402
+
+
+def _spans(text: str, entities: list[dict]) -> list[tuple[str, str]]:
+    """(type, covered text) of each entity, cut out by UTF-16 offsets."""
+    raw = text.encode("utf-16-le")
+    return [(e["type"], raw[2 * e["offset"]:2 * (e["offset"] + e["length"])].decode("utf-16-le"))
+            for e in entities]
+
+
+def test_telegram_entities_for_each_construct_with_utf16_offsets() -> None:
+    md = ("# Über 😀\n\n**粗体 😀** and *italic* ~~old~~ `x=1` [docs](https://e.org/d) "
+          "[mail](mailto:a@b.c) <https://auto.org>\n\n- one 😀\n- **two**\n  1. sub\n\n"
+          "> quoted **q**\n\n```python\nprint('😀')\n```\n\n---")
+    text, ents = to_telegram(md)
+    assert text == ("Über 😀\n\n粗体 😀 and italic old x=1 docs mail (mailto:a@b.c) "
+                    "https://auto.org\n\n• one 😀\n• two\n  1. sub\n\nquoted q\n\n"
+                    "print('😀')\n\n———")
+    assert _spans(text, ents) == [
+        ("bold", "Über 😀"), ("bold", "粗体 😀"), ("italic", "italic"),
+        ("strikethrough", "old"), ("code", "x=1"), ("text_link", "docs"), ("bold", "two"),
+        ("blockquote", "quoted q"), ("bold", "q"), ("pre", "print('😀')")]
+    assert [e.get("url") for e in ents if e["type"] == "text_link"] == ["https://e.org/d"]
+    assert [e.get("language") for e in ents if e["type"] == "pre"] == ["python"]
+    assert all(e["offset"] + e["length"] <= utf16_len(text) for e in ents)
+
+
+def test_telegram_never_puts_an_entity_across_code() -> None:
+    text, ents = to_telegram("**bold `code` bold**")
+    assert _spans(text, ents) == [("bold", "bold "), ("code", "code"), ("bold", " bold")]
+
+
+def test_telegram_tables_read_on_a_phone() -> None:
+    text, ents = to_telegram("| a | b |\n|---|---|\n| 1 | 2 |")
+    assert text == "a | b\n--+--\n1 | 2" and ents == [{"type": "pre", "offset": 0, "length": 17}]
+    wide = ("| Name | Description of the thing |\n|---|---|\n"
+            "| Alpha | the first letter of the Greek alphabet |\n| Beta | the second one |")
+    text, ents = to_telegram(wide)
+    assert text == ("Name: Alpha\nDescription of the thing: the first letter of the Greek "
+                    "alphabet\n\nName: Beta\nDescription of the thing: the second one")
+    assert [s for t, s in _spans(text, ents)] == ["Name", "Description of the thing"] * 2
+
+
+def test_telegram_long_code_block_becomes_several_pre_entities() -> None:
+    code = "\n".join(f"line_{i} = {i} * 2" for i in range(600))
+    text, ents = to_telegram(f"Here:\n\n```python\n{code}\n```\n\nDone.")
+    pieces = split_telegram(text, ents)
+    assert len(pieces) >= 3
+    pres = [e for _, es in pieces for e in es if e["type"] == "pre"]
+    assert len(pres) >= 3 and all(e.get("language") == "python" for e in pres)
+    body = "\n".join(_spans(t, es)[0][1] for t, es in pieces
+                     if es and es[0]["type"] == "pre")
+    assert body == code
+
+
+_WORDS = st.sampled_from(["word", "😀", "中文字", "a", "𝔘", "longerword", "x" * 30, "é"])
+_INLINE = st.lists(st.tuples(_WORDS, st.sampled_from(["", "**", "_", "~~", "`"])),
+                   min_size=1, max_size=12).map(
+    lambda ws: " ".join(f"{m}{w}{m}" for w, m in ws))
+_BLOCK = st.one_of(
+    _INLINE,
+    _INLINE.map(lambda t: "# " + t),
+    st.lists(_INLINE, min_size=1, max_size=4).map(lambda ls: "\n".join("- " + x for x in ls)),
+    st.lists(_WORDS, min_size=1, max_size=30).map(lambda ls: "```sh\n" + "\n".join(ls) + "\n```"),
+    _INLINE.map(lambda t: "> " + t),
+    st.tuples(_WORDS, _WORDS).map(lambda p: f"[{p[0]}](https://e.org/{len(p[1])})"),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_BLOCK, min_size=1, max_size=10).map("\n\n".join),
+       st.integers(min_value=8, max_value=300))
+def test_split_telegram_pieces_fit_keep_entities_and_rebuild_the_text(md: str,
+                                                                      limit: int) -> None:
+    text, ents = to_telegram(md)
+
+    def cover(t: str, es: list[dict]) -> list[set]:
+        c: list[set] = [set() for _ in range(utf16_len(t))]
+        for e in es:
+            for k in range(e["offset"], e["offset"] + e["length"]):
+                c[k].add((e["type"], e.get("url"), e.get("language")))
+        return c
+
+    whole = cover(text, ents)
+    pieces = split_telegram(text, ents, limit)
+    pos = 0  # in code points of `text`
+    for piece, pents in pieces:
+        assert utf16_len(piece) <= limit
+        assert all(e["length"] > 0 and e["offset"] >= 0
+                   and e["offset"] + e["length"] <= utf16_len(piece) for e in pents)
+        skip = 0
+        while not text[pos + skip:].startswith(piece) and text[pos + skip:pos + skip + 1] \
+                in (" ", "\n"):
+            skip += 1
+        assert text[pos + skip:].startswith(piece), "pieces are the text, cut at breaks"
+        base = utf16_len(text[:pos + skip])
+        assert cover(piece, pents) == whole[base:base + utf16_len(piece)]
+        pos += skip + len(piece)
+    assert text[pos:] == ""
+
+
+def test_to_html_renders_markdown_and_keeps_nothing_unsafe() -> None:
+    html = to_html("# T\n\n**b** [ok](https://e.org) [m](mailto:a@b.c) [bad](javascript:alert(1))"
+                   " <img src=x onerror=alert(1)> <script>alert(1)</script>\n\n"
+                   "![pic](https://e.org/p.png)")
+    assert "<h1>T</h1>" in html and "<strong>b</strong>" in html
+    assert ('<a href="https://e.org" target="_blank" rel="noopener noreferrer">ok</a>'
+            in html)
+    assert 'href="mailto:a@b.c"' in html
+    assert "javascript" not in html.replace("[bad](javascript:alert(1))", "")
+    assert "<img" not in html and "<script" not in html
+    assert "&lt;script&gt;" in html  # written HTML is shown as text
+    assert '<a href="https://e.org/p.png" target="_blank" rel="noopener noreferrer">pic</a>' \
+        in html

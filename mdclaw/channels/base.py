@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,8 @@ class InboundMessage:
 
 
 InboundCallback = Callable[[InboundMessage], "Awaitable[None] | None"]
+#: Queues a channel's own answer: (jid, Markdown text, message id it answers or None).
+ServiceReply = Callable[[str, str, "str | None"], "Awaitable[None] | None"]
 
 
 class ChannelError(Exception):
@@ -111,6 +113,7 @@ class Channel(abc.ABC):
 
     def __init__(self, on_inbound: InboundCallback | None = None) -> None:
         self._on_inbound = on_inbound
+        self._service_reply: ServiceReply | None = None
 
     # ------------------------------------------------------------------ inbound
     def on_inbound(self, callback: InboundCallback | None) -> None:
@@ -185,6 +188,40 @@ class Channel(abc.ABC):
     def split_text(self, text: str) -> list[str]:
         """`text` in pieces of at most max_message_length (see split_text)."""
         return split_text(text, self.max_message_length, measure=self.measure)
+
+    def message_parts(self, text: str) -> Sequence[Any]:
+        """The assistant's Markdown `text` as the messages this channel sends, in order:
+        what `send_part` takes. The outbox sends them one by one and remembers how many
+        went, so the result must be the same every time for the same text. By default the
+        text in pieces (`split_text`); a channel that formats (Telegram's entities) renders
+        first and cuts the rendered form."""
+        return self.split_text(text)
+
+    async def send_part(self, jid: str, part: Any, *, reply_to: str | None = None,
+                        sender: str | None = None) -> str | None:
+        """Send one of `message_parts`' results. Raises ChannelError."""
+        return await self.send_message(jid, part, reply_to=reply_to, sender=sender)
+
+    # ------------------------------------------------------------------ service answers
+    def on_service_reply(self, callback: ServiceReply | None) -> None:
+        """Set the function that queues the channel's own answers (`/chatid`) in the outbox,
+        so they are retried like any reply (None: the channel sends them itself)."""
+        self._service_reply = callback
+
+    async def service_reply(self, jid: str, text: str, *, reply_to: str | None = None) -> None:
+        """Answer in `jid` on the channel's own account: through the outbox when the host
+        gave a callback, else sent at once (errors logged)."""
+        cb = getattr(self, "_service_reply", None)
+        if cb is not None:
+            result = cb(jid, text, reply_to)
+            if inspect.isawaitable(result):
+                await result
+            return
+        try:
+            for part in self.message_parts(text):
+                await self.send_part(jid, part, reply_to=reply_to)
+        except ChannelError as e:
+            log.warning("%s: could not answer in %s: %s", self.name, jid, self.redact(str(e)))
 
 
 def split_text(text: str, limit: int, *, measure: Callable[[str], int] = len) -> list[str]:

@@ -9,7 +9,10 @@ Endpoints (JSON unless noted):
 - `GET /messages?jid=hl:x&after=SEQ[&wait=S][&limit=N]` — the chat's transcript after cursor
   SEQ: what was posted (`direction: "in"`) and what the assistant sent (`"out"`: text, files
   by name, reactions), oldest first, plus `cursor` for the next call and `typing`. With `wait`
-  it long-polls up to S seconds (at most 30) for something new.
+  it long-polls up to S seconds (at most 30) for something new. With `before=SEQ` instead it
+  answers at once with the newest `limit` rows before SEQ and `older` (whether more remain):
+  the page's "load older". What the assistant wrote also comes as `html`: its Markdown
+  rendered and sanitised (mdclaw.markup.to_html); people's text has none.
 - `POST /upload` — multipart (`jid`, `sender_name`?, `text`? as the caption, one `file`): a
   person sends a file; it reaches the host as the message's attachment (saved in the group's
   inbox like any channel's). 413 when the file is over the upload limit (checked while the
@@ -67,6 +70,7 @@ from mdclaw.channels.base import (
     kind_for_mime,
 )
 from mdclaw.config import read_secret
+from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
 
@@ -371,11 +375,31 @@ class HttpChannel(Channel):
         rows = self.db.query(
             "SELECT * FROM http_messages WHERE chat_jid = ? AND seq > ? ORDER BY seq LIMIT ?",
             (jid, after, limit))
-        return [{"seq": r["seq"], "id": r["message_id"], "direction": r["direction"],
-                 "kind": r["kind"], "sender": r["sender"], "sender_name": r["sender_name"],
-                 "content": r["content"], "file_name": r["file_name"],
-                 "reply_to": r["reply_to"], "timestamp": r["created_at"],
-                 "download": self._download_link(r)} for r in rows]
+        return [self._row(r) for r in rows]
+
+    def transcript_before(self, jid: str, before: int, limit: int = 50
+                          ) -> tuple[list[dict[str, Any]], bool]:
+        """The newest `limit` rows of `jid` with seq < `before`, oldest first, and whether
+        older ones remain."""
+        rows = self.db.query(
+            "SELECT * FROM http_messages WHERE chat_jid = ? AND seq < ? ORDER BY seq DESC "
+            "LIMIT ?", (jid, before, limit))
+        rows = list(reversed(rows))
+        older = bool(rows) and self.db.query_one(
+            "SELECT 1 FROM http_messages WHERE chat_jid = ? AND seq < ? LIMIT 1",
+            (jid, rows[0]["seq"])) is not None
+        return [self._row(r) for r in rows], older
+
+    def _row(self, r: Any) -> dict[str, Any]:
+        # What the assistant wrote is Markdown: the page shows it as sanitised HTML
+        # (mdclaw.markup.to_html); what people write stays text.
+        html = (to_html(r["content"]) if r["direction"] == "out"
+                and r["kind"] in ("text", "file") and r["content"] else None)
+        return {"seq": r["seq"], "id": r["message_id"], "direction": r["direction"],
+                "kind": r["kind"], "sender": r["sender"], "sender_name": r["sender_name"],
+                "content": r["content"], "html": html, "file_name": r["file_name"],
+                "reply_to": r["reply_to"], "timestamp": r["created_at"],
+                "download": self._download_link(r)}
 
     def _download_link(self, row: Any) -> str | None:
         """The `/file` link of a file the assistant sent (None for any other row)."""
@@ -503,6 +527,15 @@ class HttpChannel(Channel):
             wait = max(0.0, min(float(q.get("wait") or 0), MAX_WAIT_SECONDS))
         except ValueError:
             return _error(400, "after and limit must be integers, wait a number of seconds")
+        if q.get("before") is not None:  # "load older": no waiting
+            try:
+                before = int(q.get("before") or 0)
+            except ValueError:
+                return _error(400, "before must be an integer")
+            rows, older = self.transcript_before(jid, before, limit)
+            cursor = max((r["seq"] for r in rows), default=0)
+            return _json({"jid": jid, "messages": rows, "cursor": cursor, "older": older,
+                          "typing": self.is_typing(jid)})
         # typing=0/1: the typing state the caller shows; a change ends a long poll early.
         seen_typing = q.get("typing")
         deadline = time.monotonic() + wait

@@ -8,9 +8,13 @@ becomes InboundMessages with id `tg:<chat>:<message id>`; a photo (its largest s
 audio file, voice note or video comes as an Attachment (with the caption as text) that the host
 downloads on demand: `getFile`, then the file URL, streamed and capped (the Bot API lets bots
 download at most 20 MB);
-`/chatid` is answered by the channel itself with the chat's JID, to help writing the config.
-Out: `sendMessage` (4096 UTF-16 units, the Bot API's measure), `sendPhoto`/`sendDocument`
-(multipart), `setMessageReaction`, `sendChatAction` (repeated every 4 s while typing is on).
+`/chatid` is answered with the chat's JID (through the outbox, like any reply), to help
+writing the config.
+Out: `sendMessage` with the assistant's Markdown as plain text plus `entities`
+(mdclaw.markup.to_telegram; a 400 on them sends the text plain), cut at 4096 UTF-16 units
+without cutting an entity; `sendPhoto`/`sendDocument` (multipart, the caption with
+`caption_entities`), `setMessageReaction`, `sendChatAction` (repeated every 4 s while typing
+is on).
 
 The token is part of every Bot API URL, so no URL is ever logged or put in an error: errors
 name the method and what the API said, with the token masked wherever it could appear.
@@ -19,6 +23,7 @@ name the method and what the API said, with the token masked wherever it could a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import mimetypes
 import re
@@ -37,6 +42,7 @@ from mdclaw.channels.base import (
     InboundMessage,
 )
 from mdclaw.config import read_secret
+from mdclaw.markup import split_telegram, to_telegram, utf16_len
 from mdclaw.retry import Backoff
 from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import get_router_value, set_router_value
@@ -51,11 +57,6 @@ MAX_DOWNLOAD_BYTES = 20 * 1024 * 1024  # the Bot API's getFile limit
 MAX_CAPTION = 1024
 TYPING_REPEAT_SECONDS = 4.0
 TYPING_MAX_SECONDS = 300.0
-
-
-def utf16_len(text: str) -> int:
-    """Length in UTF-16 code units, the unit of Telegram's message limits."""
-    return len(text.encode("utf-16-le")) // 2
 
 
 class TelegramChannel(Channel):
@@ -296,13 +297,11 @@ class TelegramChannel(Channel):
         chat_id = (msg.get("chat") or {}).get("id")
         if not isinstance(chat_id, int):
             return False
-        try:
-            await self.call("sendMessage", {
-                "chat_id": chat_id, "text": f"This chat is tg:{chat_id}",
-                "reply_parameters": {"message_id": msg.get("message_id"),
-                                     "allow_sending_without_reply": True}})
-        except ChannelError as e:
-            log.warning("telegram: could not answer /chatid: %s", e)
+        # Through the outbox (when the host gave a way): a 429 delays the answer, it is
+        # not lost.
+        mid = msg.get("message_id")
+        await self.service_reply(f"tg:{chat_id}", f"This chat is `tg:{chat_id}`",
+                                 reply_to=f"tg:{chat_id}:{mid}" if isinstance(mid, int) else None)
         return True
 
     def attachments_of(self, msg: dict[str, Any]) -> tuple[Attachment, ...]:
@@ -436,22 +435,45 @@ class TelegramChannel(Channel):
         if t is not None:
             t.cancel()
 
+    def message_parts(self, text: str) -> list[tuple[str, list[dict[str, Any]]]]:
+        """The Markdown `text` as (plain text, entities) messages of at most 4096 UTF-16
+        units (mdclaw.markup.to_telegram, split_telegram)."""
+        return split_telegram(*to_telegram(text), limit=self.max_message_length)
+
     async def send_message(self, jid: str, text: str, *, reply_to: str | None = None,
                            sender: str | None = None) -> str | None:
-        """Send `text`, split at 4096 UTF-16 units; returns the last piece's message id."""
+        """Send the Markdown `text` formatted (entities), split at 4096 UTF-16 units;
+        returns the last piece's message id."""
+        last = None
+        for i, part in enumerate(self.message_parts(text)):
+            last = await self.send_part(jid, part, reply_to=reply_to if i == 0 else None)
+        return last
+
+    async def send_part(self, jid: str, part: Any, *, reply_to: str | None = None,
+                        sender: str | None = None) -> str | None:
+        """Send one (text, entities) piece. If Telegram refuses the entities (a 400), the
+        same text goes again without them: plain, but delivered."""
         chat_id = self._chat_id(jid)
         self._stop_typing(jid)
-        last = None
-        for piece in self.split_text(text):
-            params: dict[str, Any] = {"chat_id": chat_id, "text": piece}
-            if reply_to:
-                try:
-                    params["reply_parameters"] = {"message_id": self._message_id(reply_to),
-                                                  "allow_sending_without_reply": True}
-                except ChannelError:
-                    pass
+        text, entities = part if isinstance(part, tuple) else (str(part), [])
+        params: dict[str, Any] = {"chat_id": chat_id, "text": text}
+        if entities:
+            params["entities"] = entities
+        if reply_to:
+            try:
+                params["reply_parameters"] = {"message_id": self._message_id(reply_to),
+                                              "allow_sending_without_reply": True}
+            except ChannelError:
+                pass
+        try:
             result = await self.call("sendMessage", params)
-            last = result.get("message_id") if isinstance(result, dict) else None
+        except ChannelError as e:
+            if not (entities and e.code == 400):
+                raise
+            log.warning("telegram: formatting refused (%s); sending the text plain", e)
+            params.pop("entities")
+            result = await self.call("sendMessage", params)
+        last = result.get("message_id") if isinstance(result, dict) else None
         return f"{jid}:{last}" if last is not None else None
 
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
@@ -472,32 +494,49 @@ class TelegramChannel(Channel):
         as_photo = Path(name).suffix.lower() in PHOTO_SUFFIXES and size <= MAX_PHOTO_BYTES
         field, method = ("photo", "sendPhoto") if as_photo else ("document", "sendDocument")
         content = await asyncio.to_thread(path.read_bytes)
-        form = aiohttp.FormData()
-        form.add_field("chat_id", str(chat_id))
-        long_caption = bool(caption) and utf16_len(caption or "") > MAX_CAPTION
-        if caption and not long_caption:
-            form.add_field("caption", caption)
-        form.add_field(field, content, filename=name,
-                       content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+        cap_text, cap_entities = to_telegram(caption) if caption else ("", [])
+        long_caption = utf16_len(cap_text) > MAX_CAPTION
+        if long_caption:
+            cap_text, cap_entities = "", []
         self._stop_typing(jid)
         try:
-            result = await self.call(method, data=form, timeout=max(self.request_timeout, 120))
+            result = await self._upload(method, field, chat_id, name, content, cap_text,
+                                        cap_entities)
         except ChannelError as e:
             if not (as_photo and e.code == 400):
                 raise
             # Telegram refuses some images as photos (size, ratio): send them as documents.
-            form = aiohttp.FormData()
-            form.add_field("chat_id", str(chat_id))
-            if caption and not long_caption:
-                form.add_field("caption", caption)
-            form.add_field("document", content, filename=name,
-                           content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
-            result = await self.call("sendDocument", data=form,
-                                     timeout=max(self.request_timeout, 120))
+            result = await self._upload("sendDocument", "document", chat_id, name, content,
+                                        cap_text, cap_entities)
         mid = result.get("message_id") if isinstance(result, dict) else None
         if long_caption and caption:  # too long for a caption: it follows as text
             await self.send_message(jid, caption)
         return f"{jid}:{mid}" if mid is not None else None
+
+    async def _upload(self, method: str, field: str, chat_id: int, name: str, content: bytes,
+                      caption: str, entities: list[dict[str, Any]]) -> Any:
+        """One multipart send of a file; a caption whose entities Telegram refuses (400)
+        goes again plain."""
+
+        def form(with_entities: bool) -> aiohttp.FormData:
+            f = aiohttp.FormData()
+            f.add_field("chat_id", str(chat_id))
+            if caption:
+                f.add_field("caption", caption)
+                if entities and with_entities:
+                    f.add_field("caption_entities", json.dumps(entities))
+            f.add_field(field, content, filename=name,
+                        content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+            return f
+
+        timeout = max(self.request_timeout, 120)
+        try:
+            return await self.call(method, data=form(True), timeout=timeout)
+        except ChannelError as e:
+            if not (entities and e.code == 400):
+                raise
+            log.warning("telegram: caption formatting refused (%s); sending it plain", e)
+            return await self.call(method, data=form(False), timeout=timeout)
 
     async def react(self, jid: str, message_id: str, emoji: str) -> None:
         await self.call("setMessageReaction", {

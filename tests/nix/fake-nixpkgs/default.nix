@@ -33,6 +33,7 @@ let
     "jsonschema"
     "markdown-it-py"
     "markdownify"
+    "nh3"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"
