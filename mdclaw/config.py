@@ -346,6 +346,11 @@ class Group(Frozen):
     tokens_per_day: int | None = Field(
         None, ge=1, description="Model tokens (input + output) this group may use per UTC "
         "day through the credential proxy (overrides `limits.tokens_per_day`).")
+    actions: tuple[str, ...] | None = Field(
+        None, description="Host actions this group's agent may call, as fnmatch patterns "
+        "(`web_*`, `memory_*`); memory_search and memory_get on its own memory are always "
+        "allowed. Unset: each action's default applies (most: every group; some: the main "
+        "group only). docs/integrations.md lists the actions.")
 
     @model_validator(mode="after")
     def _telegram_sender_ids(self) -> Group:
@@ -430,6 +435,12 @@ class Limits(Frozen):
         "of the group is refused (HTTP 429, `mdclaw_over_budget`) until midnight UTC, and its "
         "chat is told when the budget resets. null: no budget. Per group: "
         "`groups.<g>.tokens_per_day`.")
+    action_jobs: int = Field(
+        8, ge=1, le=256, description="Off-loop actions (web_fetch, web_search...) run at once, "
+        "all groups together; more wait in the queue.")
+    action_jobs_per_group: int = Field(
+        2, ge=1, le=256, description="Off-loop actions one group may have running at once, so "
+        "one group cannot take every slot.")
 
     @model_validator(mode="after")
     def _idle_below_hard(self) -> Limits:

@@ -125,6 +125,7 @@ class Daemon:
     async def start_services(self) -> None:
         from mdclaw.channels.registry import build_channels, connect_all
         from mdclaw.diskguard import DiskGuard
+        from mdclaw.integrations import load_all
         from mdclaw.ipc.watcher import IpcWatcher
         from mdclaw.orchestrator import Orchestrator
         from mdclaw.outbox import OutboxWorker, RetryPolicy, spool_cleaner
@@ -135,6 +136,7 @@ class Daemon:
 
         assert self.db is not None
         cfg, db = self.cfg, self.db
+        load_all()  # host actions of the integrations (web...) register themselves
         # Containers: the runtime is lazy; the engine is waited for in the background.
         try:
             self.runtime = create_runtime(cfg.runtime)
@@ -327,6 +329,7 @@ class Daemon:
         if self.watcher is not None:
             self.watcher.cfg = new
             self.watcher.engine.cfg = new
+            self.watcher.actions.cfg = new
             self.watcher.engine.refresh_groups()
             self.watcher.sync_watches()
         if self.scheduler is not None:

@@ -480,7 +480,7 @@ def test_action_results_swapped_for_symlink(env: Env, tmp_path: Path) -> None:
 
 
 def test_adding_an_action_handler(env: Env) -> None:
-    from mdclaw.ipc.actions import HANDLERS, ActionFailed, action
+    from mdclaw.ipc.actions import ACTIONS, ActionFailed, action
 
     @action("test_echo")
     def echo(ctx, params):  # noqa: ANN001, ANN202
@@ -500,7 +500,7 @@ def test_adding_an_action_handler(env: Env) -> None:
         assert _result(env, "work", "e2") | {"executedAt": None} == {
             "requestId": "e2", "status": "error", "error": "asked to fail", "executedAt": None}
     finally:
-        HANDLERS.pop("test_echo", None)
+        ACTIONS.pop("test_echo", None)
 
 
 def test_quarantine_names_of_two_groups_cannot_collide(tmp_path: Path) -> None:

@@ -36,8 +36,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    from mdclaw.integrations import load_all
     from mdclaw.ipc.apply import IpcEngine
 
+    load_all()  # off-loop requests are queued here; the daemon's action worker runs them
     cfg = load_or_exit(args)
     db = open_db_or_exit(cfg)
     try:

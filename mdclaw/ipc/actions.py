@@ -1,16 +1,54 @@
 """Action requests (`actions/*.json` with a requestId) and their handlers.
 
-Adding an action is one function:
+An action is one registered function. There are two kinds.
+
+**On-loop actions** (quick, local: reading a memory file) run inside the command's
+transaction on the IPC loop:
 
     @action("weather_get")
     def weather_get(ctx: ActionContext, params: dict) -> dict:
         ...
         return {"temperature": 21}
 
-Return the `result` object; raise ActionFailed("reason") for an error result. The handler
-runs inside the command's transaction (`ctx.conn`), so database changes commit with the
-ledger row; anything it does outside the database must be safe to repeat, because a crash
-before the commit runs it again.
+`ctx.conn` is the command's transaction, so database changes commit with the ledger row;
+anything done outside the database must be safe to repeat (a crash before the commit runs it
+again). Such a handler must never wait on the network or on anything slow.
+
+**Off-loop actions** (network, slow work: a web fetch, a Home Assistant call) run on the
+action worker (`mdclaw/ipc/worker.py`), never on the IPC loop:
+
+    @action("web_fetch", offloop=True, default_scope="all", max_attempts=3, timeout=60)
+    async def web_fetch(ctx: OffloopContext, params: dict) -> dict:
+        cfg = ctx.cfg            # the running config (reloads reach it)
+        ...
+        return {"text": "..."}
+
+The handler may be `async def` (run on the daemon's event loop: use aiohttp, never block)
+or a plain function (run on a thread). It gets an `OffloopContext` without a database
+connection. What happens to a request:
+
+1. On the loop, inside the command's transaction: the permission check (`action_refusal`),
+   then a row in `action_jobs` (status `queued`) is inserted with the command's ledger row.
+   A second request with the same requestId from the same group is refused (quarantined,
+   "duplicate requestId"): it is never run twice.
+2. The worker claims queued rows (bounded concurrency overall and per group, fair between
+   groups), runs the handler, stores the result body in the row (`done`/`failed`), then
+   writes `action_results/<requestId>.json` through the one door.
+3. After a crash, the daemon's next start finishes every row: a stored result is written
+   again (the same body), a job left `queued`/`running` is run again if it has attempts left
+   (`max_attempts`, default 1: no repeat) or gets the error result "interrupted by a
+   restart". A request is never lost and never gets two different results.
+
+Choose `max_attempts > 1` only for actions that are safe to repeat (a GET, a search); an
+action that changes the world (switching a light) keeps the default 1. `timeout` (seconds)
+bounds one run; past it the result is an error. `default_scope` is who may call the action
+when `groups.<g>.actions` is not set: "all" groups, or only the "main" group (see
+`action_refusal`).
+
+Both kinds: return the `result` object; raise ActionFailed("reason") for an error result;
+raise Unauthorized for a request the caller may not make at all (it is quarantined, like
+any unauthorized command). A module adding actions lives outside `ipc/` (e.g.
+`mdclaw/integrations/`) and is imported by `mdclaw.integrations.load_all()`.
 """
 
 from __future__ import annotations
@@ -18,13 +56,14 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from fnmatch import fnmatchcase
+from typing import Any, Literal
 
 from mdclaw import agentfs
 from mdclaw.agentfs import UnsafePath
-from mdclaw.config import validate_folder
+from mdclaw.config import Config, validate_folder
 from mdclaw.ipc.auth import Caller, check_group_target
 from mdclaw.paths import Layout
 
@@ -35,30 +74,102 @@ class ActionFailed(Exception):
 
 @dataclass(frozen=True)
 class ActionContext:
+    """What an on-loop handler gets: the caller and the command's transaction."""
     caller: Caller
     layout: Layout
     conn: sqlite3.Connection
 
 
+@dataclass(frozen=True)
+class OffloopContext:
+    """What an off-loop handler gets: the caller, the running config, the request's id.
+    No database connection: an off-loop handler keeps its state outside the database or in
+    its own module's tables, through its own short transactions."""
+    caller: Caller
+    cfg: Config
+    layout: Layout
+    request_id: str
+
+
+Scope = Literal["all", "main"]
 Handler = Callable[[ActionContext, dict[str, Any]], dict[str, Any]]
-HANDLERS: dict[str, Handler] = {}
+OffloopHandler = Callable[[OffloopContext, dict[str, Any]],
+                          "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
 
-def action(name: str) -> Callable[[Handler], Handler]:
-    """Register the decorated function as the handler of action `name`."""
-    def deco(fn: Handler) -> Handler:
-        HANDLERS[name] = fn
+@dataclass(frozen=True)
+class ActionSpec:
+    name: str
+    handler: Callable[..., Any]
+    offloop: bool = False
+    default_scope: Scope = "all"
+    max_attempts: int = 1
+    timeout: float = 120.0
+
+
+ACTIONS: dict[str, ActionSpec] = {}
+# Actions every group may always call on its own folder, whatever `groups.<g>.actions` says.
+ALWAYS_ALLOWED = ("memory_search", "memory_get")
+
+
+def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
+           max_attempts: int = 1, timeout: float = 120.0) -> Callable[[Any], Any]:
+    """Register the decorated function as the handler of action `name` (see module doc)."""
+    if default_scope not in ("all", "main"):
+        raise ValueError(f"default_scope must be 'all' or 'main', not {default_scope!r}")
+    if max_attempts < 1:
+        raise ValueError("max_attempts must be at least 1")
+
+    def deco(fn: Any) -> Any:
+        ACTIONS[name] = ActionSpec(name, fn, offloop, default_scope, max_attempts, timeout)
         return fn
     return deco
 
 
+def get_spec(name: str) -> ActionSpec:
+    """The registered action `name`; ActionFailed (naming the known ones) if there is none."""
+    spec = ACTIONS.get(name)
+    if spec is None:
+        raise ActionFailed(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
+    return spec
+
+
+def action_refusal(cfg: Config, folder: str, is_main: bool, name: str) -> str | None:
+    """Why group `folder` may not call action `name`, naming the rule; None if it may.
+
+    The one definition of the per-group action permission (the worker, doctor and the
+    operator page ask it):
+    - `groups.<folder>.actions` unset (or the group is not in the config): the action's
+      `default_scope` decides: "all" groups, or "main" only;
+    - set: exactly the actions matching one of its fnmatch patterns (`web_*`, `ha.*`),
+      plus memory_search and memory_get, which every group may call on its own folder.
+    An unknown action is not refused here (the request gets "unknown action").
+    """
+    spec = ACTIONS.get(name)
+    if spec is None:
+        return None
+    group = cfg.groups.get(folder)
+    patterns = group.actions if group is not None else None
+    if patterns is None:
+        if spec.default_scope == "main" and not is_main:
+            return (f"action {name!r} is allowed only for the main group by default; "
+                    f"list it in groups.{folder}.actions to allow it")
+        return None
+    if name in ALWAYS_ALLOWED or any(fnmatchcase(name, p) for p in patterns):
+        return None
+    shown = ", ".join(patterns) if patterns else "empty"
+    return (f"action {name!r} is not allowed for group {folder!r}: groups.{folder}.actions "
+            f"({shown}) matches no such action")
+
+
 def run_action(ctx: ActionContext, name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Run handler `name`; returns its result. Raises ActionFailed (unknown action, handler
-    failure) or Unauthorized (the caller may not do it: the request is quarantined)."""
-    handler = HANDLERS.get(name)
-    if handler is None:
-        raise ActionFailed(f"unknown action {name!r}; known: {', '.join(sorted(HANDLERS))}")
-    return handler(ctx, params)
+    """Run the on-loop handler `name`; returns its result. Raises ActionFailed (unknown
+    action, handler failure) or Unauthorized (the caller may not do it: quarantined)."""
+    spec = get_spec(name)
+    if spec.offloop:
+        raise ActionFailed(f"action {name!r} runs off the loop; it cannot run inline")
+    result: dict[str, Any] = spec.handler(ctx, params)
+    return result
 
 
 # --------------------------------------------------------------------------- memory

@@ -10,6 +10,7 @@ without one was not applied and is processed normally.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -24,7 +25,13 @@ from typing import Any
 from mdclaw import agentfs, schedule
 from mdclaw.config import Config
 from mdclaw.ipc import protocol as P
-from mdclaw.ipc.actions import ActionContext, ActionFailed, run_action
+from mdclaw.ipc.actions import (
+    ActionContext,
+    ActionFailed,
+    action_refusal,
+    get_spec,
+    run_action,
+)
 from mdclaw.ipc.auth import (
     Caller,
     Unauthorized,
@@ -90,6 +97,7 @@ class Effects:
     task_folders: set[str] = field(default_factory=set)
     groups_changed: bool = False
     files: bool = False  # send_file rows wait for their host copy
+    jobs: bool = False  # off-loop action jobs were queued
 
 
 @dataclass
@@ -135,6 +143,8 @@ class IpcEngine:
         self.spool: Callable[[], None] = self._spool_now
         # Called with the batch's items right after COMMIT (benchmarks time commits with it).
         self.on_commit: Callable[[list[Item]], None] | None = None
+        # Called after a COMMIT that queued off-loop action jobs (the ActionWorker's wake).
+        self.on_jobs: Callable[[], None] | None = None
         self.refresh_groups()
 
     def close(self) -> None:
@@ -343,6 +353,8 @@ class IpcEngine:
         write_snapshots(self.db, self.layout, folders, tasks=tasks, groups=groups)
 
     def _after(self, fx: Effects) -> None:
+        if fx.jobs and self.on_jobs is not None:
+            self.on_jobs()
         if fx.files:
             self.spool()
         if fx.groups_changed:
@@ -393,6 +405,10 @@ class IpcEngine:
         how many. A row only matters between COMMIT and the file's removal."""
         cutoff = to_iso(utc_now() - LEDGER_KEEP)
         with self.db.transaction() as conn:
+            # Finished off-loop jobs are kept as long: their requestIds stay refused as
+            # duplicates meanwhile.
+            conn.execute("DELETE FROM action_jobs WHERE written_at IS NOT NULL AND"
+                         " written_at < ?", (cutoff,))
             return conn.execute("DELETE FROM ipc_ledger WHERE processed_at < ?",
                                 (cutoff,)).rowcount
 
@@ -457,7 +473,7 @@ class IpcEngine:
             self._group_op(conn, cmd, jid_to_folder)
             fx.groups_changed = True
         elif isinstance(cmd, P.ActionRequest):
-            self._action(conn, caller, cmd, it)
+            self._action(conn, caller, cmd, fx)
         else:  # pragma: no cover - the union is exhaustive
             raise ApplyError(f"no handler for {cmd.type}")
 
@@ -542,9 +558,31 @@ class IpcEngine:
             log.warning("ipc: group %s: %s", folder, e)
 
     def _action(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
-                it: Item) -> None:
-        ctx = ActionContext(caller, self.layout, conn)
+                fx: Effects) -> None:
         body: dict[str, Any] = {"requestId": cmd.request_id}
+        spec = None
+        try:
+            spec = get_spec(cmd.action)
+            refusal = action_refusal(self.cfg, caller.folder, caller.is_main, cmd.action)
+            if refusal is not None:
+                raise ActionFailed(refusal)
+        except ActionFailed as e:
+            body.update(status="error", error=str(e))
+        else:
+            if spec.offloop:
+                self._queue_job(conn, caller, cmd, spec.max_attempts)
+                fx.jobs = True
+                return
+            self._run_inline(conn, caller, cmd, body)
+        body["executedAt"] = to_iso(utc_now())
+        gfd = self.dirs[caller.folder].group_fd
+        if gfd is None:
+            raise ApplyError("the group's IPC folder is not open")
+        write_action_result(gfd, cmd.request_id, body)
+
+    def _run_inline(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
+                    body: dict[str, Any]) -> None:
+        ctx = ActionContext(caller, self.layout, conn)
         conn.execute("SAVEPOINT action")
         try:
             body.update(status="success", result=run_action(ctx, cmd.action, cmd.params))
@@ -562,11 +600,22 @@ class IpcEngine:
             conn.execute("RELEASE action")
             log.exception("ipc: action %s of %s failed", cmd.action, caller.folder)
             body.update(status="error", error=f"{cmd.action} failed: {type(e).__name__}")
-        body["executedAt"] = to_iso(utc_now())
-        gfd = self.dirs[caller.folder].group_fd
-        if gfd is None:
-            raise ApplyError("the group's IPC folder is not open")
-        write_action_result(gfd, cmd.request_id, body)
+
+    @staticmethod
+    def _queue_job(conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
+                   max_attempts: int) -> None:
+        """Record an off-loop request in this transaction (with its ledger row); the action
+        worker runs it. A requestId the group already used is refused, never run twice."""
+        if conn.execute("SELECT 1 FROM action_jobs WHERE group_folder = ? AND request_id = ?",
+                        (caller.folder, cmd.request_id)).fetchone():
+            raise ApplyError(f"duplicate requestId {cmd.request_id!r}: that request was "
+                             "already made; use a new requestId")
+        conn.execute(
+            "INSERT INTO action_jobs (group_folder, request_id, action, params, is_main,"
+            " max_attempts, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (caller.folder, cmd.request_id, cmd.action,
+             json.dumps(cmd.params, ensure_ascii=False), int(caller.is_main), max_attempts,
+             to_iso(utc_now())))
 
 
 def remove_if_same(dir_fd: int, name: str, gen: str) -> None:

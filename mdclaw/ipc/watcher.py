@@ -25,6 +25,7 @@ from mdclaw.config import Config
 from mdclaw.ipc.apply import SETTLE_NS, BackgroundRemover, BatchResult, IpcEngine
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
 from mdclaw.ipc.spool import FileSpooler
+from mdclaw.ipc.worker import ActionWorker
 from mdclaw.ipc.writers import SnapshotWriter
 from mdclaw.state import Database
 
@@ -51,6 +52,9 @@ class IpcWatcher:
         self.on_files_ready: Callable[[], None] | None = None
         self.spooler = FileSpooler(cfg, cfg.db_path, on_ready=self._files_ready)
         self.engine.spool = self.spooler.wake
+        # Off-loop actions (web, slow work) run on the action worker, a task beside the loop.
+        self.actions = ActionWorker(cfg)
+        self.engine.on_jobs = self.actions.wake
         self.poll_interval = (poll_interval if poll_interval is not None
                               else cfg.limits.ipc_poll_interval.total_seconds())
         self.inotify: INotify | None = None
@@ -207,6 +211,7 @@ class IpcWatcher:
         """Serve until `stop` is set. Start-up writes every snapshot and drains the backlog."""
         loop = asyncio.get_running_loop()
         self.engine.start()
+        self.actions.start()
         self._fingerprint = self.engine.state_fingerprint()
         self.sync_watches()
         if self.inotify is not None:
@@ -243,12 +248,14 @@ class IpcWatcher:
             stop_task.cancel()
             if self.inotify is not None:
                 loop.remove_reader(self.inotify.fd)
+            await self.actions.stop()
 
     def _files_ready(self) -> None:
         if self.on_files_ready is not None:
             self.on_files_ready()
 
     def close(self) -> None:
+        self.actions.close()
         self.spooler.close()
         self.remover.close()
         self.engine.remover = None

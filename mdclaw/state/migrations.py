@@ -276,6 +276,33 @@ ALTER TABLE task_run_logs ADD COLUMN due_at TEXT;
 ALTER TABLE task_run_logs ADD COLUMN started_at TEXT;
 ALTER TABLE task_run_logs ADD COLUMN start_note TEXT;
 """),
+    (9, "off-loop action jobs", """
+-- Action requests whose handler runs off the IPC loop (network, slow work). The row is
+-- inserted in the same transaction as the request's ledger row; the action worker claims it
+-- (status running, attempts + 1), stores the result body with status done/failed, then writes
+-- action_results/<request_id>.json and sets written_at. A restart finishes what a crash left.
+CREATE TABLE action_jobs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  group_folder TEXT NOT NULL,
+  request_id TEXT NOT NULL,
+  action TEXT NOT NULL,
+  params TEXT NOT NULL,
+  is_main INTEGER NOT NULL DEFAULT 0 CHECK(is_main IN (0, 1)),
+  status TEXT NOT NULL DEFAULT 'queued'
+    CHECK(status IN ('queued', 'running', 'done', 'failed')),
+  attempts INTEGER NOT NULL DEFAULT 0,
+  max_attempts INTEGER NOT NULL DEFAULT 1,
+  result TEXT,
+  error TEXT,
+  created_at TEXT NOT NULL,
+  started_at TEXT,
+  finished_at TEXT,
+  written_at TEXT,
+  UNIQUE (group_folder, request_id)
+);
+CREATE INDEX idx_action_jobs_status ON action_jobs(status, id);
+CREATE INDEX idx_action_jobs_finished ON action_jobs(finished_at);
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

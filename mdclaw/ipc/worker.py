@@ -1,0 +1,314 @@
+"""The action worker: runs off-loop actions (network, slow work) away from the IPC loop.
+
+The IPC engine records each off-loop request as an `action_jobs` row in the command's own
+transaction (see `mdclaw/ipc/actions.py`). This worker, a task on the daemon's event loop,
+claims queued rows and runs their handlers: at most `limits.action_jobs` at once overall and
+`limits.action_jobs_per_group` per group, taken round-robin between groups so one group's
+burst cannot starve the others. Its database work (claim, finish) and result writes run on
+one thread of its own with its own connection, so the loop only awaits them.
+
+Exactly one result per request:
+- a claim sets status `running` and bumps `attempts`; the attempt number is the claim's
+  token: a result is stored only if the row is still `running` with that attempt;
+- the result body is stored in the row (`done`/`failed`) before the file is written, and
+  `written_at` set after; a crash in between writes the same stored body again at start;
+- at start (`recover`), a row left `running` is queued again if it has attempts left, else
+  it gets the error result "interrupted by a restart"; rows left `queued` are simply run.
+On stop, jobs still running after a short grace are cancelled and left `running`: the next
+start finishes them the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mdclaw import agentfs
+from mdclaw.agentfs import UnsafePath
+from mdclaw.config import Config
+from mdclaw.ipc.actions import ActionFailed, OffloopContext, action_refusal, get_spec
+from mdclaw.ipc.auth import Caller, Unauthorized
+from mdclaw.ipc.writers import write_action_result
+from mdclaw.paths import Layout
+from mdclaw.schedule import to_iso, utc_now
+from mdclaw.state import Database
+
+log = logging.getLogger("mdclaw.ipc.worker")
+
+T = TypeVar("T")
+
+POLL_INTERVAL = 2.0  # seconds: jobs queued by another process (`mdclaw ipc drain`) are seen
+STOP_GRACE = 5.0  # seconds running jobs get to finish when the daemon stops
+INTERRUPTED = "interrupted by a restart"
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    folder: str
+    request_id: str
+    action: str
+    params: dict[str, Any]
+    is_main: bool
+    jid: str | None
+    attempt: int
+
+
+def _now() -> str:
+    return to_iso(utc_now())
+
+
+class ActionWorker:
+    """Runs queued off-loop action jobs until stopped (see module doc)."""
+
+    def __init__(self, cfg: Config, *, max_concurrent: int | None = None,
+                 per_group: int | None = None, poll_interval: float = POLL_INTERVAL,
+                 stop_grace: float = STOP_GRACE) -> None:
+        self.cfg = cfg
+        self.layout = Layout(cfg.data_dir)
+        self._max = max_concurrent
+        self._per_group = per_group
+        self.poll_interval = poll_interval
+        self.stop_grace = stop_grace
+        self.db = Database(cfg.db_path, migrate=False)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="action-jobs")
+        self._ipc_fd: int | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.running: dict[int, tuple[Job, asyncio.Task[None]]] = {}
+        self.finished = 0  # jobs whose result was stored by this worker
+
+    @property
+    def max_concurrent(self) -> int:
+        return self._max or self.cfg.limits.action_jobs
+
+    @property
+    def per_group(self) -> int:
+        return self._per_group or self.cfg.limits.action_jobs_per_group
+
+    # ------------------------------------------------------------------ control
+    def wake(self) -> None:
+        """New jobs were queued (called on the loop by the IPC engine after its COMMIT)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def start(self) -> asyncio.Task[None]:
+        """Start serving on the running loop; returns the task."""
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="action-worker")
+        return self._task
+
+    async def stop(self) -> None:
+        """Stop taking jobs; give running ones `stop_grace` seconds, cancel the rest (they
+        stay `running` in the database and are finished at the next start)."""
+        if self._stop is not None:
+            self._stop.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._ipc_fd is not None:
+            os.close(self._ipc_fd)
+            self._ipc_fd = None
+        self.db.close()
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        await self._io(self.recover)
+        stop_task = asyncio.ensure_future(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                free = self.max_concurrent - len(self.running)
+                if free > 0:
+                    counts = Counter(j.folder for j, _ in self.running.values())
+                    for job in await self._io(self._claim, free, counts):
+                        task = asyncio.ensure_future(self._run_job(job))
+                        self.running[job.id] = (job, task)
+                        task.add_done_callback(functools.partial(self._done, job.id))
+                wake_task = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({wake_task, stop_task}, timeout=self.poll_interval,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                wake_task.cancel()
+        finally:
+            stop_task.cancel()
+            await self._drain()
+
+    def _done(self, job_id: int, _task: asyncio.Task[None]) -> None:
+        self.running.pop(job_id, None)
+        self.wake()
+
+    async def _drain(self) -> None:
+        tasks = [t for _, t in self.running.values()]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=self.stop_grace)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            log.warning("action worker: %d job(s) cut short by the stop; they are finished at "
+                        "the next start", len(pending))
+
+    # ------------------------------------------------------------------ one job
+    async def _run_job(self, job: Job) -> None:
+        body: dict[str, Any] = {"requestId": job.request_id}
+        timeout = 120.0
+        try:
+            spec = get_spec(job.action)
+            timeout = spec.timeout
+            refusal = action_refusal(self.cfg, job.folder, job.is_main, job.action)
+            if refusal is not None:
+                raise ActionFailed(refusal)
+            ctx = OffloopContext(Caller(job.folder, job.is_main, job.jid), self.cfg,
+                                 self.layout, job.request_id)
+            if inspect.iscoroutinefunction(spec.handler):
+                result = await asyncio.wait_for(spec.handler(ctx, job.params), timeout)
+            else:
+                result = await asyncio.wait_for(
+                    asyncio.to_thread(spec.handler, ctx, job.params), timeout)
+            if not isinstance(result, dict):
+                raise TypeError(f"handler returned {type(result).__name__}, not a dict")
+            body.update(status="success", result=result)
+        except ActionFailed as e:
+            body.update(status="error", error=str(e))
+        except Unauthorized as e:
+            body.update(status="error", error=f"unauthorized: {e}")
+        except TimeoutError:
+            body.update(status="error", error=f"{job.action} took longer than {timeout:g} s")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any action's bug: the agent gets an error
+            log.exception("action worker: %s of %s failed", job.action, job.folder)
+            body.update(status="error", error=f"{job.action} failed: {type(e).__name__}")
+        body["executedAt"] = _now()
+        await self._io(self._finish, job, body)
+
+    # ------------------------------------------------------------------ database (thread)
+    def _claim(self, free: int, counts: Counter[str]) -> list[Job]:
+        """Claim up to `free` queued jobs, round-robin between groups, each group under its
+        cap. Reads first (no lock taken when there is nothing to claim)."""
+        rows = self.db.query(
+            "SELECT j.id, j.group_folder, j.request_id, j.action, j.params, j.is_main,"
+            " j.attempts, g.jid FROM action_jobs j LEFT JOIN registered_groups g"
+            " ON g.folder = j.group_folder WHERE j.status = 'queued' ORDER BY j.id LIMIT 2000")
+        by_group: dict[str, list[Any]] = {}
+        for r in rows:
+            by_group.setdefault(r["group_folder"], []).append(r)
+        picked: list[Any] = []
+        counts = Counter(counts)
+        while len(picked) < free:
+            took = False
+            for folder, queue in by_group.items():
+                if queue and counts[folder] < self.per_group and len(picked) < free:
+                    picked.append(queue.pop(0))
+                    counts[folder] += 1
+                    took = True
+            if not took:
+                break
+        if not picked:
+            return []
+        jobs = []
+        now = _now()
+        with self.db.transaction() as conn:
+            for r in picked:
+                n = conn.execute(
+                    "UPDATE action_jobs SET status = 'running', attempts = attempts + 1,"
+                    " started_at = ? WHERE id = ? AND status = 'queued'", (now, r["id"])).rowcount
+                if n != 1:
+                    continue
+                try:
+                    params = json.loads(r["params"])
+                except ValueError:
+                    params = {}
+                jobs.append(Job(r["id"], r["group_folder"], r["request_id"], r["action"],
+                                params if isinstance(params, dict) else {},
+                                bool(r["is_main"]), r["jid"], r["attempts"] + 1))
+        return jobs
+
+    def _finish(self, job: Job, body: dict[str, Any]) -> None:
+        """Store the result if this claim still holds the job, then write the file."""
+        status = "done" if body.get("status") == "success" else "failed"
+        with self.db.transaction() as conn:
+            n = conn.execute(
+                "UPDATE action_jobs SET status = ?, result = ?, error = ?, finished_at = ?"
+                " WHERE id = ? AND status = 'running' AND attempts = ?",
+                (status, json.dumps(body, ensure_ascii=False), body.get("error"), _now(),
+                 job.id, job.attempt)).rowcount
+        if n != 1:
+            log.warning("action worker: %s %s of %s was taken over; this result is dropped",
+                        job.action, job.request_id, job.folder)
+            return
+        self.finished += 1
+        self._write(job.id, job.folder, job.request_id, body)
+
+    def _write(self, job_id: int, folder: str, request_id: str, body: dict[str, Any]) -> None:
+        problem = None
+        try:
+            if self._ipc_fd is None:
+                self._ipc_fd = agentfs.open_root(self.layout.ipc_dir)
+            with agentfs.opened(self._ipc_fd, folder) as gfd:
+                write_action_result(gfd, request_id, body)
+        except (OSError, UnsafePath) as e:
+            problem = f"result not delivered: {e}"
+            log.warning("action worker: %s of %s: %s", request_id, folder, problem)
+        with self.db.transaction() as conn:
+            conn.execute("UPDATE action_jobs SET written_at = ?, error = coalesce(error, ?)"
+                         " WHERE id = ?", (_now(), problem, job_id))
+
+    def recover(self) -> int:
+        """Finish what a crash or a stop left: write stored results, queue again or fail
+        jobs left running. Returns how many rows it touched."""
+        rows = self.db.query(
+            "SELECT id, group_folder, request_id, action, status, attempts, max_attempts,"
+            " result FROM action_jobs WHERE status = 'running' OR"
+            " (status IN ('done', 'failed') AND written_at IS NULL) ORDER BY id")
+        for r in rows:
+            if r["status"] == "running" and r["attempts"] < r["max_attempts"]:
+                with self.db.transaction() as conn:
+                    conn.execute("UPDATE action_jobs SET status = 'queued' WHERE id = ? AND"
+                                 " status = 'running'", (r["id"],))
+                log.info("action worker: %s %s of %s queued again after a restart",
+                         r["action"], r["request_id"], r["group_folder"])
+                continue
+            if r["status"] == "running":
+                body = {"requestId": r["request_id"], "status": "error",
+                        "error": f"{r['action']} was {INTERRUPTED}; ask again if it is "
+                                 "still needed", "executedAt": _now()}
+                with self.db.transaction() as conn:
+                    n = conn.execute(
+                        "UPDATE action_jobs SET status = 'failed', result = ?, error = ?,"
+                        " finished_at = ? WHERE id = ? AND status = 'running'",
+                        (json.dumps(body), INTERRUPTED, _now(), r["id"])).rowcount
+                if n != 1:
+                    continue
+            else:
+                try:
+                    body = json.loads(r["result"])
+                except (TypeError, ValueError):
+                    body = {"requestId": r["request_id"], "status": "error",
+                            "error": f"{r['action']}: its stored result was unreadable",
+                            "executedAt": _now()}
+            self._write(r["id"], r["group_folder"], r["request_id"], body)
+        return len(rows)
+
+    def counts(self) -> dict[str, int]:
+        """Jobs per status (for status pages)."""
+        return {r[0]: r[1] for r in self.db.query(
+            "SELECT status, count(*) FROM action_jobs GROUP BY status")}
