@@ -236,7 +236,8 @@ def test_bad_token_is_a_clear_error_and_never_leaks(tmp_path: Path,
             assert wrong not in caplog.text
             ha = h.env.cfg.integrations.home_assistant
             assert ha is not None
-            assert (await probe(ha))[0] == "fail"
+            level, detail, fix = await probe(ha)
+            assert level == "fail" and "HTTP 401" in detail and "Long-lived" in fix
     run(go())
 
 
@@ -487,3 +488,38 @@ def test_config_refuses_a_dashboards_dir_in_a_container_tree(tmp_path: Path) -> 
     assert "integrations.home_assistant.url" in text
     assert "integrations.home_assistant.allow.services" in text
     assert TOKEN not in text
+
+
+def test_doctor_checks_url_and_token(cli: Any, write_config: Any, tmp_path: Path) -> None:
+    """`mdclaw doctor` against the fake: the right token is ok, a wrong one fails with the
+    fix, an unreachable URL fails with its own fix; the token is in no output."""
+    import threading
+
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(FakeHomeAssistant(TOKEN).app())
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        for token, url, level, words in (
+                (TOKEN, f"http://127.0.0.1:{port}", "ok", "accepts the token"),
+                ("not-the-token-123", f"http://127.0.0.1:{port}", "fail", "HTTP 401"),
+                (TOKEN, "http://127.0.0.1:9", "fail", "cannot reach")):
+            extra = ha_config(url, tmp_path, services=[], entities=[], token=token)
+            cfg = str(write_config("data_dir: {data_dir}\ngroups:\n  main: {name: A, jid: "
+                                   "\"hl:main\", main: true}\n" + extra))
+            r = cli("doctor", "--json", "--config", cfg)
+            check = {c["check"]: c for c in json.loads(r.stdout)}["home assistant"]
+            assert check["level"] == level and words in check["detail"], check
+            assert level == "ok" or check["fix"]
+            assert token not in r.stdout + r.stderr
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()

@@ -183,18 +183,24 @@ async def client_for(ha: HomeAssistant) -> HAClient:
     return HAClient(ha, token)
 
 
-async def probe(ha: HomeAssistant) -> tuple[str, str]:
-    """("ok"|"fail"|"warn", what) for `mdclaw doctor`: GET /api/ with the token."""
+async def probe(ha: HomeAssistant) -> tuple[str, str, str]:
+    """(level ok|fail, what, fix) for `mdclaw doctor`: GET /api/ with the token answers
+    200 (reachable and authorised), 401 (the token is refused) or nothing."""
     try:
         client = await client_for(ha)
     except ActionFailed as e:
-        return "fail", str(e)
+        return "fail", str(e), f"write a long-lived access token into {ha.token_file}"
     try:
         body = await client.api_status()
     except HAError as e:
-        return "fail", str(e)
+        if e.status == 401:
+            return ("fail", f"{ha.url} refused the token (HTTP 401)",
+                    "create a long-lived access token (HA: your profile → Security → "
+                    f"Long-lived access tokens) and put it into {ha.token_file}")
+        return ("fail", str(e), "start Home Assistant or fix integrations.home_assistant.url "
+                "(the address this host reaches it at, e.g. http://homeassistant.local:8123)")
     message = body.get("message") if isinstance(body, dict) else None
-    return "ok", f"{ha.url} answers with the token ({message or 'HTTP 200'})"
+    return "ok", f"{ha.url} answers and accepts the token ({message or 'HTTP 200'})", ""
 
 
 # --------------------------------------------------------------------------- params
