@@ -492,3 +492,20 @@ def test_the_body_check_agrees_with_the_hosts_parser() -> None:
             assert isinstance(body.get("schedule_value"), int), (body, commands.problems(body))
 
     check()
+
+
+def test_action_tools_follow_the_hosts_list() -> None:
+    """Home Assistant tools are main-only by default; when the host lists the group's
+    actions (MDCLAW_ACTIONS from groups.<g>.actions), exactly those action tools are given."""
+    from mdclaw_agent.protocol import Settings
+
+    main = {t.name for t in tools_for(True)}
+    other = {t.name for t in tools_for(False)}
+    assert {"ha_call_service", "ha_capture_screenshot", "farm_state_refresh"} <= main
+    assert not {n for n in other if n.startswith("ha_")} and "farm_state_refresh" not in other
+    told = Settings.from_env({"MDCLAW_ACTIONS": "ha_get_status,memory_get,memory_search"})
+    names = {t.name for t in tools_for(False, actions=told.allowed_actions)}
+    assert {"ha_get_status", "memory_get", "memory_search"} <= names
+    assert "ha_call_service" not in names and "web_fetch" not in names
+    assert "send_message" in names  # tools that are not actions are unaffected
+    assert Settings.from_env({}).allowed_actions is None

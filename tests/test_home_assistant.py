@@ -523,3 +523,19 @@ def test_doctor_checks_url_and_token(cli: Any, write_config: Any, tmp_path: Path
         thread.join(10)
         loop.run_until_complete(runner.cleanup())
         loop.close()
+
+
+def test_container_is_told_the_groups_actions(tmp_path: Path) -> None:
+    from mdclaw.runner import allowed_actions
+
+    env = Env(tmp_path, family="    actions: ['ha_get_status', 'web_*']\n")
+    try:
+        main = allowed_actions(env.cfg, "main", True)
+        assert set(ACTION_NAMES) <= set(main)
+        family = allowed_actions(env.cfg, "family", False)
+        assert "ha_get_status" in family and "ha_call_service" not in family
+        assert "memory_search" in family
+        work = allowed_actions(env.cfg, "work", False)
+        assert not [a for a in work if a.startswith("ha_")]
+    finally:
+        env.close()
