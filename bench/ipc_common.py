@@ -44,6 +44,8 @@ sys.path.insert(0, {repo!r})
 from mdclaw.config import load_config
 from mdclaw.state import Database
 from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.integrations import load_all
+load_all()
 cfg = load_config({cfg!r})
 commits = {{}}
 def on_commit(items):

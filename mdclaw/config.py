@@ -13,6 +13,7 @@ a file that holds the secret; it is read only when needed and never logged.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import stat
@@ -665,6 +666,87 @@ class TaskSpec(Frozen):
         return str(self.once)
 
 
+def _cidr(value: Any) -> str:
+    try:
+        return str(ipaddress.ip_network(str(value), strict=False))
+    except ValueError:
+        raise ValueError(f"{_short(value)} is not an address or CIDR range such as "
+                         "192.168.1.0/24") from None
+
+
+Cidr = Annotated[str, BeforeValidator(_cidr)]
+
+
+def _domain(value: Any) -> str:
+    text = str(value).strip().lower().rstrip(".")
+    if text.startswith("*."):
+        text = text[2:]
+    if not text or "/" in text or ":" in text or " " in text:
+        raise ValueError(f"{_short(value)} is not a domain name such as example.org")
+    return text
+
+
+Domain = Annotated[str, BeforeValidator(_domain)]
+
+
+class WebSearch(Frozen):
+    provider: Literal["searxng", "brave"] = Field(
+        description="searxng: a SearXNG instance (its JSON API must be enabled: "
+        "`search.formats: [html, json]` in its settings.yml); brave: the Brave Search API.")
+    url: str | None = Field(
+        None, description="searxng: the instance's URL, e.g. http://searx.lan:8080 (the "
+        "operator's own choice: not checked against the private-address rule). brave: the "
+        "API endpoint (default https://api.search.brave.com/res/v1/web/search).")
+    api_key_file: SecretFile | None = Field(
+        None, description="brave: file holding the subscription token (never logged).")
+    max_results: int = Field(10, ge=1, le=50, description="Most results one search returns.")
+
+    @model_validator(mode="after")
+    def _provider_needs(self) -> WebSearch:
+        if self.provider == "searxng" and not self.url:
+            raise CrossKeyError([(("url",), "searxng needs `url`: the instance's address, "
+                                  "e.g. http://searx.lan:8080")])
+        if self.provider == "brave" and self.api_key_file is None:
+            raise CrossKeyError([(("api_key_file",), "brave needs `api_key_file`: a file "
+                                  "holding the API token (chmod 600)")])
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise CrossKeyError([(("url",), f"{self.url!r} is not an http(s) URL")])
+        return self
+
+
+class Web(Frozen):
+    enabled: bool = Field(
+        False, description="Let agents fetch web pages and search (the web_fetch and "
+        "web_search actions); the host does the fetching, containers keep no network. Off "
+        "by default: pages an agent reads can carry instructions to it. Per group: "
+        "`groups.<g>.actions`.")
+    allow_domains: tuple[Domain, ...] = Field(
+        (), description="Only these domains (and their subdomains) may be fetched; empty: "
+        "any public domain.")
+    deny_domains: tuple[Domain, ...] = Field(
+        (), description="These domains (and their subdomains) are never fetched; wins over "
+        "allow_domains.")
+    allow_private: tuple[Cidr, ...] = Field(
+        (), description="Non-public address ranges fetches may reach anyway, e.g. "
+        "['192.168.1.20/32'] for one LAN host. Empty: loopback, private, link-local, "
+        "multicast, reserved and the host's own addresses are all refused.")
+    max_bytes: Size = Field("2MiB", description="Most bytes of one response body read.")
+    max_chars: int = Field(20_000, ge=100, le=1_000_000,
+                           description="Most characters of text one fetch returns (an agent "
+                           "may ask for fewer).")
+    timeout: Duration = Field(timedelta(seconds=20),
+                              description="Time one fetch (all redirects) may take.")
+    max_redirects: int = Field(5, ge=0, le=20,
+                               description="Redirects followed; each target is checked again.")
+    content_types: tuple[str, ...] = Field(
+        ("text/html", "application/xhtml+xml", "text/plain", "text/markdown", "text/csv",
+         "application/json", "application/xml", "text/xml"),
+        description="Response media types accepted; others are refused.")
+    user_agent: str = Field("mdclaw-web/0.1", description="User-Agent of the host's requests.")
+    search: WebSearch | None = Field(None, description="The web_search provider; unset: "
+                                     "web_search answers that no provider is configured.")
+
+
 class _Settings(BaseSettings):
     """Root of config.yaml. The YAML file is the base; MDCLAW_* variables override it."""
 
@@ -710,6 +792,8 @@ class Config(_Settings):
     integrations: Integrations = Field(
         default_factory=Integrations,
         description="Host-side capabilities agents may ask for (docs/integrations.md).")
+    web: Web = Field(default_factory=Web, description="Web access for agents, through the host "
+                     "(docs/integrations.md).")
 
     @field_validator("data_dir")
     @classmethod
@@ -1204,3 +1288,5 @@ def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:
     ha = cfg.integrations.home_assistant
     if ha is not None:
         yield "integrations.home_assistant.token_file", ha.token_file
+    if cfg.web.search is not None and cfg.web.search.api_key_file is not None:
+        yield "web.search.api_key_file", cfg.web.search.api_key_file

@@ -31,6 +31,7 @@ let
     "hypothesis"
     "inotify-simple"
     "jsonschema"
+    "markdownify"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"
