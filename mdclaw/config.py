@@ -623,6 +623,59 @@ class Transcription(Frozen):
             "/audio/transcriptions"
 
 
+_GLOB = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.*?\[\]!-]+$")]
+
+
+class HomeAssistantAllow(Frozen):
+    services: tuple[_GLOB, ...] = Field(
+        (), description="Services agents may call, as fnmatch patterns of `domain.service` "
+        "(`light.*`, `switch.turn_on`). Empty (the default): none, read-only.")
+    entities: tuple[_GLOB, ...] = Field(
+        (), description="Entities agents may read and act on, as fnmatch patterns of the "
+        "entity id (`light.*`, `climate.greenhouse`). Empty (the default): none.")
+
+
+class HomeAssistant(Frozen):
+    url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+                     description="Home Assistant's base URL, e.g. http://homeassistant.local:8123.")
+    token_file: SecretFile = Field(
+        description="File holding a long-lived access token (HA profile → Security → "
+        "Long-lived access tokens). Read on the host only; never sent to a container.")
+    dashboards_dir: Path | None = Field(
+        None, description="Folder of the Lovelace YAML dashboards (and canvas specs) the "
+        "dashboard actions read and edit; host-only, never mounted into a container.")
+    allow: HomeAssistantAllow = Field(
+        default_factory=HomeAssistantAllow,
+        description="What agents may call and see; the default allows nothing (read-only "
+        "status only).")
+    timeout: Duration = Field(timedelta(seconds=20),
+                              description="Longest one request to Home Assistant may take.")
+    chromium: str | None = Field(
+        None, min_length=1, description="Chromium binary ha_capture_screenshot runs on the "
+        "host; default: chromium (or chromium-browser, google-chrome) on PATH.")
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+    @field_validator("dashboards_dir")
+    @classmethod
+    def _absolute_dashboards(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = Path(os.path.expanduser(str(v)))
+        if not v.is_absolute():
+            raise ValueError("dashboards_dir must be an absolute path")
+        return v
+
+
+class Integrations(Frozen):
+    home_assistant: HomeAssistant | None = Field(
+        None, description="Home Assistant actions (ha_*, farm_state_refresh); "
+        "docs/integrations.md.")
+
+
 def _iso_text(value: Any) -> Any:
     """YAML reads an unquoted 2026-12-01T09:00:00 as a datetime: take it as ISO text again."""
     return value.isoformat() if isinstance(value, date) else value
@@ -788,6 +841,9 @@ class Config(_Settings):
     transcription: Transcription | None = Field(
         None, description="Voice note transcription; without it the agent gets the audio "
         "file and a note that no transcription is configured.")
+    integrations: Integrations = Field(
+        default_factory=Integrations,
+        description="Host-side capabilities agents may ask for (docs/integrations.md).")
     web: Web = Field(default_factory=Web, description="Web access for agents, through the host "
                      "(docs/integrations.md).")
 
@@ -950,7 +1006,32 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
             # Only a `once` time is read in a timezone (the assistant's, unless its own).
             add(("tasks", str(n), t.schedule_type), f"{e}",
                 *([("assistant",)] if t.schedule_type == "once" and not t.timezone else []))
+    ha = cfg.integrations.home_assistant
+    if ha is not None and ha.dashboards_dir is not None:
+        why = _container_tree_overlap(cfg, ha.dashboards_dir)
+        if why:
+            add(("integrations", "home_assistant", "dashboards_dir"),
+                f"{str(ha.dashboards_dir)!r} {why}: the dashboards folder is the host's "
+                "alone; put it outside data_dir's groups/, ipc/, sessions/ and every "
+                "group mount", ("groups",))
     return problems, requires
+
+
+def _container_tree_overlap(cfg: Config, path: Path) -> str | None:
+    """Why `path` lies in (or holds) a folder a container can reach, or None."""
+    def overlaps(a: Path, b: Path) -> bool:
+        return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+    norm = Path(os.path.normpath(path))
+    for tree in ("groups", "ipc", "sessions"):
+        if overlaps(norm, cfg.data_dir / tree):
+            return f"overlaps data_dir/{tree}"
+    for folder, g in cfg.groups.items():
+        for m in g.mounts:
+            host = Path(os.path.normpath(os.path.expanduser(m.host)))
+            if host.is_absolute() and overlaps(norm, host):
+                return f"overlaps the mount {m.host!r} of group {folder!r}"
+    return None
 
 
 def _and(names: list[str]) -> str:
@@ -1301,6 +1382,9 @@ def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:
         yield "channels.http.secret_file", cfg.channels.http.secret_file
     if cfg.channels.telegram:
         yield "channels.telegram.token_file", cfg.channels.telegram.token_file
+    ha = cfg.integrations.home_assistant
+    if ha is not None:
+        yield "integrations.home_assistant.token_file", ha.token_file
     if cfg.web.search is not None and cfg.web.search.api_key_file is not None:
         yield "web.search.api_key_file", cfg.web.search.api_key_file
 

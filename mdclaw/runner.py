@@ -46,6 +46,8 @@ from typing import Any
 from mdclaw import agentfs
 from mdclaw import mounts as mount_rules
 from mdclaw.config import Config, validate_folder
+from mdclaw.integrations import load_all
+from mdclaw.ipc.actions import ACTIONS, action_refusal
 from mdclaw.ipc.writers import CLOSE_SENTINEL, remove_close, write_close
 from mdclaw.paths import GROUP_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.runtime import (
@@ -156,6 +158,13 @@ class OutputParser:
 
 
 # --------------------------------------------------------------------------- data
+
+
+def allowed_actions(cfg: Config, folder: str, is_main: bool) -> list[str]:
+    """The host actions group `folder` may call (the one rule, `action_refusal`), which its
+    container's tools offer: passed as MDCLAW_ACTIONS."""
+    load_all()
+    return sorted(n for n in ACTIONS if action_refusal(cfg, folder, is_main, n) is None)
 
 
 @dataclass(frozen=True)
@@ -499,7 +508,8 @@ class ContainerRunner:
             stdin=input.to_json(),
             env={"HOME": AGENT_HOME, "TZ": cfg.assistant.timezone, "MDCLAW_GROUP": folder,
                  "MDCLAW_PROXY_SOCKET": f"{PROXY_MOUNT}/{PROXY_SOCKET_NAME}",
-                 "MDCLAW_TOOL_TIMEOUT_MAX": f"{cfg.tool_timeout_seconds(folder):g}"},
+                 "MDCLAW_TOOL_TIMEOUT_MAX": f"{cfg.tool_timeout_seconds(folder):g}",
+                 "MDCLAW_ACTIONS": ",".join(allowed_actions(cfg, folder, is_main))},
             mounts=mounts,
             user="1000:1000",
             group_add=[str(gid)] if gid != 1000 else [],

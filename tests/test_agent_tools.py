@@ -510,3 +510,20 @@ def test_memory_search_shows_when_and_who_for_past_conversations(ctx: ToolContex
     assert not err, reply
     assert "- 2026-01-01T10:00:00.000Z message (Alice): rent a **kayak**" in reply
     assert "- 2026-01-01T10:00:05.000Z reply (assistant): a **kayak** costs 40" in reply
+
+
+def test_action_tools_follow_the_hosts_list() -> None:
+    """Home Assistant tools are main-only by default; when the host lists the group's
+    actions (MDCLAW_ACTIONS from groups.<g>.actions), exactly those action tools are given."""
+    from mdclaw_agent.protocol import Settings
+
+    main = {t.name for t in tools_for(True)}
+    other = {t.name for t in tools_for(False)}
+    assert {"ha_call_service", "ha_capture_screenshot", "farm_state_refresh"} <= main
+    assert not {n for n in other if n.startswith("ha_")} and "farm_state_refresh" not in other
+    told = Settings.from_env({"MDCLAW_ACTIONS": "ha_get_status,memory_get,memory_search"})
+    names = {t.name for t in tools_for(False, actions=told.allowed_actions)}
+    assert {"ha_get_status", "memory_get", "memory_search"} <= names
+    assert "ha_call_service" not in names and "web_fetch" not in names
+    assert "send_message" in names  # tools that are not actions are unaffected
+    assert Settings.from_env({}).allowed_actions is None

@@ -46,6 +46,12 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
     "mdclaw/operator/web.py": "its packaged page (HTML, JavaScript, CSS)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
+    "mdclaw/integrations/ha_dashboards.py": "the operator's Home Assistant dashboards_dir "
+                                            "(host-owned, never mounted into a container; "
+                                            "config refuses one inside a container tree)",
+    "mdclaw/integrations/ha_screenshot.py": "finds the Chromium binary and removes the "
+                                            "private profile folder it made in the host's "
+                                            "temp dir",
 }
 
 OS_CALLS = {

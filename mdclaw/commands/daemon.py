@@ -462,7 +462,7 @@ def _check_backends(results: list[dict[str, str]], cfg: Config,
 async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                            used: dict[str, list[str]]) -> None:
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
-    and Telegram's getMe accepts the bot token."""
+    Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token."""
     from mdclaw.failures import redact, server_name
     from mdclaw.proxy import Upstream, probe_upstream
 
@@ -521,7 +521,16 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                    f"Telegram rejected the bot token ({desc or r.status})",
                    "put the token @BotFather gave you into channels.telegram.token_file")
 
-    await asyncio.gather(*(one(k) for k in used), telegram())
+    async def home_assistant() -> None:
+        ha = cfg.integrations.home_assistant
+        if ha is None:
+            return
+        from mdclaw.integrations.home_assistant import probe
+
+        level, detail, fix = await probe(ha)
+        _check(results, "home assistant", level, detail, fix)
+
+    await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant())
 
 
 def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES: tuple[str, ...] = ("web",)
+MODULES: tuple[str, ...] = ("web", "home_assistant")
 
 
 def load_all() -> None:

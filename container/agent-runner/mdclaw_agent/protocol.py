@@ -123,6 +123,8 @@ class Settings:
     extra_dir: Path = Path("/workspace/extra")
     tool_timeout_max: float = 600.0
     web_timeout_seconds: float = 60.0
+    # The host actions this group may call (MDCLAW_ACTIONS, comma-separated); None: not told.
+    allowed_actions: frozenset[str] | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -141,6 +143,8 @@ class Settings:
             extra_dir=Path(env.get("MDCLAW_EXTRA_DIR", "/workspace/extra")),
             tool_timeout_max=float(env.get("MDCLAW_TOOL_TIMEOUT_MAX", "600")),
             web_timeout_seconds=float(env.get("MDCLAW_WEB_TIMEOUT", "60")),
+            allowed_actions=(frozenset(a for a in env["MDCLAW_ACTIONS"].split(",") if a)
+                             if "MDCLAW_ACTIONS" in env else None),
         )
 
 

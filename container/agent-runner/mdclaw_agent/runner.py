@@ -38,7 +38,7 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
     if inp.backend == "openai":
         from mdclaw_agent.backends.openai import OpenAIBackend
 
-        tools = tools_for(inp.is_main)
+        tools = tools_for(inp.is_main, actions=settings.allowed_actions)
         return OpenAIBackend(base_url=base_url.rstrip("/") + "/v1", api_key=PLACEHOLDER_KEY,
                              model=inp.model or DEFAULT_OPENAI_MODEL, system=system,
                              tools=tools, ctx=ctx, max_tool_rounds=settings.max_tool_rounds,
@@ -69,7 +69,8 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
         "ENABLE_TOOL_SEARCH": "false",
     }
     # Claude Code keeps its own file and shell tools; ours add the IPC, memory and web tools.
-    tools = tools_for(inp.is_main, workspace=False)
+    tools = tools_for(inp.is_main, workspace=False,
+                      actions=settings.allowed_actions)
     return ClaudeBackend(model=inp.model, system=system, tools=tools, ctx=ctx,
                          cwd=settings.group_dir, session_id=inp.session_id, env=env,
                          extra_dirs=[settings.global_dir])

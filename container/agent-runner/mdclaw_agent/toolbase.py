@@ -44,6 +44,9 @@ class Tool:
     handler: Callable[[ToolContext, dict[str, Any]], str]
     main_only: bool = False
     tags: tuple[str, ...] = field(default=())
+    # The host action this tool asks for: when the host lists the actions this group may
+    # call (MDCLAW_ACTIONS), the tool is given exactly when its action is listed.
+    action: str | None = None
 
     def call(self, ctx: ToolContext, args: dict[str, Any]) -> str:
         """Run the tool after checking the arguments against its whole schema (types, enums,

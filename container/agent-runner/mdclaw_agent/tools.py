@@ -28,6 +28,7 @@ from typing import Any
 from mdclaw_agent import commands
 from mdclaw_agent.commands import MAX_FILE_BYTES
 from mdclaw_agent.filetools import FILE_TOOLS
+from mdclaw_agent.hatools import HA_TOOLS
 from mdclaw_agent.ipc import read_json_file, write_json_atomic
 from mdclaw_agent.shell import BASH_TOOL
 from mdclaw_agent.toolbase import Tool, ToolContext, ToolError
@@ -398,9 +399,10 @@ _IPC_TOOLS: tuple[Tool, ...] = (
          _schema(["query"], query=_s("What to look for."),
                  top_k={"type": "integer", "description": "How many matches (default 5)."},
                  sources=_s("memory, sessions or all.", enum=["memory", "sessions", "all"])),
-         _memory_search),
+         _memory_search, action="memory_search"),
     Tool("memory_get", "Read one memory file (MEMORY.md or memory/<name>.md).",
-         _schema(["path"], path=_s("MEMORY.md or memory/<name>.md.")), _memory_get),
+         _schema(["path"], path=_s("MEMORY.md or memory/<name>.md.")), _memory_get,
+         action="memory_get"),
     Tool("web_fetch", "Fetch a web page (http or https) through the host and get its "
          "readable text, final URL, HTTP status and content type. The host's policy decides "
          "which sites may be fetched.",
@@ -408,13 +410,13 @@ _IPC_TOOLS: tuple[Tool, ...] = (
                  max_chars={"type": "integer", "minimum": 100, "maximum": 1_000_000,
                             "description": "Most characters of text to return (the host "
                                            "caps it too)."}),
-         _web_fetch),
+         _web_fetch, action="web_fetch"),
     Tool("web_search", "Search the web through the host's search provider; returns title, "
          "URL and snippet of each result.",
          _schema(["query"], query=_s("What to search for."),
                  count={"type": "integer", "minimum": 1, "maximum": 20,
                         "description": "How many results (default: the host's)."}),
-         _web_search),
+         _web_search, action="web_search"),
     Tool("register_group", "Register a chat as a new group with its own folder (main only).",
          _command_schema("register_group", jid="The chat id, e.g. tg:-100123.",
                          name="Display name.", folder="Folder name: letters, digits, _ or -.",
@@ -435,14 +437,20 @@ _IPC_TOOLS: tuple[Tool, ...] = (
 
 # One registry for both backends; the claude backend leaves out the "workspace" ones
 # (Claude Code has its own file and shell tools).
-TOOLS: tuple[Tool, ...] = _IPC_TOOLS + FILE_TOOLS + (BASH_TOOL,)
+TOOLS: tuple[Tool, ...] = _IPC_TOOLS + HA_TOOLS + FILE_TOOLS + (BASH_TOOL,)
 
 
-def tools_for(is_main: bool, *, workspace: bool = True) -> list[Tool]:
+def tools_for(is_main: bool, *, workspace: bool = True,
+              actions: frozenset[str] | None = None) -> list[Tool]:
     """The tools a container gets: main-only ones are left out for other groups; the
-    workspace tools (files, bash) only when the backend has none of its own."""
-    return [t for t in TOOLS if (is_main or not t.main_only)
-            and (workspace or "workspace" not in t.tags)]
+    workspace tools (files, bash) only when the backend has none of its own. `actions`: the
+    host actions this group may call (MDCLAW_ACTIONS); when known, a tool asking for an
+    action is given exactly when its action is among them, whatever main_only says."""
+    def allowed(t: Tool) -> bool:
+        if actions is not None and t.action is not None:
+            return t.action in actions
+        return is_main or not t.main_only
+    return [t for t in TOOLS if allowed(t) and (workspace or "workspace" not in t.tags)]
 
 
 def run_tool(tools: list[Tool], ctx: ToolContext, name: str, args: Any) -> tuple[str, bool]:
