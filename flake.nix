@@ -1,11 +1,9 @@
 {
   description = "mdclaw: self-hosted personal AI assistant host, one sandboxed agent container per chat group";
 
-  # nixpkgs is the nixos-26.05 branch; the exact revision is what flake.lock records.
-  # flake.lock is not committed yet: it has to be made where github.com can be reached
-  # (`nix flake lock`, see docs/nixos.md "Pinning nixpkgs") and committed with the revision
-  # it found; until then the first `nix flake lock` (or `nix build`) picks the branch head
-  # of that day. tests/test_nix_flake.py::test_nixpkgs_is_pinned fails until it is done.
+  # nixpkgs follows the nixos-26.05 branch; the exact revision every build uses is the one the
+  # committed flake.lock records (its revision and date: docs/nixos.md "Pinning nixpkgs").
+  # `nix flake update nixpkgs` moves the lock to the branch's newest revision.
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
 
   outputs =

@@ -7,16 +7,20 @@ is built: the stub builders record their arguments, and these tests check them.
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import re
+import shutil
 import subprocess
 import sys
+import time
 import tomllib
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from nixeval import NIX_DIR, REPO, eval_json, nixpkgs_lib
+from nixeval import NIX_DIR, REPO, eval_json, nix_instantiate, nixpkgs_lib
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 
@@ -215,21 +219,70 @@ def test_a_requirement_nixpkgs_lacks_fails_evaluation() -> None:
 
 
 REV = re.compile(r"^[0-9a-f]{40}$")
+SRI_SHA256 = re.compile(r"^sha256-[A-Za-z0-9+/]{43}=$")
+LOCK = REPO / "flake.lock"
+# nixos-26.05 was branched off in May 2026: a head of that branch is never older.
+BRANCH_START = 1777593600  # 2026-05-01T00:00:00Z
+
+
+def github_input(url: str) -> dict[str, str]:
+    """`github:OWNER/REPO/REF` (or `?ref=REF`) as a flake.lock `original` entry."""
+    m = re.fullmatch(r"github:([^/?]+)/([^/?]+)(?:/([^/?]+)|\?ref=([^&]+))?", url)
+    assert m, f"not a github: flake URL: {url}"
+    owner, repo, ref, qref = m.groups()
+    original = {"type": "github", "owner": owner, "repo": repo}
+    if ref or qref:
+        original["ref"] = ref or qref
+    return original
+
+
+def lock_problems(lock: dict, url: str) -> list[str]:
+    """What is wrong with flake.lock for a flake whose only input is nixpkgs at `url`: the
+    shape nix writes (lock version 7), the entry following exactly that input, and a locked
+    revision and content hash of the form `nix flake lock` records."""
+    problems = []
+    if lock.get("version") != 7:
+        problems.append(f"lock version {lock.get('version')!r}, nix writes 7")
+    if lock.get("root") != "root":
+        problems.append("the root node is not 'root'")
+    nodes = lock.get("nodes", {})
+    if set(nodes) != {"root", "nixpkgs"}:
+        problems.append(f"nodes {sorted(nodes)}: the flake has one input, nixpkgs")
+    if nodes.get("root") != {"inputs": {"nixpkgs": "nixpkgs"}}:
+        problems.append("the root node's inputs are not {nixpkgs: nixpkgs}")
+    node = nodes.get("nixpkgs", {})
+    if set(node) != {"locked", "original"}:
+        problems.append(f"the nixpkgs node has {sorted(node)}, not locked and original")
+    original, locked = node.get("original", {}), node.get("locked", {})
+    if original != github_input(url):
+        problems.append(f"original {original} does not follow flake.nix's input {url}")
+    if set(locked) != {"lastModified", "narHash", "owner", "repo", "rev", "type"}:
+        problems.append(f"locked has {sorted(locked)}")
+    for key in ("type", "owner", "repo"):
+        if locked.get(key) != original.get(key):
+            problems.append(f"locked {key} {locked.get(key)!r} is not {original.get(key)!r}")
+    if not REV.match(str(locked.get("rev", ""))):
+        problems.append(f"rev {locked.get('rev')!r} is not a full commit hash")
+    nar = str(locked.get("narHash", ""))
+    if not SRI_SHA256.match(nar) or len(base64.b64decode(nar.removeprefix("sha256-"))) != 32:
+        problems.append(f"narHash {nar!r} is not a sha256 SRI hash")
+    modified = locked.get("lastModified")
+    if not isinstance(modified, int) or not BRANCH_START <= modified <= time.time():
+        problems.append(f"lastModified {modified!r} is not a time on the nixos-26.05 branch")
+    return problems
 
 
 def nixpkgs_pin(url: str) -> str | None:
     """The exact nixpkgs revision the flake builds with: from the input URL, else from a
-    committed flake.lock whose nixpkgs entry follows the same branch; None when neither."""
+    committed flake.lock that locks that input; None when neither."""
     tail = url.rsplit("/", 1)[-1]
     if REV.match(tail):
         return tail
-    lock = REPO / "flake.lock"
-    if not lock.is_file():
+    if not LOCK.is_file():
         return None
-    node = json.loads(lock.read_text())["nodes"]["nixpkgs"]
-    assert node["original"].get("ref") == tail, "flake.lock follows another branch"
-    rev = node["locked"]["rev"]
-    assert REV.match(rev) and node["locked"].get("narHash", "").startswith("sha256-")
+    lock = json.loads(LOCK.read_text())
+    assert lock_problems(lock, url) == []
+    rev: str = lock["nodes"]["nixpkgs"]["locked"]["rev"]
     return rev
 
 
@@ -238,8 +291,68 @@ def test_nixpkgs_branch(flake: dict) -> None:
         REV.match(flake["nixpkgsUrl"].rsplit("/", 1)[-1])
 
 
-@pytest.mark.xfail(strict=True, reason="no nixos-26.05 revision could be fetched or verified "
-                   "where this was written (no network): run `nix flake lock` and commit "
-                   "flake.lock (docs/nixos.md, Pinning nixpkgs), then drop this marker")
 def test_nixpkgs_is_pinned(flake: dict) -> None:
+    # the input follows the branch (so `nix flake update nixpkgs` moves it) and the committed
+    # lock holds the revision every build uses
     assert nixpkgs_pin(flake["nixpkgsUrl"]) is not None
+
+
+def test_flake_lock_locks_the_nixpkgs_input(flake: dict) -> None:
+    lock = json.loads(LOCK.read_text())
+    assert lock_problems(lock, flake["nixpkgsUrl"]) == []
+    # written as nix writes it (sorted keys, two-space indent), so an update is a small diff
+    assert LOCK.read_text() == json.dumps(lock, indent=2, sort_keys=True) + "\n"
+
+
+def _lock() -> dict:
+    return json.loads(LOCK.read_text())
+
+
+@pytest.mark.parametrize("plant, found", [
+    (lambda lk: lk.update(version=6), "lock version"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["original"].update(ref="nixos-25.11"), "does not follow"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["original"].pop("ref"), "does not follow"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["locked"].update(owner="someone"), "locked owner"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["locked"].update(rev="abc123"), "full commit hash"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["locked"].update(narHash="sha256-x"), "SRI"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["locked"].pop("narHash"), "SRI"),
+    (lambda lk: lk["nodes"]["nixpkgs"]["locked"].update(lastModified=1700000000), "branch"),
+    (lambda lk: lk["nodes"]["root"]["inputs"].update(nixpkgs="nixpkgs_2"), "root node"),
+    (lambda lk: lk["nodes"].update(extra={}), "one input"),
+])
+def test_lock_checks_catch_a_planted_fault(flake: dict, plant, found: str) -> None:
+    lock = _lock()
+    plant(lock)
+    problems = lock_problems(lock, flake["nixpkgsUrl"])
+    assert any(found in p for p in problems), problems
+
+
+def test_nix_reads_the_lock_as_up_to_date(tmp_path: Path) -> None:
+    """nix itself (2.8 here) takes flake.lock as the lock of flake.nix's inputs: offline, with
+    updates forbidden, `nix flake metadata` reports the committed lock unchanged. A lock that
+    did not match the input would make nix resolve the branch again (a download)."""
+    nix = Path(nix_instantiate()).with_name("nix")
+    if not nix.is_file():
+        pytest.fail(f"{nix} is missing beside nix-instantiate")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("flake.nix", "flake.lock"):
+        shutil.copy(REPO / name, src / name)
+    r = subprocess.run(
+        [str(nix), "--extra-experimental-features", "nix-command flakes",
+         "--store", str(tmp_path / "store"), "--offline",
+         "flake", "metadata", "--json", "--no-update-lock-file", f"path:{src}"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["locks"] == _lock()
+    assert (src / "flake.lock").read_text() == LOCK.read_text()
+
+
+def test_docs_name_the_locked_revision() -> None:
+    locked = _lock()["nodes"]["nixpkgs"]["locked"]
+    day = datetime.fromtimestamp(locked["lastModified"], tz=UTC).date().isoformat()
+    docs = (REPO / "docs" / "nixos.md").read_text()
+    section = docs[docs.index("## Pinning nixpkgs"):]
+    section = section[:section.index("\n## ", 1)]
+    assert f"`{locked['rev'][:12]}`" in section and day in section, \
+        "docs/nixos.md 'Pinning nixpkgs' names another revision than flake.lock"
