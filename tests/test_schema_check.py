@@ -86,6 +86,19 @@ CTX = ToolContext(ipc_dir=Path("/nonexistent"), group_folder="family", chat_jid=
                   is_main=True)
 WRONG = {"string": 12, "integer": "12", "boolean": "yes", "number": "1", "object": [],
          "array": {}}
+_IS = {"string": lambda v: isinstance(v, str),
+       "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+       "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+       "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict),
+       "array": lambda v: isinstance(v, list)}
+
+
+def _wrong_for(types: str | list[str]) -> object:
+    """A value of none of `types` (a JSON Schema type or a list of them)."""
+    if isinstance(types, str):
+        return WRONG[types]
+    return next(v for v in ([], {}, "x", 12, 1.5, True)
+                if not any(_IS[t](v) for t in types))
 
 
 @pytest.mark.parametrize("tool", TOOLS, ids=[t.name for t in TOOLS])
@@ -94,7 +107,7 @@ def test_every_tool_refuses_a_wrong_type_in_every_parameter(tool) -> None:  # no
     errors(tool.parameters, {})
     for key, prop in tool.parameters["properties"].items():
         args = {k: "x" for k in tool.parameters.get("required", [])}
-        args[key] = WRONG[prop["type"]]
+        args[key] = _wrong_for(prop["type"])
         with pytest.raises(ToolError, match=key):
             tool.call(CTX, args)
     with pytest.raises(ToolError, match="unknown argument 'bogus'"):
