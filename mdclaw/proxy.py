@@ -334,9 +334,8 @@ def budget_message(used: int, budget: int, timezone: str = "UTC",
     return f"{BUDGET_PREFIX} ({used} of {budget} tokens). It resets at {when}."
 
 
-def usage_rows(db: Database, *, group: str | None = None,
-               since_day: str | None = None) -> list[dict[str, Any]]:
-    """Usage totals per group and model (summed over days from `since_day` on)."""
+def _usage_filter(group: str | None, since_day: str | None) -> tuple[str, tuple[str, ...]]:
+    """The WHERE clause (fixed column names only) and its parameters for a usage query."""
     where, params = [], []
     if group:
         where.append("group_folder = ?")
@@ -344,31 +343,31 @@ def usage_rows(db: Database, *, group: str | None = None,
     if since_day:
         where.append("day >= ?")
         params.append(since_day)
+    return (" WHERE " + " AND ".join(where) if where else ""), tuple(params)
+
+
+def usage_rows(db: Database, *, group: str | None = None,
+               since_day: str | None = None) -> list[dict[str, Any]]:
+    """Usage totals per group and model (summed over days from `since_day` on)."""
+    where, params = _usage_filter(group, since_day)
     # Fixed column names only; every value is a parameter.
     sql = ("SELECT group_folder, model, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
            "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens, "
-           "MIN(day) AS first_day, MAX(day) AS last_day FROM model_usage"
-           + (" WHERE " + " AND ".join(where) if where else "")
+           "MIN(day) AS first_day, MAX(day) AS last_day FROM model_usage" + where
            + " GROUP BY group_folder, model ORDER BY group_folder, model")
-    return [dict(r) for r in db.query(sql, tuple(params))]
+    return [dict(r) for r in db.query(sql, params)]
 
 
 def daily_usage(db: Database, *, group: str | None = None,
                 since_day: str | None = None) -> list[dict[str, Any]]:
     """Usage per group and UTC day (summed over models), oldest day first."""
-    where, params = [], []
-    if group:
-        where.append("group_folder = ?")
-        params.append(group)
-    if since_day:
-        where.append("day >= ?")
-        params.append(since_day)
+    where, params = _usage_filter(group, since_day)
     # Fixed column names only; every value is a parameter.
     sql = ("SELECT group_folder, day, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
            "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens "
-           "FROM model_usage" + (" WHERE " + " AND ".join(where) if where else "")
+           "FROM model_usage" + where
            + " GROUP BY group_folder, day ORDER BY day, group_folder")
-    return [dict(r) for r in db.query(sql, tuple(params))]
+    return [dict(r) for r in db.query(sql, params)]
 
 
 # --------------------------------------------------------------------------- server
