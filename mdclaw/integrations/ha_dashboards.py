@@ -17,6 +17,7 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,22 @@ DASHBOARD_OPS = ("add_view", "update_view", "remove_view", "move_view", "add_car
                  "update_card", "remove_card", "move_card", "set_theme")
 
 
+
+def _operations(ops: Any, allowed: Sequence[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(where, kind, op) for each operation of a patch, each checked to be a mapping with a
+    known `op` (or `type`); `where` names it in errors ("operations[2] (add_card)")."""
+    if not isinstance(ops, list) or not ops:
+        raise DashboardError("operations must be a non-empty list")
+    for n, op in enumerate(ops):
+        where = f"operations[{n}]"
+        if not isinstance(op, dict):
+            raise DashboardError(f"{where} must be a mapping")
+        kind = op.get("op", op.get("type"))
+        if kind not in allowed:
+            raise DashboardError(f"{where}: op must be one of {', '.join(allowed)}, "
+                                 f"not {kind!r}")
+        yield f"{where} ({kind})", str(kind), op
+
 def apply_dashboard_ops(doc: Any, ops: Any) -> tuple[dict[str, Any], list[str]]:
     """A copy of dashboard `doc` with `ops` applied in order, and one line per op saying
     what it did. Each op is {op: <name>, ...}:
@@ -260,20 +277,10 @@ def apply_dashboard_ops(doc: Any, ops: Any) -> tuple[dict[str, Any], list[str]]:
     problems = structure_errors(doc)
     if problems:
         raise DashboardError("; ".join(problems))
-    if not isinstance(ops, list) or not ops:
-        raise DashboardError("operations must be a non-empty list")
     out: dict[str, Any] = copy.deepcopy(doc)
     views: list[dict[str, Any]] = out["views"]
     notes = []
-    for n, op in enumerate(ops):
-        where = f"operations[{n}]"
-        if not isinstance(op, dict):
-            raise DashboardError(f"{where} must be a mapping")
-        kind = op.get("op", op.get("type"))
-        if kind not in DASHBOARD_OPS:
-            raise DashboardError(f"{where}: op must be one of {', '.join(DASHBOARD_OPS)}, "
-                                 f"not {kind!r}")
-        where = f"{where} ({kind})"
+    for where, kind, op in _operations(ops, DASHBOARD_OPS):
         if kind == "add_view":
             view = _mapping(op, "view", where)
             view.setdefault("cards", [])
@@ -362,20 +369,10 @@ def apply_canvas_ops(spec: dict[str, Any], ops: Any) -> tuple[dict[str, Any], li
     """A copy of canvas `spec` with `ops` applied: add_card {card: {id, ...}, index?},
     update_card {id, changes}, remove_card {id}, move_card {id, index},
     set_layout {layout: {...}}, set_title {title}."""
-    if not isinstance(ops, list) or not ops:
-        raise DashboardError("operations must be a non-empty list")
     out = copy.deepcopy(spec)
     cards: list[dict[str, Any]] = out.setdefault("cards", [])
     notes = []
-    for n, op in enumerate(ops):
-        where = f"operations[{n}]"
-        if not isinstance(op, dict):
-            raise DashboardError(f"{where} must be a mapping")
-        kind = op.get("op", op.get("type"))
-        if kind not in CANVAS_OPS:
-            raise DashboardError(f"{where}: op must be one of {', '.join(CANVAS_OPS)}, "
-                                 f"not {kind!r}")
-        where = f"{where} ({kind})"
+    for where, kind, op in _operations(ops, CANVAS_OPS):
         if kind == "set_title":
             if not isinstance(op.get("title"), str):
                 raise DashboardError(f"{where}: 'title' must be a string")
