@@ -16,13 +16,14 @@ import copy
 import json
 import os
 import re
-import secrets
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from mdclaw import agentfs
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 STAGING_FILE = "ui-lovelace-staging.yaml"
@@ -73,27 +74,15 @@ def read_bytes(folder: Path, name: str) -> bytes | None:
 
 
 def atomic_write(folder: Path, name: str, data: bytes) -> None:
-    """Write folder/name atomically: temp file, fsync, rename, fsync of the folder."""
+    """Write folder/name atomically (temp file, fsync, rename), making the folder if needed.
+    The writing itself is mdclaw's one atomic write (agentfs), here on a host-owned folder."""
     if len(data) > MAX_FILE_BYTES:
         raise DashboardError(f"{name} would be larger than {MAX_FILE_BYTES} bytes")
-    os.makedirs(folder, exist_ok=True)
-    tmp = folder / f".{name}.{secrets.token_hex(6)}.tmp"
+    if not folder.is_dir():
+        agentfs.make_dirs(folder, 0o755)
+    dfd = agentfs.open_root(folder)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, folder / name)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
+        agentfs.atomic_write(dfd, name, data, 0o644)
     finally:
         os.close(dfd)
 
