@@ -766,6 +766,18 @@ class WebSearch(Frozen):
         return self
 
 
+class Metrics(Frozen):
+    enabled: bool = Field(
+        True, description="Serve Prometheus metrics at `/metrics` on the local HTTP channel's "
+        "listener (and on `listen`, when set), behind the operator page's access rule: the "
+        "channel's bearer token when it has one, else loopback clients only (docs/metrics.md).")
+    listen: str | None = Field(
+        None, pattern=r"^[^:\s]*:\d{1,5}$",
+        description="host:port of a listener of its own that serves only `/metrics` (e.g. "
+        "`127.0.0.1:9464`), for scraping without the HTTP channel. Same access rule; the "
+        "token is the HTTP channel's (`channels.http.secret_file` or the generated one).")
+
+
 class Web(Frozen):
     enabled: bool = Field(
         False, description="Let agents fetch web pages and search (the web_fetch and "
@@ -846,6 +858,8 @@ class Config(_Settings):
         description="Host-side capabilities agents may ask for (docs/integrations.md).")
     web: Web = Field(default_factory=Web, description="Web access for agents, through the host "
                      "(docs/integrations.md).")
+    metrics: Metrics = Field(default_factory=Metrics,
+                             description="Prometheus metrics for the operator (docs/metrics.md).")
 
     @field_validator("data_dir")
     @classmethod

@@ -72,6 +72,7 @@ class Daemon:
         self.orch: Any = None
         self.diskguard: Any = None
         self.operator_access: Any = None  # mdclaw.operator.access.Access, once mounted
+        self.metrics_runner: Any = None  # the metrics.listen listener (aiohttp AppRunner)
         self._scheduler_tick = (0, time.monotonic())
 
     # ---------------------------------------------------------------- signals
@@ -177,6 +178,7 @@ class Daemon:
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
         self._mount_operator()
+        await self._start_metrics()
         await self.outbox.start()
         problems = await connect_all(self.channels)
         for name, reason in problems.items():
@@ -194,6 +196,18 @@ class Daemon:
         from mdclaw.operator import mount_operator
 
         mount_operator(self)
+
+    async def _start_metrics(self) -> None:
+        """`/metrics` beside the operator page, and on `metrics.listen` (mdclaw.operator.metrics);
+        a listener that cannot bind is logged, not fatal."""
+        from mdclaw.operator.metrics import mount_metrics, start_listener
+
+        mount_metrics(self)
+        try:
+            self.metrics_runner = await start_listener(self)
+        except OSError as e:
+            log.error("metrics: cannot listen on %s: %s", self.cfg.metrics.listen,
+                      e.strerror or e)
 
     def _after_ipc_commit(self, items: list[Any]) -> None:
         if self.outbox is not None:
@@ -325,12 +339,12 @@ class Daemon:
 
     def apply_config(self, new: Config) -> None:
         old = self.cfg
-        for key in ("channels", "runtime", "data_dir"):
+        for key in ("channels", "runtime", "data_dir", "metrics"):
             if getattr(old, key) != getattr(new, key):
                 log.warning("reload: %s changed; restart mdclaw to apply it (the running "
                             "daemon keeps the old %s)", key, key)
         new = new.model_copy(update={k: getattr(old, k) for k in ("channels", "runtime",
-                                                                  "data_dir")})
+                                                                  "data_dir", "metrics")})
         if new.log_level != old.log_level:
             apply_log_level(new.log_level)
             log.warning("reload: log_level is now %s", new.log_level)
@@ -383,6 +397,8 @@ class Daemon:
         if self.outbox is not None:
             await self.outbox.stop()  # before the channels go, so a send under way finishes
         await disconnect_all(self.channels)
+        if self.metrics_runner is not None:
+            await self.metrics_runner.cleanup()
         for t in self._tasks:
             if not t.done():
                 t.cancel()

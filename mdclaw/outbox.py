@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from mdclaw import metrics
 from mdclaw.channels.base import Channel, ChannelError, channel_for
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
@@ -335,16 +336,27 @@ class OutboxWorker:
             raise  # stays `sending`; recover() puts it back
         except ChannelError as e:
             reason = ch.redact(str(e)) if ch else str(e)
-            return self._failed_attempt(row, attempt, reason, e.permanent, e.retry_after), None
+            return self._count_failed(ch, self._failed_attempt(
+                row, attempt, reason, e.permanent, e.retry_after)), None
         except Exception as e:  # noqa: BLE001 - a channel's bug is a failed attempt, not a crash
             # A channel bug: keep the type for the record; the text might hold anything
             # (a token, say), so neither it nor a traceback is logged.
             log.error("outbox: the %s channel raised %s for message %d",
                       ch.name if ch else "?", type(e).__name__, row.id)
-            return self._failed_attempt(row, attempt, f"internal error in the "
-                                        f"{ch.name if ch else '?'} channel: {type(e).__name__}",
-                                        False, None), None
+            return self._count_failed(ch, self._failed_attempt(
+                row, attempt, f"internal error in the {ch.name if ch else '?'} channel: "
+                f"{type(e).__name__}", False, None)), None
+        metrics.outbox_attempts.get(ch.name, "sent").inc()
+        with contextlib.suppress(ValueError):
+            metrics.outbox_delivery.get(ch.name).observe(
+                (utc_now() - from_iso(row.created_at)).total_seconds())
         return True, row
+
+    @staticmethod
+    def _count_failed(ch: Channel | None, finished: bool) -> bool:
+        metrics.outbox_attempts.get(ch.name if ch else "none",
+                                    "failed" if finished else "retry").inc()
+        return finished
 
     def _defer(self, row: OutboxRow, reason: str) -> None:
         now = utc_now()

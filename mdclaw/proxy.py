@@ -52,7 +52,7 @@ from zoneinfo import ZoneInfo
 import aiohttp
 from aiohttp import web
 
-from mdclaw import agentfs
+from mdclaw import agentfs, metrics
 from mdclaw.config import Config, ModelSpec, read_secret
 from mdclaw.failures import BUDGET_PREFIX
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
@@ -927,6 +927,12 @@ class CredentialProxy:
         s["output_tokens"] += tout
         if folder in self._sites:
             self._sites[folder].requests += 1
+        label = metrics.model_label(model or "default")
+        metrics.proxy_requests.get(folder, label, "ok" if ok else "error").inc()
+        if tin:
+            metrics.proxy_tokens.get(folder, label, "input").inc(tin)
+        if tout:
+            metrics.proxy_tokens.get(folder, label, "output").inc(tout)
         day = now_iso()[:10]
         today = self._today.get(folder)
         if today is not None and today[0] == day:

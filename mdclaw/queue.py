@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mdclaw import metrics
 from mdclaw.retry import EQUAL_JITTER, Backoff
 
 log = logging.getLogger("mdclaw.queue")
@@ -184,6 +185,8 @@ class GroupQueue:
             if not book[group]:
                 del book[group]
             job.picked_at = time.perf_counter()
+            if not job.attempts:
+                metrics.queue_wait.get(job.kind).observe(job.picked_at - job.enqueued_at)
             task = asyncio.ensure_future(self._execute(job))
             self._running[group] = (job, task)
             self.peak_running = max(self.peak_running, len(self._running))

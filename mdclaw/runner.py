@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mdclaw import agentfs
+from mdclaw import agentfs, metrics
 from mdclaw import mounts as mount_rules
 from mdclaw.config import Config, validate_folder
 from mdclaw.integrations import load_all
@@ -572,8 +572,14 @@ class ContainerRunner:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         t_start_call = time.perf_counter()
-        running = await self._start(spec)
+        try:
+            running = await self._start(spec)
+        except Exception:
+            metrics.container_starts.get("failed").inc()
+            raise
         t_started = time.perf_counter()
+        metrics.container_starts.get("started").inc()
+        metrics.CONTAINER_START.observe(t_started - t_start_call)
         handle.container_id = running.id
         reader = _Reader(running, loop, events, self.cfg.limits.max_output_bytes, spec.name)
         reader.start()
@@ -642,6 +648,7 @@ class ContainerRunner:
         )
         self._spawn(asyncio.to_thread(_remove_quietly, self.runtime, running.id))
         done_at = time.perf_counter()
+        metrics.container_run.get(status).observe(done_at - marks["started"])
         m = result.marks = {**marks, "wait_call": t_wait, "waited": t_waited, "done": done_at}
         result.timings = {
             "prepare_ms": (m["start_call"] - m["call"]) * 1000,

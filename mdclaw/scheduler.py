@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from mdclaw import schedule
+from mdclaw import metrics, schedule
 from mdclaw.state import Database
 from mdclaw.state.tasks import (
     TaskRow,
@@ -261,6 +261,8 @@ class Scheduler:
         return t
 
     def _start(self, c: Claim) -> None:
+        metrics.SCHEDULER_LATENESS.observe(
+            max(0.0, (self.clock() - c.scheduled_for).total_seconds()))
         log.info("task %s: run %d started (slot %s)", c.task.id, c.run_id,
                  schedule.to_iso(c.scheduled_for))
         self.dispatch(c)

@@ -26,8 +26,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_daemon(config: Path, port: int) -> Iterator[subprocess.Popen[str]]:
-    """`mdclaw run --config config` until the block ends; up once /health answers."""
+def running_daemon(config: Path, port: int, *,
+                   ready: str | urllib.request.Request | None = None
+                   ) -> Iterator[subprocess.Popen[str]]:
+    """`mdclaw run --config config` until the block ends; up once /health answers (or,
+    with `ready`, once that URL answers 200)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
     env["PYTHONPATH"] = str(REPO)
     env["DOCKER_HOST"] = "unix:///nonexistent/mdclaw-test-no-engine.sock"  # no engine
@@ -40,6 +43,10 @@ def running_daemon(config: Path, port: int) -> Iterator[subprocess.Popen[str]]:
         deadline = time.monotonic() + 60
         while True:
             try:
+                if ready is not None:
+                    with urllib.request.urlopen(ready, timeout=2) as r:
+                        if r.status == 200:
+                            break
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if json.load(r).get("connected"):
                         break

@@ -25,9 +25,10 @@ Endpoints (JSON unless noted):
 - `GET /health` — liveness, no auth.
 - `GET /` — a single-page chat (HTML and JavaScript, no build step).
 
-Other parts of mdclaw (the operator page) add their own sub-application with `mount()`:
-its requests pass the same host and origin checks, and it decides on access itself with
-`bearer_ok()` (the same secret, compared the same way).
+Other parts of mdclaw (the operator page) add their own sub-application with `mount()`, or
+one GET route with `add_get()` (`/metrics`): its requests pass the same host and origin
+checks, and it decides on access itself with `bearer_ok()` (the same secret, compared the
+same way).
 
 The transcript lives in the `http_messages` table (its `seq` is the cursor), apart from the
 `messages` table the orchestrator keeps, so replies never show up as prompt context. Each
@@ -160,6 +161,7 @@ class HttpChannel(Channel):
         self._new = asyncio.Event()
         self._typing: dict[str, float] = {}
         self._mounts: list[tuple[str, web.Application]] = []
+        self._routes: dict[str, Any] = {}  # GET path -> handler that decides access itself
         self._page = resources.files("mdclaw.channels").joinpath("static/chat.html").read_bytes()
 
     @classmethod
@@ -201,6 +203,13 @@ class HttpChannel(Channel):
             raise ValueError(f"mount prefix {prefix!r} must be like /name")
         self._mounts.append((prefix, app))
 
+    def add_get(self, path: str, handler: Any) -> None:
+        """Serve GET `path` (e.g. "/metrics") with `handler` from the next `connect()` on;
+        like a mount, it gets the host and origin checks but decides on access itself."""
+        if not path.startswith("/") or path.endswith("/"):
+            raise ValueError(f"route {path!r} must be like /name")
+        self._routes[path] = handler
+
     @property
     def has_secret(self) -> bool:
         """True when the channel has a bearer token (channels.http.secret_file)."""
@@ -217,7 +226,8 @@ class HttpChannel(Channel):
         return scheme.lower() == "bearer" and self.token_ok(token)
 
     def _mounted(self, path: str) -> bool:
-        return any(path == p or path.startswith(p + "/") for p, _ in self._mounts)
+        return path in self._routes or any(path == p or path.startswith(p + "/")
+                                           for p, _ in self._mounts)
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> None:
@@ -232,6 +242,8 @@ class HttpChannel(Channel):
         app.router.add_post("/upload", self._upload)
         app.router.add_get("/file", self._get_file)
         app.router.add_get("/messages", self._get_messages)
+        for path, handler in self._routes.items():
+            app.router.add_get(path, handler)
         for prefix, sub in self._mounts:
             app.add_subapp(prefix, sub)
         runner = web.AppRunner(app, access_log=None, handle_signals=False,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from mdclaw import agentfs, schedule
+from mdclaw import agentfs, metrics, schedule
 from mdclaw.config import Config
 from mdclaw.ipc import protocol as P
 from mdclaw.ipc.actions import (
@@ -273,6 +273,7 @@ class IpcEngine:
     def _process(self, batch: dict[str, list[tuple[str, str]]],
                  fds: dict[tuple[str, str], int | None]) -> BatchResult:
         res = BatchResult()
+        picked = time.perf_counter()
         items = [it for folder, files in batch.items() for name, sub in files
                  if (it := self._prepare(folder, name, sub, fds)) is not None]
         fx = Effects()
@@ -311,6 +312,7 @@ class IpcEngine:
                     "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
                     " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (it.folder, it.ledger_name, it.key, it.ctype, it.outcome, it.reason, now))
+        committed = time.perf_counter() - picked
         if self.on_commit is not None:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
@@ -333,10 +335,14 @@ class IpcEngine:
                 res.finished += 1
             elif final == "applied":
                 res.applied += 1
+                metrics.IPC_COMMIT.observe(committed)
+                metrics.ipc_commands.get(it.ctype or "other", it.folder, "applied").inc()
                 log.debug("ipc: applied %s from %s/%s/%s", it.ctype, it.folder, it.sub,
                           it.name)
             else:
                 res.rejected += 1
+                metrics.IPC_COMMIT.observe(committed)
+                metrics.ipc_commands.get(it.ctype or "invalid", it.folder, "quarantined").inc()
         for (folder, sub), names in done.items():
             gd = self.dirs.get(folder)
             if gd is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mdclaw import agentfs
+from mdclaw import agentfs, metrics
 from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config
 from mdclaw.ipc.actions import ActionFailed, OffloopContext, action_refusal, get_spec
@@ -256,6 +256,7 @@ class ActionWorker:
                         job.action, job.request_id, job.folder)
             return
         self.finished += 1
+        metrics.action_jobs_finished.get(job.action, status).inc()
         self._write(job.id, job.folder, job.request_id, body)
 
     def _write(self, job_id: int, folder: str, request_id: str, body: dict[str, Any]) -> None:

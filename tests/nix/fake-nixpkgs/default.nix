@@ -34,6 +34,7 @@ let
     "markdown-it-py"
     "markdownify"
     "nh3"
+    "prometheus-client"
     "pydantic"
     "pydantic-settings"
     "pytestCheckHook"

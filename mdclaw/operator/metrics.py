@@ -1,0 +1,202 @@
+"""`/metrics`: the daemon's Prometheus series for the operator.
+
+Served on the local HTTP channel's listener (beside the operator page) and, with
+`metrics.listen`, on a listener of its own that serves nothing else; both behind the
+operator page's access rule (`mdclaw.operator.access`): the channel's bearer token when it
+has one, else loopback clients under a loopback host name only.
+
+A scrape renders mdclaw's own registry (`mdclaw.metrics.REGISTRY`: counters and histograms
+the hot paths bump) and then the gauges of a collector built for that scrape from the
+daemon's state: queue depth and channels from memory, outbox rows and action jobs from
+indexed counts in the database (on a thread, off the loop), budget use per group as the
+credential proxy counts it. Nothing is computed per event for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mdclaw import metrics
+from mdclaw.config import http_secret_path, read_secret
+from mdclaw.operator.access import Access, TokenHolder
+from mdclaw.state import Database, now_iso
+
+log = logging.getLogger("mdclaw.metrics")
+
+PATH = "/metrics"
+OUTBOX_STATES = ("pending", "sending", "failed")
+JOB_STATES = ("queued", "running", "failed")
+
+
+class _Snapshot(Collector):
+    """The gauges of one scrape, already computed."""
+
+    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self.families)
+
+
+def database_counts(db: Database) -> tuple[dict[str, int], list[tuple[str, str, int]]]:
+    """(outbox rows per state, (action, status, jobs) rows): index range counts only."""
+    outbox = {s: int(db.query("SELECT COUNT(*) FROM outbox WHERE status = ?", (s,))[0][0])
+              for s in OUTBOX_STATES}
+    jobs = [(str(r[0]), str(r[1]), int(r[2])) for r in db.query(
+        "SELECT action, status, COUNT(*) FROM action_jobs WHERE status IN "
+        "('queued', 'running', 'failed') GROUP BY action, status")]
+    return outbox, jobs
+
+
+async def scrape_gauges(d: Any) -> list[GaugeMetricFamily]:
+    """The gauges computed at scrape time from daemon `d`'s state."""
+    from mdclaw.proxy import tokens_on_day
+
+    out: list[GaugeMetricFamily] = []
+    db: Database | None = d.db
+    if db is not None:
+        outbox, jobs = await asyncio.to_thread(database_counts, db)
+        g = GaugeMetricFamily("mdclaw_outbox_rows", "Outbox rows by status (pending, sending, "
+                              "failed).", labels=["status"])
+        for status, n in outbox.items():
+            g.add_metric([status], n)
+        out.append(g)
+        g = GaugeMetricFamily("mdclaw_action_jobs", "Off-loop action jobs by action and status "
+                              "(queued, running, failed).", labels=["action", "status"])
+        for action, status, n in jobs:
+            g.add_metric([action, status], n)
+        out.append(g)
+    queue = d.orch.queue if d.orch is not None else None
+    if queue is not None:
+        st = queue.status()
+        g = GaugeMetricFamily("mdclaw_queue_jobs", "Container jobs by state (pending, running, "
+                              "retrying).", labels=["state"])
+        g.add_metric(["pending"], st["pending"])
+        g.add_metric(["running"], len(st["running"]))
+        g.add_metric(["retrying"], len(st["retrying"]))
+        out.append(g)
+        out.append(GaugeMetricFamily("mdclaw_queue_max_concurrent", "Containers allowed to run "
+                                     "at once (limits.max_concurrent_containers).",
+                                     value=st["max_concurrent"]))
+    g = GaugeMetricFamily("mdclaw_channel_connected", "1 when the channel is connected.",
+                          labels=["channel"])
+    for ch in d.channels:
+        g.add_metric([ch.name], 1 if ch.is_connected() else 0)
+    out.append(g)
+    cfg = d.cfg
+    used = GaugeMetricFamily("mdclaw_budget_tokens_used", "Model tokens the group used today "
+                             "(UTC day), as its budget counts them.", labels=["group"])
+    limit = GaugeMetricFamily("mdclaw_budget_tokens_per_day", "The group's daily token budget "
+                              "(only groups that have one).", labels=["group"])
+    day = now_iso()[:10]
+    for folder in cfg.groups:
+        if d.proxy is not None:
+            n = await d.proxy.tokens_today(folder)
+        elif db is not None:
+            n = await asyncio.to_thread(tokens_on_day, db, folder, day)
+        else:
+            continue
+        used.add_metric([folder], n)
+        budget = cfg.token_budget(folder)
+        if budget:
+            limit.add_metric([folder], budget)
+    out += [used, limit]
+    return out
+
+
+async def render(d: Any) -> bytes:
+    """The exposition text of one scrape."""
+    own = CollectorRegistry(auto_describe=False)
+    own.register(_Snapshot(await scrape_gauges(d)))
+    return generate_latest(metrics.REGISTRY) + generate_latest(own)
+
+
+def handler(d: Any) -> Any:
+    async def serve(request: web.Request) -> web.Response:
+        body = await render(d)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST,
+                                                "Cache-Control": "no-store"})
+    return serve
+
+
+class FileToken:
+    """The access rule's token when the local HTTP channel does not run: the channel's token
+    file, if there is one (else none: loopback only)."""
+
+    def __init__(self, secret: str | None) -> None:
+        self._secret = secret.encode() if secret else None
+
+    @property
+    def has_secret(self) -> bool:
+        return self._secret is not None
+
+    def token_ok(self, token: str) -> bool:
+        return self._secret is not None and hmac.compare_digest(token.strip().encode(),
+                                                                self._secret)
+
+    def bearer_ok(self, request: web.BaseRequest) -> bool:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and self.token_ok(token)
+
+
+def _token_holder(d: Any) -> TokenHolder:
+    from mdclaw.channels.http import HttpChannel
+
+    http = next((ch for ch in d.channels if isinstance(ch, HttpChannel)), None)
+    if http is not None:
+        return http
+    path = http_secret_path(d.cfg)
+    if path is not None:
+        try:
+            return FileToken(read_secret(path) or None)
+        except FileNotFoundError:  # generate_secret, but the channel never made it
+            pass
+    return FileToken(None)
+
+
+def mount_metrics(d: Any) -> bool:
+    """Serve `/metrics` on the local HTTP channel (before it connects), behind the operator
+    page's access rule. False when metrics are off or the channel does not run."""
+    from mdclaw.channels.http import HttpChannel
+
+    http = next((ch for ch in d.channels if isinstance(ch, HttpChannel)), None)
+    if not d.cfg.metrics.enabled or http is None:
+        return False
+    access = d.operator_access if d.operator_access is not None else Access(http)
+    http.add_get(PATH, access.protect(handler(d)))
+    return True
+
+
+async def start_listener(d: Any) -> web.AppRunner | None:
+    """The listener of `metrics.listen` (None when unset or metrics are off). Raises
+    OSError when it cannot listen."""
+    from mdclaw.channels.http import parse_listen
+
+    section = d.cfg.metrics
+    if not section.enabled or not section.listen:
+        return None
+    host, port = parse_listen(section.listen)
+    access = Access(_token_holder(d))
+    app = web.Application()
+    app.router.add_get(PATH, access.protect(handler(d)))
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    if not access.tokens.has_secret and host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("metrics listen on %s without a token: only loopback clients are "
+                    "answered (set channels.http.secret_file to scrape from elsewhere)", host)
+    log.info("metrics: listening on %s:%d%s", host, int(runner.addresses[0][1]), PATH)
+    return runner
