@@ -65,6 +65,11 @@ LEDGER_KEEP = timedelta(days=7)
 SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
 
 
+# Commands whose apply makes every check first and then writes one row with one statement
+# (the outbox INSERT of mdclaw.state.outbox.enqueue).
+ONE_WRITE = (P.SendMessage, P.React)
+
+
 class ApplyError(Exception):
     """A well-formed, authorized command that cannot be carried out (unknown task...)."""
 
@@ -279,6 +284,7 @@ class IpcEngine:
         if not items:
             return res
         now = to_iso(utc_now())
+        ledger: list[tuple[Any, ...]] = []
         with self.db.transaction() as conn:
             jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
             hits = self._ledger_hits(conn, items)
@@ -290,7 +296,19 @@ class IpcEngine:
                     it.outcome, it.ledger_outcome = "done", hit[0]
                     it.reason = hit[1]
                     continue
-                if it.reason is None:
+                if it.reason is None and isinstance(it.cmd, ONE_WRITE):
+                    # Every check comes before its only statement, which SQLite applies
+                    # whole or not at all: no SAVEPOINT needed to roll it back alone.
+                    try:
+                        self._apply(conn, it, fx, jid_to_folder)
+                    except (Unauthorized, ApplyError, TaskError, schedule.ScheduleError,
+                            UnsafePath) as e:
+                        it.reason = _reason(e)
+                    except Exception as e:  # noqa: BLE001 - a bug: keep the loop and the file
+                        log.exception("ipc: internal error applying %s/%s/%s", it.folder,
+                                      it.sub, it.name)
+                        it.reason = f"internal error: {type(e).__name__}: {e}"
+                elif it.reason is None:
                     conn.execute("SAVEPOINT cmd")
                     try:
                         self._apply(conn, it, fx, jid_to_folder)
@@ -307,10 +325,12 @@ class IpcEngine:
                                       it.sub, it.name)
                         it.reason = f"internal error: {type(e).__name__}: {e}"
                 it.outcome = "rejected" if it.reason is not None else "applied"
-                conn.execute(
-                    "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
-                    " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (it.folder, it.ledger_name, it.key, it.ctype, it.outcome, it.reason, now))
+                ledger.append((it.folder, it.ledger_name, it.key, it.ctype, it.outcome,
+                               it.reason, now))
+            # The batch's ledger rows in one call, in the same transaction as the effects.
+            conn.executemany(
+                "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
+                " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)", ledger)
         if self.on_commit is not None:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
