@@ -126,14 +126,18 @@ class IpcEngine:
 
     # A round (one transaction) holds at most `batch_max` files (about 50-100 µs each), so
     # another group's command, or the outbox, waits for the loop only a few milliseconds.
+    # A group alone with work takes `batch_per_group` files a round (fewer, larger
+    # transactions for a flood); while several have work each takes at most `batch_shared`,
+    # so a quiet group's command is in a short round behind at most one long one.
     def __init__(self, cfg: Config, db: Database, *, batch_per_group: int = 64,
-                 batch_max: int = 128, settle_ns: int = 0) -> None:
+                 batch_max: int = 128, batch_shared: int = 16, settle_ns: int = 0) -> None:
         self.cfg = cfg
         self.settle_ns = settle_ns
         self.db = db
         self.layout = Layout(cfg.data_dir)
         self.batch_per_group = batch_per_group
         self.batch_max = batch_max
+        self.batch_shared = batch_shared
         agentfs.make_dirs(self.layout.ipc_dir, 0o751)
         self.ipc_root_fd = agentfs.open_root(self.layout.ipc_dir)
         self.quarantine = Quarantine(self.layout.errors_dir, cfg.limits.errors_max_files,
@@ -223,6 +227,8 @@ class IpcEngine:
         if not pending:
             return {}
         share = max(1, min(self.batch_per_group, self.batch_max // len(pending)))
+        if len(pending) > 1:
+            share = min(share, self.batch_shared)
         return {f: files[:share] for f, files in pending.items()}
 
     # ------------------------------------------------------------------ processing
