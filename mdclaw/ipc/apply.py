@@ -1,8 +1,9 @@
 """Applying command files: read, parse, authorize, change state, record, remove.
 
 A batch of files (fair shares from every group with work) is applied in one SQLite
-transaction. Each file gets its own SAVEPOINT, so a command that fails rolls back alone, and
-its own ledger row keyed by (group, sub/name, sha256@inode.ctime). Only after COMMIT are
+transaction. Each file's command rolls back alone when it fails (a SAVEPOINT around it, or,
+for a command whose only write is one statement, that statement's own atomicity), and each
+file gets its own ledger row keyed by (group, sub/name, sha256@inode.ctime). Only after COMMIT are
 applied files removed and rejected ones quarantined. After a crash anywhere, a file whose
 ledger row exists is only finished (removed or quarantined), never applied again; a file
 without one was not applied and is processed normally.
