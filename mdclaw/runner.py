@@ -752,6 +752,9 @@ class ContainerRunner:
             raise
         if spare.id is None:
             return None
+        if not self.cfg.runtime.keep_created:  # turned off by a reload since
+            self._discard(spare)
+            return None
         if spare.key != _spec_key(spec):
             log.info("group %s: the container created ahead of time (%s) no longer matches "
                      "the group's settings; removing it", folder, spare.name)

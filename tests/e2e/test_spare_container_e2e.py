@@ -141,3 +141,25 @@ def test_keep_created_off_creates_nothing_ahead(tmp_path, engine, plain_image, i
 
     asyncio.run(go())
     assert engine.list(labels) == []
+
+
+def test_keep_created_turned_off_by_a_reload_discards_the_spare(tmp_path, engine, plain_image,
+                                                                install_id, reap) -> None:
+    cfg = config(tmp_path, install_id, plain_image)
+    labels = install_labels(cfg)
+    reap(labels)
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, engine)
+        await runner.run("family", inp())
+        spare = await spare_of(runner, "family")
+        runner.cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(
+            update={"keep_created": False})})
+        res = await runner.run("family", inp())
+        assert res.status == "success" and res.name != spare, res
+        await gone(engine, labels, spare)
+        assert runner.spare("family") is None  # and none is made for the next run
+        await runner.aclose()
+
+    asyncio.run(go())
+    assert engine.list(labels) == []
