@@ -9,10 +9,11 @@
    Podman service and the `mdclaw-agent:e2e` image; skipped with a note otherwise).
 3. `idle_rss_mb`: resident memory of `mdclaw run` with 100 groups (`--groups`) after 12 s;
    with `--idle-seconds S`, also the daemon's CPU over the S seconds after that
-   (`idle_cpu_s`).
+   (`idle_cpu_s`); with `--tasks N`, N active tasks (none due for a day) are in the
+   database before the daemon starts.
 
 Prints one JSON object per figure. Usage: python bench/daemon_paths.py [--n 200]
-[--only idle] [--groups 100] [--idle-seconds 0]
+[--only idle] [--groups 100] [--idle-seconds 0] [--tasks 0]
 """
 
 from __future__ import annotations
@@ -158,7 +159,26 @@ async def inbound_to_start(n: int) -> None:
          note="host side only: store, trigger, queue, prompt, spec, settings file")
 
 
-def idle_rss(groups: int = 100, idle_seconds: float = 0) -> None:
+def add_tasks(db_path: Path, n: int, groups: int) -> None:
+    """Insert `n` active interval tasks spread over the groups, none due for a day."""
+    from datetime import timedelta
+
+    from mdclaw import schedule
+
+    now = schedule.utc_now()
+    stamp = schedule.to_iso(now)
+    rows = [(f"task-{i:07d}", f"g{i % groups}", f"hl:g{i % groups}", "prompt", "interval",
+             "86400000", schedule.to_iso(now + timedelta(seconds=86400 + i * 20)), "active",
+             stamp, "ipc", "UTC", 1, stamp) for i in range(n)]
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    with Database(db_path) as db, db.transaction() as c:
+        c.executemany(
+            "INSERT INTO scheduled_tasks (id, group_folder, chat_jid, prompt, schedule_type,"
+            " schedule_value, next_run, status, created_at, source, timezone, catch_up,"
+            " updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+
+
+def idle_rss(groups: int = 100, idle_seconds: float = 0, tasks: int = 0) -> None:
     def cpu_of(pid: int) -> float:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
@@ -167,6 +187,8 @@ def idle_rss(groups: int = 100, idle_seconds: float = 0) -> None:
         tmp = Path(d)
         cfg = write_config(tmp, groups, extra="channels: {http: {listen: '127.0.0.1:0'}}\n"
                            f"runtime: {{socket: 'unix://{tmp}/none.sock'}}\n")
+        if tasks:
+            add_tasks(tmp / "data" / "state.db", tasks, groups)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
         env["PYTHONPATH"] = str(REPO)
         p = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg)],
@@ -188,7 +210,8 @@ def idle_rss(groups: int = 100, idle_seconds: float = 0) -> None:
         p.wait(40)
     print(json.dumps({"figure": "idle_rss_mb", "groups": groups, "value": round(rss_kb / 1024, 1),
                       "cpu_seconds_first_12s": cpu, "idle_cpu_s": idle_cpu,
-                      "idle_seconds": idle_seconds}), flush=True)
+                      "idle_seconds": idle_seconds, "tasks": tasks,
+                      "loadavg": os.getloadavg()[0]}), flush=True)
 
 
 def main() -> None:
@@ -198,11 +221,12 @@ def main() -> None:
     ap.add_argument("--only", choices=("idle",), default=None)
     ap.add_argument("--groups", type=int, default=100)
     ap.add_argument("--idle-seconds", type=float, default=0)
+    ap.add_argument("--tasks", type=int, default=0)
     args = ap.parse_args()
     if args.only is None:
         asyncio.run(ipc_to_send(args.n))
         asyncio.run(inbound_to_start(args.runs))
-    idle_rss(args.groups, args.idle_seconds)
+    idle_rss(args.groups, args.idle_seconds, args.tasks)
 
 
 if __name__ == "__main__":

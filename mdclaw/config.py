@@ -503,6 +503,13 @@ class Runtime(Frozen):
         False, description="Let a group's `network:` be `host`: the container then shares the "
         "host's network namespace and reaches every service listening on the host, "
         "localhost included. Off unless set to true here.")
+    keep_created: bool = Field(
+        True, description="After a group's run, create (not start) the container of its next "
+        "run, with the same mounts, environment and limits, so a reply only waits for the "
+        "engine to start it. Discarded when the group's settings change before it is used, "
+        "after 10 minutes unused, at shutdown and by the next start's orphan cleanup. It holds "
+        "no secret and runs nothing until used. Engines that cannot create without starting "
+        "(apple-container) ignore it.")
 
     @model_validator(mode="after")
     def _host_is_explicit(self) -> Runtime:

@@ -30,6 +30,7 @@ next output event or deadline and does what `RunTimers.due()` says.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import inspect
 import json
@@ -55,6 +56,8 @@ from mdclaw.runtime import (
     GROUP_LABEL,
     STDOUT,
     ContainerRuntime,
+    EngineUnavailable,
+    ImageError,
     Mount,
     RunningContainer,
     RunSpec,
@@ -74,6 +77,9 @@ STOP_GRACE_SECONDS = 2.0  # the engine's own SIGTERM-to-SIGKILL wait when the ha
 # After a stop's grace, or after a kill, how long the output stream gets to end before the
 # container is killed (again); a stream that never ends must not hang the run.
 STOP_WAIT_SECONDS = 30.0
+# A container created ahead of a group's next run (`runtime.keep_created`) is removed when no
+# run has used it for this long.
+SPARE_TTL_SECONDS = 600.0
 
 AGENT_SETTINGS: dict[str, Any] = {
     "permissions": {"allow": ["Bash(*)", "Read(*)", "Write(*)", "Edit(*)", "mcp__*"],
@@ -406,6 +412,9 @@ class ContainerRunner:
         self._hooks: list[SpecHook] = []
         self._active: dict[str, RunHandle] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        # Per group, the container created (not started) for its next run, or being created.
+        self._spares: dict[str, _Spare] = {}
+        self._closing = False
 
     # ----------------------------------------------------------------- public
 
@@ -443,9 +452,17 @@ class ContainerRunner:
         return removed
 
     async def aclose(self) -> None:
-        """Wait for background container removals."""
-        if self._background:
+        """Remove the containers created ahead of time; wait for background removals."""
+        self._closing = True
+        for folder in list(self._spares):
+            self._discard(self._spares.pop(folder))
+        while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+    def spare(self, folder: str) -> str | None:
+        """The name of the container created ahead of `folder`'s next run, or None."""
+        spare = self._spares.get(folder)
+        return spare.name if spare is not None and spare.id else None
 
     def write_agent_settings(self, folder: str) -> Path:
         """Write sessions/<folder>/.claude/settings.json (atomically); return its path.
@@ -552,18 +569,25 @@ class ContainerRunner:
                                        extra_mounts=extra_mounts, command=command, image=image)
         # A stale sentinel would end this run at once.
         await asyncio.to_thread(remove_close, self.layout, folder)
+        # Only the ordinary run of a group has a container made ahead of time.
+        plain = not (extra_env or extra_mounts or command or image)
+        created = await self._claim_spare(folder, spec) if plain else None
+        if not plain and folder in self._spares:
+            self._discard(self._spares.pop(folder))
 
         handle = RunHandle(self, folder, spec.name, timers)
         self._active[folder] = handle
         try:
-            return await self._run(handle, spec, on_output, t_call)
+            return await self._run(handle, spec, on_output, t_call, created)
         finally:
             self._active.pop(folder, None)
+            if plain:
+                self._keep_ready(folder, input)
 
     # ----------------------------------------------------------------- internals
 
     async def _run(self, handle: RunHandle, spec: RunSpec, on_output: OutputCallback | None,
-                   t_call: float) -> ContainerResult:
+                   t_call: float, created: str | None = None) -> ContainerResult:
         """Start the container, follow it until its output ends, and give its result.
 
         Raises what the runtime's `start` raises. When cancelled, kills and removes the
@@ -573,7 +597,7 @@ class ContainerRunner:
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         t_start_call = time.perf_counter()
         try:
-            running = await self._start(spec)
+            running = await self._start(spec, created)
         except Exception:
             metrics.container_starts.get("failed").inc()
             raise
@@ -597,11 +621,27 @@ class ContainerRunner:
             "call": t_call, "start_call": t_start_call, "started": t_started,
             "eof": followed.eof_at})
 
-    async def _start(self, spec: RunSpec) -> RunningContainer:
+    def _start_now(self, spec: RunSpec, created: str | None) -> RunningContainer:
+        """Start the container created ahead of time (`created`), or create and start one.
+        A created container the engine cannot start (removed behind our back) is replaced
+        by a new one; an unreachable engine or a missing image is raised."""
+        if created is not None:
+            try:
+                return self.runtime.start_created(created, spec)
+            except (EngineUnavailable, ImageError):
+                raise
+            except RuntimeError_ as e:
+                log.warning("container %s created ahead of time did not start (%s); creating "
+                            "a new one", spec.name, e)
+                spec.name = f"mdclaw-{spec.labels.get(GROUP_LABEL, 'x')}-" \
+                            f"{int(time.time() * 1000)}"
+        return self.runtime.start(spec)
+
+    async def _start(self, spec: RunSpec, created: str | None = None) -> RunningContainer:
         """The started container. Raises what the runtime's `start` raises; when cancelled
         while the engine is starting it, removes it once it is there and raises
         CancelledError."""
-        starting = asyncio.ensure_future(asyncio.to_thread(self.runtime.start, spec))
+        starting = asyncio.ensure_future(asyncio.to_thread(self._start_now, spec, created))
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
@@ -660,6 +700,89 @@ class ContainerRunner:
                  status, exit_code, ", OOM-killed" if result.oom_killed else "", len(outputs),
                  reader.total)
         return result
+
+    # ------------------------------------------------------- containers made ahead of time
+
+    def _keep_ready(self, folder: str, input: ContainerInput) -> None:
+        """Create (not start) the container of `folder`'s next run in the background, so that
+        run only attaches and starts it. Its spec is built like a run's (same mounts,
+        environment, labels, limits: never a secret, see build_spec); the prompt goes in
+        on stdin when it starts. Removed after SPARE_TTL_SECONDS unused, when the group's
+        spec changed by then (`_claim_spare`), at shutdown, and by the next daemon's orphan
+        cleanup (it carries this runner's boot label)."""
+        if (self._closing or folder in self._spares or not self.cfg.runtime.keep_created
+                or not self.runtime.supports_create):
+            return
+        spare = _Spare()
+        spare.task = asyncio.ensure_future(self._create_spare(folder, input, spare))
+        self._spares[folder] = spare
+
+    async def _create_spare(self, folder: str, input: ContainerInput, spare: _Spare) -> None:
+        try:
+            spec = await asyncio.to_thread(self.build_spec, folder, input)
+            spare.key, spare.name = _spec_key(spec), spec.name
+            spare.id = await asyncio.to_thread(self.runtime.create, spec)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the next run creates its own
+            log.info("group %s: no container created ahead of time: %s", folder, e)
+            if self._spares.get(folder) is spare:
+                del self._spares[folder]
+            return
+        if self._closing or self._spares.get(folder) is not spare:
+            self._discard(spare)
+            return
+        log.debug("group %s: container %s created for the next run", folder, spare.name)
+        spare.expiry = asyncio.get_running_loop().call_later(
+            SPARE_TTL_SECONDS, self._expire, folder, spare)
+
+    def _expire(self, folder: str, spare: _Spare) -> None:
+        if self._spares.get(folder) is spare:
+            del self._spares[folder]
+            log.info("group %s: removing container %s created ahead of time (unused for %.0f "
+                     "s)", folder, spare.name, SPARE_TTL_SECONDS)
+            self._discard(spare)
+
+    async def _claim_spare(self, folder: str, spec: RunSpec) -> str | None:
+        """The id of `folder`'s container created ahead of time when it was made from a spec
+        equal to `spec` (but for name and stdin); `spec.name` then becomes its name. A spare
+        from different settings (the config was reloaded, a mount granted or revoked, the
+        image or limits changed) is removed and None returned."""
+        spare = self._spares.pop(folder, None)
+        if spare is None:
+            return None
+        if spare.expiry is not None:
+            spare.expiry.cancel()
+        assert spare.task is not None
+        try:
+            await asyncio.shield(spare.task)  # still being created: that is the quicker way
+        except asyncio.CancelledError:
+            self._discard(spare)
+            raise
+        if spare.id is None:
+            return None
+        if not self.cfg.runtime.keep_created:  # turned off by a reload since
+            self._discard(spare)
+            return None
+        if spare.key != _spec_key(spec):
+            log.info("group %s: the container created ahead of time (%s) no longer matches "
+                     "the group's settings; removing it", folder, spare.name)
+            self._discard(spare)
+            return None
+        spec.name = spare.name
+        return spare.id
+
+    def _discard(self, spare: _Spare) -> None:
+        """Remove a spare container, once its creation (if under way) has ended."""
+        if spare.expiry is not None:
+            spare.expiry.cancel()
+
+        async def remove() -> None:
+            if spare.task is not None:
+                await asyncio.gather(spare.task, return_exceptions=True)
+            if spare.id is not None:
+                await asyncio.to_thread(_remove_quietly, self.runtime, spare.id)
+                spare.id = None
+
+        self._spawn(remove())
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -802,6 +925,25 @@ class _Reader(threading.Thread):
             self.error = f"reading container output failed: {e}"
         finally:
             self._post("eof", time.perf_counter())
+
+
+class _Spare:
+    """A container created ahead of a group's next run (or being created by `task`)."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Future[None] | None = None
+        self.key = ""  # _spec_key of the spec it was created from
+        self.name = ""
+        self.id: str | None = None  # set once the engine created it
+        self.expiry: asyncio.TimerHandle | None = None
+
+
+def _spec_key(spec: RunSpec) -> str:
+    """Everything a created container fixes (all of the spec but its name and stdin)."""
+    d = dataclasses.asdict(spec)
+    d.pop("name")
+    d.pop("stdin")
+    return json.dumps(d, sort_keys=True, default=str)
 
 
 def _kill_quietly(runtime: ContainerRuntime, cid: str) -> None:

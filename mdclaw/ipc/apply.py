@@ -1,8 +1,9 @@
 """Applying command files: read, parse, authorize, change state, record, remove.
 
 A batch of files (fair shares from every group with work) is applied in one SQLite
-transaction. Each file gets its own SAVEPOINT, so a command that fails rolls back alone, and
-its own ledger row keyed by (group, sub/name, sha256@inode.ctime). Only after COMMIT are
+transaction. Each file's command rolls back alone when it fails (a SAVEPOINT around it, or,
+for a command whose only write is one statement, that statement's own atomicity), and each
+file gets its own ledger row keyed by (group, sub/name, sha256@inode.ctime). Only after COMMIT are
 applied files removed and rejected ones quarantined. After a crash anywhere, a file whose
 ledger row exists is only finished (removed or quarantined), never applied again; a file
 without one was not applied and is processed normally.
@@ -65,6 +66,11 @@ LEDGER_KEEP = timedelta(days=7)
 SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
 
 
+# Commands whose apply makes every check first and then writes one row with one statement
+# (the outbox INSERT of mdclaw.state.outbox.enqueue).
+ONE_WRITE = (P.SendMessage, P.React)
+
+
 class ApplyError(Exception):
     """A well-formed, authorized command that cannot be carried out (unknown task...)."""
 
@@ -121,14 +127,18 @@ class IpcEngine:
 
     # A round (one transaction) holds at most `batch_max` files (about 50-100 µs each), so
     # another group's command, or the outbox, waits for the loop only a few milliseconds.
+    # A group alone with work takes `batch_per_group` files a round (fewer, larger
+    # transactions for a flood); while several have work each takes at most `batch_shared`,
+    # so a quiet group's command is in a short round behind at most one long one.
     def __init__(self, cfg: Config, db: Database, *, batch_per_group: int = 64,
-                 batch_max: int = 128, settle_ns: int = 0) -> None:
+                 batch_max: int = 128, batch_shared: int = 16, settle_ns: int = 0) -> None:
         self.cfg = cfg
         self.settle_ns = settle_ns
         self.db = db
         self.layout = Layout(cfg.data_dir)
         self.batch_per_group = batch_per_group
         self.batch_max = batch_max
+        self.batch_shared = batch_shared
         agentfs.make_dirs(self.layout.ipc_dir, 0o751)
         self.ipc_root_fd = agentfs.open_root(self.layout.ipc_dir)
         self.quarantine = Quarantine(self.layout.errors_dir, cfg.limits.errors_max_files,
@@ -218,6 +228,8 @@ class IpcEngine:
         if not pending:
             return {}
         share = max(1, min(self.batch_per_group, self.batch_max // len(pending)))
+        if len(pending) > 1:
+            share = min(share, self.batch_shared)
         return {f: files[:share] for f, files in pending.items()}
 
     # ------------------------------------------------------------------ processing
@@ -280,6 +292,7 @@ class IpcEngine:
         if not items:
             return res
         now = to_iso(utc_now())
+        ledger: list[tuple[Any, ...]] = []
         with self.db.transaction() as conn:
             jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
             hits = self._ledger_hits(conn, items)
@@ -291,7 +304,19 @@ class IpcEngine:
                     it.outcome, it.ledger_outcome = "done", hit[0]
                     it.reason = hit[1]
                     continue
-                if it.reason is None:
+                if it.reason is None and isinstance(it.cmd, ONE_WRITE):
+                    # Every check comes before its only statement, which SQLite applies
+                    # whole or not at all: no SAVEPOINT needed to roll it back alone.
+                    try:
+                        self._apply(conn, it, fx, jid_to_folder)
+                    except (Unauthorized, ApplyError, TaskError, schedule.ScheduleError,
+                            UnsafePath) as e:
+                        it.reason = _reason(e)
+                    except Exception as e:  # noqa: BLE001 - a bug: keep the loop and the file
+                        log.exception("ipc: internal error applying %s/%s/%s", it.folder,
+                                      it.sub, it.name)
+                        it.reason = f"internal error: {type(e).__name__}: {e}"
+                elif it.reason is None:
                     conn.execute("SAVEPOINT cmd")
                     try:
                         self._apply(conn, it, fx, jid_to_folder)
@@ -308,10 +333,12 @@ class IpcEngine:
                                       it.sub, it.name)
                         it.reason = f"internal error: {type(e).__name__}: {e}"
                 it.outcome = "rejected" if it.reason is not None else "applied"
-                conn.execute(
-                    "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
-                    " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (it.folder, it.ledger_name, it.key, it.ctype, it.outcome, it.reason, now))
+                ledger.append((it.folder, it.ledger_name, it.key, it.ctype, it.outcome,
+                               it.reason, now))
+            # The batch's ledger rows in one call, in the same transaction as the effects.
+            conn.executemany(
+                "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
+                " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)", ledger)
         committed = time.perf_counter() - picked
         if self.on_commit is not None:
             self.on_commit(items)

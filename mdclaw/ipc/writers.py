@@ -171,6 +171,13 @@ def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = Non
     task_rows = list_tasks(db) if tasks else []
     chats = list_chats(db) if groups else []
     now = to_iso(utc_now())
+    # Each group's tasks in one pass, and each file's bytes made once per kind (main / other):
+    # with 1,000 groups and 100,000 tasks, filtering the task list per group took seconds.
+    by_folder: dict[str, list[TaskRow]] = {}
+    for t in task_rows:
+        by_folder.setdefault(t.group_folder, []).append(t)
+    main_tasks: bytes | None = None
+    groups_bytes: dict[bool, bytes] = {}
     written = []
     for g in all_groups:
         if folders is not None and g.folder not in folders:
@@ -182,12 +189,18 @@ def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = Non
             continue
         try:
             if tasks:
-                agentfs.atomic_write(fd, "current_tasks.json",
-                                     _dump(tasks_snapshot(task_rows, g.folder, g.is_main)),
-                                     durable=False)
+                if g.is_main:
+                    if main_tasks is None:
+                        main_tasks = _dump(tasks_snapshot(task_rows, g.folder, True))
+                    body = main_tasks
+                else:
+                    body = _dump(tasks_snapshot(by_folder.get(g.folder, []), g.folder, False))
+                agentfs.atomic_write(fd, "current_tasks.json", body, durable=False)
             if groups:
-                agentfs.atomic_write(fd, "available_groups.json",
-                                     _dump(groups_snapshot(all_groups, chats, g.is_main, now)),
+                if g.is_main not in groups_bytes:
+                    groups_bytes[g.is_main] = _dump(
+                        groups_snapshot(all_groups, chats, g.is_main, now))
+                agentfs.atomic_write(fd, "available_groups.json", groups_bytes[g.is_main],
                                      durable=False)
             written.append(g.folder)
         except OSError as e:

@@ -203,6 +203,21 @@ class ContainerRuntime(ABC):
     def start(self, spec: RunSpec) -> RunningContainer:
         """Create, attach, start, write stdin; raise ImageError if the image is missing."""
 
+    # True when the engine can create a container now and start it later (`create`, then
+    # `start_created`): the runner then keeps a created container ready for a group's next
+    # run. The Apple CLI cannot attach to a created container, so it says False.
+    supports_create: bool = False
+
+    def create(self, spec: RunSpec) -> str:
+        """Create (not start) the container of `spec` and return its id; `spec.stdin` is not
+        used yet. Raise ImageError if the image is missing."""
+        raise NotImplementedError(f"{type(self).__name__} cannot create without starting")
+
+    def start_created(self, container_id: str, spec: RunSpec) -> RunningContainer:
+        """Attach to and start a container `create` made from a spec equal to `spec` (but
+        for name and stdin), and write `spec.stdin`. On failure the container is removed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot start a created container")
+
     @abstractmethod
     def stop(self, container_id: str, grace: float = 2.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds. A container already gone is fine."""

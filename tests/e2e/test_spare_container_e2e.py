@@ -1,0 +1,165 @@
+"""A group's next container, created ahead of time (`runtime.keep_created`), on a real engine:
+used by the next run, discarded when the group's settings changed, removed at shutdown and by
+a later daemon's orphan cleanup. Each test uses its own install label and cleans up by it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mdclaw.config import Config
+from mdclaw.runner import ContainerInput, ContainerRunner
+from mdclaw.runtime import install_labels
+from mdclaw.runtime.docker_engine import DockerRuntime
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def plain_image(engine: DockerRuntime, agent_image: str,
+                tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The fake agent with a default command, as the real image runs without one."""
+    ctx = tmp_path_factory.mktemp("plain-image")
+    (ctx / "Dockerfile").write_text(f'FROM {agent_image}\nCMD ["blocks", "1", "0"]\n')
+    tag = "mdclaw-e2e-agent:plain"
+    engine.build_image(tag, ctx / "Dockerfile", ctx)
+    return tag
+
+
+def config(tmp_path: Path, install_id: str, image: str, **runtime: Any) -> Config:
+    return Config(
+        data_dir=tmp_path / "data",
+        groups={"main": {"name": "Admin", "jid": "tg:1", "main": True},
+                "family": {"name": "Family", "jid": "tg:2"}},
+        limits={"container_timeout": "60s", "idle_timeout": "30s", "memory": "256m",
+                "cpus": 1.0, "pids": 64},
+        runtime={"image": image, "install_id": install_id, **runtime},
+    )
+
+
+def inp(prompt: str = "hello") -> ContainerInput:
+    return ContainerInput(prompt=prompt, group_folder="family", chat_jid="tg:2")
+
+
+async def spare_of(runner: ContainerRunner, folder: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while (name := runner.spare(folder)) is None:
+        assert time.monotonic() < deadline, "no container was created ahead of time"
+        await asyncio.sleep(0.02)
+    return name
+
+
+async def gone(engine: DockerRuntime, labels: dict[str, str], name: str,
+               timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while any(c.name == name for c in await asyncio.to_thread(engine.list, labels)):
+        assert time.monotonic() < deadline, f"{name} was not removed"
+        await asyncio.sleep(0.05)
+
+
+def test_the_next_run_starts_the_container_created_for_it(tmp_path, engine, plain_image,
+                                                          install_id, reap) -> None:
+    cfg = config(tmp_path, install_id, plain_image)
+    labels = install_labels(cfg)
+    reap(labels)
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, engine)
+        first = await runner.run("family", inp("one"))
+        assert first.status == "success", first
+        name = await spare_of(runner, "family")
+        assert name != first.name
+        states = {c.name: c.state for c in await asyncio.to_thread(engine.list, labels)}
+        assert states.get(name) in ("created", "configured"), states  # made, not started
+
+        second = await runner.run("family", inp("a longer prompt"))
+        assert second.status == "success", second
+        assert second.name == name  # the created container ran this turn
+        # It got this run's prompt on stdin, not the first one's.
+        assert json.loads(second.output)["stdin_len"] == len(inp("a longer prompt").to_json())
+        third_spare = await spare_of(runner, "family")
+        assert third_spare not in (first.name, second.name)
+
+        # A daemon that died without shutting down leaves it; the next one's orphan
+        # cleanup removes it (it carries the old runner's boot label).
+        later = ContainerRunner(cfg, engine)
+        assert third_spare in await later.cleanup_orphans()
+        await gone(engine, labels, third_spare)
+        await runner.aclose()
+        await later.aclose()
+
+    asyncio.run(go())
+    assert engine.list(labels) == []
+
+
+def test_a_created_container_from_other_settings_is_discarded(tmp_path, engine, plain_image,
+                                                              install_id, reap) -> None:
+    cfg = config(tmp_path, install_id, plain_image)
+    labels = install_labels(cfg)
+    reap(labels)
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, engine)
+        await runner.run("family", inp())
+        stale = await spare_of(runner, "family")
+        # A reload hands the runner a config with other limits: the container made from
+        # the old settings must not run.
+        runner.cfg = cfg.model_copy(update={"limits": cfg.limits.model_copy(
+            update={"memory": "300m"})})
+        res = await runner.run("family", inp())
+        assert res.status == "success", res
+        assert res.name != stale
+        await gone(engine, labels, stale)
+        info = await spare_of(runner, "family")
+        created = next(c for c in await asyncio.to_thread(engine.list, labels)
+                       if c.name == info)
+        memory = (await asyncio.to_thread(engine.inspect, created.id))["HostConfig"]["Memory"]
+        assert memory == 300 * 1024 * 1024  # the new one follows the new settings
+        await runner.aclose()  # shutdown removes it
+
+    asyncio.run(go())
+    assert engine.list(labels) == []
+
+
+def test_keep_created_off_creates_nothing_ahead(tmp_path, engine, plain_image, install_id,
+                                                reap) -> None:
+    cfg = config(tmp_path, install_id, plain_image, keep_created=False)
+    labels = install_labels(cfg)
+    reap(labels)
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, engine)
+        res = await runner.run("family", inp())
+        assert res.status == "success", res
+        await runner.aclose()
+        assert runner.spare("family") is None
+
+    asyncio.run(go())
+    assert engine.list(labels) == []
+
+
+def test_keep_created_turned_off_by_a_reload_discards_the_spare(tmp_path, engine, plain_image,
+                                                                install_id, reap) -> None:
+    cfg = config(tmp_path, install_id, plain_image)
+    labels = install_labels(cfg)
+    reap(labels)
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, engine)
+        await runner.run("family", inp())
+        spare = await spare_of(runner, "family")
+        runner.cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(
+            update={"keep_created": False})})
+        res = await runner.run("family", inp())
+        assert res.status == "success" and res.name != spare, res
+        await gone(engine, labels, spare)
+        assert runner.spare("family") is None  # and none is made for the next run
+        await runner.aclose()
+
+    asyncio.run(go())
+    assert engine.list(labels) == []
