@@ -138,8 +138,10 @@ def test_a_container_filling_its_folder_is_stopped_and_refused(tmp_path: Path, e
     took = out["stopped_at"] - crossed_at
     print(f"\ncrossed the limit -> stopped: {took:.2f} s; run ended "
           f"{out['ended_at'] - out['stopped_at']:.2f} s later")
-    # Stopped within about one measuring interval (plus the measuring itself).
-    assert 0 <= took < INTERVAL + 3, took
+    # Stopped within about one measuring interval (plus the measuring itself). The writer notes
+    # the time after its write returns, so a guard that measures at once can come out a few
+    # milliseconds "before" it.
+    assert -0.5 <= took < INTERVAL + 3, took
     assert out["running_after"] == []
     assert out["starts_after"] == 0
     assert out["blocked"] is not None and out["blocked"].state == GROUP_FULL
