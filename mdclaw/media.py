@@ -182,3 +182,10 @@ def not_saved_note(attachments: tuple[Attachment, ...], why: str) -> list[Saved]
     return [Saved(kind=a.kind if a.kind in KINDS else "document",
                   name=safe_name(a.name, a.kind, a.mime), mime=a.mime, size=a.size,
                   caption=a.caption, error=why) for a in attachments]
+
+
+def announced(attachments: tuple[Attachment, ...]) -> list[dict[str, Any]]:
+    """What the sender says of `attachments` (names sanitised), kept with a message while
+    its files are downloaded, so a restart can say which files were lost."""
+    return [{k: v for k, v in s.as_dict().items() if k != "error"}
+            for s in not_saved_note(attachments, "")]

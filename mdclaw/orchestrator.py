@@ -228,9 +228,9 @@ class Orchestrator:
         decision = self.decision(group, msg)
         if decision.store:
             fetch = bool(msg.attachments) and group is not None
-            files = ([s.as_dict() for s in media.not_saved_note(
-                msg.attachments, "this chat is no registered group")]
-                if msg.attachments and group is None else [])
+            files = (media.announced(msg.attachments) if fetch else
+                     [s.as_dict() for s in media.not_saved_note(
+                         msg.attachments, "this chat is no registered group")])
             stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name,
                                    msg.content, msg.timestamp, False, False,
                                    attachments=tuple(files), files_pending=fetch)
