@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
 from mdclaw import schedule
+from mdclaw.config import format_size
 
 _INTERNAL = re.compile(r"<internal>.*?(?:</internal>|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -41,6 +43,44 @@ class PromptMessage:
     sender_name: str
     content: str
     timestamp: str  # ISO-8601 UTC
+    #: Files that came with the message, as the host saved them (mdclaw.media.Saved.as_dict).
+    attachments: tuple[Mapping[str, Any], ...] = ()
+
+
+# The facts of a file, in the order the <attachment> element gives them.
+_FILE_ATTRS = (("kind", "kind"), ("path", "path"), ("name", "name"), ("mime", "type"),
+               ("size", "size"), ("caption", "caption"), ("error", "not_saved"),
+               ("transcript_note", "transcript"))
+
+
+def format_attachment(file: Mapping[str, Any], text: str = "") -> str:
+    """One file of a message as the agent reads it: an <attachment> element whose facts are
+    quoted attributes (the transcript of a voice note its escaped content). The host writes
+    these; a person's text is escaped (`<` becomes `&lt;`), so it can never make one.
+    A saved file has `path`; one that was not has `not_saved` (the reason) and `name`."""
+    parts = ["<attachment"]
+    for key, attr in _FILE_ATTRS:
+        value = file.get(key)
+        if value is None or value == "":
+            continue
+        if key == "name" and file.get("path"):
+            continue  # the path ends with it
+        if key == "caption" and str(value).strip() == text.strip():
+            continue  # the message's text already
+        if key == "size" and isinstance(value, int):
+            value = format_size(value)
+        parts.append(f" {attr}={quoteattr(str(value))}")
+    transcript = file.get("transcript")
+    if isinstance(transcript, str):
+        return "".join(parts) + f"><transcript>{escape(transcript)}</transcript></attachment>"
+    return "".join(parts) + "/>"
+
+
+def message_body(m: PromptMessage) -> str:
+    """The inside of a <message> element: the escaped text, then its files' elements."""
+    lines = [escape(m.content)] if m.content.strip() or not m.attachments else []
+    lines += [format_attachment(f, m.content) for f in m.attachments]
+    return "\n".join(lines)
 
 
 def local_time(iso: str, tz: str) -> str:
@@ -58,7 +98,7 @@ def format_prompt(messages: Sequence[PromptMessage], tz: str, *, max_messages: i
     kept = list(messages)[-max_messages:]
     lines = [
         f"<message sender={quoteattr(m.sender_name)} time={quoteattr(local_time(m.timestamp, tz))}>"
-        f"{escape(m.content)}</message>"
+        f"{message_body(m)}</message>"
         for m in kept
     ]
     # Keep the newest messages within the character budget.

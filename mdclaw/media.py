@@ -6,7 +6,9 @@ stored. Each attachment is downloaded (`fetch`, async, at most `media.max_bytes`
 through the one door into `groups/<g>/inbox/<YYYY-MM-DD>/<name>` (a thread does the file
 work; folders are walked without following symlinks; an existing entry is never replaced,
 the new file gets `name (2).ext`), and voice notes are transcribed when `transcription:` is
-configured. The result is text appended to the message, so the agent reads where the file is
+configured. The result (`Saved.as_dict`) is kept beside the message's text, in the messages
+table's `attachments` column, and the prompt shows it as an element the person's own text
+cannot produce (mdclaw.formatting): the agent reads where the file is
 (`/workspace/group/inbox/...`), its type, size and caption, and the transcript; a file that
 was too large or could not be fetched is named with the reason, never silently dropped.
 
@@ -24,6 +26,7 @@ import re
 import unicodedata
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any
 
 from mdclaw import agentfs, schedule
 from mdclaw.agentfs import UnsafePath
@@ -89,24 +92,15 @@ class Saved:
     transcript: str | None = None
     transcript_note: str | None = None  # why there is no transcript (voice notes)
 
-    def describe(self) -> str:
-        """One line (or two) for the prompt."""
-        word = KIND_WORDS.get(self.kind, "file")
-        if self.container_path is None:
-            return f"[{word} {self.name!r} not saved: {self.error}]"
-        facts = [self.mime or "unknown type"]
-        if self.size is not None:
-            facts.append(describe_size(self.size))
-        line = f"[{word} attached: {self.container_path} ({', '.join(facts)})"
-        if self.caption:
-            line += f"; caption: {self.caption}"
-        if self.transcript is not None:
-            line += f"]\n[transcript: {self.transcript}]"
-        elif self.transcript_note:
-            line += f"; {self.transcript_note}]"
-        else:
-            line += "]"
-        return line
+    def as_dict(self) -> dict[str, Any]:
+        """What the messages table keeps (its `attachments` column) and the prompt shows
+        (mdclaw.formatting renders it as an <attachment> element); empty facts left out."""
+        d: dict[str, Any] = {"kind": self.kind, "name": self.name, "mime": self.mime,
+                             "size": self.size, "caption": self.caption,
+                             "path": self.container_path, "error": self.error,
+                             "transcript": self.transcript,
+                             "transcript_note": self.transcript_note}
+        return {k: v for k, v in d.items() if v is not None}
 
 
 def inbox_date(cfg: Config, now: datetime | None = None) -> str:
@@ -183,19 +177,15 @@ async def save_all(cfg: Config, folder: str, attachments: tuple[Attachment, ...]
             for a in attachments]
 
 
-def with_attachments(content: str, saved: list[Saved]) -> str:
-    """The message text the agent reads: the person's text, then a line per attachment
-    (a caption equal to the text is not repeated)."""
-    lines = [content] if content.strip() else []
-    for s in saved:
-        if s.caption and s.caption.strip() == content.strip():
-            s = replace(s, caption=None)
-        lines.append(s.describe())
-    return "\n".join(lines)
-
-
 def not_saved_note(attachments: tuple[Attachment, ...], why: str) -> list[Saved]:
     """Attachments that are not fetched at all (`why`), described like the rest."""
     return [Saved(kind=a.kind if a.kind in KINDS else "document",
                   name=safe_name(a.name, a.kind, a.mime), mime=a.mime, size=a.size,
                   caption=a.caption, error=why) for a in attachments]
+
+
+def announced(attachments: tuple[Attachment, ...]) -> list[dict[str, Any]]:
+    """What the sender says of `attachments` (names sanitised), kept with a message while
+    its files are downloaded, so a restart can say which files were lost."""
+    return [{k: v for k, v in s.as_dict().items() if k != "error"}
+            for s in not_saved_note(attachments, "")]

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mdclaw import failures, media
@@ -57,10 +57,11 @@ from mdclaw.state.conversations import (
     StoredMessage,
     get_cursor,
     get_session,
-    message_exists,
     messages_since,
+    pending_files,
     set_cursor,
     set_session,
+    settle_files,
     store_message,
 )
 from mdclaw.state.failed_turns import mark_messages_failed, record_failed_turn
@@ -78,6 +79,7 @@ from mdclaw.transcribe import Transcriber, make_transcriber
 log = logging.getLogger("mdclaw.orchestrator")
 
 MAX_PROMPT_MESSAGES = 50
+MAX_PARALLEL_DOWNLOADS = 4  # files of inbound messages fetched at once
 # A message in a chat that is not a registered group: stored (main's agent sees the chat in
 # its list of available groups), never run.
 _UNREGISTERED = Decision(store=True, direct=False, run=False, refused=False)
@@ -182,6 +184,11 @@ class Orchestrator:
         self._image_checks: dict[str, tuple[float, tuple[str, ...] | None, bool]] = {}
         # Voice notes to text (transcription: in config); None when not configured.
         self.transcriber: Transcriber | None = make_transcriber(cfg.transcription)
+        # Messages whose files are being downloaded (message id -> its task), and how many
+        # downloads may run at once.
+        self._file_tasks: dict[str, asyncio.Task[None]] = {}
+        self._chat_files: dict[str, asyncio.Task[None]] = {}  # chat -> its newest such task
+        self._downloads = asyncio.Semaphore(MAX_PARALLEL_DOWNLOADS)
 
     # ------------------------------------------------------------------ inbound
     @staticmethod
@@ -191,7 +198,9 @@ class Orchestrator:
             return True
         if getattr(msg, "addressed", False):
             return True
-        return mentions_trigger(msg.content, group.trigger)
+        return mentions_trigger(msg.content, group.trigger) or any(
+            mentions_trigger(str(f.get("transcript") or ""), group.trigger)
+            for f in getattr(msg, "attachments", ()) if isinstance(f, dict))
 
     def decision(self, group: GroupRow | None,
                  msg: InboundMessage | StoredMessage) -> Decision:
@@ -207,23 +216,52 @@ class Orchestrator:
 
     async def on_inbound(self, msg: InboundMessage) -> None:
         """Store `msg` once (unless its group drops it); run or feed its group's agent when
-        the message is for it; count it when the group's allow_senders refused it."""
+        the message is for it; count it when the group's allow_senders refused it.
+
+        A message with files returns once it is stored: its files are downloaded and saved
+        by a task of their own (`_take_files`), so a big download never holds up the channel
+        that handed the message over (nor other chats). Until the files are settled the
+        message, and every later one of its chat, is held back from the agent
+        (mdclaw.state.conversations), so the agent reads the chat in order."""
         t0 = time.perf_counter()
         group = get_group_by_jid(self.db, msg.chat_jid)
         decision = self.decision(group, msg)
-        if msg.attachments and decision.store:
-            if await asyncio.to_thread(message_exists, self.db, msg.id):
-                return  # a duplicate delivery: its files were saved the first time
-            msg = await self._take_attachments(group, msg)
-            decision = self.decision(group, msg)  # a transcript may name the trigger
         if decision.store:
+            fetch = bool(msg.attachments) and group is not None
+            files = (media.announced(msg.attachments) if fetch else
+                     [s.as_dict() for s in media.not_saved_note(
+                         msg.attachments, "this chat is no registered group")])
             stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name,
-                                   msg.content, msg.timestamp, False, False)
+                                   msg.content, msg.timestamp, False, False,
+                                   attachments=tuple(files), files_pending=fetch)
             if not await asyncio.to_thread(
                     store_message, self.db, stored, chat_name=msg.chat_name,
                     channel=msg.channel or msg.chat_jid.split(":", 1)[0],
                     is_group=msg.is_group):
-                return  # a duplicate delivery
+                return  # a duplicate delivery (its files were fetched the first time)
+            if fetch:
+                assert group is not None
+                # One message's files after the other within a chat (their names in the
+                # inbox and their release follow the chat's order); chats in parallel.
+                before = self._chat_files.get(msg.chat_jid)
+                task = asyncio.create_task(self._take_files(group, msg, t0, before),
+                                           name=f"files:{msg.id}")
+                self._file_tasks[msg.id] = task
+                self._chat_files[msg.chat_jid] = task
+                task.add_done_callback(self._file_task_done)
+                return
+        await self._after_stored(group, msg, decision, t0)
+
+    def _file_task_done(self, task: asyncio.Task[None]) -> None:
+        for mid, t in list(self._file_tasks.items()):
+            if t is task:
+                del self._file_tasks[mid]
+        for jid, t in list(self._chat_files.items()):
+            if t is task:
+                del self._chat_files[jid]
+
+    async def _after_stored(self, group: GroupRow | None, msg: InboundMessage | StoredMessage,
+                            decision: Decision, t0: float) -> None:
         if group is None:
             log.info("message %s in %s: stored (no group answers in this chat)", msg.id,
                      msg.chat_jid)
@@ -242,23 +280,73 @@ class Orchestrator:
             return
         self.dispatch(group, t_inbound=t0)
 
-    async def _take_attachments(self, group: GroupRow | None,
-                                msg: InboundMessage) -> InboundMessage:
-        """Save `msg`'s files in its group's inbox (mdclaw.media) and return the message
-        with a line per file for the agent. Files that could not be kept are named with the
-        reason, and the chat is told."""
-        if group is None:
-            saved = media.not_saved_note(msg.attachments, "this chat is no registered group")
-        else:
-            saved = await media.save_all(self.cfg, group.folder, msg.attachments,
-                                         transcriber=self.transcriber)
-            lost = [s for s in saved if s.container_path is None]
-            if lost and group.jid:
-                self._send_text(group.jid, group.folder, "\n".join(
-                    f"I could not keep {s.name!r}: {s.error}" for s in lost))
-        return replace(msg, content=media.with_attachments(msg.content, saved))
+    async def _take_files(self, group: GroupRow, msg: InboundMessage, t0: float,
+                          before: asyncio.Task[None] | None = None) -> None:
+        """Save `msg`'s files in its group's inbox (mdclaw.media), record what became of them
+        with the message and release it to the agent. Files that could not be kept are named
+        with the reason, and the chat is told."""
+        if before is not None:
+            await asyncio.wait([before])
+        try:
+            async with self._downloads:
+                saved = await media.save_all(self.cfg, group.folder, msg.attachments,
+                                             transcriber=self.transcriber)
+        except Exception:  # noqa: BLE001 - never leave the chat held back
+            log.exception("group %s: saving the files of message %s failed", group.folder,
+                          msg.id)
+            saved = media.not_saved_note(msg.attachments, "saving it failed (see the log)")
+        lost = [s for s in saved if s.container_path is None]
+        if lost and group.jid:
+            self._send_text(group.jid, group.folder, "\n".join(
+                f"I could not keep {s.name!r}: {s.error}" for s in lost))
+        files = tuple(s.as_dict() for s in saved)
+        await asyncio.to_thread(settle_files, self.db, msg.id, files)
+        stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name, msg.content,
+                               msg.timestamp, False, False, attachments=files)
+        decision = self.decision(group, stored)  # a transcript may name the trigger
+        await self._after_stored(group, stored, decision, t0)
+        if not decision.run and self.accepting:
+            self._release_held(group)
 
-    def _log_refusal(self, group: GroupRow, msg: InboundMessage, decision: Decision) -> None:
+    def _release_held(self, group: GroupRow) -> None:
+        """Run the agent for triggered messages of `group`'s chat that waited behind a
+        message's files (their own dispatch found them held back)."""
+        if group.jid is None:
+            return
+        conv = self._conv.get(group.folder)
+        after = conv.last_ts if conv is not None else get_cursor(self.db, group.folder)
+        if any(self.is_triggered(group, m) for m in messages_since(self.db, group.jid, after)):
+            self.dispatch(group)
+
+    async def files_settled(self) -> None:
+        """Wait until every file download under way has been settled (tests, shutdown)."""
+        while self._file_tasks:
+            await asyncio.gather(*list(self._file_tasks.values()), return_exceptions=True)
+
+    def settle_stale_files(self) -> int:
+        """Messages whose files were being downloaded when mdclaw stopped: record that the
+        files were not saved (the agent is told, the chat too) and release them."""
+        n = 0
+        for m in pending_files(self.db):
+            if m.id in self._file_tasks:
+                continue
+            group = get_group_by_jid(self.db, m.chat_jid)
+            files = tuple({**{k: v for k, v in f.items() if k != "path"},
+                           "error": "mdclaw stopped before it was saved; please send it again"}
+                          for f in m.attachments)
+            settle_files(self.db, m.id, files)
+            if group is not None and group.jid:
+                self._send_text(group.jid, group.folder, "\n".join(
+                    f"I could not keep {f.get('name')!r}: mdclaw stopped before it was "
+                    "saved; please send it again" for f in files))
+            n += 1
+        if n:
+            log.warning("%d message(s) whose files were downloading when mdclaw stopped: "
+                        "their files are lost, the chats were told", n)
+        return n
+
+    def _log_refusal(self, group: GroupRow, msg: InboundMessage | StoredMessage,
+                     decision: Decision) -> None:
         key = (group.folder, msg.sender)
         level = logging.DEBUG if key in self._refusals_logged else logging.INFO
         self._refusals_logged.add(key)
@@ -301,7 +389,9 @@ class Orchestrator:
             if not self.decision(group, m).direct:
                 context.append(m)
                 continue
-            content = m.content if not context else self._prompt(context + [m])
+            # Always the prompt's form: the person's text escaped, files as elements it
+            # cannot imitate (mdclaw.formatting).
+            content = self._prompt(context + [m])
             write_follow_up(self.layout, group.folder, sender=m.sender,
                             sender_name=m.sender_name, content=content, timestamp=m.timestamp)
             conv.sent_ids.update(c.id for c in context)
@@ -317,13 +407,15 @@ class Orchestrator:
 
     def _prompt(self, msgs: list[StoredMessage], failed: tuple[str, ...] = ()) -> str:
         """`msgs` as the agent reads them: sender, local time and text of each."""
-        return format_prompt([PromptMessage(m.sender_name, m.content, m.timestamp)
-                              for m in msgs], self.cfg.assistant.timezone,
+        return format_prompt([PromptMessage(m.sender_name, m.content, m.timestamp,
+                                            m.attachments) for m in msgs],
+                             self.cfg.assistant.timezone,
                              max_messages=MAX_PROMPT_MESSAGES, failed=failed)
 
     def recover_pending(self) -> int:
         """Queue a run for every group with triggered messages its agent has not seen yet
         (a crash, a stop or a failed run left them); return how many groups."""
+        self.settle_stale_files()
         n = 0
         for group in list_groups(self.db):
             if not group.jid:

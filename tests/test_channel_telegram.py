@@ -42,6 +42,9 @@ class FakeBotApi:
         # file_id -> (file_path, content, file_size getFile announces or None)
         self.files: dict[str, tuple[str, bytes, int | None]] = {}
         self.downloads: list[str] = []
+        # file_path -> event: the download sends its first chunk, then waits for the event
+        self.gates: dict[str, asyncio.Event] = {}
+        self.download_started = asyncio.Event()
 
     async def start(self, port: int = 0) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -128,8 +131,11 @@ class FakeBotApi:
             if fpath == path:
                 resp = web.StreamResponse()  # chunked: no Content-Length to trust
                 await resp.prepare(request)
+                self.download_started.set()
                 for i in range(0, len(content), 4096):
                     await resp.write(content[i:i + 4096])
+                    if path in self.gates:
+                        await self.gates[path].wait()
                 await resp.write_eof()
                 return resp
         return web.Response(status=404)
@@ -528,7 +534,8 @@ def test_the_offset_survives_a_restart(tmp_path) -> None:
 def test_photos_documents_and_voice_notes_arrive_as_attachments_fetched_with_getfile(
         tmp_path: Path, write_config) -> None:
     from mdclaw.config import load_config
-    from mdclaw.media import save_all, with_attachments
+    from mdclaw.formatting import format_attachment
+    from mdclaw.media import save_all
 
     cfg = load_config(write_config())
     (cfg.data_dir / "groups" / "main").mkdir(parents=True)
@@ -572,9 +579,9 @@ def test_photos_documents_and_voice_notes_arrive_as_attachments_fetched_with_get
         assert (inbox / day / "photo.jpg").read_bytes() == photo_big
         assert (inbox / day / "Report.pdf").read_bytes() == b"%PDF-1.4 hello"
         assert (inbox / day / "voice.oga").read_bytes() == b"OggS voice"
-        text = with_attachments(photo.content, saved[:1])
-        assert text == (f"the garden\n[image attached: /workspace/group/inbox/{day}/photo.jpg "
-                        "(image/jpeg, 48.8 KiB)]")
+        text = format_attachment(saved[0].as_dict(), photo.content)
+        assert text == (f'<attachment kind="image" path="/workspace/group/inbox/{day}/'
+                        'photo.jpg" type="image/jpeg" size="48.8 KiB"/>')
 
     run(body)
 
@@ -736,3 +743,82 @@ def test_chatid_answer_goes_through_the_outbox_and_survives_a_429(tmp_path: Path
             db.close()
 
     run(body)
+
+
+SLOW_CONFIG = """\
+data_dir: {data_dir}
+assistant: {name: Andy, timezone: UTC}
+groups:
+  main: {name: Admin, jid: "tg:99", main: true}
+  family: {name: Family, jid: "tg:-77", requires_trigger: false}
+media: {max_bytes: 1m}
+"""
+
+
+def test_a_slow_download_holds_up_neither_the_bot_nor_other_chats_and_keeps_order(
+        write_config) -> None:
+    """A file that downloads slowly (the fake holds it until told) is saved beside the
+    channel's loop: another chat's text reaches the database and the queue meanwhile, and a
+    text sent after the file in the same chat reaches the agent after it, never before."""
+    from mdclaw.config import load_config
+    from mdclaw.orchestrator import Orchestrator
+    from mdclaw.reconcile import reconcile
+    from mdclaw.state.conversations import messages_since
+
+    cfg = load_config(write_config(SLOW_CONFIG))
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    big = os.urandom(300_000)
+
+    async def main() -> None:
+        api = FakeBotApi()
+        await api.start()
+        orch = Orchestrator(cfg, db, runner=None)
+        orch.queue.max_concurrent = 0  # runs are queued, never started: the inbound path
+        ch = TelegramChannel(TOKEN, api_base=api.base, on_inbound=orch.on_inbound,
+                             poll_timeout=1, db=db)
+        try:
+            await ch.connect()
+            api.files["big"] = ("documents/big.bin", big, None)
+            gate = api.gates["documents/big.bin"] = asyncio.Event()
+            me = {"id": 99, "type": "private", "first_name": "Bob"}
+            family = {"id": -77, "type": "group", "title": "Family"}
+            api.push({"message_id": 1, "date": 1_767_225_600, "chat": me, "from": {"id": 99},
+                      "document": {"file_id": "big", "file_name": "big.bin",
+                                   "mime_type": "application/octet-stream"},
+                      "caption": "the scan"})
+            await asyncio.wait_for(api.download_started.wait(), 10)
+            api.push({"message_id": 2, "date": 1_767_225_601, "chat": me, "from": {"id": 99},
+                      "text": "what does it say?"})
+            api.push({"message_id": 5, "date": 1_767_225_601, "chat": family,
+                      "from": {"id": 42, "first_name": "Alice"}, "text": "dinner at 7"})
+            # The other chat's message is stored and its run queued while the file is
+            # still on its way; the bot confirmed all three updates.
+            await wait_until(lambda: [m.id for m in messages_since(db, "tg:-77", None)]
+                             == ["tg:-77:5"])
+            await wait_until(lambda: "msg:family" in [j.id for j in orch.queue.pending()])
+            await wait_until(lambda: api.offsets and api.offsets[-1] == 503)
+            assert not gate.is_set()
+            # The same chat's text is kept (a redelivery would be a duplicate) but held
+            # back behind the file: the agent sees neither yet.
+            assert db.query_one("SELECT COUNT(*) FROM messages WHERE chat_jid = 'tg:99'")[0] == 2
+            assert messages_since(db, "tg:99", None) == []
+            gate.set()
+            await orch.files_settled()
+            msgs = messages_since(db, "tg:99", None)
+            assert [m.id for m in msgs] == ["tg:99:1", "tg:99:2"]
+            (f,) = msgs[0].attachments
+            assert f["path"].endswith("/big.bin") and f["size"] == len(big)
+            prompt = orch._prompt(msgs)
+            assert prompt.index("<attachment") < prompt.index("what does it say?")
+            day = f["path"].split("/")[-2]
+            saved = cfg.data_dir / "groups" / "main" / "inbox" / day / "big.bin"
+            assert saved.read_bytes() == big
+        finally:
+            await ch.disconnect()
+            await api.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        db.close()

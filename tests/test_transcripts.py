@@ -15,7 +15,7 @@ from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env
 from mdclaw import schedule
 from mdclaw.scheduler import Claim, Scheduler
 from mdclaw.state import Database
-from mdclaw.state.conversations import StoredMessage, store_message
+from mdclaw.state.conversations import StoredMessage, settle_files, store_message
 from mdclaw.state.db import _split_sql
 from mdclaw.state.migrations import MIGRATIONS
 from mdclaw.state.outbox import enqueue
@@ -69,6 +69,33 @@ def integrity(db: Database) -> None:
 
 
 # --------------------------------------------------------------------------- state layer
+
+def test_files_are_found_by_name_caption_and_transcript_once_settled(env: Env) -> None:
+    """A message's files (their own column) are in its transcript row: the saved name, a
+    caption that is not the text, a voice note's transcript. A message whose files are
+    still downloading gets its row when they are settled."""
+    ts = "2026-01-02T10:00:00.000Z"
+    assert store_message(env.db, StoredMessage(
+        "f1", FAMILY_JID, "u1", "Alice", "", ts, False, False,
+        attachments=({"kind": "document", "name": "quarterly-budget.xlsx"},),
+        files_pending=True), channel="tg", is_group=True)
+    assert search(env.db.conn, "family", "quarterly", 5) == []
+    settle_files(env.db, "f1", [
+        {"kind": "document", "name": "quarterly-budget.xlsx", "caption": "numbers for March",
+         "path": "/workspace/group/inbox/2026-01-02/quarterly-budget.xlsx"},
+        {"kind": "voice", "name": "voice.oga", "transcript": "remember the plumber"}])
+    assert store_message(env.db, StoredMessage(
+        "f2", FAMILY_JID, "u1", "Alice", "the garden", "2026-01-02T10:00:01.000Z", False,
+        False, attachments=({"kind": "image", "name": "photo.jpg", "caption": "the garden"},)),
+        channel="tg", is_group=True)
+    (hit,) = search(env.db.conn, "family", "quarterly", 5)
+    assert hit.sender == "Alice" and hit.kind == "message"
+    assert [len(search(env.db.conn, "family", q, 5)) for q in ("march", "plumber", "photo")] \
+        == [1, 1, 1]
+    body = env.db.query_one("SELECT body FROM transcript WHERE source_id = 'f2'")[0]
+    assert body == "the garden\n[image photo.jpg]"  # the caption is the text: once
+    integrity(env.db)
+
 
 def test_a_word_said_three_conversations_ago_is_found(env: Env) -> None:
     converse(env.db, FAMILY_JID, "family")

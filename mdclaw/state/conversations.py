@@ -4,12 +4,21 @@ Inbound messages are stored once (a message id is unique per chat: the primary k
 channel's id, which channels make unique by prefixing it with the chat). A group's cursor is
 the timestamp of the last message its agent has seen; it moves only when a run succeeded or
 its output was delivered, so a failed run is retried with the same messages.
+
+A message whose files are still being downloaded is stored at once with `files_pending`
+set (so a redelivery is a duplicate, and a restart finds it), but it and every later message
+of its chat stay out of `messages_since` until `settle_files` fills in what became of its
+files: the agent reads a chat's messages in order, never a message before the file sent
+ahead of it.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mdclaw.state.db import Database, now_iso
 
@@ -24,6 +33,9 @@ class StoredMessage:
     timestamp: str
     is_from_me: bool
     is_bot_message: bool
+    #: What became of each file that came with the message (see mdclaw.media.Saved.as_dict).
+    attachments: tuple[Mapping[str, Any], ...] = ()
+    files_pending: bool = False
 
 
 def upsert_chat(conn: sqlite3.Connection, jid: str, name: str | None, channel: str,
@@ -44,11 +56,48 @@ def store_message(db: Database, m: StoredMessage, *, chat_name: str | None = Non
         upsert_chat(c, m.chat_jid, chat_name, channel, is_group, m.timestamp)
         cur = c.execute(
             """INSERT OR IGNORE INTO messages (id, chat_jid, sender, sender_name, content,
-                   timestamp, is_from_me, is_bot_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                   timestamp, is_from_me, is_bot_message, attachments, files_pending)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
             (m.id, m.chat_jid, m.sender, m.sender_name, m.content, m.timestamp,
-             int(m.is_from_me), int(m.is_bot_message)),
+             int(m.is_from_me), int(m.is_bot_message), _dump_attachments(m.attachments),
+             int(m.files_pending)),
         )
         return cur.rowcount > 0
+
+
+def _dump_attachments(attachments: Sequence[Mapping[str, Any]]) -> str | None:
+    return json.dumps([dict(a) for a in attachments]) if attachments else None
+
+
+def _load_attachments(raw: str | None) -> tuple[Mapping[str, Any], ...]:
+    if not raw:
+        return ()
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return ()
+    return tuple(a for a in value if isinstance(a, dict)) if isinstance(value, list) else ()
+
+
+def settle_files(db: Database, message_id: str,
+                 attachments: Sequence[Mapping[str, Any]]) -> None:
+    """Record what became of a pending message's files and release it (and the messages of
+    its chat behind it) to the agent."""
+    with db.transaction() as c:
+        c.execute("UPDATE messages SET attachments = ?, files_pending = 0 WHERE id = ?",
+                  (_dump_attachments(attachments), message_id))
+
+
+def pending_files(db: Database) -> list[StoredMessage]:
+    """Messages whose files were still being downloaded (e.g. when mdclaw stopped)."""
+    return [_row(r) for r in db.query(
+        "SELECT * FROM messages WHERE files_pending = 1 ORDER BY timestamp, id")]
+
+
+def _row(r: sqlite3.Row) -> StoredMessage:
+    return StoredMessage(r["id"], r["chat_jid"], r["sender"], r["sender_name"], r["content"],
+                         r["timestamp"], bool(r["is_from_me"]), bool(r["is_bot_message"]),
+                         _load_attachments(r["attachments"]), bool(r["files_pending"]))
 
 
 def message_exists(db: Database, message_id: str) -> bool:
@@ -59,16 +108,18 @@ def message_exists(db: Database, message_id: str) -> bool:
 def messages_since(db: Database, chat_jid: str, after: str | None,
                    limit: int = 200) -> list[StoredMessage]:
     """Inbound (non-bot) messages of `chat_jid` newer than `after`, oldest first; the newest
-    `limit` when there are more."""
+    `limit` when there are more. Messages from the oldest one whose files are still being
+    downloaded on are left out (see the module's notes)."""
     rows = db.query(
         """SELECT * FROM (SELECT * FROM messages WHERE chat_jid = ? AND timestamp > ?
-               AND is_bot_message = 0 ORDER BY timestamp DESC, id DESC LIMIT ?)
+               AND is_bot_message = 0
+               AND timestamp < COALESCE((SELECT MIN(timestamp) FROM messages
+                   WHERE chat_jid = ? AND files_pending = 1), char(1114111))
+               ORDER BY timestamp DESC, id DESC LIMIT ?)
            ORDER BY timestamp, id""",
-        (chat_jid, after or "", limit),
+        (chat_jid, after or "", chat_jid, limit),
     )
-    return [StoredMessage(r["id"], r["chat_jid"], r["sender"], r["sender_name"], r["content"],
-                          r["timestamp"], bool(r["is_from_me"]), bool(r["is_bot_message"]))
-            for r in rows]
+    return [_row(r) for r in rows]
 
 
 def _get_state(db: Database, key: str) -> str | None:

@@ -443,6 +443,54 @@ INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_fold
     AND NOT EXISTS (SELECT 1 FROM transcript x WHERE x.task_run = r.id)
   ORDER BY r.id;
 """),
+    (11, "files that came with a message: their own column, saved off the channel's loop", """
+-- What the host made of each file that came with a message (JSON list of objects: kind,
+-- name, mime, size, caption, path, error, transcript, transcript_note), NULL when none.
+-- Kept apart from `content` (the person's words) so the prompt can show files in a form a
+-- person's text cannot imitate (mdclaw/formatting.py).
+ALTER TABLE messages ADD COLUMN attachments TEXT;
+-- 1 while the message's files are being downloaded: the message and every later one of its
+-- chat are held back from the agent until it is 0 (mdclaw/state/conversations.py).
+ALTER TABLE messages ADD COLUMN files_pending INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX idx_messages_files_pending ON messages(chat_jid, timestamp)
+  WHERE files_pending = 1;
+
+-- The transcript row of a message: its text, then a line per file (kind, name, a caption
+-- that is not the text, the transcript), written once its files are settled.
+DROP TRIGGER transcript_messages_ai;
+CREATE TRIGGER transcript_messages_ai AFTER INSERT ON messages WHEN NEW.files_pending = 0
+BEGIN
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, ts, body)
+    SELECT 'messages', NEW.id, 'message', 'in', g.folder, NEW.chat_jid,
+           COALESCE(NULLIF(NEW.sender_name, ''), NEW.sender), NEW.timestamp, b
+    FROM registered_groups g,
+         (SELECT trim(NEW.content || COALESCE(char(10) || (
+             SELECT group_concat('[' || json_extract(j.value, '$.kind') || ' ' ||
+                 json_extract(j.value, '$.name') ||
+                 COALESCE(': ' || NULLIF(json_extract(j.value, '$.caption'), NEW.content), '')
+                 || ']' || COALESCE(char(10) || json_extract(j.value, '$.transcript'), ''),
+                 char(10))
+             FROM json_each(NEW.attachments) j), ''), char(10) || ' ') AS b)
+    WHERE g.jid = NEW.chat_jid AND b != '';
+END;
+CREATE TRIGGER transcript_messages_files_au AFTER UPDATE OF files_pending ON messages
+WHEN OLD.files_pending = 1 AND NEW.files_pending = 0 BEGIN
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, ts, body)
+    SELECT 'messages', NEW.id, 'message', 'in', g.folder, NEW.chat_jid,
+           COALESCE(NULLIF(NEW.sender_name, ''), NEW.sender), NEW.timestamp, b
+    FROM registered_groups g,
+         (SELECT trim(NEW.content || COALESCE(char(10) || (
+             SELECT group_concat('[' || json_extract(j.value, '$.kind') || ' ' ||
+                 json_extract(j.value, '$.name') ||
+                 COALESCE(': ' || NULLIF(json_extract(j.value, '$.caption'), NEW.content), '')
+                 || ']' || COALESCE(char(10) || json_extract(j.value, '$.transcript'), ''),
+                 char(10))
+             FROM json_each(NEW.attachments) j), ''), char(10) || ' ') AS b)
+    WHERE g.jid = NEW.chat_jid AND b != '';
+END;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
