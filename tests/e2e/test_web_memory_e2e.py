@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -172,3 +176,107 @@ def test_web_fetch_and_memory_search_in_the_container(tmp_path, engine, real_age
            "kite?" in remembered
     assert "reply (assistant): The **zeppelin** kite is in the attic." in remembered
     assert "budget" not in remembered
+
+
+def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, install_id,
+                                        reap) -> None:
+    """The same through a real `mdclaw run`: three conversations through the HTTP channel
+    (the daemon stores the messages and the replies), then the model searches them and
+    fetches pages; the daemon's IPC loop and action worker answer."""
+    from test_daemon_e2e import free_port, http, replies, wait_for
+
+    from mdclaw.runtime import install_labels
+
+    page_hits: list[str] = []
+
+    async def page(request: web.Request) -> web.Response:
+        page_hits.append(request.path)
+        return web.Response(text=PAGE, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/allotment", page)
+    site_loop = asyncio.new_event_loop()
+    site = TestServer(app, host="127.0.0.2", loop=site_loop)
+    site_loop.run_until_complete(site.start_server())
+    threading.Thread(target=site_loop.run_forever, daemon=True).start()
+    page_url = f"http://127.0.0.2:{site.port}/allotment"
+    loop_url = f"http://127.0.0.1:{site.port}/allotment"
+
+    def answer(body: dict):  # noqa: ANN202 - a fake model's Step
+        last = body["messages"][-1]
+        if last.get("role") == "tool":
+            return say("tool said: " + last["content"])
+        text = str(last.get("content"))
+        if "remember" in text:
+            return call("memory_search", query="zeppelin", sources="sessions")
+        if "fetch loopback" in text:
+            return call("web_fetch", url=loop_url)
+        if "fetch" in text:
+            return call("web_fetch", url=page_url)
+        for word in ("kite", "practice", "milk"):
+            if word in text:
+                extra = " (a zeppelin one)" if word == "kite" else ""
+                return say(f"noted the {word}{extra}")
+        return say("default reply")
+
+    model = FakeOpenAI([], fallback=answer).start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(textwrap.dedent(f"""\
+        data_dir: {tmp_path / 'data'}
+        assistant: {{name: Andy, timezone: UTC, model: local}}
+        models: {{local: {{backend: openai, model: fake-model, base_url: "{model.url}/v1"}}}}
+        groups: {{main: {{name: Admin, jid: "hl:main", main: true}}}}
+        web: {{enabled: true, allow_private: ["127.0.0.2/32"], timeout: 10s}}
+        limits: {{container_timeout: 120s, idle_timeout: 30s, memory: 256m, cpus: 1.0,
+                 pids: 128}}
+        runtime: {{image: "{real_agent_image}", install_id: {install_id},
+                  socket: "{engine.base_url}"}}
+        channels: {{http: {{listen: "127.0.0.1:{port}"}}}}
+        """))
+    reap(install_labels(load_config(cfg_path)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+    env["PYTHONPATH"] = str(REPO)
+    log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg_path)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def said(text: str) -> str:
+        """Post `text` to the main group; return the agent's next new reply."""
+        before = len(replies(base, "hl:main"))
+        http("POST", f"{base}/message", {"text": text, "sender": "alice"})
+        got = wait_for(lambda: replies(base, "hl:main")[before:], 120, f"a reply to {text!r}")
+        return got[0]
+
+    try:
+        wait_for(lambda: _up(base, http), 60, "the HTTP channel")
+        for question, _ in CONVERSATIONS:
+            said(question)
+        found = said("do you remember where the kite was?")
+        assert found.startswith("tool said: 2 match(es) for 'zeppelin':"), found
+        assert "message (alice): Where did we put the **zeppelin** kite?" in found
+        assert "reply (assistant): noted the kite (a **zeppelin** one)" in found
+        fetched = said("fetch the allotment page")
+        assert "(HTTP 200, text/html)" in fetched and "Water the **marrows**" in fetched
+        refused = said("fetch loopback please")
+        assert "refused 127.0.0.1: 127.0.0.1 is a loopback address" in refused, refused
+        assert page_hits == ["/allotment"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(45)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        model.stop()
+        asyncio.run_coroutine_threadsafe(site.close(), site_loop).result(10)
+        site_loop.call_soon_threadsafe(site_loop.stop)
+
+
+def _up(base: str, http) -> bool:  # noqa: ANN001
+    try:
+        return http("GET", f"{base}/health", timeout=2)["status"] == "ok"
+    except OSError:
+        return False
