@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import IpcEngine
+from mdclaw.ipc.worker import ActionWorker
 from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
 
@@ -95,6 +98,38 @@ class Env:
 
     def drain(self):  # noqa: ANN201
         return self.engine.drain()
+
+    def run_jobs(self, timeout: float = 30.0) -> int:
+        """Run the real action worker until every queued off-loop job (memory_search,
+        web_fetch...) has its result written, as the daemon's worker would; returns how many
+        it finished."""
+        worker = ActionWorker(self.cfg)
+
+        def open_jobs() -> int:
+            return int(self.db.query(
+                "SELECT count(*) FROM action_jobs WHERE status IN ('queued', 'running')"
+                " OR written_at IS NULL")[0][0])
+
+        async def go() -> None:
+            worker.start()
+            deadline = time.monotonic() + timeout
+            while open_jobs():
+                if time.monotonic() > deadline:
+                    raise AssertionError("the action worker did not finish its jobs in time")
+                await asyncio.sleep(0.01)
+            await worker.stop()
+
+        try:
+            asyncio.run(go())
+        finally:
+            worker.close()
+        return worker.finished
+
+    def drain_and_run(self):  # noqa: ANN201
+        """Apply the pending commands, then run the off-loop actions they queued."""
+        res = self.drain()
+        self.run_jobs()
+        return res
 
     def errors_for(self, group: str, name: str) -> dict[str, Any] | None:
         found = list(self.errors.glob(f"{group}.*.{name}.error.json"))

@@ -104,6 +104,8 @@ class ActionWorker:
 
     def start(self) -> asyncio.Task[None]:
         """Start serving on the running loop; returns the task."""
+        # Made here, not in run(): a stop() right after start() must reach the task.
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self.run(), name="action-worker")
         return self._task
 
@@ -128,8 +130,8 @@ class ActionWorker:
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
-        self._wake = asyncio.Event()
-        self._stop = asyncio.Event()
+        if self._wake is None or self._stop is None:  # run() awaited without start()
+            self._wake, self._stop = asyncio.Event(), asyncio.Event()
         await self._io(self.recover)
         stop_task = asyncio.ensure_future(self._stop.wait())
         try:
