@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -104,26 +103,10 @@ class Env:
         web_fetch...) has its result written, as the daemon's worker would; returns how many
         it finished."""
         worker = ActionWorker(self.cfg)
-
-        def open_jobs() -> int:
-            return int(self.db.query(
-                "SELECT count(*) FROM action_jobs WHERE status IN ('queued', 'running')"
-                " OR written_at IS NULL")[0][0])
-
-        async def go() -> None:
-            worker.start()
-            deadline = time.monotonic() + timeout
-            while open_jobs():
-                if time.monotonic() > deadline:
-                    raise AssertionError("the action worker did not finish its jobs in time")
-                await asyncio.sleep(0.01)
-            await worker.stop()
-
         try:
-            asyncio.run(go())
+            return asyncio.run(worker.run_until_idle(timeout))
         finally:
             worker.close()
-        return worker.finished
 
     def drain_and_run(self):  # noqa: ANN201
         """Apply the pending commands, then run the off-loop actions they queued."""

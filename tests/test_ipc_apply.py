@@ -462,10 +462,10 @@ def test_memory_actions(env: Env, tmp_path: Path) -> None:
                                   "params": params}, sub="actions")
         r = _result(env, "family", rid)
         assert r["status"] == "error" and why in r["error"], r
-    apply_one(env, "family", {"type": "farm_action", "requestId": "f1", "action": "ha_restart",
-                              "params": {}}, sub="actions")
+    apply_one(env, "family", {"type": "farm_action", "requestId": "f1",
+                              "action": "ha_no_such_thing", "params": {}}, sub="actions")
     r = _result(env, "family", "f1")
-    assert r["status"] == "error" and "unknown action 'ha_restart'" in r["error"]
+    assert r["status"] == "error" and "unknown action 'ha_no_such_thing'" in r["error"]
 
 
 def test_action_results_swapped_for_symlink(env: Env, tmp_path: Path) -> None:

@@ -118,6 +118,26 @@ class ActionWorker:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    async def run_until_idle(self, timeout: float = 60.0) -> int:
+        """Serve until no job is queued, running or unwritten (for `mdclaw ipc drain
+        --run-actions` and tests, without a daemon); returns how many this worker finished.
+        TimeoutError if jobs remain after `timeout` seconds (they stay for the next start)."""
+        def open_jobs() -> int:
+            return int(self.db.query(
+                "SELECT count(*) FROM action_jobs WHERE status IN ('queued', 'running')"
+                " OR written_at IS NULL")[0][0])
+
+        self.start()
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while await self._io(open_jobs):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"action jobs still open after {timeout:g} s")
+                await asyncio.sleep(0.01)
+        finally:
+            await self.stop()
+        return self.finished
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._ipc_fd is not None:
