@@ -2,8 +2,8 @@
 
 An action is one registered function. There are two kinds.
 
-**On-loop actions** (quick, local: reading a memory file) run inside the command's
-transaction on the IPC loop:
+**On-loop actions** (quick and local: a small lookup; none is shipped, even the memory
+actions run off the loop) run inside the command's transaction on the IPC loop:
 
     @action("weather_get")
     def weather_get(ctx: ActionContext, params: dict) -> dict:
