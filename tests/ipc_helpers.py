@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Any
 
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import IpcEngine
+from mdclaw.ipc.worker import ActionWorker
 from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
 
@@ -95,6 +97,22 @@ class Env:
 
     def drain(self):  # noqa: ANN201
         return self.engine.drain()
+
+    def run_jobs(self, timeout: float = 30.0) -> int:
+        """Run the real action worker until every queued off-loop job (memory_search,
+        web_fetch...) has its result written, as the daemon's worker would; returns how many
+        it finished."""
+        worker = ActionWorker(self.cfg)
+        try:
+            return asyncio.run(worker.run_until_idle(timeout))
+        finally:
+            worker.close()
+
+    def drain_and_run(self):  # noqa: ANN201
+        """Apply the pending commands, then run the off-loop actions they queued."""
+        res = self.drain()
+        self.run_jobs()
+        return res
 
     def errors_for(self, group: str, name: str) -> dict[str, Any] | None:
         found = list(self.errors.glob(f"{group}.*.{name}.error.json"))

@@ -203,6 +203,8 @@ def test_permission_refusal_is_an_error_result(tmp_path: Path,
         env.write("work", request("p4", "t_main"), sub="actions")  # default scope: main
         env.write("main", request("p5", "t_main"), sub="actions")
         env.drain()
+        assert job(env, "family", "p3")  # queued: memory_search runs off the loop too
+        env.run_jobs()
         r2, r4 = result(env, "family", "p2"), result(env, "work", "p4")
         assert r2 is not None and r2["status"] == "error"
         assert "groups.family.actions (t_e*) matches no such action" in r2["error"]

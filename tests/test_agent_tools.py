@@ -313,7 +313,8 @@ def test_memory_tools_answered_by_the_real_ipc_engine(tmp_path, write_config, cl
         while not list((ctx.ipc_dir / "actions").glob("*.json")):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        r = cli("ipc", "drain", "--config", str(cfg))
+        # The memory actions run off the loop: --run-actions runs the worker's jobs too.
+        r = cli("ipc", "drain", "--run-actions", "--config", str(cfg))
         assert r.returncode == 0, r.stderr
         t.join(30)
     text, err = replies["memory_search"]

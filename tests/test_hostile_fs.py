@@ -98,7 +98,7 @@ def _snapshots(w: World) -> None:
 def _action_result(w: World) -> None:
     w.env.write("family", {"type": "memory_search", "requestId": "r1",
                            "params": {"query": "secret"}}, sub="actions")
-    w.env.drain()
+    w.env.drain_and_run()  # the action worker writes the result
 
 
 def _group_dirs(w: World) -> None:

@@ -431,6 +431,7 @@ def test_follow_up_and_close_sentinel(env: Env, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- actions
 
 def _result(env: Env, group: str, rid: str) -> dict:
+    env.run_jobs()  # memory_search/memory_get run off the loop, on the action worker
     return json.loads((env.ipc / group / "action_results" / f"{rid}.json").read_text())
 
 
@@ -472,8 +473,9 @@ def test_action_results_swapped_for_symlink(env: Env, tmp_path: Path) -> None:
     target.mkdir()
     os.rmdir(env.ipc / "family" / "action_results")
     os.symlink(target, env.ipc / "family" / "action_results")
+    # An unknown action's error result is written on the loop, through the one door.
     meta = apply_one(env, "family", {"type": "action", "request_id": "r1",
-                                     "action": "memory_search", "params": {"query": "x"}},
+                                     "action": "no_such_action", "params": {"query": "x"}},
                      sub="actions")
     assert meta and "symlink" in meta["error"]
     assert list(target.iterdir()) == []

@@ -323,7 +323,7 @@ def test_migration_backfills_the_transcript(tmp_path: Path) -> None:
 def _ask(env: Env, group: str, rid: str, params: dict) -> dict:
     name = env.write(group, {"type": "memory_action", "requestId": rid,
                              "action": "memory_search", "params": params}, sub="actions")
-    env.drain()
+    env.drain_and_run()  # memory_search runs off the loop, on the action worker
     assert not (env.ipc / group / "actions" / name).exists()
     result = env.ipc / group / "action_results" / f"{rid}.json"
     if not result.exists():
@@ -379,3 +379,35 @@ def test_memory_search_all_merges_memory_files_and_sessions(env: Env) -> None:
     assert hits[0]["path"] == "MEMORY.md" and hits[0]["line"] == 2
     r = _ask(env, "family", "a2", {"query": "kayak", "sources": "memory"})
     assert [h["source"] for h in r["result"]["hits"]] == ["memory"]
+
+
+def test_memory_search_is_queued_for_the_worker_and_checked_on_the_loop(env: Env) -> None:
+    """The search itself runs on the action worker's thread (its own read-only connection),
+    never on the IPC loop; what the loop does is the quick check: a foreign groupFolder is
+    quarantined and bad parameters get their error result at once, with no job queued."""
+    converse(env.db, FAMILY_JID, "family")
+
+    def write(rid: str, params: dict) -> str:
+        return env.write("family", {"type": "memory_action", "requestId": rid,
+                                    "action": "memory_search", "params": params}, sub="actions")
+
+    def jobs() -> list[str]:
+        return [r["request_id"] for r in env.db.query(
+            "SELECT request_id FROM action_jobs ORDER BY id")]
+
+    results = env.ipc / "family" / "action_results"
+    write("q1", {"query": "kayak", "sources": "sessions"})
+    foreign = write("q2", {"query": "kayak", "sources": "sessions", "groupFolder": "work"})
+    write("q3", {"query": "kayak", "topK": 0})
+    env.drain()
+    assert jobs() == ["q1"]
+    assert not (results / "q1.json").exists()  # not answered on the loop
+    quarantined = env.errors_for("family", foreign)
+    assert quarantined is not None
+    assert "only the main group may read another group's data" in json.dumps(quarantined)
+    assert not (results / "q2.json").exists()
+    bad = json.loads((results / "q3.json").read_text())
+    assert bad["status"] == "error" and "topK must be a whole number" in bad["error"]
+    assert env.run_jobs() == 1
+    found = json.loads((results / "q1.json").read_text())
+    assert found["status"] == "success" and len(found["result"]["hits"]) == 2

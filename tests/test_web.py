@@ -4,6 +4,7 @@ private, redirects, DNS rebinding), the limits, and fake SearXNG / Brave provide
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -283,8 +284,14 @@ def test_web_fetch_as_an_action_request(web_env: Env) -> None:
                       sub="actions")
             env.write("family", request("f3", "web_fetch", url=f"http://127.0.0.2:{port}/p"),
                       sub="actions")
+            # More than web.max_chars (20,000 by default) is capped, not refused.
+            env.write("work", request("f4", "web_fetch", url=f"http://127.0.0.2:{port}/p",
+                                      max_chars=1_000_000), sub="actions")
+            env.write("work", request("f5", "web_fetch", url=f"http://127.0.0.2:{port}/p",
+                                      max_chars=0), sub="actions")
             await until(lambda: all(result(env, g, r) for g, r in
-                                    (("work", "f1"), ("work", "f2"), ("family", "f3"))))
+                                    (("work", "f1"), ("work", "f2"), ("family", "f3"),
+                                     ("work", "f4"), ("work", "f5"))))
             assert lo_hits == []
     asyncio.run(go())
     ok = result(env, "work", "f1")
@@ -293,6 +300,11 @@ def test_web_fetch_as_an_action_request(web_env: Env) -> None:
     assert bad is not None and bad["status"] == "error" and "loopback" in bad["error"]
     refused = result(env, "family", "f3")
     assert refused is not None and "groups.family.actions (web_search)" in refused["error"]
+    capped, zero = result(env, "work", "f4"), result(env, "work", "f5")
+    assert capped is not None and capped["status"] == "success", capped
+    assert capped["result"]["text"] == ok["result"]["text"]
+    assert zero is not None and zero["error"] == "max_chars must be a whole number from 1 to " \
+        "1000000"
 
 
 def test_web_is_off_by_default(tmp_path: Path) -> None:
@@ -316,3 +328,77 @@ def test_loopback_socket_helper_sanity() -> None:
     """127.0.0.2 must be bindable for these tests (Linux routes all of 127/8 to lo)."""
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))
+
+
+# ------------------------------------------------------- the container's tools on host results
+
+def test_container_tools_format_real_host_results(tmp_path: Path) -> None:
+    """The container-side web_fetch and web_search tools, fed the results this host's
+    handlers really produce (fetch and search against local servers, the request's own
+    params): the keys the tools read (text, final_url, status, content_type, truncated,
+    title; results of title, url, snippet) are the keys the host writes."""
+    import agent_helpers  # noqa: F401 - puts the runner package on sys.path
+    from mdclaw_agent.ipc import write_json_atomic
+    from mdclaw_agent.tools import ToolContext, run_tool, tools_for
+
+    (tmp_path / "group").mkdir()
+    ipc = tmp_path / "ipc"
+    ctx = ToolContext(ipc_dir=ipc, group_folder="family", chat_jid="tg:2", is_main=False,
+                      group_dir=tmp_path / "group", action_timeout=10.0, web_timeout=10.0)
+    tools = tools_for(False)
+
+    async def searx(request: aioweb.Request) -> aioweb.Response:
+        return aioweb.json_response({"results": [
+            {"title": "Basil <b>care</b>", "url": "https://example.org/basil",
+             "content": "Water <em>basil</em> daily."}]})
+
+    async def go() -> list[tuple[str, bool]]:
+        async with serve({"/p": page(), "/moved": redirect(lambda: "/p"),
+                          "/long": page("<p>" + "word " * 200 + "</p>"),
+                          "/search": searx}) as (port, _):
+            pol = policy(allow_private=("127.0.0.1/32",), search=WebSearch(
+                provider="searxng", url=f"http://127.0.0.1:{port}"))
+            stop = asyncio.Event()
+
+            async def host() -> None:  # answers each request with the real handler's result
+                while not stop.is_set():
+                    for p in sorted((ipc / "actions").glob("*.json")) \
+                            if (ipc / "actions").is_dir() else []:
+                        body = json.loads(p.read_text())
+                        p.unlink()
+                        params = body["params"]
+                        if body["action"] == "web_fetch":
+                            result = await fetch(pol, params["url"],
+                                                 params.get("max_chars", pol.max_chars))
+                        else:
+                            result = {"query": params["query"], "results": await search(
+                                pol, params["query"], params.get("count", 5))}
+                        write_json_atomic(ipc / "action_results",
+                                          {"requestId": body["request_id"],
+                                           "status": "success", "result": result},
+                                          f"{body['request_id']}.json")
+                    await asyncio.sleep(0.005)
+
+            answering = asyncio.create_task(host())
+            try:
+                return [await asyncio.to_thread(run_tool, tools, ctx, name, args)
+                        for name, args in (
+                            ("web_fetch", {"url": f"http://127.0.0.1:{port}/moved"}),
+                            ("web_fetch", {"url": f"http://127.0.0.1:{port}/long",
+                                           "max_chars": 100}),
+                            ("web_search", {"query": "basil", "count": 3}))]
+            finally:
+                stop.set()
+                await answering
+
+    (full, ok1), (cut, ok2), (found, ok3) = asyncio.run(go())
+    assert not (ok1 or ok2 or ok3), (full, cut, found)
+    head, title, blank, *body = full.splitlines()
+    assert head.startswith("http://127.0.0.1:") and head.endswith("/p (HTTP 200, text/html)")
+    assert title == "Title: Garden notes" and blank == ""
+    assert "- basil" in body and "- chives" in body
+    assert "[truncated by the host" not in full
+    assert cut.endswith("\n[truncated by the host; ask with a larger max_chars for more]")
+    assert cut.split("\n\n", 1)[1].rsplit("\n[", 1)[0] == ("word " * 20)[:100]
+    assert found == ("1 web result(s) for 'basil':\n1. Basil care\n   https://example.org/basil"
+                     "\n   Water basil daily.")

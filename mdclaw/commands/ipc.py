@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = gsub.add_parser("drain", parents=[common],
                         help="process every pending command file once and print a summary")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--run-actions", action="store_true",
+                   help="then run the action requests it queued (memory_search, web_fetch...) "
+                        "here, as the daemon's action worker would, until each has its result")
     p.set_defaults(func=cmd_drain)
     p = gsub.add_parser("errors", parents=[common], help="list quarantined files and reasons")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -74,12 +77,33 @@ def cmd_drain(args: argparse.Namespace) -> int:
         db.close()
     summary = {"applied": res.applied + res.finished, "rejected": res.rejected,
                "pending": pending}
+    if args.run_actions:
+        summary["actions_run"] = _run_actions(cfg)
     if args.json:
         print_json(summary)
     else:
         print(f"applied {summary['applied']}, rejected {summary['rejected']}, "
-              f"pending {summary['pending']}")
+              f"pending {summary['pending']}"
+              + (f", actions run {summary['actions_run']}" if args.run_actions else ""))
     return 0
+
+
+def _run_actions(cfg: Config) -> int:
+    """Run the queued off-loop actions (memory searches, fetches...) here and now, as the
+    daemon's action worker does; safe beside a running daemon (a job is claimed once)."""
+    import asyncio
+
+    from mdclaw.ipc.actions import ACTIONS
+    from mdclaw.ipc.worker import ActionWorker
+
+    worker = ActionWorker(cfg)
+    try:
+        return asyncio.run(worker.run_until_idle(
+            max(s.timeout for s in ACTIONS.values()) * 2 if ACTIONS else 60.0))
+    except TimeoutError as e:
+        raise SystemExit(f"mdclaw: {e}") from None
+    finally:
+        worker.close()
 
 
 def cmd_errors(args: argparse.Namespace) -> int:

@@ -272,7 +272,8 @@ async def web_fetch(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, An
     url = params.get("url")
     if not isinstance(url, str) or not url.strip() or len(url) > URL_MAX:
         raise ActionFailed(f"web_fetch needs a string 'url' of at most {URL_MAX} characters")
-    max_chars = _whole(params, "max_chars", web.max_chars, 1, web.max_chars)
+    # More than web.max_chars is cut to it (the tool says "the host caps it"), not refused.
+    max_chars = min(_whole(params, "max_chars", web.max_chars, 1, 1_000_000), web.max_chars)
     return await fetch(web, url.strip(), max_chars)
 
 

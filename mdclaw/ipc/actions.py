@@ -2,8 +2,8 @@
 
 An action is one registered function. There are two kinds.
 
-**On-loop actions** (quick, local: reading a memory file) run inside the command's
-transaction on the IPC loop:
+**On-loop actions** (quick and local: a small lookup; none is shipped, even the memory
+actions run off the loop) run inside the command's transaction on the IPC loop:
 
     @action("weather_get")
     def weather_get(ctx: ActionContext, params: dict) -> dict:
@@ -25,10 +25,15 @@ action worker (`mdclaw/ipc/worker.py`), never on the IPC loop:
 
 The handler may be `async def` (run on the daemon's event loop: use aiohttp, never block)
 or a plain function (run on a thread). It gets an `OffloopContext` without a database
-connection. What happens to a request:
+connection (a thread handler that reads the database opens its own read-only one, as
+memory_search does). An off-loop action may name a `check(caller, params)`: a quick,
+I/O-free test run on the loop before the request is queued, which raises Unauthorized (the
+request is quarantined at once, like any unauthorized command) or ActionFailed (an error
+result at once, nothing queued). What happens to a request:
 
-1. On the loop, inside the command's transaction: the permission check (`action_refusal`),
-   then a row in `action_jobs` (status `queued`) is inserted with the command's ledger row.
+1. On the loop, inside the command's transaction: the permission check (`action_refusal`)
+   and the action's `check`, then a row in `action_jobs` (status `queued`) is inserted with
+   the command's ledger row.
    A second request with the same requestId from the same group is refused (quarantined,
    "duplicate requestId"): it is never run twice.
 2. The worker claims queued rows (bounded concurrency overall and per group, fair between
@@ -67,7 +72,7 @@ from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config, validate_folder
 from mdclaw.ipc.auth import Caller, check_group_target
 from mdclaw.paths import Layout
-from mdclaw.state import transcripts
+from mdclaw.state import Database, transcripts
 
 
 class ActionFailed(Exception):
@@ -95,6 +100,7 @@ class OffloopContext:
 
 Scope = Literal["all", "main"]
 Handler = Callable[[ActionContext, dict[str, Any]], dict[str, Any]]
+Check = Callable[[Caller, dict[str, Any]], None]
 OffloopHandler = Callable[[OffloopContext, dict[str, Any]],
                           "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
@@ -107,6 +113,7 @@ class ActionSpec:
     default_scope: Scope = "all"
     max_attempts: int = 1
     timeout: float = 120.0
+    check: Check | None = None
 
 
 ACTIONS: dict[str, ActionSpec] = {}
@@ -115,15 +122,19 @@ ALWAYS_ALLOWED = ("memory_search", "memory_get")
 
 
 def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
-           max_attempts: int = 1, timeout: float = 120.0) -> Callable[[Any], Any]:
+           max_attempts: int = 1, timeout: float = 120.0,
+           check: Check | None = None) -> Callable[[Any], Any]:
     """Register the decorated function as the handler of action `name` (see module doc)."""
+    if check is not None and not offloop:
+        raise ValueError("check is for off-loop actions (an on-loop handler checks itself)")
     if default_scope not in ("all", "main"):
         raise ValueError(f"default_scope must be 'all' or 'main', not {default_scope!r}")
     if max_attempts < 1:
         raise ValueError("max_attempts must be at least 1")
 
     def deco(fn: Any) -> Any:
-        ACTIONS[name] = ActionSpec(name, fn, offloop, default_scope, max_attempts, timeout)
+        ACTIONS[name] = ActionSpec(name, fn, offloop, default_scope, max_attempts, timeout,
+                                   check)
         return fn
     return deco
 
@@ -164,6 +175,13 @@ def action_refusal(cfg: Config, folder: str, is_main: bool, name: str) -> str | 
             f"({shown}) matches no such action")
 
 
+def check_request(spec: ActionSpec, caller: Caller, params: dict[str, Any]) -> None:
+    """Run the off-loop action's quick `check` (on the loop, before queueing): raises
+    Unauthorized or ActionFailed. Nothing to do for an action without one."""
+    if spec.check is not None:
+        spec.check(caller, params)
+
+
 def run_action(ctx: ActionContext, name: str, params: dict[str, Any]) -> dict[str, Any]:
     """Run the on-loop handler `name`; returns its result. Raises ActionFailed (unknown
     action, handler failure) or Unauthorized (the caller may not do it: quarantined)."""
@@ -181,15 +199,17 @@ MEMORY_MAX_FILES = 200
 _MEMORY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.md$")
 
 
-def _target_folder(ctx: ActionContext, params: dict[str, Any], what: str) -> str:
-    folder = params.get("groupFolder", ctx.caller.folder)
+def _target_folder(caller: Caller, params: dict[str, Any], what: str) -> str:
+    """The group whose memory is asked for: the caller's own, or `groupFolder` (main only;
+    another group naming one raises Unauthorized)."""
+    folder = params.get("groupFolder", caller.folder)
     if not isinstance(folder, str):
         raise ActionFailed("groupFolder must be a string")
     try:
         validate_folder(folder)
     except ValueError as e:
         raise ActionFailed(str(e)) from None
-    check_group_target(ctx.caller, folder, what)
+    check_group_target(caller, folder, what)
     return folder
 
 
@@ -218,11 +238,15 @@ def _memory_files(layout: Layout, folder: str) -> list[tuple[str, str]]:
     return out
 
 
-@action("memory_search")
-def memory_search(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """Lines of the group's memory files that contain the query's words, best first
-    (`sources: memory`); ranked matches in its past conversations (`sessions`, see
-    mdclaw.state.transcripts); or both, interleaved (`all`)."""
+@dataclass(frozen=True)
+class _SearchAsk:
+    query: str
+    top_k: int
+    sources: str
+    folder: str
+
+
+def _search_ask(caller: Caller, params: dict[str, Any]) -> _SearchAsk:
     query = params.get("query")
     if not isinstance(query, str) or not query.strip():
         raise ActionFailed("memory_search needs a non-empty string 'query'")
@@ -232,32 +256,10 @@ def memory_search(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     sources = params.get("sources", "memory")
     if sources not in ("memory", "sessions", "all"):
         raise ActionFailed("sources must be 'memory', 'sessions' or 'all'")
-    folder = _target_folder(ctx, params, "memory_search")
-    terms = [t for t in re.findall(r"\w+", query.lower()) if t]
-    hits: list[dict[str, Any]] = []
-    if sources in ("memory", "all"):
-        for path, text in _memory_files(ctx.layout, folder):
-            for lineno, line in enumerate(text.splitlines(), 1):
-                low = line.lower()
-                score = sum(low.count(t) for t in terms)
-                if score:
-                    hits.append({"source": "memory", "path": path, "line": lineno,
-                                 "snippet": line.strip()[:300], "score": score})
-    hits.sort(key=lambda h: (-h["score"], h["path"], h["line"]))
-    if sources == "memory":
-        return {"hits": hits[:top_k]}
-    said = [{"source": "sessions", **h.as_dict()}
-            for h in transcripts.search(ctx.conn, folder, query, top_k)]
-    if sources == "sessions":
-        return {"hits": said}
-    # The two rankings' scores do not compare: take the best of each in turn.
-    merged = [h for pair in zip_longest(hits[:top_k], said) for h in pair if h is not None]
-    return {"hits": merged[:top_k]}
+    return _SearchAsk(query, top_k, sources, _target_folder(caller, params, "memory_search"))
 
 
-@action("memory_get")
-def memory_get(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """The text of MEMORY.md or memory/<name>.md of the group (nothing else)."""
+def _get_ask(caller: Caller, params: dict[str, Any]) -> tuple[str, str]:
     path = params.get("path")
     if not isinstance(path, str):
         raise ActionFailed("memory_get needs a string 'path'")
@@ -265,9 +267,65 @@ def memory_get(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         prefix, _, name = path.partition("/")
         if prefix != "memory" or not _MEMORY_NAME.match(name):
             raise ActionFailed(f"path {path!r} is not allowed: use MEMORY.md or memory/<name>.md")
-    folder = _target_folder(ctx, params, "memory_get")
+    return path, _target_folder(caller, params, "memory_get")
+
+
+def _search_sessions(cfg: Config, folder: str, query: str, top_k: int) -> list[dict[str, Any]]:
+    """Ranked transcript matches, read through a read-only connection of this thread's own
+    (never the IPC loop's)."""
+    db = Database(cfg.db_path, readonly=True, timeout=10.0)
+    try:
+        return [{"source": "sessions", **h.as_dict()}
+                for h in transcripts.search(db.conn, folder, query, top_k)]
+    finally:
+        db.close()
+
+
+# memory_search and memory_get run off the loop, on a thread: a search of very common words
+# reads long posting lists (tens of ms), and memory files are up to 200 x 1 MiB. Their checks
+# (parameters, and whether the caller may name that group) run on the loop before queueing,
+# so a non-main group asking for another group's memory is quarantined as before. Searching
+# is safe to repeat.
+def _check_search(caller: Caller, params: dict[str, Any]) -> None:
+    _search_ask(caller, params)
+
+
+def _check_get(caller: Caller, params: dict[str, Any]) -> None:
+    _get_ask(caller, params)
+
+
+@action("memory_search", offloop=True, max_attempts=3, timeout=60, check=_check_search)
+def memory_search(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]:
+    """Lines of the group's memory files that contain the query's words, best first
+    (`sources: memory`); ranked matches in its past conversations (`sessions`, see
+    mdclaw.state.transcripts); or both, interleaved (`all`)."""
+    ask = _search_ask(ctx.caller, params)
+    terms = [t for t in re.findall(r"\w+", ask.query.lower()) if t]
+    hits: list[dict[str, Any]] = []
+    if ask.sources in ("memory", "all"):
+        for path, text in _memory_files(ctx.layout, ask.folder):
+            for lineno, line in enumerate(text.splitlines(), 1):
+                low = line.lower()
+                score = sum(low.count(t) for t in terms)
+                if score:
+                    hits.append({"source": "memory", "path": path, "line": lineno,
+                                 "snippet": line.strip()[:300], "score": score})
+    hits.sort(key=lambda h: (-h["score"], h["path"], h["line"]))
+    if ask.sources == "memory":
+        return {"hits": hits[:ask.top_k]}
+    said = _search_sessions(ctx.cfg, ask.folder, ask.query, ask.top_k)
+    if ask.sources == "sessions":
+        return {"hits": said}
+    # The two rankings' scores do not compare: take the best of each in turn.
+    merged = [h for pair in zip_longest(hits[:ask.top_k], said) for h in pair if h is not None]
+    return {"hits": merged[:ask.top_k]}
+
+
+@action("memory_get", offloop=True, max_attempts=3, timeout=60, check=_check_get)
+def memory_get(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]:
+    """The text of MEMORY.md or memory/<name>.md of the group (nothing else)."""
+    path, folder = _get_ask(ctx.caller, params)
     for p, text in _memory_files(ctx.layout, folder):
         if p == path:
             return {"path": path, "content": text}
     raise ActionFailed(f"{path} does not exist")
-

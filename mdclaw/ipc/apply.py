@@ -30,6 +30,7 @@ from mdclaw.ipc.actions import (
     ActionContext,
     ActionFailed,
     action_refusal,
+    check_request,
     get_spec,
     run_action,
 )
@@ -635,6 +636,8 @@ class IpcEngine:
             refusal = action_refusal(self.cfg, caller.folder, caller.is_main, cmd.action)
             if refusal is not None:
                 raise ActionFailed(refusal)
+            if spec.offloop:  # Unauthorized from here on is quarantined, before queueing
+                check_request(spec, caller, cmd.params)
         except ActionFailed as e:
             body.update(status="error", error=str(e))
         else:

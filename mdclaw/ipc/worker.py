@@ -104,6 +104,8 @@ class ActionWorker:
 
     def start(self) -> asyncio.Task[None]:
         """Start serving on the running loop; returns the task."""
+        # Made here, not in run(): a stop() right after start() must reach the task.
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self.run(), name="action-worker")
         return self._task
 
@@ -115,6 +117,26 @@ class ActionWorker:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+    async def run_until_idle(self, timeout: float = 60.0) -> int:
+        """Serve until no job is queued, running or unwritten (for `mdclaw ipc drain
+        --run-actions` and tests, without a daemon); returns how many this worker finished.
+        TimeoutError if jobs remain after `timeout` seconds (they stay for the next start)."""
+        def open_jobs() -> int:
+            return int(self.db.query(
+                "SELECT count(*) FROM action_jobs WHERE status IN ('queued', 'running')"
+                " OR written_at IS NULL")[0][0])
+
+        self.start()
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while await self._io(open_jobs):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"action jobs still open after {timeout:g} s")
+                await asyncio.sleep(0.01)
+        finally:
+            await self.stop()
+        return self.finished
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -128,8 +150,8 @@ class ActionWorker:
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
-        self._wake = asyncio.Event()
-        self._stop = asyncio.Event()
+        if self._wake is None or self._stop is None:  # run() awaited without start()
+            self._wake, self._stop = asyncio.Event(), asyncio.Event()
         await self._io(self.recover)
         stop_task = asyncio.ensure_future(self._stop.wait())
         try:
