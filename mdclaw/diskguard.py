@@ -247,6 +247,7 @@ class DiskGuard:
         self.space: agentfs.FreeSpace | None = None
         self.last_round: float = 0.0  # seconds the last measuring round took
         self.rounds = 0
+        self.host_checks = 0  # free-space-only checks between rounds (check_host)
         self.stopped: list[tuple[str, str, float]] = []  # (folder, state, time.time())
         self._wake = asyncio.Event()
         self._kick = asyncio.Event()  # a run was admitted: start the host tick
@@ -339,6 +340,7 @@ class DiskGuard:
         cfg = self.cfg
         space = await asyncio.to_thread(measure_host, cfg)
         self.space = space
+        self.host_checks += 1
         out = []
         for folder in self._active():
             v = decide(cfg, folder, None, "", space)
