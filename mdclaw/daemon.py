@@ -28,7 +28,7 @@ from typing import Any
 from mdclaw.config import Config, ConfigError, load_config
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.schedule import to_iso, utc_now
-from mdclaw.scheduler import Scheduler
+from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
 from mdclaw.state import Database
 from mdclaw.systemd import Notifier
 
@@ -36,6 +36,7 @@ log = logging.getLogger("mdclaw.daemon")
 
 STATUS_FILE = "daemon-status.json"
 DRAIN_TIMEOUT = 30.0
+CLOCK_JUMP = 0.5  # seconds the wall clock may drift against the monotonic one between polls
 
 
 def status_path(cfg: Config) -> Path:
@@ -73,7 +74,7 @@ class Daemon:
         self.diskguard: Any = None
         self.operator_access: Any = None  # mdclaw.operator.access.Access, once mounted
         self.metrics_runner: Any = None  # the metrics.listen listener (aiohttp AppRunner)
-        self._scheduler_tick = (0, time.monotonic())
+        self._clock_offset = time.time() - time.monotonic()
 
     # ---------------------------------------------------------------- signals
     def _on_sigterm(self) -> None:
@@ -163,11 +164,14 @@ class Daemon:
         self.watcher.engine.on_commit = self._after_ipc_commit
         loop = asyncio.get_running_loop()
         self.watcher.on_files_ready = lambda: loop.call_soon_threadsafe(self.outbox.wake)
+        self.watcher.on_poll = self._after_ipc_poll
         self._watch(asyncio.create_task(self.watcher.run(self.ipc_stop), name="ipc"), "ipc")
         self.notifier.add_probe("ipc", self._ipc_progress)
         # Scheduler: due tasks go through the orchestrator's queue.
+        # It sleeps until the next due time: _after_ipc_poll wakes it on any commit.
         self.scheduler = Scheduler(db, self.orch.execute_task,
-                                   default_timezone=cfg.assistant.timezone)
+                                   default_timezone=cfg.assistant.timezone,
+                                   max_sleep=DAEMON_MAX_SLEEP)
         self._watch(asyncio.create_task(self.scheduler.run(), name="scheduler"), "scheduler")
         self.notifier.add_probe("scheduler", self._scheduler_progress)
         # Channels and delivery.
@@ -215,16 +219,34 @@ class Daemon:
         if self.scheduler is not None:
             self.scheduler.wake()
 
+    def _after_ipc_poll(self, db_changed: bool) -> None:
+        """Each IPC poll tick (limits.ipc_poll_interval): what another process committed
+        (`mdclaw tasks add`, an outbox retry) or a wall-clock jump wakes the components that
+        sleep until their next deadline, as their own 1 s polls did (the watcher wakes its
+        action worker itself)."""
+        offset = time.time() - time.monotonic()
+        before = self._clock_offset
+        jumped = abs(offset - before) > CLOCK_JUMP
+        self._clock_offset = offset
+        if jumped and self.scheduler is not None:
+            log.info("the wall clock moved by %.1f s: the scheduler looks again",
+                     offset - before)
+            self.scheduler.wake()
+        if not db_changed:
+            return
+        if self.scheduler is not None:
+            self.scheduler.wake()
+        if self.outbox is not None:
+            self.outbox.wake()
+
     def _ipc_progress(self) -> float:
         # The IPC loop goes round at least once per poll interval.
         return self.watcher.last_progress
 
     def _scheduler_progress(self) -> float:
+        # Asleep until its next due time counts as progress; late or stuck does not.
         assert self.scheduler is not None
-        ticks, at = self._scheduler_tick
-        if self.scheduler.ticks != ticks:
-            self._scheduler_tick = (self.scheduler.ticks, time.monotonic())
-        return self._scheduler_tick[1]
+        return self.scheduler.alive_at()
 
     async def _engine_up(self) -> None:
         from mdclaw.runtime import engine_errors, wait_for_engine
@@ -254,7 +276,7 @@ class Daemon:
         nxt = self.scheduler.next_wakeup() if self.scheduler else None
         return {
             "pid": os.getpid(), "started_at": self.started_at, "updated_at": to_iso(utc_now()),
-            "groups": len(self.db.query("SELECT folder FROM registered_groups")),
+            "groups": int(self.db.scalar("SELECT count(*) FROM registered_groups")),
             "engine": self.engine_status,
             "containers": self.orch.queue.running_groups() if self.orch else [],
             "queue": self.orch.queue.status() if self.orch else {},
@@ -266,8 +288,9 @@ class Daemon:
             "disk": self.diskguard.status() if self.diskguard else None,
         }
 
-    def status_line(self) -> str:
-        s = self.status()
+    def status_line(self, s: dict[str, Any] | None = None) -> str:
+        """The one-line summary of `s` (the status now when not given)."""
+        s = s if s is not None else self.status()
         line = (f"{s['groups']} group(s), {len(s['containers'])} container(s) running, "
                 f"{s['queue'].get('pending', 0)} queued, outbox {s['outbox']['pending']} "
                 f"pending/{s['outbox']['failed']} failed, next task {s['next_task'] or '-'}")
@@ -281,17 +304,18 @@ class Daemon:
                                            for f, v in blocked.items())
         return line
 
-    def write_status(self) -> None:
+    def write_status(self, s: dict[str, Any] | None = None) -> None:
         path = status_path(self.cfg)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.status(), indent=2))
+        tmp.write_text(json.dumps(s if s is not None else self.status(), indent=2))
         os.chmod(tmp, 0o640)
         os.replace(tmp, path)
 
     def _publish(self) -> None:
         try:
-            self.write_status()
-            self.notifier.status(self.status_line())
+            s = self.status()  # gathered once for the file and the STATUS= line
+            self.write_status(s)
+            self.notifier.status(self.status_line(s))
         except (OSError, sqlite3.Error) as e:  # a full disk, a busy database: not fatal
             log.warning("could not write status: %s", e)
 

@@ -21,7 +21,9 @@ When: a group is measured before each run of it (`DiskGuard.admit`), and every
 `limits.disk_check_interval` while its container runs or while it is refused (`DiskGuard.run`),
 off the event loop. A round waits at least ten times as long as the last one took, so
 measuring cannot take more than a tenth of one core. Free space (one `fstatvfs`) is checked
-every second (`HOST_TICK`) in between, so a fast writer meets the floor within a second.
+every second (`HOST_TICK`) in between while a container starts or runs (or a run was admitted
+in the last `ADMIT_WINDOW` seconds), so a fast writer meets the floor within a second; with
+no container there is nothing to stop, and the guard only wakes for its rounds.
 The walk holds a bounded number of file descriptors and stops at `limits.disk_files`
 entries (`agentfs.tree_usage`).
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -44,7 +47,8 @@ from mdclaw.runtime import engine_errors
 
 log = logging.getLogger("mdclaw.diskguard")
 
-HOST_TICK = 1.0  # seconds between free-space checks while the daemon runs
+HOST_TICK = 1.0  # seconds between free-space checks while a container starts or runs
+ADMIT_WINDOW = 60.0  # seconds after admit() the host tick runs even before a container shows
 
 OK = "ok"
 GROUP_FULL = "group_full"  # over its disk limit
@@ -243,8 +247,11 @@ class DiskGuard:
         self.space: agentfs.FreeSpace | None = None
         self.last_round: float = 0.0  # seconds the last measuring round took
         self.rounds = 0
+        self.host_checks = 0  # free-space-only checks between rounds (check_host)
         self.stopped: list[tuple[str, str, float]] = []  # (folder, state, time.time())
         self._wake = asyncio.Event()
+        self._kick = asyncio.Event()  # a run was admitted: start the host tick
+        self._admitted = -math.inf  # time.monotonic() of the last admit()
 
     # ------------------------------------------------------------------ decisions
 
@@ -278,11 +285,18 @@ class DiskGuard:
             space = measure_host(cfg)
             return space, check(cfg, folder, space=space, host=False)
 
+        self._admitted = time.monotonic()
+        self._kick.set()  # its container is about to start: free space every HOST_TICK
         self.space, v = await asyncio.to_thread(measure)
         self._record(v)
         return v
 
     # ------------------------------------------------------------------ periodic
+
+    def _watching_host(self) -> bool:
+        """Whether free space is checked every HOST_TICK: a container starts or runs, or a
+        run was admitted within ADMIT_WINDOW (its container may not show yet)."""
+        return bool(self._active()) or time.monotonic() - self._admitted < ADMIT_WINDOW
 
     def _active(self) -> list[str]:
         if self._running is not None:
@@ -326,6 +340,7 @@ class DiskGuard:
         cfg = self.cfg
         space = await asyncio.to_thread(measure_host, cfg)
         self.space = space
+        self.host_checks += 1
         out = []
         for folder in self._active():
             v = decide(cfg, folder, None, "", space)
@@ -341,23 +356,28 @@ class DiskGuard:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Measure the groups every `limits.disk_check_interval` (or 10x the last round),
-        and free space every `HOST_TICK`, until `stop`."""
+        and free space every `HOST_TICK` while a container starts or runs, until `stop`."""
         next_round = 0.0
         while not stop.is_set():
             woken = self._wake.is_set()
             self._wake.clear()
+            self._kick.clear()
             try:
                 if woken or time.monotonic() >= next_round:
                     await self.check_once()
                     next_round = time.monotonic() + max(
                         self.cfg.limits.disk_check_interval.total_seconds(),
                         10 * self.last_round)
-                else:
+                elif self._watching_host():
                     await self.check_host()
             except Exception:  # noqa: BLE001 - a failed round must not end the daemon's guard
                 log.exception("measuring disk use failed")
-            pause = max(0.0, min(HOST_TICK, next_round - time.monotonic()))
+            pause = max(0.0, next_round - time.monotonic())
             waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            if self._watching_host():
+                pause = min(HOST_TICK, pause)
+            else:  # nothing to stop until a run is admitted: sleep until the next round
+                waits.append(asyncio.ensure_future(self._kick.wait()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait(waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:

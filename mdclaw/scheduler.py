@@ -15,14 +15,22 @@ says how many further slots passed. With `catch_up: false` a task found more tha
 
 The loop sleeps until the earliest `next_run` (one index seek), at most `max_sleep` seconds so
 changes made by other processes (the CLI, a reconcile) are noticed; code in this process calls
-`wake()` after changing the task table so the new times take effect at once.
+`wake()` after changing the task table so the new times take effect at once. The daemon sleeps
+it up to `DAEMON_MAX_SLEEP` instead and wakes it whenever its IPC poll sees anything committed
+to the database or the wall clock jump (mdclaw.daemon), so an idle scheduler costs nothing.
+
+Liveness (`alive_at()`, the watchdog's probe): a scheduler asleep before its due time is alive
+however long it sleeps; one that is late getting back (a deadline or a wake() it has not
+answered) or that is stuck in a round ages from that moment, so systemd's watchdog notices.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -46,6 +54,9 @@ Execute = Callable[[TaskRow], Awaitable[Any]]
 MAX_TEXT = 64 * 1024  # result / error text kept per run
 MAX_SUMMARY = 2000  # last_result kept on the task
 INTERRUPTED = "mdclaw stopped while this run was in progress; the run is not repeated"
+# Seconds the daemon's scheduler sleeps at most: its safety net; the daemon wakes it on any
+# commit to the database and on a wall-clock jump.
+DAEMON_MAX_SLEEP = 60.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,10 @@ class Scheduler:
         self._loop_thread: int | None = None
         self._stopping = False
         self.ticks = 0
+        # For alive_at(): when the round under way began (None while asleep), and the
+        # monotonic time by which a sleeping loop should be back in a round.
+        self._busy_since: float | None = time.monotonic()
+        self._back_by = math.inf
 
     # ------------------------------------------------------------------ start-up
     def recover(self) -> list[int]:
@@ -294,8 +309,20 @@ class Scheduler:
         return list(self._running)
 
     # ------------------------------------------------------------------ the loop
+    def alive_at(self) -> float:
+        """The time.monotonic() the scheduler last counted as making progress: now while it
+        sleeps with its deadline ahead and no wake() unanswered; else the moment the round
+        under way began or the moment it should have been back."""
+        now = time.monotonic()
+        busy = self._busy_since
+        if busy is not None:
+            return busy
+        return min(now, self._back_by)
+
     def wake(self) -> None:
         """Re-read the task table now (call after adding or changing tasks). Thread-safe."""
+        if self._busy_since is None:
+            self._back_by = min(self._back_by, time.monotonic())
         loop, event = self._loop, self._wake
         if loop is None or event is None or loop.is_closed():
             return
@@ -316,9 +343,11 @@ class Scheduler:
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
         self._stopping = False
+        self._busy_since = time.monotonic()
         self.recover()
         while not self._stopping:
             self._wake.clear()
+            self._busy_since = time.monotonic()  # a round begins: progress
             try:
                 started = await self.tick_async()
                 delay = 0.0 if started >= self.batch else self._delay()
@@ -326,10 +355,15 @@ class Scheduler:
                 log.exception("scheduler tick failed; retrying")
                 delay = self.max_sleep
             if delay > 0 and not self._stopping:
+                # Asleep: alive until the deadline (a wake() brings it forward to now).
+                self._back_by = time.monotonic() + delay
+                self._busy_since = None
                 try:
                     await asyncio.wait_for(self._wake.wait(), delay)
                 except TimeoutError:
                     pass
+                self._busy_since = time.monotonic()
+                self._back_by = math.inf
             else:
                 await asyncio.sleep(0)
 

@@ -437,3 +437,35 @@ def test_a_folder_the_daemon_cannot_read_counts_as_over(tmp_path: Path) -> None:
     assert u.bytes < MiB  # what is inside was not seen
     v = decide(cfg, "family", u, "groups/family/hidden", None)
     assert v.state == UNREADABLE and "groups/family/hidden" in v.chat_text(), v
+
+
+def test_free_space_ticks_only_once_a_run_is_admitted(tmp_path: Path) -> None:
+    """With no container there is nothing to stop: the guard sleeps until its next round.
+    A run admitted starts the one-second free-space tick before its container shows."""
+    cfg = make_cfg(tmp_path, disk_check_interval="1h")
+    group_dir(cfg, "main")
+    group_dir(cfg)
+    runner = FakeRunner()
+    handles, runner.handles = runner.handles, {}  # no container yet
+    guard = DiskGuard(cfg, runner)
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        task = asyncio.create_task(guard.run(stop))
+        while guard.rounds < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(diskguard.HOST_TICK + 0.3)  # a window in which nothing may tick
+        assert guard.host_checks == 0
+        assert (await guard.admit("family")).ok
+        runner.handles = handles  # its container starts
+        guard.cfg = make_cfg(tmp_path, disk_check_interval="1h", min_free_disk="99.99%")
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(handles["family"].killed.wait(), 10)
+        took = asyncio.get_running_loop().time() - t0
+        stop.set()
+        await task
+        return took
+
+    took = asyncio.run(main())
+    assert took < diskguard.HOST_TICK + 1.5, took
+    assert guard.rounds == 1 and guard.host_checks >= 1

@@ -97,3 +97,82 @@ def test_daemon_pings_the_watchdog_while_its_loops_run(tmp_path, write_config) -
     states = [g for g in got if g in ("READY=1", "WATCHDOG=1")]
     assert "READY=1" in states, got
     assert states.count("WATCHDOG=1") >= 4, got
+
+
+def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
+                                                                     monkeypatch) -> None:
+    """The daemon's scheduler sleeps until its next due time (no 1 s tick). Asleep with its
+    deadline ahead is progress however long it lasts; a round stuck (here: on a write lock
+    another connection holds) is not, and the pings stop until it moves again."""
+    import threading
+    from datetime import timedelta
+
+    from mdclaw import schedule
+    from mdclaw.scheduler import Scheduler
+    from mdclaw.state import Database
+    from mdclaw.state.tasks import insert_task, update_task_fields
+
+    s = listen(tmp_path, monkeypatch)
+    s.settimeout(0.01)
+    db = Database(tmp_path / "state.db")
+    ran: list[str] = []
+
+    async def execute(task) -> None:  # noqa: ANN001
+        ran.append(task.id)
+
+    sched = Scheduler(db, execute, max_sleep=30)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(sched.run(),))
+    thread.start()
+    n = Notifier()
+    n.add_probe("scheduler", sched.alive_at)
+
+    def pings_during(seconds: float) -> int:
+        async def main() -> None:
+            task = asyncio.create_task(n.watchdog_loop(interval=0.05))  # stale after 0.1 s
+            await asyncio.sleep(seconds)
+            task.cancel()
+
+        asyncio.run(main())
+        got = 0
+        try:
+            while True:
+                got += s.recv(100) == b"WATCHDOG=1"
+        except TimeoutError:
+            return got
+
+    def until(cond, what: str, limit: float = 10.0) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + limit
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    blocker = Database(tmp_path / "state.db")
+    try:
+        until(lambda: sched.ticks >= 1, "the scheduler did not start")
+        ticks = sched.ticks
+        # Idle: asleep for up to 30 s, far past the 0.1 s the watchdog allows, yet alive.
+        assert pings_during(0.6) >= 8
+        assert sched.ticks == ticks  # it did not tick meanwhile
+        # Stuck: a task due now, but another connection holds the write lock its claim needs.
+        with blocker.transaction() as c:
+            insert_task(c, group_folder="main", chat_jid="tg:1", prompt="p",
+                        schedule_type="interval", schedule_value="3600000", timezone="UTC",
+                        task_id="t", catch_up=True, task_timezone="UTC")
+            update_task_fields(c, "t", next_run=schedule.to_iso(
+                schedule.utc_now() - timedelta(seconds=1)))
+        blocker.conn.execute("BEGIN IMMEDIATE")
+        sched.wake()
+        until(lambda: time.monotonic() - sched.alive_at() > 0.2, "the scheduler stays fresh")
+        assert pings_during(0.3) == 0
+        blocker.conn.execute("ROLLBACK")
+        until(lambda: ran == ["t"], "the task did not run once the lock was gone")
+        assert pings_during(0.3) >= 3
+    finally:
+        if blocker.conn.in_transaction:
+            blocker.conn.execute("ROLLBACK")
+        asyncio.run_coroutine_threadsafe(sched.stop(timeout=5), loop).result(10)
+        thread.join(10)
+        loop.close()
+        blocker.close()
+        db.close()

@@ -60,6 +60,9 @@ class IpcWatcher:
         # Files agents send are copied on a thread of their own; `on_files_ready` (called
         # from that thread) is how the daemon hears a copy is made.
         self.on_files_ready: Callable[[], None] | None = None
+        # Called on every poll tick with whether anything was committed to the database
+        # since the last one (by any connection or process).
+        self.on_poll: Callable[[bool], None] | None = None
         self.spooler = FileSpooler(cfg, cfg.db_path, on_ready=self._files_ready)
         self.engine.spool = self.spooler.wake
         # Off-loop actions (web, slow work) run on the action worker, a task beside the loop.
@@ -231,7 +234,14 @@ class IpcWatcher:
         # Changes made outside this loop (scheduler runs, `mdclaw tasks pause`, new chats)
         # show in the snapshots within one poll interval.
         # The fingerprints are computed only if anything was committed since the last tick.
-        if self.engine.database_changed() or self._fingerprint is None:
+        changed = self.engine.database_changed()
+        if changed:
+            self.actions.wake()  # jobs another process queued (`mdclaw ipc drain`)
+        if self.on_poll is not None:
+            # The daemon wakes its sleeping components (scheduler, outbox, action worker)
+            # from here: one cheap check a tick, not one wake-up each.
+            self.on_poll(changed)
+        if changed or self._fingerprint is None:
             tasks_fp, groups_fp = self.engine.state_fingerprint()
             if self._fingerprint is not None:
                 if tasks_fp != self._fingerprint[0]:

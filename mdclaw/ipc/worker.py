@@ -46,7 +46,10 @@ log = logging.getLogger("mdclaw.ipc.worker")
 
 T = TypeVar("T")
 
-POLL_INTERVAL = 2.0  # seconds: jobs queued by another process (`mdclaw ipc drain`) are seen
+# Seconds between looks when nothing woke the worker: a safety net only. New jobs wake it
+# (the engine's on_jobs, after its COMMIT), and so does any commit by another process
+# (`mdclaw ipc drain`), seen by the IPC watcher's poll tick (IpcWatcher._poll).
+POLL_INTERVAL = 60.0
 STOP_GRACE = 5.0  # seconds running jobs get to finish when the daemon stops
 INTERRUPTED = "interrupted by a restart"
 
