@@ -104,6 +104,7 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
     """The daemon's scheduler sleeps until its next due time (no 1 s tick). Asleep with its
     deadline ahead is progress however long it lasts; a round stuck (here: on a write lock
     another connection holds) is not, and the pings stop until it moves again."""
+    import contextlib
     import threading
     from datetime import timedelta
 
@@ -113,7 +114,7 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
     from mdclaw.state.tasks import insert_task, update_task_fields
 
     s = listen(tmp_path, monkeypatch)
-    s.settimeout(0.01)
+    s.setblocking(False)
     db = Database(tmp_path / "state.db")
     ran: list[str] = []
 
@@ -128,18 +129,25 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
     n.add_probe("scheduler", sched.alive_at)
 
     def pings_during(seconds: float) -> int:
+        got = 0
+
+        def drain() -> None:  # read as they come: a full datagram queue would block the send
+            nonlocal got
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    got += s.recv(100) == b"WATCHDOG=1"
+
         async def main() -> None:
             task = asyncio.create_task(n.watchdog_loop(interval=0.05))  # stale after 0.1 s
-            await asyncio.sleep(seconds)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                drain()
+                await asyncio.sleep(0.01)
             task.cancel()
 
         asyncio.run(main())
-        got = 0
-        try:
-            while True:
-                got += s.recv(100) == b"WATCHDOG=1"
-        except TimeoutError:
-            return got
+        drain()
+        return got
 
     def until(cond, what: str, limit: float = 10.0) -> None:  # noqa: ANN001
         deadline = time.monotonic() + limit
