@@ -132,6 +132,18 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status, headers=_SECURITY_HEADERS)
 
 
+def token_matches(secret: bytes | None, token: str) -> bool:
+    """`token` is `secret` (constant-time); False when there is no secret. The one check of
+    the local HTTP channel's token, used by the channel, the operator page and /metrics."""
+    return secret is not None and hmac.compare_digest(token.strip().encode(), secret)
+
+
+def bearer_matches(secret: bytes | None, request: web.BaseRequest) -> bool:
+    """The request carries `Authorization: Bearer <secret>`."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and token_matches(secret, token)
+
+
 class HttpChannel(Channel):
     """The local HTTP channel; serves `hl:` chats on `listen` (port 0: any free port)."""
 
@@ -217,13 +229,11 @@ class HttpChannel(Channel):
 
     def token_ok(self, token: str) -> bool:
         """`token` is this channel's secret (constant-time); False when it has none."""
-        return self._secret is not None and hmac.compare_digest(token.strip().encode(),
-                                                                self._secret)
+        return token_matches(self._secret, token)
 
     def bearer_ok(self, request: web.BaseRequest) -> bool:
         """The request carries `Authorization: Bearer <this channel's secret>`."""
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and self.token_ok(token)
+        return bearer_matches(self._secret, request)
 
     def _mounted(self, path: str) -> bool:
         return path in self._routes or any(path == p or path.startswith(p + "/")

@@ -15,7 +15,6 @@ credential proxy counts it. Nothing is computed per event for them.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mdclaw import metrics
+from mdclaw.channels.http import bearer_matches, token_matches
 from mdclaw.config import http_secret_path, read_secret
 from mdclaw.operator.access import Access, TokenHolder
 from mdclaw.state import Database, now_iso
@@ -140,12 +140,10 @@ class FileToken:
         return self._secret is not None
 
     def token_ok(self, token: str) -> bool:
-        return self._secret is not None and hmac.compare_digest(token.strip().encode(),
-                                                                self._secret)
+        return token_matches(self._secret, token)
 
     def bearer_ok(self, request: web.BaseRequest) -> bool:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and self.token_ok(token)
+        return bearer_matches(self._secret, request)
 
 
 def _token_holder(d: Any) -> TokenHolder:
