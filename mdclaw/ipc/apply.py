@@ -305,9 +305,12 @@ class IpcEngine:
                     it.outcome, it.ledger_outcome = "done", hit[0]
                     it.reason = hit[1]
                     continue
-                if it.reason is None and isinstance(it.cmd, ONE_WRITE):
-                    # Every check comes before its only statement, which SQLite applies
-                    # whole or not at all: no SAVEPOINT needed to roll it back alone.
+                if it.reason is None:
+                    # A command whose every check comes before its only statement (ONE_WRITE)
+                    # needs no SAVEPOINT: SQLite applies a statement whole or not at all.
+                    savepoint = not isinstance(it.cmd, ONE_WRITE)
+                    if savepoint:
+                        conn.execute("SAVEPOINT cmd")
                     try:
                         self._apply(conn, it, fx, jid_to_folder)
                     except (Unauthorized, ApplyError, TaskError, schedule.ScheduleError,
@@ -317,22 +320,10 @@ class IpcEngine:
                         log.exception("ipc: internal error applying %s/%s/%s", it.folder,
                                       it.sub, it.name)
                         it.reason = f"internal error: {type(e).__name__}: {e}"
-                elif it.reason is None:
-                    conn.execute("SAVEPOINT cmd")
-                    try:
-                        self._apply(conn, it, fx, jid_to_folder)
+                    if savepoint:
+                        if it.reason is not None:
+                            conn.execute("ROLLBACK TO cmd")
                         conn.execute("RELEASE cmd")
-                    except (Unauthorized, ApplyError, TaskError, schedule.ScheduleError,
-                            UnsafePath) as e:
-                        conn.execute("ROLLBACK TO cmd")
-                        conn.execute("RELEASE cmd")
-                        it.reason = _reason(e)
-                    except Exception as e:  # noqa: BLE001 - a bug: keep the loop and the file
-                        conn.execute("ROLLBACK TO cmd")
-                        conn.execute("RELEASE cmd")
-                        log.exception("ipc: internal error applying %s/%s/%s", it.folder,
-                                      it.sub, it.name)
-                        it.reason = f"internal error: {type(e).__name__}: {e}"
                 it.outcome = "rejected" if it.reason is not None else "applied"
                 ledger.append((it.folder, it.ledger_name, it.key, it.ctype, it.outcome,
                                it.reason, now))
