@@ -17,6 +17,7 @@ import pytest
 
 from ipc_helpers import FAMILY_JID, MAIN_JID, WORK_JID, Env, schedule_body
 from mdclaw.agentfs import UnsafePath, generation
+from mdclaw.ipc.actions import MEMORY_MAX_FILES
 from mdclaw.ipc.apply import IpcEngine
 from mdclaw.ipc.writers import write_close, write_follow_up, write_snapshots
 from mdclaw.schedule import from_iso
@@ -466,6 +467,31 @@ def test_memory_actions(env: Env, tmp_path: Path) -> None:
                               "action": "farm_no_such_thing", "params": {}}, sub="actions")
     r = _result(env, "family", "f1")
     assert r["status"] == "error" and "unknown action 'farm_no_such_thing'" in r["error"]
+
+
+def test_memory_get_serves_the_named_file_only(env: Env, tmp_path: Path) -> None:
+    g = env.data / "groups" / "family"
+    (g / "MEMORY.md").write_text("top of mind\n")
+    os.symlink(tmp_path, g / "memory")  # memory/ swapped for a symlink: MEMORY.md still served
+    apply_one(env, "family", {"type": "action", "request_id": "m1", "action": "memory_get",
+                              "params": {"path": "MEMORY.md"}}, sub="actions")
+    assert _result(env, "family", "m1")["result"] == {"path": "MEMORY.md",
+                                                      "content": "top of mind\n"}
+    os.unlink(g / "memory")
+    (g / "memory").mkdir()
+    for i in range(MEMORY_MAX_FILES + 1):  # only the first MEMORY_MAX_FILES by name count
+        (g / "memory" / f"n{i:04d}.md").write_text(f"note {i}\n")
+    for rid, name, want in [("m2", "n0000.md", "note 0\n"),
+                            ("m3", f"n{MEMORY_MAX_FILES - 1:04d}.md",
+                             f"note {MEMORY_MAX_FILES - 1}\n"),
+                            ("m4", f"n{MEMORY_MAX_FILES:04d}.md", None)]:
+        apply_one(env, "family", {"type": "action", "request_id": rid, "action": "memory_get",
+                                  "params": {"path": f"memory/{name}"}}, sub="actions")
+        r = _result(env, "family", rid)
+        if want is None:
+            assert r["status"] == "error" and "does not exist" in r["error"], r
+        else:
+            assert r["result"] == {"path": f"memory/{name}", "content": want}, r
 
 
 def test_action_results_swapped_for_symlink(env: Env, tmp_path: Path) -> None:

@@ -213,8 +213,11 @@ def _target_folder(caller: Caller, params: dict[str, Any], what: str) -> str:
     return folder
 
 
-def _memory_files(layout: Layout, folder: str) -> list[tuple[str, str]]:
-    """(relative path, text) of MEMORY.md and memory/*.md of `folder`, never via symlinks."""
+def _memory_files(layout: Layout, folder: str,
+                  only: str | None = None) -> list[tuple[str, str]]:
+    """(relative path, text) of MEMORY.md and memory/*.md of `folder` (the first
+    MEMORY_MAX_FILES of these by name), never via symlinks. With `only` (one such relative
+    path), just that file is read, if it is one of them."""
     try:
         gfd = agentfs.open_root(layout.groups_dir)
     except (FileNotFoundError, UnsafePath):
@@ -222,15 +225,19 @@ def _memory_files(layout: Layout, folder: str) -> list[tuple[str, str]]:
     out = []
     try:
         with agentfs.opened(gfd, folder) as fd:
-            text = agentfs.read_text(fd, "MEMORY.md", MEMORY_FILE_MAX)
-            if text is not None:
-                out.append(("MEMORY.md", text))
-            with agentfs.opened(fd, "memory") as mfd:
-                for name in sorted(n for n in agentfs.listdir(mfd) if _MEMORY_NAME.match(n))[
-                        :MEMORY_MAX_FILES]:
-                    text = agentfs.read_text(mfd, name, MEMORY_FILE_MAX)
-                    if text is not None:
-                        out.append((f"memory/{name}", text))
+            if only in (None, "MEMORY.md"):
+                text = agentfs.read_text(fd, "MEMORY.md", MEMORY_FILE_MAX)
+                if text is not None:
+                    out.append(("MEMORY.md", text))
+            if only != "MEMORY.md":
+                with agentfs.opened(fd, "memory") as mfd:
+                    for name in sorted(n for n in agentfs.listdir(mfd)
+                                       if _MEMORY_NAME.match(n))[:MEMORY_MAX_FILES]:
+                        if only is not None and only != f"memory/{name}":
+                            continue
+                        text = agentfs.read_text(mfd, name, MEMORY_FILE_MAX)
+                        if text is not None:
+                            out.append((f"memory/{name}", text))
     except (FileNotFoundError, UnsafePath):
         pass
     finally:
@@ -325,7 +332,7 @@ def memory_search(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]
 def memory_get(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]:
     """The text of MEMORY.md or memory/<name>.md of the group (nothing else)."""
     path, folder = _get_ask(ctx.caller, params)
-    for p, text in _memory_files(ctx.layout, folder):
+    for p, text in _memory_files(ctx.layout, folder, only=path):
         if p == path:
             return {"path": path, "content": text}
     raise ActionFailed(f"{path} does not exist")
