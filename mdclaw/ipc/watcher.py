@@ -238,8 +238,8 @@ class IpcWatcher:
         if changed:
             self.actions.wake()  # jobs another process queued (`mdclaw ipc drain`)
         if self.on_poll is not None:
-            # The daemon wakes its sleeping components (scheduler, outbox, action worker)
-            # from here: one cheap check a tick, not one wake-up each.
+            # The daemon wakes its sleeping components (scheduler, outbox) from here: one
+            # cheap check a tick, not one wake-up each. The action worker is woken above.
             self.on_poll(changed)
         if changed or self._fingerprint is None:
             tasks_fp, groups_fp = self.engine.state_fingerprint()

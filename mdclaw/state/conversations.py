@@ -100,11 +100,6 @@ def _row(r: sqlite3.Row) -> StoredMessage:
                          _load_attachments(r["attachments"]), bool(r["files_pending"]))
 
 
-def message_exists(db: Database, message_id: str) -> bool:
-    """True if an inbound message with this id is stored."""
-    return db.query_one("SELECT 1 FROM messages WHERE id = ?", (message_id,)) is not None
-
-
 def messages_since(db: Database, chat_jid: str, after: str | None,
                    limit: int = 200) -> list[StoredMessage]:
     """Inbound (non-bot) messages of `chat_jid` newer than `after`, oldest first; the newest
