@@ -224,6 +224,24 @@ class Channel(abc.ABC):
             log.warning("%s: could not answer in %s: %s", self.name, jid, self.redact(str(e)))
 
 
+def read_upload(path: Path, limit: int, whose: str) -> bytes:
+    """The content of the host's file `path` that a channel is to send (call it off the
+    event loop). Raises a permanent ChannelError when it is missing, not a regular file or
+    over `limit` bytes (`whose` ends that message: "bots may upload at most" and the like).
+    """
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise ChannelError(f"{path.name!r} is not a regular file", permanent=True)
+    except OSError:
+        raise ChannelError(f"file {path.name!r} to send does not exist",
+                           permanent=True) from None
+    if size > limit:
+        raise ChannelError(f"file {path.name!r} is {size} bytes; {whose} {limit}",
+                           permanent=True)
+    return path.read_bytes()
+
+
 def split_text(text: str, limit: int, *, measure: Callable[[str], int] = len) -> list[str]:
     """Cut `text` into pieces no longer than `limit` (as `measure` counts).
 
