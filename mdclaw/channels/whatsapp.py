@@ -55,7 +55,6 @@ from mdclaw.channels.base import (
     InboundCallback,
     InboundMessage,
     read_upload,
-    split_text,
 )
 from mdclaw.markup import split_message, to_whatsapp
 from mdclaw.retry import Backoff
@@ -658,8 +657,7 @@ class WhatsAppChannel(Channel):
     def split_text(self, text: str) -> list[str]:
         """The assistant's Markdown in WhatsApp's formatting, in pieces that keep code
         blocks closed. (Text given to `send_message` is sent as it is.)"""
-        return split_message(to_whatsapp(text), self.max_message_length, measure=self.measure,
-                             split_plain=lambda t, n: split_text(t, n, measure=self.measure))
+        return split_message(to_whatsapp(text), self.max_message_length, measure=self.measure)
 
     def _jid(self, jid: str) -> Any:
         m = JID_RE.match(jid)
