@@ -193,6 +193,47 @@ def to_whatsapp(markdown: str) -> str:
 
 # ---------------------------------------------------------------------- splitting
 
+def split_text(text: str, limit: int, *, measure: Callable[[str], int] = len) -> list[str]:
+    """Cut `text` into pieces no longer than `limit` (as `measure` counts).
+
+    Prefers to cut after a paragraph break, then a line break, then a space; the single
+    whitespace character at a cut is dropped. Text without any such break is cut hard.
+    An empty text gives one empty piece.
+    """
+    if limit < 1:
+        raise ValueError("limit must be at least 1")
+    if measure(text) <= limit:
+        return [text]
+    pieces: list[str] = []
+    rest = text
+    while measure(rest) > limit:
+        # Longest prefix that fits (binary search: the measure grows with the prefix, and
+        # is never below the number of code points, so no prefix longer than `limit` fits).
+        lo, hi = 1, min(len(rest), limit)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if measure(rest[:mid]) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        end = lo
+        window = rest[:end]
+        cut = -1
+        for sep in ("\n\n", "\n", " "):
+            i = window.rfind(sep)
+            if i > 0:
+                cut = i
+                skip = len(sep)
+                break
+        if cut <= 0 or cut < end // 4:  # a break too early would leave tiny pieces
+            cut, skip = end, 0
+        pieces.append(rest[:cut])
+        rest = rest[cut + skip:]
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
 FENCE = "```"
 
 
@@ -266,8 +307,8 @@ def split_message(text: str, limit: int, *, measure: Callable[[str], int] = len,
 
     Paragraphs and ``` blocks are kept whole when they fit; pieces are filled with as many
     of them as fit. A block too long is closed and opened again across pieces; other text
-    too long is cut by `split_plain(text, limit)` (the channel's plain splitter; without one
-    it is cut hard).
+    too long is cut by `split_plain(text, limit)`, by default `split_text` (at a paragraph,
+    line or word break).
     """
     if measure(text) <= limit:
         return [text]
@@ -275,14 +316,7 @@ def split_message(text: str, limit: int, *, measure: Callable[[str], int] = len,
     def plain(t: str) -> list[str]:
         if split_plain is not None:
             return split_plain(t, limit)
-        out = []
-        while t:
-            n = min(len(t), limit)
-            while n > 1 and measure(t[:n]) > limit:
-                n -= 1
-            out.append(t[:n])
-            t = t[n:]
-        return out
+        return split_text(t, limit, measure=measure)
 
     pieces: list[str] = []
     cur = ""
@@ -703,5 +737,5 @@ def to_html(markdown: str) -> str:
                      set_tag_attribute_values={"a": {"target": "_blank"}}).strip()
 
 
-__all__ = ["parse", "split_message", "split_telegram", "to_html", "to_telegram",
+__all__ = ["parse", "split_message", "split_telegram", "split_text", "to_html", "to_telegram",
            "to_whatsapp", "utf16_len"]

@@ -74,10 +74,6 @@ def safe_name(name: str | None, kind: str = "document", mime: str | None = None)
     return stem + ext
 
 
-def describe_size(n: int) -> str:
-    return format_size(n)
-
-
 @dataclass(frozen=True)
 class Saved:
     """What became of one attachment."""
@@ -130,8 +126,8 @@ async def save_attachment(cfg: Config, folder: str, att: Attachment, *,
     limit = cfg.media.limit
     base = Saved(kind=kind, name=name, mime=mime, size=att.size, caption=att.caption)
     if att.size is not None and att.size > limit:
-        return replace(base, error=f"it is {describe_size(att.size)}, over the "
-                                    f"{describe_size(limit)} limit for files sent here")
+        return replace(base, error=f"it is {format_size(att.size)}, over the "
+                                    f"{format_size(limit)} limit for files sent here")
     try:
         data = await att.fetch(limit)
     except ChannelError as e:
@@ -141,7 +137,7 @@ async def save_attachment(cfg: Config, folder: str, att: Attachment, *,
         return replace(base, error=f"the download failed ({type(e).__name__})")
     if len(data) > limit:
         return replace(base, size=len(data),
-                        error=f"it is over the {describe_size(limit)} limit for files sent "
+                        error=f"it is over the {format_size(limit)} limit for files sent "
                               "here")
     try:
         saved = await asyncio.to_thread(write_inbox, Layout(cfg.data_dir), folder, day, name,

@@ -241,6 +241,11 @@ def test_not_ready_and_failing_host(tmp_path: Path) -> None:
                     assert "database" not in await r.text()
                 async with http.get("/messages", params={"jid": "hl:main"}) as r:
                     assert (await r.json())["messages"] == []  # nothing half-accepted
+                async with http.post("/upload", data=upload_form(b"hello")) as r:
+                    assert r.status == 500
+                    assert "file could not be accepted" in await r.text()
+                    assert "database" not in await r.text()
+                assert ch.transcript("hl:family") == []  # the upload's row is taken back
         finally:
             await ch.disconnect()
         assert not ch.is_connected()

@@ -38,7 +38,7 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/runtime/docker_engine.py": "reads an image tarball the operator names",
     "mdclaw/runtime/apple.py": "the Apple runtime's private secrets folder",
     "mdclaw/outbox.py": "removes the host's spool copies once a file row is final",
-    "mdclaw/channels/telegram.py": "reads the host's spool copy of a file to upload",
+    "mdclaw/channels/base.py": "reads the host's spool copy of a file a channel uploads",
     "mdclaw/channels/http.py": "its packaged chat page, the host's spool copies and its own "
                                "copies of sent files (data_dir/http/files)",
     "mdclaw/channels/whatsapp.py": "the WhatsApp session file and link state in data_dir, "

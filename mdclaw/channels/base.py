@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from mdclaw.markup import split_text
+
 log = logging.getLogger("mdclaw.channels")
 
 
@@ -224,45 +226,22 @@ class Channel(abc.ABC):
             log.warning("%s: could not answer in %s: %s", self.name, jid, self.redact(str(e)))
 
 
-def split_text(text: str, limit: int, *, measure: Callable[[str], int] = len) -> list[str]:
-    """Cut `text` into pieces no longer than `limit` (as `measure` counts).
-
-    Prefers to cut after a paragraph break, then a line break, then a space; the single
-    whitespace character at a cut is dropped. Text without any such break is cut hard.
-    An empty text gives one empty piece.
+def read_upload(path: Path, limit: int, whose: str) -> bytes:
+    """The content of the host's file `path` that a channel is to send (call it off the
+    event loop). Raises a permanent ChannelError when it is missing, not a regular file or
+    over `limit` bytes (`whose` ends that message: "bots may upload at most" and the like).
     """
-    if limit < 1:
-        raise ValueError("limit must be at least 1")
-    if measure(text) <= limit:
-        return [text]
-    pieces: list[str] = []
-    rest = text
-    while measure(rest) > limit:
-        # Longest prefix that fits (binary search: the measure grows with the prefix, and
-        # is never below the number of code points, so no prefix longer than `limit` fits).
-        lo, hi = 1, min(len(rest), limit)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if measure(rest[:mid]) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        end = lo
-        window = rest[:end]
-        cut = -1
-        for sep in ("\n\n", "\n", " "):
-            i = window.rfind(sep)
-            if i > 0:
-                cut = i
-                skip = len(sep)
-                break
-        if cut <= 0 or cut < end // 4:  # a break too early would leave tiny pieces
-            cut, skip = end, 0
-        pieces.append(rest[:cut])
-        rest = rest[cut + skip:]
-    if rest:
-        pieces.append(rest)
-    return pieces
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise ChannelError(f"{path.name!r} is not a regular file", permanent=True)
+    except OSError:
+        raise ChannelError(f"file {path.name!r} to send does not exist",
+                           permanent=True) from None
+    if size > limit:
+        raise ChannelError(f"file {path.name!r} is {size} bytes; {whose} {limit}",
+                           permanent=True)
+    return path.read_bytes()
 
 
 def channel_for(channels: Iterable[Channel], jid: str) -> Channel | None:

@@ -513,26 +513,7 @@ class HttpChannel(Channel):
             return _error(400, str(e))
         if self._on_inbound is None:
             return _error(503, "mdclaw is starting and not taking messages yet")
-        sender = fields.get("sender") or fields.get("sender_name") or "local"
-        sender_name = fields.get("sender_name") or sender
-        request_id = uuid.uuid4().hex
-        message_id = f"{jid}:{request_id}"
-        seq, _ = self._record(jid, "in", "text", content=text, sender=sender,
-                              sender_name=sender_name, message_id=message_id)
-        group = get_group_by_jid(self.db, jid)
-        msg = InboundMessage(id=message_id, chat_jid=jid, sender=sender,
-                             sender_name=sender_name, content=text, timestamp=now_iso(),
-                             chat_name=group.name if group else jid[3:], is_group=False,
-                             channel=self.name)
-        try:
-            await self.deliver_inbound(msg)
-        except Exception:  # noqa: BLE001 - the host's callback: the sender is told to retry
-            log.exception("local HTTP channel: the host did not take message %s", message_id)
-            with self.db.transaction() as c:
-                c.execute("DELETE FROM http_messages WHERE seq = ?", (seq,))
-            return _error(500, "the message could not be accepted; try again")
-        return _json({"id": request_id, "message_id": message_id, "jid": jid, "seq": seq,
-                      "status": "accepted"}, status=202)
+        return await self._accept(jid, fields, text)
 
     async def _get_messages(self, request: web.Request) -> web.Response:
         q = request.query
@@ -626,8 +607,6 @@ class HttpChannel(Channel):
         if self._on_inbound is None:
             return _error(503, "mdclaw is starting and not taking messages yet")
         caption = fields.get("text", "")
-        sender = fields.get("sender") or fields.get("sender_name") or "local"
-        sender_name = fields.get("sender_name") or sender
         mime = mime if mime and mime != "application/octet-stream" else (
             mimetypes.guess_type(file_name)[0] or mime)
         content = data
@@ -638,27 +617,44 @@ class HttpChannel(Channel):
                                    "a file may have here")
             return content
 
+        return await self._accept(
+            jid, fields, caption, file_name=file_name,
+            attachment=Attachment(kind=kind_for_mime(mime), name=file_name, mime=mime,
+                                  size=len(data), fetch=fetch, caption=caption or None))
+
+    async def _accept(self, jid: str, fields: dict[str, str], text: str, *,
+                      file_name: str | None = None,
+                      attachment: Attachment | None = None) -> web.Response:
+        """Record what a person posted (`text`, and the uploaded file) in the transcript
+        and hand it to the host: 202 with its ids, or 500 (the row taken back) when the
+        host did not take it."""
+        sender = fields.get("sender") or fields.get("sender_name") or "local"
+        sender_name = fields.get("sender_name") or sender
         request_id = uuid.uuid4().hex
         message_id = f"{jid}:{request_id}"
-        seq, _ = self._record(jid, "in", "file", content=caption, sender=sender,
-                              sender_name=sender_name, message_id=message_id,
-                              file_name=file_name[:MAX_FIELD])
+        seq, _ = self._record(jid, "in", "text" if attachment is None else "file",
+                              content=text, sender=sender, sender_name=sender_name,
+                              message_id=message_id,
+                              file_name=file_name[:MAX_FIELD] if file_name else None)
         group = get_group_by_jid(self.db, jid)
         msg = InboundMessage(
             id=message_id, chat_jid=jid, sender=sender, sender_name=sender_name,
-            content=caption, timestamp=now_iso(),
+            content=text, timestamp=now_iso(),
             chat_name=group.name if group else jid[3:], is_group=False, channel=self.name,
-            attachments=(Attachment(kind=kind_for_mime(mime), name=file_name, mime=mime,
-                                    size=len(data), fetch=fetch, caption=caption or None),))
+            attachments=(attachment,) if attachment is not None else ())
+        what = "message" if attachment is None else "file"
         try:
             await self.deliver_inbound(msg)
         except Exception:  # noqa: BLE001 - the host's callback: the sender is told to retry
-            log.exception("local HTTP channel: the host did not take upload %s", message_id)
+            log.exception("local HTTP channel: the host did not take %s %s", what, message_id)
             with self.db.transaction() as c:
                 c.execute("DELETE FROM http_messages WHERE seq = ?", (seq,))
-            return _error(500, "the file could not be accepted; try again")
-        return _json({"id": request_id, "message_id": message_id, "jid": jid, "seq": seq,
-                      "size": len(data), "status": "accepted"}, status=202)
+            return _error(500, f"the {what} could not be accepted; try again")
+        body: dict[str, Any] = {"id": request_id, "message_id": message_id, "jid": jid,
+                                "seq": seq, "status": "accepted"}
+        if attachment is not None:
+            body["size"] = attachment.size
+        return _json(body, status=202)
 
     async def _get_file(self, request: web.Request) -> web.StreamResponse:
         q = request.query

@@ -40,6 +40,7 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
+    read_upload,
 )
 from mdclaw.config import read_secret
 from mdclaw.markup import split_telegram, to_telegram, utf16_len
@@ -480,20 +481,12 @@ class TelegramChannel(Channel):
                         caption: str | None = None) -> str | None:
         chat_id = self._chat_id(jid)
         path = Path(path)
-        try:
-            size = path.stat().st_size
-            if not path.is_file():
-                raise ChannelError(f"{path.name!r} is not a regular file", permanent=True)
-        except OSError:
-            raise ChannelError(f"file {path.name!r} to send does not exist",
-                               permanent=True) from None
-        if size > MAX_UPLOAD_BYTES:
-            raise ChannelError(f"file {path.name!r} is {size} bytes; bots may upload at most "
-                               f"{MAX_UPLOAD_BYTES}", permanent=True)
+        content = await asyncio.to_thread(read_upload, path, MAX_UPLOAD_BYTES,
+                                          "bots may upload at most")
         name = file_name or path.name
-        as_photo = Path(name).suffix.lower() in PHOTO_SUFFIXES and size <= MAX_PHOTO_BYTES
+        as_photo = (Path(name).suffix.lower() in PHOTO_SUFFIXES
+                    and len(content) <= MAX_PHOTO_BYTES)
         field, method = ("photo", "sendPhoto") if as_photo else ("document", "sendDocument")
-        content = await asyncio.to_thread(path.read_bytes)
         cap_text, cap_entities = to_telegram(caption) if caption else ("", [])
         long_caption = utf16_len(cap_text) > MAX_CAPTION
         if long_caption:

@@ -54,7 +54,7 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
-    split_text,
+    read_upload,
 )
 from mdclaw.markup import split_message, to_whatsapp
 from mdclaw.retry import Backoff
@@ -657,8 +657,7 @@ class WhatsAppChannel(Channel):
     def split_text(self, text: str) -> list[str]:
         """The assistant's Markdown in WhatsApp's formatting, in pieces that keep code
         blocks closed. (Text given to `send_message` is sent as it is.)"""
-        return split_message(to_whatsapp(text), self.max_message_length, measure=self.measure,
-                             split_plain=lambda t, n: split_text(t, n, measure=self.measure))
+        return split_message(to_whatsapp(text), self.max_message_length, measure=self.measure)
 
     def _jid(self, jid: str) -> Any:
         m = JID_RE.match(jid)
@@ -757,19 +756,10 @@ class WhatsAppChannel(Channel):
                         caption: str | None = None) -> str | None:
         self._jid(jid)
         path = Path(path)
-        try:
-            if not path.is_file():
-                raise ChannelError(f"{path.name!r} is not a regular file", permanent=True)
-            size = path.stat().st_size
-        except OSError:
-            raise ChannelError(f"file {path.name!r} to send does not exist",
-                               permanent=True) from None
-        if size > MAX_UPLOAD_BYTES:
-            raise ChannelError(f"file {path.name!r} is {size} bytes; mdclaw sends at most "
-                               f"{MAX_UPLOAD_BYTES} through WhatsApp", permanent=True)
+        data = await asyncio.to_thread(read_upload, path, MAX_UPLOAD_BYTES,
+                                       "through WhatsApp mdclaw sends at most")
         name = file_name or path.name
         mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
-        data = await asyncio.to_thread(path.read_bytes)
         nz = _neonize()
         e2e, media_type = nz.e2e, nz.enum.MediaType
         rendered = to_whatsapp(caption) if caption else None
