@@ -24,6 +24,7 @@ from mdclaw.commands.tasks import (
     change_task,
     local_time,
     log_row,
+    task_actions,
     task_json,
     zone_for,
 )
@@ -127,6 +128,7 @@ def tasks(d: Any) -> list[dict[str, Any]]:
         row["zone"] = tz
         row["next_run_local"] = local_time(t.next_run, tz)
         row["last_run_local"] = local_time(t.last_run, tz)
+        row["actions"] = task_actions(t)
         out.append(row)
     return out
 

@@ -196,7 +196,8 @@ const views = {
   async tasks(root) {
     const ts = await api("api/tasks");
     root.append(el("h2", { text: "Tasks" }));
-    const act = (t, action, label, cls) => el("button", {
+    // Which buttons a task gets is the server's rule (`actions`, mdclaw.commands.tasks).
+    const act = (t, action, label, cls) => !t.actions.includes(action) ? null : el("button", {
       class: cls || null, "data-task": t.id, "data-action": action,
       onclick: async (ev) => {
         ev.target.disabled = true;
@@ -213,10 +214,8 @@ const views = {
       { label: "last result", cell: (t) => t.last_result || "-" },
       { label: "prompt", cell: (t) => el("span", { class: "prompt", text: t.prompt }) },
       { label: "", cell: (t) => el("span", {},
-          t.status === "active" ? act(t, "pause", "Pause") : null,
-          t.status === "paused" ? act(t, "resume", "Resume") : null,
-          t.status !== "cancelled" ? act(t, "run-now", "Run now") : null,
-          t.status !== "cancelled" ? act(t, "cancel", "Cancel", "danger") : null,
+          act(t, "pause", "Pause"), act(t, "resume", "Resume"),
+          act(t, "run-now", "Run now"), act(t, "cancel", "Cancel", "danger"),
           el("button", { "data-runs": t.id, onclick: () => { state.openRuns = t.id; refresh(); } }, "History")) },
     ], ts.map((t) => Object.assign({ __attrs: { "data-task-row": t.id } }, t)), "no tasks"));
     if (state.openRuns) {
