@@ -336,30 +336,23 @@ class Daemon:
                 assert self.db is not None
                 plan = await asyncio.to_thread(reconcile, new, self.db)
             except ConfigError as e:
-                self.reload_error = "; ".join(i.render(e.file) for i in e.issues)[:500]
-                self.last_reload = {"at": to_iso(utc_now()), "ok": False,
-                                    "error": self.reload_error}
-                log.error("reload: invalid config, keeping the running one: %s",
-                          self.reload_error)
-                self._publish()
-                self.notifier.ready(self.status_line())
-                return False
+                error: str | None = "; ".join(i.render(e.file) for i in e.issues)[:500]
+                log.error("reload: invalid config, keeping the running one: %s", error)
             except ReconcileError as e:
-                self.reload_error = str(e)[:500]
-                self.last_reload = {"at": to_iso(utc_now()), "ok": False,
-                                    "error": self.reload_error}
+                error = str(e)[:500]
                 log.error("reload: cannot apply config, keeping the running one: %s", e)
-                self._publish()
-                self.notifier.ready(self.status_line())
-                return False
-            self.reload_error = None
-            self.apply_config(new)
-            self.last_reload = {"at": to_iso(utc_now()), "ok": True,
-                                "changes": [a.describe() for a in plan.actions]}
-            log.info("reloaded: %d change(s)", len(plan.actions))
+            else:
+                error = None
+                self.apply_config(new)
+                log.info("reloaded: %d change(s)", len(plan.actions))
+            self.reload_error = error
+            self.last_reload = ({"at": to_iso(utc_now()), "ok": True,
+                                 "changes": [a.describe() for a in plan.actions]}
+                                if error is None else
+                                {"at": to_iso(utc_now()), "ok": False, "error": error})
             self._publish()
             self.notifier.ready(self.status_line())
-            return True
+            return error is None
 
     def apply_config(self, new: Config) -> None:
         old = self.cfg

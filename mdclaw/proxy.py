@@ -315,6 +315,12 @@ def tokens_on_day(db: Database, folder: str, day: str) -> int:
     return int(rows[0]["n"]) if rows else 0
 
 
+def over_budget(tokens: int, budget: int | None) -> bool:
+    """A day's tokens (input + output) reached the group's daily budget: its requests are
+    refused here, and the day shows as over (`mdclaw usage`, the operator page)."""
+    return budget is not None and tokens >= budget
+
+
 def next_reset(now: datetime | None = None) -> datetime:
     """When the daily token budgets start again: the next midnight UTC."""
     now = now or datetime.now(UTC)
@@ -795,7 +801,7 @@ class CredentialProxy:
                                           "API path this proxy forwards"}}, status=404)
             if caps.tokens_per_day is not None:
                 used = await self.tokens_today(folder)
-                if used >= caps.tokens_per_day:
+                if over_budget(used, caps.tokens_per_day):
                     return self._over_budget(folder, caps, used)
             task = asyncio.current_task()
             inflight = self._inflight.setdefault(folder, set())

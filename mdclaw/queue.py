@@ -85,8 +85,8 @@ class GroupQueue:
         self._tasks: dict[str, deque[Job]] = {}
         self._messages: dict[str, deque[Job]] = {}
         self._running: dict[str, tuple[Job, asyncio.Task[None]]] = {}
-        self._held: dict[str, asyncio.TimerHandle] = {}
-        self._held_kind: dict[str, Kind] = {}  # the kind of job each held group waits to retry
+        # Per group waiting to retry: its release timer and the kind of job that waits.
+        self._held: dict[str, tuple[asyncio.TimerHandle, Kind]] = {}
         self._keys: set[tuple[str, str]] = set()
         self._seq = itertools.count(1)
         self._closing = False
@@ -171,8 +171,8 @@ class GroupQueue:
                     continue
                 # A message waiting to retry holds its group's later messages, not a task
                 # (tasks go first anyway); a task waiting to retry holds everything.
-                if group in self._held and (head.kind != "task"
-                                            or self._held_kind.get(group) == "task"):
+                held = self._held.get(group)
+                if held is not None and (head.kind != "task" or held[1] == "task"):
                     continue
                 key = (0 if head.kind == "task" else 1, head.seq, group)
                 if best is None or key < best:
@@ -228,8 +228,8 @@ class GroupQueue:
                 book = self._tasks if job.kind == "task" else self._messages
                 book.setdefault(job.group, deque()).appendleft(job)
                 loop = asyncio.get_running_loop()
-                self._held[job.group] = loop.call_later(delay, self._release, job.group)
-                self._held_kind[job.group] = job.kind
+                self._held[job.group] = (loop.call_later(delay, self._release, job.group),
+                                         job.kind)
             else:
                 self._keys.discard((job.kind, job.id))
                 log.error("%s %s for %s failed after %d tries: %s", job.kind, job.id,
@@ -255,7 +255,6 @@ class GroupQueue:
 
     def _release(self, group: str) -> None:
         self._held.pop(group, None)
-        self._held_kind.pop(group, None)
         self._pump()
 
     # ----------------------------------------------------------------- shutdown
@@ -266,10 +265,9 @@ class GroupQueue:
         Returns the jobs that did not complete (queued, waiting to retry, or cancelled).
         """
         self._closing = True
-        for handle in self._held.values():
+        for handle, _kind in self._held.values():
             handle.cancel()
         self._held.clear()
-        self._held_kind.clear()
         left = self.pending()
         self._tasks.clear()
         self._messages.clear()

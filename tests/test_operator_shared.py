@@ -121,3 +121,34 @@ def test_a_channel_waiting_to_be_linked_shows_its_qr_as_svg() -> None:
     assert info["qr_svg"].startswith(head)
     svg = base64.b64decode(info["qr_svg"][len(head):]).decode()
     assert svg.startswith("<svg") and "<script" not in svg
+
+
+@pytest.mark.parametrize(("kind", "value", "status"), [
+    ("cron", "0 9 * * *", "active"), ("cron", "0 9 * * *", "paused"),
+    ("cron", "0 9 * * *", "completed"), ("interval", "3600000", "paused"),
+    ("once", "2099-01-01T09:00:00", "active"), ("once", "2099-01-01T09:00:00", "running"),
+    ("once", "2099-01-01T09:00:00", "completed"),
+])
+def test_task_buttons_are_the_changes_the_state_allows(env, kind, value, status) -> None:
+    """The operator page shows a task's buttons from `task_actions`; each one it offers is a
+    change `mdclaw tasks <action>` makes, and each one it leaves out is refused or does
+    nothing."""
+    from mdclaw.commands.tasks import TASK_ACTIONS, change_task, task_actions
+    from mdclaw.state.tasks import TaskError, get_task, insert_task, update_task_fields
+
+    _path, cfg, db = env
+    for n, action in enumerate(TASK_ACTIONS):
+        tid = f"t{n}"
+        with db.transaction() as c:
+            insert_task(c, group_folder="main", chat_jid="tg:1", prompt="p",
+                        schedule_type=kind, schedule_value=value, timezone="UTC",
+                        task_id=tid)
+            update_task_fields(c, tid, status=status)
+        t = get_task(db, tid)
+        assert t is not None
+        try:
+            before, after = change_task(cfg, db, tid, action)
+            changed = (before.status, before.next_run) != (after.status, after.next_run)
+        except TaskError:
+            changed = False
+        assert (action in task_actions(t)) == changed, (action, status, kind)

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def budget_rows(cfg: Config, db: Database, group: str | None = None) -> list[dict[str, Any]]:
     """Per configured group with a daily token budget: the tokens it used today (UTC, as
     written by the proxy, which flushes every few seconds) against the budget."""
-    from mdclaw.proxy import tokens_on_day
+    from mdclaw.proxy import over_budget, tokens_on_day
 
     day = utc_now().strftime("%Y-%m-%d")
     out = []
@@ -48,7 +48,7 @@ def budget_rows(cfg: Config, db: Database, group: str | None = None) -> list[dic
             continue
         used = tokens_on_day(db, folder, day)
         out.append({"group_folder": folder, "day": day, "tokens_today": used,
-                    "tokens_per_day": budget, "over": used >= budget})
+                    "tokens_per_day": budget, "over": over_budget(used, budget)})
     return out
 
 

@@ -182,6 +182,16 @@ TASK_ACTIONS: dict[str, tuple[Callable[..., TaskRow], str]] = {
 }
 
 
+def task_actions(t: TaskRow) -> list[str]:
+    """The TASK_ACTIONS that would change task `t` now (the others are refused or do nothing),
+    as the state functions decide them; the operator page offers a button for each. A
+    one-shot run now under way is 'running'; a cancelled or finished task is 'completed'."""
+    runnable = t.status == "active" or (t.status == "completed" and t.schedule_type == "once")
+    allowed = {"pause": t.status == "active", "resume": t.status == "paused",
+               "cancel": t.status != "completed", "run-now": runnable}
+    return [a for a in TASK_ACTIONS if allowed[a]]
+
+
 def change_task(cfg: Config, db: Database, task_id: str, action: str) -> tuple[TaskRow, TaskRow]:
     """Pause, resume, cancel or run-now (`action`, a key of TASK_ACTIONS) task `task_id`, as
     `mdclaw tasks <action>` and the operator page do; returns (before, after). Raises

@@ -24,6 +24,7 @@ from mdclaw.commands.tasks import (
     change_task,
     local_time,
     log_row,
+    task_actions,
     task_json,
     zone_for,
 )
@@ -31,7 +32,7 @@ from mdclaw.config import config_for_display, find_config_path
 from mdclaw.ipc.quarantine import list_errors, read_error_payload
 from mdclaw.outbox import outbox_counts
 from mdclaw.paths import Layout
-from mdclaw.proxy import container_model_fields, daily_usage
+from mdclaw.proxy import container_model_fields, daily_usage, over_budget
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import Refusals, list_groups, refusals
 from mdclaw.state.outbox import list_outbox
@@ -127,6 +128,7 @@ def tasks(d: Any) -> list[dict[str, Any]]:
         row["zone"] = tz
         row["next_run_local"] = local_time(t.next_run, tz)
         row["last_run_local"] = local_time(t.last_run, tz)
+        row["actions"] = task_actions(t)
         out.append(row)
     return out
 
@@ -189,9 +191,13 @@ def quarantine_delete(d: Any, name: str) -> bool:
 
 def usage(d: Any, days: int = 14) -> dict[str, Any]:
     since = since_day(days)
-    budgets = {b["group_folder"]: b["tokens_per_day"] for b in budget_rows(d.cfg, d.db)}
-    return {"since": since, "days": days, "rows": daily_usage(d.db, since_day=since),
-            "budgets": budgets, "today": budget_rows(d.cfg, d.db)}
+    today = budget_rows(d.cfg, d.db)
+    budgets = {b["group_folder"]: b["tokens_per_day"] for b in today}
+    rows = daily_usage(d.db, since_day=since)
+    for r in rows:
+        r["tokens"] = r["input_tokens"] + r["output_tokens"]
+        r["over"] = over_budget(r["tokens"], budgets.get(r["group_folder"]))
+    return {"since": since, "days": days, "rows": rows, "budgets": budgets, "today": today}
 
 
 def config(d: Any) -> dict[str, Any]:

@@ -196,7 +196,8 @@ const views = {
   async tasks(root) {
     const ts = await api("api/tasks");
     root.append(el("h2", { text: "Tasks" }));
-    const act = (t, action, label, cls) => el("button", {
+    // Which buttons a task gets is the server's rule (`actions`, mdclaw.commands.tasks).
+    const act = (t, action, label, cls) => !t.actions.includes(action) ? null : el("button", {
       class: cls || null, "data-task": t.id, "data-action": action,
       onclick: async (ev) => {
         ev.target.disabled = true;
@@ -213,10 +214,8 @@ const views = {
       { label: "last result", cell: (t) => t.last_result || "-" },
       { label: "prompt", cell: (t) => el("span", { class: "prompt", text: t.prompt }) },
       { label: "", cell: (t) => el("span", {},
-          t.status === "active" ? act(t, "pause", "Pause") : null,
-          t.status === "paused" ? act(t, "resume", "Resume") : null,
-          t.status !== "cancelled" ? act(t, "run-now", "Run now") : null,
-          t.status !== "cancelled" ? act(t, "cancel", "Cancel", "danger") : null,
+          act(t, "pause", "Pause"), act(t, "resume", "Resume"),
+          act(t, "run-now", "Run now"), act(t, "cancel", "Cancel", "danger"),
           el("button", { "data-runs": t.id, onclick: () => { state.openRuns = t.id; refresh(); } }, "History")) },
     ], ts.map((t) => Object.assign({ __attrs: { "data-task-row": t.id } }, t)), "no tasks"));
     if (state.openRuns) {
@@ -285,17 +284,17 @@ const views = {
       const byDay = {};
       for (const r of u.rows) if (r.group_folder === g) byDay[r.day] = r;
       const budget = u.budgets[g] || null;
-      const max = Math.max(1, budget || 0, ...days.map((d) => byDay[d] ? byDay[d].input_tokens + byDay[d].output_tokens : 0));
+      const max = Math.max(1, budget || 0, ...days.map((d) => byDay[d] ? byDay[d].tokens : 0));
       const W = 700, H = 180, L = 50, B = 24, bw = (W - L - 10) / days.length;
       const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "tokens per day of " + g });
       svg.append(svgEl("line", { x1: L, y1: H - B, x2: W - 5, y2: H - B, stroke: "#999" }));
       svg.append(svgEl("text", { x: 4, y: 14, "font-size": 11, fill: "#646970" }, String(max)));
       days.forEach((d, i) => {
         const r = byDay[d];
-        const tokens = r ? r.input_tokens + r.output_tokens : 0;
+        const tokens = r ? r.tokens : 0;
         const h = (H - B - 10) * tokens / max;
         const bar = svgEl("rect", { x: L + i * bw + 2, y: H - B - h, width: Math.max(1, bw - 4), height: h,
-          fill: budget && tokens >= budget ? "#d63638" : colors[gi % colors.length], "data-day": d, "data-tokens": tokens });
+          fill: r && r.over ? "#d63638" : colors[gi % colors.length], "data-day": d, "data-tokens": tokens });
         bar.append(svgEl("title", {}, `${d}: ${tokens} tokens, ${r ? r.requests : 0} request(s)`));
         svg.append(bar);
         if (i % 2 === 0 || days.length <= 7) svg.append(svgEl("text", { x: L + i * bw + bw / 2, y: H - 6, "font-size": 10, "text-anchor": "middle", fill: "#646970" }, d.slice(5)));
