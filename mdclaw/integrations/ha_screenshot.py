@@ -101,11 +101,14 @@ async def capture(url: str, token: str, *, chromium: str, width: int, height: in
     parts = urlsplit(url)
     origin = f"{parts.scheme}://{parts.netloc}"
     profile = tempfile.mkdtemp(prefix="mdclaw-ha-shot-")
-    proc = await asyncio.create_subprocess_exec(
-        chromium, *_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-        "about:blank", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    proc: asyncio.subprocess.Process | None = None
     try:
+        # Started inside the try: a binary that cannot run is a ScreenshotError too, and
+        # the profile folder is removed all the same.
+        proc = await asyncio.create_subprocess_exec(
+            chromium, *_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
+            "about:blank", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
         async with asyncio.timeout(timeout):
             return await _drive(proc, url, origin, token, width, height, zoom, wait_ms,
                                 selector)
@@ -115,10 +118,11 @@ async def capture(url: str, token: str, *, chromium: str, width: int, height: in
         raise ScreenshotError(f"Chromium failed: {type(e).__name__}: "
                               f"{str(e).replace(token, '***')[:200]}") from None
     finally:
-        if proc.returncode is None:
-            proc.kill()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(proc.wait(), 10)
+        if proc is not None:
+            if proc.returncode is None:
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 10)
         shutil.rmtree(profile, ignore_errors=True)
 
 

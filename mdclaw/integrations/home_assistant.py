@@ -26,6 +26,7 @@ Who may do what:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -684,8 +685,6 @@ async def _read_canvas(folder: Path, name: str) -> dict[str, Any] | None:
 
 
 async def _write_canvas(folder: Path, name: str, spec: dict[str, Any]) -> None:
-    import json
-
     await _write(folder, name, json.dumps(spec, indent=2, ensure_ascii=False).encode() + b"\n")
 
 
