@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import tempfile
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ipc_common import Removals, emit, make_data_dir, one_task_per_group, serve, stage
+from ipc_common import PauseResume, emit, make_data_dir, one_task_per_group, p50_p99, serve, stage
 
 FETCHERS = [f"g{i:03d}" for i in range(1, 6)]
 
@@ -66,11 +65,6 @@ class SlowServer:
         self.loop.run_forever()
 
 
-def stats(values: list[float]) -> tuple[float, float]:
-    values = sorted(values)
-    return statistics.median(values), values[max(0, int(len(values) * 0.99) - 1)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=300)
@@ -93,28 +87,11 @@ def main() -> None:
         groups = [f"g{i:03d}" for i in range(11, args.groups)]
         one_task_per_group(ipc, groups)
         server = serve(cfg)
-        renamed: dict[str, tuple[str, int]] = {}
         fetch_ids: list[tuple[str, str]] = []
-        seq = 0
         try:
-            removals = Removals([ipc / g / "tasks" for g in groups])
-            paused = dict.fromkeys(groups, False)
-
-            def sample(phase: str) -> None:
-                nonlocal seq
-                seq += 1
-                g = rng.choice(groups)
-                kind = "resume_task" if paused[g] else "pause_task"
-                paused[g] = not paused[g]
-                name = f"{seq:013d}-{phase}.json"
-                tmp_file = stage(ipc / g / "tasks" / name, {"type": kind, "taskId": f"t-{g}"})
-                renamed[name] = (phase, time.monotonic_ns())
-                tmp_file.rename(ipc / g / "tasks" / name)
-                removals.wait_for(name, timeout=10)
-                time.sleep(args.gap)
-
+            timed = PauseResume(ipc, groups, rng, args.gap)
             for _ in range(args.samples):
-                sample("idle")
+                timed.sample("idle")
             loaded = 0
             rounds = 0
             while loaded < args.samples:
@@ -135,7 +112,7 @@ def main() -> None:
                         raise SystemExit(f"only {slow.in_flight} fetches in flight")
                     time.sleep(0.005)
                 while slow.in_flight == 10 and loaded < args.samples:
-                    sample("loaded")
+                    timed.sample("loaded")
                     loaded += 1
             deadline = time.monotonic() + args.delay + 30
             results = ipc.parent / "ipc"
@@ -148,13 +125,9 @@ def main() -> None:
                      ["status"] == "success" for g, r in fetch_ids)
         finally:
             commits = server.stop()
-    by_phase: dict[str, list[float]] = {"idle": [], "loaded": []}
-    for name, (phase, t) in renamed.items():
-        if phase == "loaded" and name not in commits:
-            continue
-        by_phase[phase].append((commits[name] - t) / 1e6)
-    idle50, idle99 = stats(by_phase["idle"])
-    load50, load99 = stats(by_phase["loaded"])
+    by_phase = timed.commit_ms(commits)
+    idle50, idle99 = p50_p99(by_phase["idle"])
+    load50, load99 = p50_p99(by_phase["loaded"])
     common = {"samples": args.samples, "groups": args.groups, "fetches_in_flight": 10,
               "fetch_delay_s": args.delay, "fetches_ok": ok, "fetches": len(fetch_ids)}
     emit("action_offloop_commit_idle_p50", idle50, "ms", **common)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -124,6 +126,43 @@ class Removals:
                     return time.perf_counter()
             if time.perf_counter() > deadline:
                 raise TimeoutError(name)
+
+
+class PauseResume:
+    """The commands timed while something else runs: each sample renames a pause_task or
+    resume_task for a random group's own task (see one_task_per_group) into its tasks/,
+    waits until the file is gone, then `gap` seconds."""
+
+    def __init__(self, ipc: Path, groups: list[str], rng: random.Random, gap: float) -> None:
+        self.ipc, self.groups, self.rng, self.gap = ipc, groups, rng, gap
+        self.removals = Removals([ipc / g / "tasks" for g in groups])
+        self.paused = dict.fromkeys(groups, False)
+        self.renamed: dict[str, tuple[str, int]] = {}  # name -> (phase, rename in ns)
+
+    def sample(self, phase: str, timeout: float = 10.0) -> None:
+        g = self.rng.choice(self.groups)
+        kind = "resume_task" if self.paused[g] else "pause_task"
+        self.paused[g] = not self.paused[g]
+        name = f"{len(self.renamed) + 1:013d}-{phase}.json"
+        tasks = self.ipc / g / "tasks"
+        tmp_file = stage(tasks / name, {"type": kind, "taskId": f"t-{g}"})
+        self.renamed[name] = (phase, time.monotonic_ns())
+        tmp_file.rename(tasks / name)
+        self.removals.wait_for(name, timeout=timeout)
+        time.sleep(self.gap)
+
+    def commit_ms(self, commits: dict[str, int]) -> dict[str, list[float]]:
+        """Rename -> COMMIT in ms, by phase, of the samples `commits` (Server.stop) has."""
+        out: dict[str, list[float]] = {}
+        for name, (phase, t) in self.renamed.items():
+            if name in commits:
+                out.setdefault(phase, []).append((commits[name] - t) / 1e6)
+        return out
+
+
+def p50_p99(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return statistics.median(values), values[max(0, int(len(values) * 0.99) - 1)]
 
 
 def one_task_per_group(ipc: Path, groups: list[str]) -> None:

@@ -16,12 +16,11 @@ import argparse
 import json
 import random
 import sqlite3
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from ipc_common import Removals, emit, make_data_dir, one_task_per_group, serve, stage
+from ipc_common import PauseResume, emit, make_data_dir, one_task_per_group, p50_p99, serve, stage
 from memory_search import sentences, vocabulary
 
 SEARCHERS = [f"g{i:03d}" for i in range(1, 6)]
@@ -53,11 +52,6 @@ def fill(db_path: Path, n: int, rng: random.Random) -> None:
     conn.close()
 
 
-def stats(values: list[float]) -> tuple[float, float]:
-    values = sorted(values)
-    return statistics.median(values), values[max(0, int(len(values) * 0.99) - 1)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--messages", type=int, default=100_000)
@@ -75,12 +69,10 @@ def main() -> None:
         groups = [f"g{i:03d}" for i in range(11, args.groups)]
         one_task_per_group(ipc, groups)
         server = serve(cfg)
-        renamed: dict[str, tuple[str, int]] = {}
         searches: dict[tuple[str, str], tuple[int, int | None]] = {}
         seq = 0
         try:
-            removals = Removals([ipc / g / "tasks" for g in groups])
-            paused = dict.fromkeys(groups, False)
+            timed = PauseResume(ipc, groups, rng, args.gap)
             outstanding: dict[str, str] = {}
 
             def search_more() -> None:
@@ -104,24 +96,11 @@ def main() -> None:
                     ).rename(d / f"{rid}.json")
                     outstanding[g] = rid
 
-            def sample(phase: str) -> None:
-                nonlocal seq
-                seq += 1
-                g = rng.choice(groups)
-                kind = "resume_task" if paused[g] else "pause_task"
-                paused[g] = not paused[g]
-                name = f"{seq:013d}-{phase}.json"
-                tmp_file = stage(ipc / g / "tasks" / name, {"type": kind, "taskId": f"t-{g}"})
-                renamed[name] = (phase, time.monotonic_ns())
-                tmp_file.rename(ipc / g / "tasks" / name)
-                removals.wait_for(name, timeout=10)
-                time.sleep(args.gap)
-
             for _ in range(args.samples):
-                sample("idle")
+                timed.sample("idle")
             for _ in range(args.samples):
                 search_more()
-                sample("loaded")
+                timed.sample("loaded")
             deadline = time.monotonic() + 60
             while any(not (ipc / g / "action_results" / f"{r}.json").exists()
                       for g, r in outstanding.items()):
@@ -132,14 +111,11 @@ def main() -> None:
                      ["status"] == "success" for g, r in searches)
         finally:
             commits = server.stop()
-    by_phase: dict[str, list[float]] = {"idle": [], "loaded": []}
-    for name, (phase, t) in renamed.items():
-        if name in commits:
-            by_phase[phase].append((commits[name] - t) / 1e6)
+    by_phase = timed.commit_ms(commits)
     answered = [(end - start) / 1e6 for start, end in searches.values() if end is not None]
-    idle50, idle99 = stats(by_phase["idle"])
-    load50, load99 = stats(by_phase["loaded"])
-    s50, s99 = stats(answered)
+    idle50, idle99 = p50_p99(by_phase["idle"])
+    load50, load99 = p50_p99(by_phase["loaded"])
+    s50, s99 = p50_p99(answered)
     common = {"samples": args.samples, "messages": args.messages, "query": QUERY,
               "searches": len(searches), "searches_ok": ok}
     emit("memory_search_loop_commit_idle_p50", idle50, "ms", **common)

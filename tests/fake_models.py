@@ -191,6 +191,19 @@ class FakeOpenAI(_Server):
         self.object_arguments = object_arguments
         self.models_status = 200  # what GET /v1/models answers
 
+    def tool_results(self) -> list[str]:
+        """The tool result the model saw after each of its calls, in order."""
+        with self._lock:
+            requests = list(self.requests)
+        out = []
+        for q in requests:
+            if q.path != "/v1/chat/completions":
+                continue
+            last = q.body["messages"][-1]
+            if last.get("role") == "tool":
+                out.append(last["content"])
+        return out
+
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)

@@ -519,8 +519,8 @@ def test_the_offset_survives_a_restart(tmp_path) -> None:
             second = TelegramChannel(TOKEN, api_base=api.base, on_inbound=again.append,
                                      poll_timeout=1, db=db)
             await second.connect()
-            await wait_until(lambda: len(api.offsets) >= 1)
-            await asyncio.sleep(0.2)
+            # its first poll answered (nothing) and handled: the second poll has begun
+            await wait_until(lambda: len(api.offsets) >= 2)
             await second.disconnect()
             assert api.offsets[0] == last + 1
             assert again == []  # nothing handed over twice

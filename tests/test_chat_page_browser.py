@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,18 @@ async def close_browser(proc: asyncio.subprocess.Process) -> None:
             await proc.wait()
 
 
+@asynccontextmanager
+async def browse(url: str, user_data: Path) -> AsyncIterator[DevTools]:
+    """Chromium on `url`, driven over its page's DevTools websocket; closed on the way out."""
+    proc, ws_url = await open_page(url, user_data)
+    try:
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                ws_url, max_msg_size=0) as ws:
+            yield DevTools(ws)
+    finally:
+        await close_browser(proc)
+
+
 def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> None:
     chromium()
 
@@ -144,11 +158,8 @@ def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> 
         await ch.connect()
         worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
         await worker.start()
-        proc, ws_url = await open_page(f"{ch.url}/", tmp_path / "chromium-profile")
         try:
-            async with aiohttp.ClientSession() as http, http.ws_connect(
-                    ws_url, max_msg_size=0) as ws:
-                page = DevTools(ws)
+            async with browse(f"{ch.url}/", tmp_path / "chromium-profile") as page:
                 # the channel has a secret: the page asks for it
                 await page.wait_for("document.getElementById('auth').classList"
                                     ".contains('shown')")
@@ -186,7 +197,6 @@ def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> 
                                     ".some(e => e.textContent === 'done thinking')")
                 await page.wait_for("document.getElementById('typing').textContent === ''")
         finally:
-            await close_browser(proc)
             await worker.stop()
             await ch.disconnect()
             db.close()
@@ -296,11 +306,8 @@ def test_a_person_uploads_a_file_and_sees_the_image_the_agent_sends(tmp_path: Pa
         await ch.connect()
         worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
         await worker.start()
-        proc, ws_url = await open_page(f"{ch.url}/", tmp_path / "chromium-profile")
         try:
-            async with aiohttp.ClientSession() as http, http.ws_connect(
-                    ws_url, max_msg_size=0) as ws:
-                page = DevTools(ws)
+            async with browse(f"{ch.url}/", tmp_path / "chromium-profile") as page:
                 await page.wait_for("document.getElementById('auth').classList"
                                     ".contains('shown')")
                 await page.type_into("token", "page-token")
@@ -343,7 +350,6 @@ def test_a_person_uploads_a_file_and_sees_the_image_the_agent_sends(tmp_path: Pa
                 r, g, b = rows[cy][cx * 3:cx * 3 + 3]
                 assert r > 180 and g < 70 and b < 80, (r, g, b)  # the agent's red image
         finally:
-            await close_browser(proc)
             await worker.stop()
             await ch.disconnect()
             db.close()

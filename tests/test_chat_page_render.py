@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
-import aiohttp
-
 from mdclaw.channels.base import InboundMessage
 from mdclaw.channels.http import HttpChannel
 from mdclaw.state import Database
@@ -20,9 +18,8 @@ from mdclaw.state.groups import GroupRow, upsert_group
 from test_chat_page_browser import (
     DevTools,
     _decode_png,
+    browse,
     chromium,
-    close_browser,
-    open_page,
 )
 
 RICH = """## Shopping plan
@@ -79,11 +76,8 @@ def test_markdown_renders_unsafe_markup_stays_inert_and_newlines_arrive(tmp_path
     async def main() -> None:
         got: list[InboundMessage] = []
         db, ch = await _session(tmp_path, got)
-        proc, ws_url = await open_page(f"{ch.url}/", tmp_path / "profile")
         try:
-            async with aiohttp.ClientSession() as http, http.ws_connect(
-                    ws_url, max_msg_size=0) as ws:
-                page = DevTools(ws)
+            async with browse(f"{ch.url}/", tmp_path / "profile") as page:
                 # the viewer is in India, reading British English
                 await page.call("Emulation.setTimezoneOverride", timezoneId="Asia/Kolkata")
                 await page.call("Emulation.setLocaleOverride", locale="en-GB")
@@ -167,7 +161,6 @@ def test_markdown_renders_unsafe_markup_stays_inert_and_newlines_arrive(tmp_path
                 assert await page.js("document.getElementById('text').value") == ""
                 assert await page.js("window.__xss === undefined")
         finally:
-            await close_browser(proc)
             await ch.disconnect()
             db.close()
 
@@ -208,11 +201,8 @@ def test_layout_fits_a_phone_and_a_desktop_and_older_messages_load(tmp_path: Pat
                 ch._record("hl:main", "in", "text", content=f"question {i}", sender="me",
                            sender_name="me")
         await ch.send_message("hl:main", RICH)
-        proc, ws_url = await open_page(f"{ch.url}/", tmp_path / "profile")
         try:
-            async with aiohttp.ClientSession() as http, http.ws_connect(
-                    ws_url, max_msg_size=0) as ws:
-                page = DevTools(ws)
+            async with browse(f"{ch.url}/", tmp_path / "profile") as page:
                 await page.wait_for("document.getElementById('status').textContent === "
                                     "'connected' && document.querySelectorAll('.msg').length")
                 seqs = "[...document.querySelectorAll('.msg')].map(e => +e.dataset.seq)"
@@ -243,7 +233,6 @@ def test_layout_fits_a_phone_and_a_desktop_and_older_messages_load(tmp_path: Pat
                 lay = await _layout(page, 390, 844, True)
                 assert lay["scroll"] <= 390, lay
         finally:
-            await close_browser(proc)
             await ch.disconnect()
             db.close()
 

@@ -13,15 +13,13 @@ import signal
 from datetime import timedelta
 from pathlib import Path
 
-import aiohttp
-
 from mdclaw import schedule
 from mdclaw.proxy import record_usage
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import finish_run, insert_run
 from operator_helpers import free_port, running_daemon
-from test_chat_page_browser import DevTools, chromium, close_browser, open_page
+from test_chat_page_browser import DevTools, browse, chromium
 
 XSS_NAME = '<img src=x onerror="window.__xss=1">Family'
 XSS_PROMPT = '<script>window.__xss=2</script>Water the plants'
@@ -131,13 +129,9 @@ def test_every_view_in_chromium(tmp_path: Path, cli) -> None:
         bad = data_dir / "ipc" / "family" / "messages" / "evil.json"
         bad.write_text(json.dumps({"type": "message", "chatJid": "hl:main",
                                    "text": XSS_PAYLOAD}))
-        proc, ws_url = await open_page(f"http://127.0.0.1:{port}/operator/",
-                                       tmp_path / "chromium-profile")
         try:
-            async with aiohttp.ClientSession() as http, http.ws_connect(
-                    ws_url, max_msg_size=0) as ws:
-                page = DevTools(ws)
-
+            async with browse(f"http://127.0.0.1:{port}/operator/",
+                          tmp_path / "chromium-profile") as page:
                 # Overview: live, without a reload
                 await page.wait_for("!!document.getElementById('outbox-counts')")
                 await page.js("window.__loaded = 1")
@@ -242,7 +236,6 @@ def test_every_view_in_chromium(tmp_path: Path, cli) -> None:
                                                     ".innerText")
                 assert MODEL_KEY not in await page.js("document.documentElement.outerHTML")
         finally:
-            await close_browser(proc)
             db.close()
 
     with running_daemon(cfg_path, port) as daemon:
@@ -264,29 +257,23 @@ def test_logging_in_with_the_token_in_chromium(tmp_path: Path) -> None:
         f"channels:\n  http: {{listen: \"127.0.0.1:{port}\", secret_file: {token}}}\n")
 
     async def main() -> None:
-        proc, ws_url = await open_page(f"http://127.0.0.1:{port}/operator/",
-                                       tmp_path / "chromium-profile")
-        try:
-            async with aiohttp.ClientSession() as http, http.ws_connect(
-                    ws_url, max_msg_size=0) as ws:
-                page = DevTools(ws)
-                await page.wait_for("!document.getElementById('login').hidden")
-                await page.type_into("token", "wrong")
-                await page.click("login-button")
-                await page.wait_for("document.getElementById('login-error').textContent"
-                                    ".includes('wrong token')")
-                await page.js("document.getElementById('token').value = ''")
-                await page.type_into("token", "browser-token")
-                await page.click("login-button")
-                await page.wait_for("!!document.getElementById('outbox-counts')")
-                assert await page.js("document.cookie") == ""  # HttpOnly: not for scripts
-                await show(page, "groups", "document.body.innerText.includes('Admin')")
-                await page.click("logout")
-                await page.wait_for("!document.getElementById('login').hidden")
-                await page.js("location.reload()")
-                await page.wait_for("!document.getElementById('login').hidden")
-        finally:
-            await close_browser(proc)
+        async with browse(f"http://127.0.0.1:{port}/operator/",
+                          tmp_path / "chromium-profile") as page:
+            await page.wait_for("!document.getElementById('login').hidden")
+            await page.type_into("token", "wrong")
+            await page.click("login-button")
+            await page.wait_for("document.getElementById('login-error').textContent"
+                                ".includes('wrong token')")
+            await page.js("document.getElementById('token').value = ''")
+            await page.type_into("token", "browser-token")
+            await page.click("login-button")
+            await page.wait_for("!!document.getElementById('outbox-counts')")
+            assert await page.js("document.cookie") == ""  # HttpOnly: not for scripts
+            await show(page, "groups", "document.body.innerText.includes('Admin')")
+            await page.click("logout")
+            await page.wait_for("!document.getElementById('login').hidden")
+            await page.js("location.reload()")
+            await page.wait_for("!document.getElementById('login').hidden")
 
     with running_daemon(cfg_path, port):
         asyncio.run(main())

@@ -29,18 +29,6 @@ from fake_models import FakeOpenAI, call, say  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
-def tool_results(server: FakeOpenAI) -> list[str]:
-    """The tool result the model saw after each of its calls, in order."""
-    out = []
-    for q in server.requests:
-        if q.path != "/v1/chat/completions":
-            continue
-        last = q.body["messages"][-1]
-        if last.get("role") == "tool":
-            out.append(last["content"])
-    return out
-
-
 def test_workspace_tools_in_the_container(tmp_path, engine, real_agent_image, install_id,
                                           reap) -> None:
     server = FakeOpenAI([
@@ -101,7 +89,7 @@ def test_workspace_tools_in_the_container(tmp_path, engine, real_agent_image, in
     server.stop()
     assert res.exit_code == 0 and res.status == "success", res.stderr_tail
     assert outs[0]["result"] == "tools done"
-    results = tool_results(server)
+    results = server.tool_results()
     assert len(results) == 9, results
 
     # bash wrote the file in the group folder, as the image's user; it is on the host.

@@ -35,14 +35,6 @@ pytestmark = pytest.mark.e2e
 TOKEN = "ha-e2e-token-5b1d0c-SECRET"
 
 
-def tool_results(server: FakeOpenAI) -> list[str]:
-    out = []
-    for q in server.requests:
-        if q.path == "/v1/chat/completions" and q.body["messages"][-1].get("role") == "tool":
-            out.append(q.body["messages"][-1]["content"])
-    return out
-
-
 def test_model_turns_a_light_on(tmp_path, engine, real_agent_image, install_id, reap) -> None:
     model = FakeOpenAI([
         call("ha_set_entity", entity_id="light.kitchen", state="on"),
@@ -115,7 +107,7 @@ def test_model_turns_a_light_on(tmp_path, engine, real_agent_image, install_id, 
     # The fake Home Assistant got the call, with the token, from the host.
     assert ("light", "turn_on", {"entity_id": "light.kitchen"}) in fake.calls
     assert fake.states["light.kitchen"]["state"] == "on"
-    replies = tool_results(model)
+    replies = model.tool_results()
     assert '"service": "light.turn_on"' in replies[0], replies
     assert "service switch.turn_off is not in integrations.home_assistant.allow.services " \
            "[light.*]" in replies[1], replies

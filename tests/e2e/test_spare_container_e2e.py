@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from mdclaw.config import Config
-from mdclaw.runner import ContainerInput, ContainerRunner
+from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
 from mdclaw.runtime import install_labels
 from mdclaw.runtime.docker_engine import DockerRuntime
 
@@ -62,6 +62,19 @@ async def gone(engine: DockerRuntime, labels: dict[str, str], name: str,
         await asyncio.sleep(0.05)
 
 
+async def run_after_settings_change(runner: ContainerRunner, engine: DockerRuntime,
+                                    labels: dict[str, str], new: Config) -> ContainerResult:
+    """A run makes a spare; `new` settings come (a reload); the next run must not use the
+    spare made from the old ones, and the spare is removed."""
+    await runner.run("family", inp())
+    stale = await spare_of(runner, "family")
+    runner.cfg = new
+    res = await runner.run("family", inp())
+    assert res.status == "success" and res.name != stale, res
+    await gone(engine, labels, stale)
+    return res
+
+
 def test_the_next_run_starts_the_container_created_for_it(tmp_path, engine, plain_image,
                                                           install_id, reap) -> None:
     cfg = config(tmp_path, install_id, plain_image)
@@ -105,16 +118,10 @@ def test_a_created_container_from_other_settings_is_discarded(tmp_path, engine, 
 
     async def go() -> None:
         runner = ContainerRunner(cfg, engine)
-        await runner.run("family", inp())
-        stale = await spare_of(runner, "family")
         # A reload hands the runner a config with other limits: the container made from
         # the old settings must not run.
-        runner.cfg = cfg.model_copy(update={"limits": cfg.limits.model_copy(
-            update={"memory": "300m"})})
-        res = await runner.run("family", inp())
-        assert res.status == "success", res
-        assert res.name != stale
-        await gone(engine, labels, stale)
+        await run_after_settings_change(runner, engine, labels, cfg.model_copy(update={
+            "limits": cfg.limits.model_copy(update={"memory": "300m"})}))
         info = await spare_of(runner, "family")
         created = next(c for c in await asyncio.to_thread(engine.list, labels)
                        if c.name == info)
@@ -136,8 +143,10 @@ def test_keep_created_off_creates_nothing_ahead(tmp_path, engine, plain_image, i
         runner = ContainerRunner(cfg, engine)
         res = await runner.run("family", inp())
         assert res.status == "success", res
+        # Checked before aclose(), which drops every spare: a run that keeps one registers
+        # it before it returns (its creation goes on in the background).
+        assert "family" not in runner._spares
         await runner.aclose()
-        assert runner.spare("family") is None
 
     asyncio.run(go())
     assert engine.list(labels) == []
@@ -151,14 +160,11 @@ def test_keep_created_turned_off_by_a_reload_discards_the_spare(tmp_path, engine
 
     async def go() -> None:
         runner = ContainerRunner(cfg, engine)
-        await runner.run("family", inp())
-        spare = await spare_of(runner, "family")
-        runner.cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(
-            update={"keep_created": False})})
-        res = await runner.run("family", inp())
-        assert res.status == "success" and res.name != spare, res
-        await gone(engine, labels, spare)
-        assert runner.spare("family") is None  # and none is made for the next run
+        await run_after_settings_change(runner, engine, labels, cfg.model_copy(update={
+            "runtime": cfg.runtime.model_copy(update={"keep_created": False})}))
+        # and none is made for the next run: a run that keeps one registers it before it
+        # returns (its creation goes on in the background)
+        assert "family" not in runner._spares
         await runner.aclose()
 
     asyncio.run(go())

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -55,14 +52,6 @@ CONVERSATIONS = [
     ("What time is football practice?", "Practice starts at five on Thursday."),
     ("Can you add milk to the list?", "Milk is on the shopping list."),
 ]
-
-
-def tool_results(server: FakeOpenAI) -> list[str]:
-    out = []
-    for q in server.requests:
-        if q.path == "/v1/chat/completions" and q.body["messages"][-1].get("role") == "tool":
-            out.append(q.body["messages"][-1]["content"])
-    return out
 
 
 def store_conversations(db: Database) -> None:
@@ -156,7 +145,7 @@ def test_web_fetch_and_memory_search_in_the_container(tmp_path, engine, real_age
         model.stop()
     assert res.exit_code == 0 and res.status == "success", res.stderr_tail
     assert outs[0]["result"] == "fetched and remembered"
-    replies = tool_results(model)
+    replies = model.tool_results()
     assert len(replies) == 5, replies
     fetched, loopback, ten, lan, remembered = replies
     # The allowed page: its text, title, status and type; no script text.
@@ -184,6 +173,7 @@ def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, inst
     (the daemon stores the messages and the replies), then the model searches them and
     fetches pages; the daemon's IPC loop and action worker answer."""
     from test_daemon_e2e import free_port, http, replies, wait_for
+    from test_failures_e2e import Daemon, healthy
 
     from mdclaw.runtime import install_labels
 
@@ -236,11 +226,7 @@ def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, inst
         channels: {{http: {{listen: "127.0.0.1:{port}"}}}}
         """))
     reap(install_labels(load_config(cfg_path)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
-    env["PYTHONPATH"] = str(REPO)
-    log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg_path)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    daemon = Daemon(cfg_path, tmp_path / "daemon.log")
 
     def said(text: str) -> str:
         """Post `text` to the main group; return the agent's next new reply."""
@@ -250,7 +236,7 @@ def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, inst
         return got[0]
 
     try:
-        wait_for(lambda: _up(base, http), 60, "the HTTP channel")
+        wait_for(lambda: healthy(base), 60, "the HTTP channel")
         for question, _ in CONVERSATIONS:
             said(question)
         found = said("do you remember where the kite was?")
@@ -263,20 +249,8 @@ def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, inst
         assert "refused 127.0.0.1: 127.0.0.1 is a loopback address" in refused, refused
         assert page_hits == ["/allotment"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(45)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+        daemon.stop()
         model.stop()
         asyncio.run_coroutine_threadsafe(site.close(), site_loop).result(10)
         site_loop.call_soon_threadsafe(site_loop.stop)
 
-
-def _up(base: str, http) -> bool:  # noqa: ANN001
-    try:
-        return http("GET", f"{base}/health", timeout=2)["status"] == "ok"
-    except OSError:
-        return False
