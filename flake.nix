@@ -238,6 +238,7 @@
               # Nix inside the Nix build sandbox: not available there. CI runs them.
               "tests/test_nix_parse.py"
               "tests/test_nix_module.py"
+              "tests/test_nix_module_strict.py"
               "tests/test_nix_flake.py"
             ];
             preCheck = ''
