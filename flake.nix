@@ -122,84 +122,84 @@
             ps: [ final.mdclaw-agent-runner ] ++ imagePythonPackages withClaude ps
           );
           inImage = imageNames withClaude final.python3Packages;
-        extraPrograms = lib.concatLists (
-          lib.mapAttrsToList (name: programs: lib.optionals (builtins.elem name inImage) programs) (
-            imageExtraPrograms final
-          )
-        );
-        etc = final.runCommand "mdclaw-agent-etc" { } ''
-          mkdir -p $out/etc
-          cat > $out/etc/passwd <<'EOF'
-          root:x:0:0:root:/root:/bin/sh
-          node:x:1000:1000:agent:/home/node:/bin/sh
-          nobody:x:65534:65534:nobody:/var/empty:/bin/false
-          EOF
-          cat > $out/etc/group <<'EOF'
-          root:x:0:
-          node:x:1000:
-          nobody:x:65534:
-          EOF
-          echo 'hosts: files dns' > $out/etc/nsswitch.conf
-        '';
-      in
-      (final.dockerTools.buildLayeredImage {
-        name = "mdclaw-agent";
-        # No tag: the tag is derived from the image's content, so every change is a new
-        # reference and the NixOS module switches agents to it (settings.runtime.image).
-        created = "1970-01-01T00:00:01Z";
-        contents = [
-          python
-          etc
-          final.cacert
-          final.tzdata
-          final.bashInteractive
-          final.coreutils
-        ]
-        ++ extraPrograms;
-        extraCommands = ''
-          mkdir -p tmp workspace/group workspace/ipc workspace/global workspace/extra
-          chmod 1777 tmp
-        '';
-        fakeRootCommands = ''
-          mkdir -p home/node/.claude
-          chown -R 1000:1000 home/node
-        '';
-        config = {
-          User = "1000:1000";
-          WorkingDirectory = "/workspace/group";
-          # As container/Dockerfile: a command given at run time becomes the runner's arguments.
-          Entrypoint = [
-            "/bin/python3"
-            "-m"
-            "mdclaw_agent"
-          ];
-          Env = [
-            "PATH=/bin"
-            "HOME=/home/node"
-            "LANG=C.UTF-8"
-            "PYTHONUNBUFFERED=1"
-            "PYTHONDONTWRITEBYTECODE=1"
-            "SSL_CERT_FILE=/etc/ssl/certs/ca-bundle.crt"
-            "TZDIR=/share/zoneinfo"
-            "PYTHONTZPATH=/share/zoneinfo"
-          ];
-          Labels = {
-            "org.opencontainers.image.title" = "mdclaw-agent";
-            "org.opencontainers.image.description" = "mdclaw's in-container agent runner";
-            # The backends in the image: the host checks it before a run and in `doctor`.
-            "mdclaw.backends" =
-              if builtins.elem "claude-agent-sdk" inImage then "openai,claude" else "openai";
+          # The backends in the image: the host checks its label before a run and in `doctor`.
+          backends = [ "openai" ] ++ lib.optional (builtins.elem "claude-agent-sdk" inImage) "claude";
+          extraPrograms = lib.concatLists (
+            lib.mapAttrsToList (name: programs: lib.optionals (builtins.elem name inImage) programs) (
+              imageExtraPrograms final
+            )
+          );
+          etc = final.runCommand "mdclaw-agent-etc" { } ''
+            mkdir -p $out/etc
+            cat > $out/etc/passwd <<'EOF'
+            root:x:0:0:root:/root:/bin/sh
+            node:x:1000:1000:agent:/home/node:/bin/sh
+            nobody:x:65534:65534:nobody:/var/empty:/bin/false
+            EOF
+            cat > $out/etc/group <<'EOF'
+            root:x:0:
+            node:x:1000:
+            nobody:x:65534:
+            EOF
+            echo 'hosts: files dns' > $out/etc/nsswitch.conf
+          '';
+        in
+        (final.dockerTools.buildLayeredImage {
+          name = "mdclaw-agent";
+          # No tag: the tag is derived from the image's content, so every change is a new
+          # reference and the NixOS module switches agents to it (settings.runtime.image).
+          created = "1970-01-01T00:00:01Z";
+          contents = [
+            python
+            etc
+            final.cacert
+            final.tzdata
+            final.bashInteractive
+            final.coreutils
+          ]
+          ++ extraPrograms;
+          extraCommands = ''
+            mkdir -p tmp workspace/group workspace/ipc workspace/global workspace/extra
+            chmod 1777 tmp
+          '';
+          fakeRootCommands = ''
+            mkdir -p home/node/.claude
+            chown -R 1000:1000 home/node
+          '';
+          config = {
+            User = "1000:1000";
+            WorkingDirectory = "/workspace/group";
+            # As container/Dockerfile: a command given at run time becomes the runner's arguments.
+            Entrypoint = [
+              "/bin/python3"
+              "-m"
+              "mdclaw_agent"
+            ];
+            Env = [
+              "PATH=/bin"
+              "HOME=/home/node"
+              "LANG=C.UTF-8"
+              "PYTHONUNBUFFERED=1"
+              "PYTHONDONTWRITEBYTECODE=1"
+              "SSL_CERT_FILE=/etc/ssl/certs/ca-bundle.crt"
+              "TZDIR=/share/zoneinfo"
+              "PYTHONTZPATH=/share/zoneinfo"
+            ];
+            Labels = {
+              "org.opencontainers.image.title" = "mdclaw-agent";
+              "org.opencontainers.image.description" = "mdclaw's in-container agent runner";
+              "mdclaw.backends" = lib.concatStringsSep "," backends;
+            };
           };
+        })
+        // {
+          # Read by the NixOS module's assertions (nothing here forces the image's build).
+          mdclawBackends = backends;
+          mdclawClaudeCodeAllowed =
+            !withClaude
+            || (final.config.allowUnfree or false)
+            || (final.config.allowUnfreePredicate or (_: false)) final.claude-code;
         };
-      })
-      // {
-        # Read by the NixOS module's assertions (nothing here forces the image's build).
-        mdclawBackends = if builtins.elem "claude-agent-sdk" inImage then [ "openai" "claude" ] else [ "openai" ];
-        mdclawClaudeCodeAllowed =
-          !withClaude
-          || (final.config.allowUnfree or false)
-          || (final.config.allowUnfreePredicate or (_: false)) final.claude-code;
-      };
     in
     {
       lib = {
@@ -238,6 +238,7 @@
               # Nix inside the Nix build sandbox: not available there. CI runs them.
               "tests/test_nix_parse.py"
               "tests/test_nix_module.py"
+              "tests/test_nix_module_strict.py"
               "tests/test_nix_flake.py"
             ];
             preCheck = ''
