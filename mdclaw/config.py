@@ -1035,6 +1035,15 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 f"{str(ha.dashboards_dir)!r} {why}: the dashboards folder is the host's "
                 "alone; put it outside data_dir's groups/, ipc/, sessions/ and every "
                 "group mount", ("groups",))
+    wa = cfg.channels.whatsapp
+    if wa is not None and wa.session_file is not None:
+        # The session file holds the linked device's keys: never where an agent can reach.
+        why = _container_tree_overlap(cfg, cfg.whatsapp_session_path)
+        if why:
+            add(("channels", "whatsapp", "session_file"),
+                f"{str(wa.session_file)!r} {why}: the WhatsApp session holds the linked "
+                "device's keys; keep it outside data_dir's groups/, ipc/, sessions/ and every "
+                "group mount (the default is data_dir/whatsapp/session.sqlite3)", ("groups",))
     return problems, requires
 
 

@@ -243,3 +243,22 @@ def test_relative_data_dir_is_relative_to_the_config_file(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert load_config(p).data_dir == sub / "state"
     assert load_config(REPO / "config.example.yaml").data_dir == REPO / "data"
+
+
+@pytest.mark.parametrize("session", ["groups/main/wa.sqlite3", "ipc/main/s.db",
+                                     "{data_dir}/sessions/main/s.db"])
+def test_whatsapp_session_file_never_in_a_container_tree(write_config, session) -> None:
+    """The session file holds the linked device's keys: a path in a folder an agent can
+    reach (relative to data_dir or absolute) is refused at its key; the default is fine."""
+    base = """\
+        data_dir: {data_dir}
+        groups:
+          main: {name: Main, jid: "hl:main", main: true}
+        channels:
+          whatsapp: {enabled: true%s}
+    """
+    errs = errors_of(write_config(base % f", session_file: {session!r}"))
+    assert len(errs) == 1 and "channels.whatsapp.session_file" in errs[0], errs
+    assert "linked device's keys" in errs[0]
+    cfg = load_config(write_config(base % ", session_file: whatsapp/keys.sqlite3"))
+    assert cfg.whatsapp_session_path == cfg.data_dir / "whatsapp" / "keys.sqlite3"
