@@ -301,7 +301,6 @@ class WhatsAppChannel(Channel):
     def from_config(cls, section: Any, session_path: Path, *,
                     on_inbound: InboundCallback | None = None, trigger: str | None = None,
                     db: Database | None = None) -> WhatsAppChannel:
-        _neonize()  # fail now, with the fix, when neonize is missing
         return cls(session_path, on_inbound=on_inbound, trigger=trigger, db=db,
                    send_interval=section.send_interval)
 
@@ -311,6 +310,9 @@ class WhatsAppChannel(Channel):
         unpaired, until a phone scans the code); sends wait in the outbox meanwhile."""
         if self._runner is not None:
             return
+        # Without neonize the channel does not start (ChannelError with the fix): the
+        # daemon logs it and runs its other channels; `mdclaw doctor` says the same.
+        _neonize()
         try:
             await asyncio.to_thread(prepare_session, self.session_path)
         except OSError as e:
