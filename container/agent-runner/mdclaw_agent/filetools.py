@@ -138,18 +138,23 @@ def _read_file(ctx: ToolContext, a: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- write/edit
 
 
-def _write_file(ctx: ToolContext, a: dict[str, Any]) -> str:
-    t = _resolve(ctx, "write_file", a["path"], write=True)
-    data = a.get("content", "").encode("utf-8")
+def _save(tool: str, t: Target, data: bytes, what: str) -> None:
+    """Write `data` to `t` atomically, at most WRITE_CAP bytes (`what` names the data in the
+    refusal: "the content is", "the result would be")."""
     if len(data) > WRITE_CAP:
-        raise ToolError(f"write_file: the content is {len(data)} bytes; the limit is "
-                        f"{WRITE_CAP} bytes")
+        raise ToolError(f"{tool}: {what} {len(data)} bytes; the limit is {WRITE_CAP} bytes")
     try:
         atomic_write(t, data)
     except PathRefused as e:
-        raise ToolError(f"write_file: {e}") from None
+        raise ToolError(f"{tool}: {e}") from None
     except OSError as e:
-        raise _os_error("write_file", t, e) from None
+        raise _os_error(tool, t, e) from None
+
+
+def _write_file(ctx: ToolContext, a: dict[str, Any]) -> str:
+    t = _resolve(ctx, "write_file", a["path"], write=True)
+    data = a.get("content", "").encode("utf-8")
+    _save("write_file", t, data, "the content is")
     return f"Wrote {len(data)} bytes to {t.shown}."
 
 
@@ -182,16 +187,7 @@ def _edit_file(ctx: ToolContext, a: dict[str, Any]) -> str:
         raise ToolError(f"edit_file: old_string occurs {count} times in {t.shown}; give "
                         "more surrounding text so it is unique, or set replace_all")
     out = text.replace(old, new) if a.get("replace_all") else text.replace(old, new, 1)
-    encoded = out.encode("utf-8")
-    if len(encoded) > WRITE_CAP:
-        raise ToolError(f"edit_file: the result would be {len(encoded)} bytes; the limit "
-                        f"is {WRITE_CAP} bytes")
-    try:
-        atomic_write(t, encoded)
-    except PathRefused as e:
-        raise ToolError(f"edit_file: {e}") from None
-    except OSError as e:
-        raise _os_error("edit_file", t, e) from None
+    _save("edit_file", t, out.encode("utf-8"), "the result would be")
     n = count if a.get("replace_all") else 1
     return f"Replaced {n} occurrence(s) in {t.shown}."
 
