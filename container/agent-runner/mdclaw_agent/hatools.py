@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mdclaw_agent.toolbase import Tool, ToolContext, ToolError
+from mdclaw_agent.toolbase import Tool, ToolContext, action_result, request_action
 from mdclaw_agent.toolbase import schema as _schema
 from mdclaw_agent.toolbase import string as _s
 
@@ -29,13 +29,9 @@ _BOOL = {"type": "boolean"}
 
 def _ask(name: str) -> Any:
     def handler(ctx: ToolContext, args: dict[str, Any]) -> str:
-        from mdclaw_agent.tools import request_action  # (tools imports this module)
-
         env = request_action(ctx, {"action": name, "params": args},
                              timeout=max(ctx.web_timeout, HA_TIMEOUT))
-        if env.get("status") != "success":
-            raise ToolError(f"{name} failed: {env.get('error') or 'no reason given'}")
-        text = json.dumps(env.get("result"), ensure_ascii=False, indent=1)
+        text = json.dumps(action_result(env, name), ensure_ascii=False, indent=1)
         if len(text) > MAX_REPLY:
             text = text[:MAX_REPLY] + "\n[cut: the result is longer]"
         return text

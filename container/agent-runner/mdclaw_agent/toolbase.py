@@ -1,16 +1,22 @@
-"""What every tool is built from: the Tool record, the context it runs in, its error.
+"""What every tool is built from: the Tool record, the context it runs in, its error, and
+the one way to write a command or ask the host for an action and wait for its answer.
 
 Kept apart from the registry (tools.py) so the modules that hold groups of handlers
-(filetools, shell) can use them too.
+(filetools, shell, hatools) can use them too.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mdclaw_agent import commands
+from mdclaw_agent.ipc import read_json_file, write_json_atomic
 from mdclaw_agent.schema_check import errors
 
 
@@ -69,3 +75,61 @@ def schema(required: list[str], **props: dict[str, Any]) -> dict[str, Any]:
 
 def string(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
+
+
+# --------------------------------------------------------------------------- host requests
+
+
+def write_command(ctx: ToolContext, subdir: str, body: dict[str, Any]) -> Path:
+    """Write one canonical command into `ipc/<subdir>/`; raises ToolError if it cannot, or if
+    the host's schema refuses the body (then nothing is written)."""
+    problems = commands.problems(body)
+    if problems:
+        raise ToolError(f"{body.get('type')}: {'; '.join(problems)}")
+    try:
+        return write_json_atomic(ctx.ipc_dir / subdir, body)
+    except OSError as e:
+        raise ToolError(f"could not write the {body.get('type')} request: {e.strerror}") from None
+
+
+def request_action(ctx: ToolContext, body: dict[str, Any],
+                   timeout: float | None = None) -> dict[str, Any]:
+    """Write an action request and wait for `action_results/<requestId>.json`.
+
+    Returns the result envelope; raises ToolError on timeout. The result file is removed
+    once read.
+    """
+    request_id = f"req-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
+    results = ctx.ipc_dir / "action_results"
+    write_command(ctx, "actions", {"type": "action", "request_id": request_id, **body})
+    path = results / f"{request_id}.json"
+    wait = ctx.action_timeout if timeout is None else timeout
+    deadline = time.monotonic() + wait
+    delay = 0.01
+    while True:
+        try:
+            envelope = read_json_file(path, limit=16 * 1024 * 1024)
+        except FileNotFoundError:
+            envelope = None
+        except (OSError, ValueError) as e:
+            raise ToolError(f"the host's answer to {request_id} is unreadable: {e}") from None
+        if envelope is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            if not isinstance(envelope, dict):
+                raise ToolError(f"the host's answer to {request_id} is not an object")
+            return envelope
+        if time.monotonic() >= deadline:
+            raise ToolError(f"no answer from the host to {body.get('action')} within "
+                            f"{wait:g} s (request {request_id})")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def action_result(envelope: dict[str, Any], what: str) -> Any:
+    """The result of a host's answer envelope; ToolError naming `what` if it failed."""
+    if envelope.get("status") != "success":
+        raise ToolError(f"{what} failed: {envelope.get('error') or 'no reason given'}")
+    return envelope.get("result")

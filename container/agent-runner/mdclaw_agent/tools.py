@@ -18,7 +18,6 @@ against the host's schema before it is written.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -29,9 +28,16 @@ from mdclaw_agent import commands
 from mdclaw_agent.commands import MAX_FILE_BYTES
 from mdclaw_agent.filetools import FILE_TOOLS
 from mdclaw_agent.hatools import HA_TOOLS
-from mdclaw_agent.ipc import read_json_file, write_json_atomic
+from mdclaw_agent.ipc import read_json_file
 from mdclaw_agent.shell import BASH_TOOL
-from mdclaw_agent.toolbase import Tool, ToolContext, ToolError
+from mdclaw_agent.toolbase import (
+    Tool,
+    ToolContext,
+    ToolError,
+    action_result,
+    request_action,
+    write_command,
+)
 from mdclaw_agent.toolbase import schema as _schema
 from mdclaw_agent.toolbase import string as _s
 
@@ -56,18 +62,6 @@ def _body(ctype: str, args: dict[str, Any], **values: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- writers
-
-
-def write_command(ctx: ToolContext, subdir: str, body: dict[str, Any]) -> Path:
-    """Write one canonical command into `ipc/<subdir>/`; raises ToolError if it cannot, or if
-    the host's schema refuses the body (then nothing is written)."""
-    problems = commands.problems(body)
-    if problems:
-        raise ToolError(f"{body.get('type')}: {'; '.join(problems)}")
-    try:
-        return write_json_atomic(ctx.ipc_dir / subdir, body)
-    except OSError as e:
-        raise ToolError(f"could not write the {body.get('type')} request: {e.strerror}") from None
 
 
 def _send_message(ctx: ToolContext, a: dict[str, Any]) -> str:
@@ -208,53 +202,11 @@ def _refresh_groups(ctx: ToolContext, a: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- actions
 
 
-def request_action(ctx: ToolContext, body: dict[str, Any],
-                   timeout: float | None = None) -> dict[str, Any]:
-    """Write an action request and wait for `action_results/<requestId>.json`.
-
-    Returns the result envelope; raises ToolError on timeout. The result file is removed
-    once read.
-    """
-    request_id = f"req-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
-    results = ctx.ipc_dir / "action_results"
-    write_command(ctx, "actions", {"type": "action", "request_id": request_id, **body})
-    path = results / f"{request_id}.json"
-    wait = ctx.action_timeout if timeout is None else timeout
-    deadline = time.monotonic() + wait
-    delay = 0.01
-    while True:
-        try:
-            envelope = read_json_file(path, limit=16 * 1024 * 1024)
-        except FileNotFoundError:
-            envelope = None
-        except (OSError, ValueError) as e:
-            raise ToolError(f"the host's answer to {request_id} is unreadable: {e}") from None
-        if envelope is not None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            if not isinstance(envelope, dict):
-                raise ToolError(f"the host's answer to {request_id} is not an object")
-            return envelope
-        if time.monotonic() >= deadline:
-            raise ToolError(f"no answer from the host to {body.get('action')} within "
-                            f"{wait:g} s (request {request_id})")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)
-
-
-def _action_reply(envelope: dict[str, Any], what: str) -> Any:
-    if envelope.get("status") != "success":
-        raise ToolError(f"{what} failed: {envelope.get('error') or 'no reason given'}")
-    return envelope.get("result")
-
-
 def _memory_search(ctx: ToolContext, a: dict[str, Any]) -> str:
     params = {"query": a["query"], "topK": a.get("top_k", 5)}
     if a.get("sources"):
         params["sources"] = a["sources"]
-    result = _action_reply(request_action(ctx, {"action": "memory_search", "params": params}),
+    result = action_result(request_action(ctx, {"action": "memory_search", "params": params}),
                            "memory_search")
     hits = result.get("hits") if isinstance(result, dict) else result
     if not hits:
@@ -276,7 +228,7 @@ def _memory_search(ctx: ToolContext, a: dict[str, Any]) -> str:
 
 
 def _memory_get(ctx: ToolContext, a: dict[str, Any]) -> str:
-    result = _action_reply(
+    result = action_result(
         request_action(ctx, {"action": "memory_get", "params": {"path": a["path"]}}),
         "memory_get")
     if isinstance(result, dict):
@@ -290,7 +242,7 @@ def _web_fetch(ctx: ToolContext, a: dict[str, Any]) -> str:
     params: dict[str, Any] = {"url": a["url"]}
     if "max_chars" in a:
         params["max_chars"] = a["max_chars"]
-    result = _action_reply(request_action(ctx, {"action": "web_fetch", "params": params},
+    result = action_result(request_action(ctx, {"action": "web_fetch", "params": params},
                                           timeout=ctx.web_timeout), "web_fetch")
     if not isinstance(result, dict):
         return json.dumps(result, ensure_ascii=False)
@@ -316,7 +268,7 @@ def _web_search(ctx: ToolContext, a: dict[str, Any]) -> str:
     params: dict[str, Any] = {"query": a["query"]}
     if "count" in a:
         params["count"] = a["count"]
-    result = _action_reply(request_action(ctx, {"action": "web_search", "params": params},
+    result = action_result(request_action(ctx, {"action": "web_search", "params": params},
                                           timeout=ctx.web_timeout), "web_search")
     hits = result.get("results") if isinstance(result, dict) else result
     if not hits:
