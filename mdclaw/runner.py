@@ -727,6 +727,8 @@ class ContainerRunner:
             if self._spares.get(folder) is spare:
                 del self._spares[folder]
             return
+        if spare.claimed:
+            return  # a run took it while it was being created: that run starts it
         if self._closing or self._spares.get(folder) is not spare:
             self._discard(spare)
             return
@@ -749,6 +751,7 @@ class ContainerRunner:
         spare = self._spares.pop(folder, None)
         if spare is None:
             return None
+        spare.claimed = True  # from here on this run starts or removes it, nobody else
         if spare.expiry is not None:
             spare.expiry.cancel()
         assert spare.task is not None
@@ -936,6 +939,7 @@ class _Spare:
         self.name = ""
         self.id: str | None = None  # set once the engine created it
         self.expiry: asyncio.TimerHandle | None = None
+        self.claimed = False  # a run took it (maybe while it was still being created)
 
 
 def _spec_key(spec: RunSpec) -> str:

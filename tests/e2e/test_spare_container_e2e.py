@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,63 @@ def test_the_next_run_starts_the_container_created_for_it(tmp_path, engine, plai
 
     asyncio.run(go())
     assert engine.list(labels) == []
+
+
+class _SlowCreate:
+    """The real engine, but the creation of a container ahead of time (the only caller of
+    `create` outside the engine's own `start`) waits for `gate`."""
+
+    def __init__(self, engine: DockerRuntime) -> None:
+        self.engine = engine
+        self.gate = threading.Event()
+        self.creating: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def create(self, spec: Any) -> str:
+        self.creating.append(spec.name)
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.engine.create(spec)
+
+
+def test_a_run_that_comes_while_its_container_is_being_created_starts_that_one(
+        tmp_path, engine, plain_image, install_id, reap, caplog) -> None:
+    """A message right after a turn: the next run claims the container while the engine is
+    still creating it. The run must wait for it and start it; the creation must not remove
+    what the run is starting (it did: the run was killed with 137, lost its output, or fell
+    back to a new container)."""
+    cfg = config(tmp_path, install_id, plain_image)
+    labels = install_labels(cfg)
+    reap(labels)
+    slow = _SlowCreate(engine)
+    caplog.set_level(logging.INFO, logger="mdclaw.runner")
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, slow)  # type: ignore[arg-type]
+        first = await runner.run("family", inp("one"))
+        assert first.status == "success", first
+        deadline = time.monotonic() + 60
+        while not slow.creating:  # the spare's creation is under way, held at the gate
+            assert time.monotonic() < deadline, "no container was being created ahead"
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(runner.run("family", inp("a longer prompt")))
+        while "family" in runner._spares:  # noqa: SLF001 - wait for the claim itself
+            assert time.monotonic() < deadline and not second.done(), "no claim"
+            await asyncio.sleep(0.01)
+        slow.gate.set()
+        res = await asyncio.wait_for(second, 60)
+        assert res.status == "success" and res.exit_code == 0, res
+        assert res.name == slow.creating[0]  # the container created for it ran this turn
+        assert json.loads(res.output)["stdin_len"] == len(inp("a longer prompt").to_json())
+        await runner.aclose()
+
+    asyncio.run(go())
+    assert "did not start" not in caplog.text and "removing" not in caplog.text, caplog.text
+    deadline = time.monotonic() + 60
+    while engine.list(labels):
+        assert time.monotonic() < deadline, engine.list(labels)
+        time.sleep(0.05)
 
 
 def test_a_created_container_from_other_settings_is_discarded(tmp_path, engine, plain_image,
