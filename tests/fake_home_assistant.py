@@ -71,6 +71,9 @@ class FakeHomeAssistant:
     states: dict[str, dict[str, Any]] = field(default_factory=dict)
     calls: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
     requests: list[tuple[str, str, int]] = field(default_factory=list)
+    # The client end (address, port) of each TCP connection a request came on: one entry per
+    # connection the client opened.
+    connections: set[tuple[str, int]] = field(default_factory=set)
     check_result: str = "valid"
     restarts: int = 0
 
@@ -81,6 +84,9 @@ class FakeHomeAssistant:
     def app(self) -> web.Application:
         @web.middleware
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            if peer is not None:
+                self.connections.add((str(peer[0]), int(peer[1])))
             if request.path.startswith("/api/"):
                 ok = request.headers.get("Authorization") == f"Bearer {self.token}"
                 if not ok:

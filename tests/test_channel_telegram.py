@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import socket
+import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -820,5 +823,103 @@ def test_a_slow_download_holds_up_neither_the_bot_nor_other_chats_and_keeps_orde
 
     try:
         asyncio.run(main())
+    finally:
+        db.close()
+
+
+def _stored_offset(path: Path) -> str | None:
+    """The saved getUpdates offset, read through a connection of its own."""
+    conn = sqlite3.connect(path)
+    try:
+        row = conn.execute("SELECT value FROM router_state WHERE key = ?",
+                           (f"telegram_offset:{TOKEN.split(':', 1)[0]}",)).fetchone()
+    finally:
+        conn.close()
+    return row[0] if row else None
+
+
+def test_the_offset_is_written_off_the_event_loop_and_kept_across_restart(tmp_path) -> None:
+    """Another process holds the database's write lock while a batch is handed over: the
+    offset write waits for it on a thread, and the event loop keeps answering meanwhile
+    (pinged from another thread). A disconnect while that write still waits keeps the
+    newest offset, and a restart asks for what came after it."""
+    path = tmp_path / "state.db"
+    db = Database(path, timeout=30)
+
+    async def main() -> None:
+        api = FakeBotApi()
+        await api.start()
+        loop = asyncio.get_running_loop()
+        delivered = threading.Event()
+        got: list[InboundMessage] = []
+
+        def on_inbound(m: InboundMessage) -> None:
+            got.append(m)
+            delivered.set()
+
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        answered: list[bool] = []
+
+        def watch() -> None:
+            """Once the batch is handed over (the write is next), ping the loop while the
+            lock is held; then let the write through."""
+            try:
+                assert delivered.wait(10)
+                for _ in range(3):
+                    fut = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)
+                    try:
+                        fut.result(timeout=2)
+                        answered.append(True)
+                    except concurrent.futures.TimeoutError:
+                        answered.append(False)
+            finally:
+                blocker.execute("ROLLBACK")
+
+        try:
+            ch = TelegramChannel(TOKEN, api_base=api.base, on_inbound=on_inbound,
+                                 poll_timeout=1, db=db)
+            await ch.connect()
+            blocker.execute("BEGIN IMMEDIATE")
+            watcher = asyncio.create_task(asyncio.to_thread(watch))
+            for n in range(3):
+                api.push({"message_id": n + 1, "date": 1_767_225_600,
+                          "chat": {"id": 5, "type": "private"},
+                          "from": {"id": 42, "first_name": "A"}, "text": f"m{n}"})
+            await wait_until(lambda: len(got) == 3)
+            stopping = asyncio.create_task(ch.disconnect())  # while the write waits
+            await watcher
+            await stopping
+            assert answered == [True, True, True]  # the loop never waited on the write
+            last = max(u["update_id"] for u in api.updates)
+            assert _stored_offset(path) == str(last + 1)
+
+            api.offsets.clear()
+            again: list[InboundMessage] = []
+            second = TelegramChannel(TOKEN, api_base=api.base, on_inbound=again.append,
+                                     poll_timeout=1, db=db)
+            await second.connect()
+            await wait_until(lambda: len(api.offsets) >= 2)
+            await second.disconnect()
+            assert api.offsets[0] == last + 1 and again == []
+        finally:
+            blocker.close()
+            await api.stop()
+
+    asyncio.run(main())
+    db.close()
+
+
+def test_an_older_offset_never_overwrites_a_newer_one(tmp_path) -> None:
+    """Offset writes carry the order the loop asked for them in: one that comes to the
+    database after a later one was stored is dropped."""
+    path = tmp_path / "state.db"
+    db = Database(path)
+    ch = TelegramChannel(TOKEN, api_base="http://127.0.0.1:9", db=db)
+    try:
+        ch._write_offset(2, 600)
+        ch._write_offset(1, 500)  # asked for first, reaching the database last
+        assert _stored_offset(path) == "600"
+        ch._write_offset(3, 700)
+        assert _stored_offset(path) == "700"
     finally:
         db.close()

@@ -17,10 +17,15 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from fake_home_assistant import FakeHomeAssistant
+from fake_home_assistant import FakeHomeAssistant, state
 from ipc_helpers import Env
 from mdclaw.integrations import load_all
-from mdclaw.integrations.home_assistant import ACTION_NAMES, HAClient, probe
+from mdclaw.integrations.home_assistant import (
+    ACTION_NAMES,
+    CONNECTIONS,
+    HAClient,
+    probe,
+)
 from mdclaw.ipc.actions import ACTIONS, action_refusal
 from test_action_worker import Running, request, result, until
 
@@ -173,6 +178,28 @@ def test_status_call_set_and_refusals(tmp_path: Path,
     run(go())
 
 
+def test_one_action_uses_one_connection_for_all_its_calls(tmp_path: Path) -> None:
+    """ha_get_status with 200 entityIds makes 202 calls (/api/, /api/config, one state each):
+    they share one kept-alive connection, counted by the fake server from the client ports
+    its requests arrived on; the next action opens its own."""
+    async def go() -> None:
+        async with harness(tmp_path) as h:
+            ids = [f"light.bulb_{n:03d}" for n in range(200)]
+            for e in ids:
+                h.fake.states[e] = state(e, "on")
+            r = await h.ask("main", "ha_get_status", entityIds=ids)
+            assert r["status"] == "success", r
+            assert [e for e, v in r["result"]["entities"].items() if v["state"] == "on"] == ids
+            calls = [q for q in h.fake.requests if q[1].startswith("/api/")]
+            assert len(calls) == 202
+            assert 1 <= len(h.fake.connections) <= CONNECTIONS
+            first = set(h.fake.connections)
+            r = await h.ask("main", "farm_state_refresh")
+            assert r["status"] == "success", r
+            assert 1 <= len(h.fake.connections - first) <= CONNECTIONS
+    run(go())
+
+
 def test_per_group_actions_allow_another_group(tmp_path: Path) -> None:
     async def go() -> None:
         async with harness(tmp_path, family="    actions: ['ha_get_status', "
@@ -248,7 +275,8 @@ def test_unreachable_home_assistant(tmp_path: Path) -> None:
             assert ha is not None
             client = HAClient(ha.model_copy(update={"url": "http://127.0.0.1:9"}), TOKEN)
             with pytest.raises(Exception, match="cannot reach Home Assistant") as e:
-                await client.api_status()
+                async with client:
+                    await client.api_status()
             assert TOKEN not in str(e.value)
     run(go())
 

@@ -8,6 +8,7 @@ import base64
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,32 +124,59 @@ def test_a_channel_waiting_to_be_linked_shows_its_qr_as_svg() -> None:
     assert svg.startswith("<svg") and "<script" not in svg
 
 
-@pytest.mark.parametrize(("kind", "value", "status"), [
-    ("cron", "0 9 * * *", "active"), ("cron", "0 9 * * *", "paused"),
-    ("cron", "0 9 * * *", "completed"), ("interval", "3600000", "paused"),
-    ("once", "2099-01-01T09:00:00", "active"), ("once", "2099-01-01T09:00:00", "running"),
-    ("once", "2099-01-01T09:00:00", "completed"),
+@pytest.mark.parametrize(("kind", "value", "status", "run_under_way"), [
+    ("cron", "0 9 * * *", "active", False), ("cron", "0 9 * * *", "active", True),
+    ("cron", "0 9 * * *", "paused", False), ("cron", "0 9 * * *", "completed", False),
+    ("interval", "3600000", "paused", False), ("interval", "3600000", "active", True),
+    ("once", "2099-01-01T09:00:00", "active", False),
+    ("once", "2099-01-01T09:00:00", "running", True),
+    ("once", "2099-01-01T09:00:00", "completed", False),
 ])
-def test_task_buttons_are_the_changes_the_state_allows(env, kind, value, status) -> None:
-    """The operator page shows a task's buttons from `task_actions`; each one it offers is a
-    change `mdclaw tasks <action>` makes, and each one it leaves out is refused or does
-    nothing."""
-    from mdclaw.commands.tasks import TASK_ACTIONS, change_task, task_actions
-    from mdclaw.state.tasks import TaskError, get_task, insert_task, update_task_fields
+def test_one_rule_decides_which_task_changes_are_offered_and_made(
+        env, kind, value, status, run_under_way) -> None:
+    """`mdclaw.state.tasks.change_refusal` is the one rule: the operator page's buttons
+    (`changes_allowed`) are exactly the changes `mdclaw tasks <action>` makes; each one it
+    leaves out is refused with the rule's own reason, or does nothing."""
+    from mdclaw.commands.tasks import TASK_ACTIONS, change_task
+    from mdclaw.operator.views import tasks as task_rows
+    from mdclaw.schedule import utc_now
+    from mdclaw.state.tasks import (
+        TASK_CHANGES,
+        TaskError,
+        change_refusal,
+        changes_allowed,
+        get_task,
+        insert_run,
+        insert_task,
+        running_run_id,
+        update_task_fields,
+    )
 
+    assert tuple(TASK_ACTIONS) == TASK_CHANGES  # the CLI's actions are the state's changes
     _path, cfg, db = env
-    for n, action in enumerate(TASK_ACTIONS):
+    for n, action in enumerate(TASK_CHANGES):
         tid = f"t{n}"
         with db.transaction() as c:
             insert_task(c, group_folder="main", chat_jid="tg:1", prompt="p",
                         schedule_type=kind, schedule_value=value, timezone="UTC",
                         task_id=tid)
             update_task_fields(c, tid, status=status)
+            if run_under_way:
+                insert_run(c, tid, utc_now())
         t = get_task(db, tid)
         assert t is not None
+        running = running_run_id(db, tid) is not None
+        assert running == run_under_way
+        offered = changes_allowed(t, run_in_progress=running)
+        why = change_refusal(t, action, run_in_progress=running)
+        page = next(r for r in task_rows(SimpleNamespace(db=db, cfg=cfg))
+                    if r["id"] == tid)
+        assert page["actions"] == offered  # the page asks the same rule
         try:
             before, after = change_task(cfg, db, tid, action)
             changed = (before.status, before.next_run) != (after.status, after.next_run)
-        except TaskError:
+            assert why is None, (action, status, kind)
+        except TaskError as e:
+            assert str(e) == why, (action, status, kind)
             changed = False
-        assert (action in task_actions(t)) == changed, (action, status, kind)
+        assert (action in offered) == changed, (action, status, kind, run_under_way)

@@ -4,8 +4,10 @@ private, redirects, DNS rebinding), the limits, and fake SearXNG / Brave provide
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import re
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -18,7 +20,7 @@ from aiohttp import web as aioweb
 from ipc_helpers import Env
 from mdclaw.config import Web, WebSearch
 from mdclaw.integrations import load_all
-from mdclaw.integrations.web import Refused, fetch, search
+from mdclaw.integrations.web import Refused, address_refusal, fetch, search
 from mdclaw.ipc.actions import ActionFailed
 
 PAGE = """<html><head><title>Garden notes</title><style>body{color:red}</style>
@@ -117,6 +119,62 @@ def test_a_name_resolving_to_a_private_address_is_refused() -> None:
         with pytest.raises(Refused, match="10.0.0.5"):
             await fetch(policy(), "http://mixed.example/", 1000, resolver=res)
     asyncio.run(go())
+
+
+# IPv6 addresses that lead to an IPv4 address: 6to4 (2002:AABB:CCDD::), Teredo (the client
+# is the last 32 bits XOR 0xffffffff: 80ff:fffe is 127.0.0.1), NAT64, IPv4-compatible and
+# IPv4-translated forms. Each embeds a loopback, private or link-local IPv4 address.
+TUNNELLED = [
+    ("2002:7f00:1::", "a 6to4 address leading to 127.0.0.1"),
+    ("2002:c0a8:10a::1", "a 6to4 address leading to 192.168.1.10"),
+    ("2002:a9fe:a9fe::", "a 6to4 address leading to 169.254.169.254"),
+    ("2002:a00:5::", "a 6to4 address leading to 10.0.0.5"),
+    ("2001:0:4136:e378:8000:63bf:80ff:fffe", "127.0.0.1"),
+    ("2001:0:4136:e378:8000:63bf:3f57:fef5", "192.168.1.10"),
+    ("2001:0:7f00:1:8000:63bf:f7f7:f7f7", "127.0.0.1"),
+    ("64:ff9b::c0a8:10a", "192.168.1.10"),
+    ("::127.0.0.1", "127.0.0.1"),
+    ("::ffff:0:c0a8:10a", "192.168.1.10"),
+]
+
+
+@pytest.mark.parametrize(("address", "why"), TUNNELLED)
+def test_ipv6_forms_of_private_ipv4_addresses_are_refused(address: str, why: str) -> None:
+    """As a literal in the URL, as the answer for a name, and as a redirect target: nothing
+    is sent, and the refusal names the IPv4 address the IPv6 one leads to."""
+    calls: list[str] = []
+    res = resolver({"tunnel.example": [[address]]}, calls)
+
+    async def go() -> list[str]:
+        async with serve({"/secret": page("<p>SECRET</p>")}) as (port, hits), \
+                serve({"/go": redirect(lambda: f"http://[{address}]:{port}/secret")},
+                      host="127.0.0.2") as (hop_port, _):
+            with pytest.raises(Refused, match=re.escape(why)):
+                await fetch(policy(), f"http://[{address}]:{port}/secret", 1000)
+            with pytest.raises(Refused, match=re.escape(why)):
+                await fetch(policy(), f"http://tunnel.example:{port}/secret", 1000,
+                            resolver=res)
+            with pytest.raises(Refused, match=re.escape(why)):
+                await fetch(policy(allow_private=("127.0.0.2/32",)),
+                            f"http://127.0.0.2:{hop_port}/go", 1000)
+            return hits
+    assert asyncio.run(go()) == []
+    assert calls == ["tunnel.example"]
+
+
+def test_ipv6_forms_are_judged_by_the_ipv4_address_they_lead_to() -> None:
+    """The one rule: a 6to4 address of a public IPv4 address passes like that address;
+    web.allow_private allows a tunnelled form only through a range holding the IPv6 address
+    itself (allowing 127.0.0.0/8 does not open 2002:7f00::/24)."""
+    def why(a: str, allow: tuple[str, ...] = ()) -> str | None:
+        return address_refusal(ipaddress.ip_address(a), allow)
+    assert why("2002:808:808::1") is None  # 6to4 of 8.8.8.8
+    assert why("2606:4700:4700::1111") is None  # native IPv6
+    assert why("93.184.216.34") is None
+    assert why("2002:7f00:1::", ("127.0.0.0/8",)) is not None
+    assert why("2002:7f00:1::", ("2002:7f00::/24",)) is None
+    assert why("::ffff:192.168.1.10", ("192.168.0.0/16",)) is None  # mapped: the IPv4 itself
+    assert "loopback" in (why("::ffff:127.0.0.1") or "")
 
 
 def test_dns_rebinding_cannot_reach_the_second_answer() -> None:

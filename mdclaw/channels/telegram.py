@@ -2,8 +2,9 @@
 
 In: long polling with `getUpdates` (the offset confirms what was handed over; a crash before
 that means Telegram sends the update again and the host's dedupe by id drops the copy). The
-offset is kept in the state database (`router_state`, per bot) after every batch, so a
-restart asks for what came after it instead of the last day's updates all over again. Text
+offset is kept in the state database (`router_state`, per bot) after every batch and at
+disconnect, written on a thread (never on the event loop) in the order asked, so a restart
+asks for what came after it instead of the last day's updates all over again. Text
 becomes InboundMessages with id `tg:<chat>:<message id>`; a photo (its largest size), document,
 audio file, voice note or video comes as an Attachment (with the caption as text) that the host
 downloads on demand: `getFile`, then the file URL, streamed and capped (the Bot API lets bots
@@ -28,6 +29,7 @@ import logging
 import mimetypes
 import re
 import sqlite3
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,13 @@ class TelegramChannel(Channel):
         self._poller: asyncio.Task[None] | None = None
         self._typing: dict[str, asyncio.Task[None]] = {}
         self._offset: int | None = None
-        self._saved_offset: int | None = None
+        self._saved_offset: int | None = None  # the offset last written to the database
+        # Offset writes run on a thread, numbered in the order the loop asked for them; one
+        # that finds a later one already written is dropped, so an older offset never
+        # overwrites a newer one (the poller's write and disconnect's can overlap).
+        self._offset_asks = 0
+        self._offset_written = 0
+        self._offset_lock = threading.Lock()
         self.db = db  # where the getUpdates offset is kept across restarts (None: nowhere)
         self._running = False  # between connect() and disconnect()
         self._connected = False  # running, and the last call reached Telegram
@@ -118,25 +126,36 @@ class TelegramChannel(Channel):
         # Update ids are per bot; the token's first part is the bot's (public) id.
         return f"telegram_offset:{self._token.split(':', 1)[0]}"
 
-    def _load_offset(self) -> None:
+    async def _load_offset(self) -> None:
         if self.db is None or self._offset is not None:
             return
         try:
-            value = get_router_value(self.db, self._offset_key)
+            value = await asyncio.to_thread(get_router_value, self.db, self._offset_key)
         except sqlite3.Error as e:
             log.warning("telegram: could not read the saved getUpdates offset: %s", e)
             return
-        if value is not None and value.lstrip("-").isdigit():
+        if value is not None and value.lstrip("-").isdigit() and self._offset is None:
             self._offset = self._saved_offset = int(value)
 
-    def _save_offset(self) -> None:
+    async def _save_offset(self) -> None:
+        """Write the current offset to the database on a thread (never on the loop)."""
         if self.db is None or self._offset is None or self._offset == self._saved_offset:
             return
+        self._offset_asks += 1
         try:
-            set_router_value(self.db, self._offset_key, str(self._offset))
-            self._saved_offset = self._offset
+            await asyncio.to_thread(self._write_offset, self._offset_asks, self._offset)
         except sqlite3.Error as e:  # kept in memory; saved with the next batch
             log.warning("telegram: could not save the getUpdates offset: %s", e)
+
+    def _write_offset(self, ask: int, offset: int) -> None:
+        """On a worker thread: store `offset` (asked for as number `ask`) unless a later
+        ask was stored already."""
+        assert self.db is not None
+        with self._offset_lock:
+            if ask <= self._offset_written:
+                return
+            set_router_value(self.db, self._offset_key, str(offset))
+            self._offset_written, self._saved_offset = ask, offset
 
     def redact(self, text: str) -> str:
         """`text` with the token replaced by ***."""
@@ -158,7 +177,7 @@ class TelegramChannel(Channel):
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self._running = True
-        self._load_offset()
+        await self._load_offset()
         try:
             me = await self.call("getMe")
             if isinstance(me, dict):
@@ -194,6 +213,9 @@ class TelegramChannel(Channel):
             session, self._session = self._session, None
             if session is not None:
                 await session.close()
+            # What was handed over before the poller stopped (it may have been cut short
+            # in a batch or in its own write) is kept for the next start.
+            await self._save_offset()
         for t, r in zip(tasks, results, strict=True):
             if isinstance(r, Exception):
                 log.warning("telegram: %s had ended with an error", t.get_name(), exc_info=r)
@@ -275,7 +297,7 @@ class TelegramChannel(Channel):
                     break
                 refused = 0
                 self._offset = update["update_id"] + 1
-            self._save_offset()
+            await self._save_offset()
 
     async def _handle_update(self, update: dict[str, Any]) -> None:
         msg = update.get("message")

@@ -174,22 +174,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     return _reading(args, body)
 
 
+# The state layer's TASK_CHANGES, each with its operation and what it did (for people).
+# Which change is allowed for which task is mdclaw.state.tasks.change_refusal, nothing here.
 TASK_ACTIONS: dict[str, tuple[Callable[..., TaskRow], str]] = {
     "pause": (pause_task, "paused"),
     "resume": (resume_task, "resumed"),
     "cancel": (cancel_task, "cancelled"),
     "run-now": (run_now, "is due now; the running daemon starts it within a second"),
 }
-
-
-def task_actions(t: TaskRow) -> list[str]:
-    """The TASK_ACTIONS that would change task `t` now (the others are refused or do nothing),
-    as the state functions decide them; the operator page offers a button for each. A
-    one-shot run now under way is 'running'; a cancelled or finished task is 'completed'."""
-    runnable = t.status == "active" or (t.status == "completed" and t.schedule_type == "once")
-    allowed = {"pause": t.status == "active", "resume": t.status == "paused",
-               "cancel": t.status != "completed", "run-now": runnable}
-    return [a for a in TASK_ACTIONS if allowed[a]]
 
 
 def change_task(cfg: Config, db: Database, task_id: str, action: str) -> tuple[TaskRow, TaskRow]:

@@ -3,8 +3,10 @@
 The agent writes an action request (`farm_action` family, see docs/ipc-protocol.md); the
 action worker runs the handler here off the IPC loop; the result envelope lands in the
 group's `action_results/`. The long-lived token is read on the host from
-`integrations.home_assistant.token_file` for each request and sent only to Home Assistant in
-the Authorization header: never to a container, a log line or a result.
+`integrations.home_assistant.token_file` at the start of each action and sent only to Home
+Assistant in the Authorization header: never to a container, a log line or a result. Each
+action talks to HA through one HTTP session (`client_for`), so its calls share a
+kept-alive connection.
 
 Why plain aiohttp over HA's documented REST API rather than a client library: the actions
 need six endpoints (`/api/`, `/api/config`, `/api/states`, `/api/states/<id>`,
@@ -28,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,7 @@ SCREENSHOT_DIR = "screenshots"
 SCREENSHOT_MAX_BYTES = 32 * 1024 * 1024
 SCREENSHOT_MODE = 0o660
 MAX_STATES = 5000
+CONNECTIONS = 4  # at most this many connections to HA per action's session
 
 
 class HAError(Exception):
@@ -101,11 +106,29 @@ def ha_config(cfg: Config) -> HomeAssistant:
 
 
 class HAClient:
-    """The few REST calls mdclaw makes, each with the bearer token and a timeout."""
+    """The few REST calls mdclaw makes, each with the bearer token and a timeout.
+
+    Calls are made inside `async with HAClient(...)` (or `client_for`): one HTTP session for
+    the block, whose pooled connection every call reuses (HA keeps it alive), so an action
+    making 200 calls opens one connection, not 200. An action is one such block; nothing
+    outlives it, so there is no session to close at shutdown."""
 
     def __init__(self, ha: HomeAssistant, token: str) -> None:
         self.ha = ha
         self._token = token
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> HAClient:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.ha.timeout.total_seconds()),
+                connector=aiohttp.TCPConnector(limit=CONNECTIONS))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     @property
     def token(self) -> str:
@@ -116,12 +139,12 @@ class HAClient:
         return text.replace(self._token, "***") if self._token else text
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
+        if self._session is None:
+            raise RuntimeError("HAClient calls are made inside `async with` the client")
         url = self.ha.url + path
-        timeout = aiohttp.ClientTimeout(total=self.ha.timeout.total_seconds())
         headers = {"Authorization": f"Bearer {self._token}"}
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as s, s.request(
-                    method, url, json=body, headers=headers) as r:
+            async with self._session.request(method, url, json=body, headers=headers) as r:
                 text = await r.text()
                 if r.status == 401:
                     raise HAError("Home Assistant refused the token (HTTP 401): put a valid "
@@ -172,7 +195,9 @@ class HAClient:
         return await self.request("POST", "/api/config/core/check_config")
 
 
-async def client_for(ha: HomeAssistant) -> HAClient:
+async def read_token(ha: HomeAssistant) -> str:
+    """The long-lived token from `token_file`, read on a thread; ActionFailed naming the
+    file (never its content) when it cannot be read or is empty."""
     try:
         token = await asyncio.to_thread(read_secret, ha.token_file)
     except OSError as e:
@@ -181,18 +206,27 @@ async def client_for(ha: HomeAssistant) -> HAClient:
     if not token:
         raise ActionFailed(f"integrations.home_assistant.token_file ({ha.token_file}) is "
                            "empty")
-    return HAClient(ha, token)
+    return token
+
+
+@asynccontextmanager
+async def client_for(ha: HomeAssistant) -> AsyncIterator[HAClient]:
+    """A client for one action (or one doctor probe): the token read now, one session."""
+    token = await read_token(ha)
+    async with HAClient(ha, token) as client:
+        yield client
 
 
 async def probe(ha: HomeAssistant) -> tuple[str, str, str]:
     """(level ok|fail, what, fix) for `mdclaw doctor`: GET /api/ with the token answers
     200 (reachable and authorised), 401 (the token is refused) or nothing."""
     try:
-        client = await client_for(ha)
+        token = await read_token(ha)
     except ActionFailed as e:
         return "fail", str(e), f"write a long-lived access token into {ha.token_file}"
     try:
-        body = await client.api_status()
+        async with HAClient(ha, token) as client:
+            body = await client.api_status()
     except HAError as e:
         if e.status == 401:
             return ("fail", f"{ha.url} refused the token (HTTP 401)",
@@ -382,9 +416,9 @@ async def _call(ha: HomeAssistant, domain: str, service: str, data: dict[str, An
     body = dict(data)
     if target:
         body.update(target)
-    client = await client_for(ha)
     try:
-        changed = await client.call_service(domain, service, body)
+        async with client_for(ha) as client:
+            changed = await client.call_service(domain, service, body)
     except HAError as e:
         raise _fail(e) from None
     shown = []
@@ -508,11 +542,11 @@ async def ha_get_status(ctx: OffloopContext, params: dict[str, Any]) -> dict[str
         refusal, _ = entity_rule(ha, e)
         if refusal:
             raise ActionFailed(refusal)
-    client = await client_for(ha)
     try:
-        api = await client.api_status()
-        conf = await client.config()
-        states = {e: await client.state(e) for e in p.entity_ids}
+        async with client_for(ha) as client:
+            api = await client.api_status()
+            conf = await client.config()
+            states = {e: await client.state(e) for e in p.entity_ids}
     except HAError as e:
         raise _fail(e) from None
     conf = conf if isinstance(conf, dict) else {}
@@ -553,15 +587,16 @@ async def ha_restart(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, A
     refusal, note = service_rule(ha, "homeassistant.restart")
     if refusal:
         raise ActionFailed(refusal)
-    client = await client_for(ha)
     check: Any = None
     try:
-        if p.check_config:
-            check = await client.check_config()
-            if isinstance(check, dict) and check.get("result") != "valid":
-                raise ActionFailed(f"not restarting: Home Assistant's configuration check "
-                                   f"says {check.get('result')!r}: {check.get('errors')}")
-        await client.call_service("homeassistant", "restart", {})
+        async with client_for(ha) as client:
+            if p.check_config:
+                check = await client.check_config()
+                if isinstance(check, dict) and check.get("result") != "valid":
+                    raise ActionFailed(f"not restarting: Home Assistant's configuration "
+                                       f"check says {check.get('result')!r}: "
+                                       f"{check.get('errors')}")
+            await client.call_service("homeassistant", "restart", {})
     except HAError as e:
         raise _fail(e) from None
     return {"restarting": True, "allowedBy": [note], "checkConfig": check}
@@ -615,9 +650,9 @@ async def ha_dashboard_validate(ctx: OffloopContext, params: dict[str, Any]
     errors += dash.entity_format_errors(entities)
     missing: list[str] = []
     if p.check_entities and entities:
-        client = await client_for(ha)
         try:
-            known = {s.get("entity_id") for s in await client.states()}
+            async with client_for(ha) as client:
+                known = {s.get("entity_id") for s in await client.states()}
         except HAError as e:
             raise _fail(e) from None
         missing = [e for e in entities if e not in known]
@@ -745,7 +780,7 @@ async def ha_capture_screenshot(ctx: OffloopContext, params: dict[str, Any]
     ha = ha_config(ctx.cfg)
     path = f"/{p.dashboard}" + (f"/{p.view}" if p.view else "")
     url = ha.url + path
-    client = await client_for(ha)
+    client = HAClient(ha, await read_token(ha))  # for its token and redact(): no HTTP call
     try:
         binary = ha_screenshot.find_chromium(ha.chromium)
         shot = await ha_screenshot.capture(
@@ -773,9 +808,9 @@ async def farm_state_refresh(ctx: OffloopContext, params: dict[str, Any]) -> dic
     if not ha.allow.entities:
         raise ActionFailed("no entity is in integrations.home_assistant.allow.entities "
                            "(empty: agents see none)")
-    client = await client_for(ha)
     try:
-        states = await client.states()
+        async with client_for(ha) as client:
+            states = await client.states()
     except HAError as e:
         raise _fail(e) from None
     entities = {}

@@ -8,7 +8,8 @@ limits.
 No server-side request forgery: every hop of a fetch (the URL and each redirect target) is
 checked before anything is sent. The host name is resolved here, every address it resolves
 to must be public (not loopback, private, link-local, multicast, unspecified, reserved or
-otherwise non-global, nor one of this host's own addresses) unless it lies in
+otherwise non-global, nor one of this host's own addresses, nor an IPv6 form that leads to
+such an IPv4 address: IPv4-mapped, 6to4, Teredo, NAT64, IPv4-compatible) unless it lies in
 `web.allow_private`; then the connection goes to that checked address (aiohttp gets a
 resolver pinned to it), so a DNS answer that changes between the check and the connect
 (rebinding) never reaches anything else. The search provider's URL is the operator's choice
@@ -72,12 +73,47 @@ def _is_own_address(ip: IP) -> bool:
     return True
 
 
+# IPv6 ranges whose addresses carry an IPv4 address a relay or translator forwards to.
+# (IPv4-mapped ::ffff:0:0/96 is not here: it *is* the IPv4 address and is checked as one.)
+NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # ::a.b.c.d, deprecated
+IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT ::ffff:0:a.b.c.d
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[tuple[str, ipaddress.IPv4Address]]:
+    """The IPv4 addresses an IPv6 address leads to, each with its form ("a 6to4", ...):
+    6to4 (2002::/16, bits 16-47), Teredo (2001::/32: the server in bits 32-63, the client
+    in the last 32 bits XOR 0xffffffff), NAT64, IPv4-compatible and IPv4-translated."""
+    out: list[tuple[str, ipaddress.IPv4Address]] = []
+    if ip.sixtofour is not None:
+        out.append(("a 6to4", ip.sixtofour))
+    if ip.teredo is not None:
+        server, client = ip.teredo
+        out += [("a Teredo", server), ("a Teredo", client)]
+    low32 = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if any(ip in n for n in NAT64):
+        out.append(("a NAT64", low32))
+    elif ip in IPV4_COMPATIBLE and int(ip) > 1:  # not :: or ::1
+        out.append(("an IPv4-compatible", low32))
+    elif ip in IPV4_TRANSLATED:
+        out.append(("an IPv4-translated", low32))
+    return out
+
+
 def address_refusal(ip: IP, allow_private: tuple[str, ...]) -> str | None:
-    """Why a fetch may not connect to `ip`; None if it may (the one SSRF rule)."""
+    """Why the host may not connect to `ip` for an agent; None if it may (the one SSRF
+    rule). An IPv4-mapped address is its IPv4 address. An IPv6 address that leads to an
+    IPv4 address (6to4, Teredo, NAT64...) is refused when that IPv4 address would be, and
+    is allowed by `allow_private` only through a range holding the IPv6 address itself."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if any(ip in ipaddress.ip_network(c) for c in allow_private):
         return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        for form, inner in embedded_ipv4(ip):
+            why = address_refusal(inner, ())
+            if why is not None:
+                return f"{ip} is {form} address leading to {inner}, and {why}"
     for test, what in ((ip.is_loopback, "a loopback"), (ip.is_link_local, "a link-local"),
                        (ip.is_multicast, "a multicast"), (ip.is_unspecified, "an unspecified"),
                        (ip.is_private, "a private"), (ip.is_reserved, "a reserved"),

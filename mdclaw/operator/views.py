@@ -24,7 +24,6 @@ from mdclaw.commands.tasks import (
     change_task,
     local_time,
     log_row,
-    task_actions,
     task_json,
     zone_for,
 )
@@ -36,7 +35,7 @@ from mdclaw.proxy import container_model_fields, daily_usage, over_budget
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import Refusals, list_groups, refusals
 from mdclaw.state.outbox import list_outbox
-from mdclaw.state.tasks import get_task, list_runs, list_tasks
+from mdclaw.state.tasks import changes_allowed, get_task, list_runs, list_tasks, running_run_id
 
 log = logging.getLogger("mdclaw.operator")
 
@@ -128,7 +127,8 @@ def tasks(d: Any) -> list[dict[str, Any]]:
         row["zone"] = tz
         row["next_run_local"] = local_time(t.next_run, tz)
         row["last_run_local"] = local_time(t.last_run, tz)
-        row["actions"] = task_actions(t)
+        row["actions"] = changes_allowed(
+            t, run_in_progress=running_run_id(d.db, t.id) is not None)
         out.append(row)
     return out
 

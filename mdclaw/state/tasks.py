@@ -239,6 +239,59 @@ def list_runs(db: Database, task_id: str, limit: int | None = None) -> list[RunL
     return [RunLog(**dict(r)) for r in db.query(sql, params)]
 
 
+# --------------------------------------------------------------------------- task changes
+# Which change may be made to a task in which status: the one rule. The operations below
+# apply it; whatever offers the changes (the CLI, the operator page's buttons) asks it too.
+
+TASK_CHANGES = ("pause", "resume", "cancel", "run-now")
+# (change, status) pairs where the task is so already: the change does nothing.
+_ALREADY = frozenset({("pause", "paused"), ("resume", "active"), ("cancel", "completed")})
+
+
+def change_refusal(t: TaskRow, change: str, *, run_in_progress: bool = False) -> str | None:
+    """Why `change` (one of TASK_CHANGES) may not be made to task `t` now, in words a person
+    can act on; None if it may. `run_in_progress`: a run of the task is still under way
+    (`running_run_id`). An allowed change may still do nothing: see `change_does_nothing`."""
+    if change == "pause":
+        if t.status not in ("active", "paused"):
+            return f"task {t.id!r} is {t.status}; only an active task can be paused"
+    elif change == "resume":
+        if t.status not in ("paused", "active"):
+            return f"task {t.id!r} is {t.status}; only a paused task can be resumed"
+    elif change == "run-now":
+        if run_in_progress or t.status == "running":
+            return f"task {t.id!r} is running now; wait for the run to end"
+        if t.status == "paused":
+            return f"task {t.id!r} is paused; resume it first"
+        if t.status == "completed" and t.schedule_type != "once":
+            return f"task {t.id!r} was cancelled; it cannot run again"
+    elif change != "cancel":
+        raise TaskError(f"unknown task change {change!r}; one of {', '.join(TASK_CHANGES)}")
+    return None
+
+
+def change_does_nothing(t: TaskRow, change: str) -> bool:
+    """True if the task is so already (pausing a paused one, resuming an active one,
+    cancelling a completed one)."""
+    return (change, t.status) in _ALREADY
+
+
+def changes_allowed(t: TaskRow, *, run_in_progress: bool = False) -> list[str]:
+    """The TASK_CHANGES that would change task `t` now: not refused, not so already. A
+    one-shot run now under way is 'running'; a cancelled or finished task is 'completed'."""
+    return [c for c in TASK_CHANGES
+            if change_refusal(t, c, run_in_progress=run_in_progress) is None
+            and not change_does_nothing(t, c)]
+
+
+def _check_change(t: TaskRow, change: str, *, run_in_progress: bool = False) -> bool:
+    """TaskError if `change` is refused; False if it would do nothing, True if it changes."""
+    why = change_refusal(t, change, run_in_progress=run_in_progress)
+    if why is not None:
+        raise TaskError(why)
+    return not change_does_nothing(t, change)
+
+
 # --------------------------------------------------------------------------- task operations
 # Shared by the CLI and IPC: each runs in the caller's transaction and raises TaskError with a
 # reason a person can act on. After committing, wake the scheduler if it runs in-process.
@@ -253,10 +306,8 @@ def _require(conn: sqlite3.Connection, task_id: str) -> TaskRow:
 def pause_task(conn: sqlite3.Connection, task_id: str) -> TaskRow:
     """Stop an active task from firing until resumed (a run in progress goes on)."""
     t = _require(conn, task_id)
-    if t.status == "paused":
+    if not _check_change(t, "pause"):
         return t
-    if t.status != "active":
-        raise TaskError(f"task {task_id!r} is {t.status}; only an active task can be paused")
     update_task_fields(conn, task_id, status="paused")
     return _require(conn, task_id)
 
@@ -269,10 +320,8 @@ def resume_task(conn: sqlite3.Connection, task_id: str, default_timezone: str,
     (fired at once if it passed while paused).
     """
     t = _require(conn, task_id)
-    if t.status == "active":
+    if not _check_change(t, "resume"):
         return t
-    if t.status != "paused":
-        raise TaskError(f"task {task_id!r} is {t.status}; only a paused task can be resumed")
     now = now or schedule.utc_now()
     tz = t.timezone or default_timezone
     old = schedule.from_iso(t.next_run) if t.next_run else None
@@ -291,7 +340,7 @@ def resume_task(conn: sqlite3.Connection, task_id: str, default_timezone: str,
 def cancel_task(conn: sqlite3.Connection, task_id: str) -> TaskRow:
     """End a task for good: status 'completed', no next run. Its run logs are kept."""
     t = _require(conn, task_id)
-    if t.status == "completed":
+    if not _check_change(t, "cancel"):
         return t
     update_task_fields(conn, task_id, status="completed", next_run=None)
     return _require(conn, task_id)
@@ -301,12 +350,7 @@ def run_now(conn: sqlite3.Connection, task_id: str, now: datetime | None = None)
     """Make a task due now, so the scheduler runs it on its next look (within a second or
     two). An interval task's grid restarts from now. A finished one-shot is re-armed."""
     t = _require(conn, task_id)
-    if running_run_id(conn, task_id) is not None or t.status == "running":
-        raise TaskError(f"task {task_id!r} is running now; wait for the run to end")
-    if t.status == "paused":
-        raise TaskError(f"task {task_id!r} is paused; resume it first")
-    if t.status == "completed" and t.schedule_type != "once":
-        raise TaskError(f"task {task_id!r} was cancelled; it cannot run again")
+    _check_change(t, "run-now", run_in_progress=running_run_id(conn, task_id) is not None)
     update_task_fields(conn, task_id, status="active",
                        next_run=schedule.to_iso(now or schedule.utc_now()))
     return _require(conn, task_id)

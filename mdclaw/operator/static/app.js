@@ -196,7 +196,7 @@ const views = {
   async tasks(root) {
     const ts = await api("api/tasks");
     root.append(el("h2", { text: "Tasks" }));
-    // Which buttons a task gets is the server's rule (`actions`, mdclaw.commands.tasks).
+    // Which buttons a task gets is the server's rule (`actions`, mdclaw.state.tasks).
     const act = (t, action, label, cls) => !t.actions.includes(action) ? null : el("button", {
       class: cls || null, "data-task": t.id, "data-action": action,
       onclick: async (ev) => {
