@@ -119,6 +119,33 @@ def test_task_lifecycle(env: Env) -> None:
     assert meta and "no task 't'" in meta["error"]
 
 
+def test_agent_task_changes_follow_the_same_rule_as_the_cli(env: Env) -> None:
+    """A one-shot task whose run is under way ('running') can be neither paused nor
+    resumed, by an agent as by `mdclaw tasks`; cancelling a finished task changes nothing
+    and is not an error; a finished task cannot be updated."""
+    from mdclaw.state.tasks import change_refusal, get_task
+
+    apply_one(env, "family", schedule_body("r"))
+    env.db.conn.execute("UPDATE scheduled_tasks SET status = 'running' WHERE id = 'r'")
+    row = get_task(env.db, "r")
+    assert row is not None
+    for kind, change in (("pause_task", "pause"), ("resume_task", "resume")):
+        meta = apply_one(env, "family", {"type": kind, "taskId": "r"})
+        why = change_refusal(row, change)
+        assert why is not None and meta and why in meta["error"], (kind, meta)
+        assert env.task("r")["status"] == "running"
+    meta = apply_one(env, "family", {"type": "update_task", "taskId": "r",
+                                     "updates": {"status": "paused"}})
+    assert meta and "only an active task can be paused" in meta["error"]
+    assert env.task("r")["status"] == "running"
+    assert apply_one(env, "family", {"type": "cancel_task", "taskId": "r"}) is None
+    assert env.task("r")["status"] == "completed"
+    assert apply_one(env, "family", {"type": "cancel_task", "taskId": "r"}) is None
+    meta = apply_one(env, "family", {"type": "update_task", "taskId": "r",
+                                     "updates": {"prompt": "again"}})
+    assert meta and "completed" in meta["error"]
+
+
 # --------------------------------------------------------------------------- outbound
 
 def test_message_and_react_go_to_the_outbox(env: Env) -> None:

@@ -59,7 +59,17 @@ from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
 from mdclaw.state.outbox import enqueue
-from mdclaw.state.tasks import TaskError, delete_task, get_task, insert_task, update_task_fields
+from mdclaw.state.tasks import (
+    TaskError,
+    cancel_task,
+    change_refusal,
+    delete_task,
+    get_task,
+    insert_task,
+    pause_task,
+    resume_task,
+    update_task_fields,
+)
 
 log = logging.getLogger("mdclaw.ipc")
 
@@ -546,23 +556,23 @@ class IpcEngine:
         if isinstance(cmd, P.DeleteTask):
             delete_task(conn, task.id)
             return
-        if task.status == "completed":
-            raise ApplyError(f"{cmd.type}: task {task.id!r} is completed; schedule a new one")
+        # Pause, resume and cancel are the state layer's operations: the same rule for
+        # which status allows which change as the CLI and the operator page.
         if isinstance(cmd, P.CancelTask):
-            update_task_fields(conn, task.id, status="completed", next_run=None)
+            cancel_task(conn, task.id)
         elif isinstance(cmd, P.PauseTask):
-            update_task_fields(conn, task.id, status="paused")
+            pause_task(conn, task.id)
         elif isinstance(cmd, P.ResumeTask):
-            fields: dict[str, Any] = {"status": "active"}
-            now = utc_now()
-            if task.schedule_type != "once" and (
-                    task.next_run is None or schedule.from_iso(task.next_run) < now):
-                tz = task.timezone or self.cfg.assistant.timezone
-                fields["next_run"] = to_iso(schedule.first_run(
-                    task.schedule_type, task.schedule_value, tz, now))
-            update_task_fields(conn, task.id, **fields)
+            resume_task(conn, task.id, self.cfg.assistant.timezone)
         elif isinstance(cmd, P.UpdateTask):
+            if task.status == "completed":
+                raise ApplyError(f"update_task: task {task.id!r} is completed; schedule a new one")
             changes = cmd.changes()
+            if "status" in changes:  # a pause or a resume: the same rule as pause_task's
+                why = change_refusal(task, "pause" if changes["status"] == "paused"
+                                     else "resume")
+                if why is not None:
+                    raise ApplyError(f"update_task: {why}")
             if {"schedule_type", "schedule_value", "timezone"} & set(changes):
                 stype = changes.get("schedule_type", task.schedule_type)
                 if "schedule_type" in changes and "schedule_value" not in changes:
