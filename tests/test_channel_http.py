@@ -222,6 +222,56 @@ def test_bearer_secret_and_cross_site_requests(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_the_page_runs_only_its_own_script_and_style(tmp_path: Path) -> None:
+    """The page's CSP allows no inline script or style; its script and style sheet are files
+    of their own, served like the page: without the token (they hold no data), with nosniff
+    and no-store (an upgrade is never paired with a cached old script)."""
+    async def main() -> None:
+        db = make_db(tmp_path)
+        ch, _ = await started(db, secret="s3cret-token")
+        try:
+            async with aiohttp.ClientSession(ch.url) as http:
+                async with http.get("/") as r:
+                    assert r.status == 200
+                    csp = r.headers["Content-Security-Policy"]
+                    page = await r.text()
+                directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+                assert directives["script-src"] == "'self'"
+                assert directives["style-src"] == "'self'"
+                assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+                assert directives["default-src"] == "'none'"
+                assert directives["frame-ancestors"] == "'none'"
+                assert directives["connect-src"] == "'self'"
+                # the page names its files and holds no inline code
+                assert '<script src="chat.js"' in page
+                assert '<link rel="stylesheet" href="chat.css">' in page
+                assert "<script>" not in page and "<style" not in page
+                assert " style=" not in page and " onclick=" not in page
+                for token in ({}, {"Authorization": "Bearer s3cret-token"}):
+                    for path, ctype, marker in (("/chat.js", "text/javascript", "use strict"),
+                                                ("/chat.css", "text/css", "box-sizing")):
+                        async with http.get(path, headers=token) as r:
+                            assert r.status == 200, path
+                            assert r.headers["Content-Type"].startswith(ctype)
+                            assert r.headers["X-Content-Type-Options"] == "nosniff"
+                            assert r.headers["Cache-Control"] == "no-store"
+                            assert marker in await r.text()
+                # nothing else is public: an unknown file needs the token like any endpoint
+                async with http.get("/other.js") as r:
+                    assert r.status == 401
+                async with http.get("/other.js",
+                                    headers={"Authorization": "Bearer s3cret-token"}) as r:
+                    assert r.status == 404
+                # a foreign host name on loopback gets nothing, page files included
+                async with http.get("/chat.js", headers={"Host": "evil.example"}) as r:
+                    assert r.status == 403
+        finally:
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
 def test_not_ready_and_failing_host(tmp_path: Path) -> None:
     async def main() -> None:
         db = make_db(tmp_path)

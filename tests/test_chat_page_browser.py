@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from mdclaw.channels.base import InboundMessage
 from mdclaw.channels.http import HttpChannel
@@ -351,6 +352,63 @@ def test_a_person_uploads_a_file_and_sees_the_image_the_agent_sends(tmp_path: Pa
                 assert r > 180 and g < 70 and b < 80, (r, g, b)  # the agent's red image
         finally:
             await worker.stop()
+            await ch.disconnect()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_injected_inline_script_and_style_do_not_run_under_the_pages_csp(
+        tmp_path: Path) -> None:
+    """The page's own script and style sheet run; inline code that got into the page (an
+    extra `<script>` in its HTML, an event-handler attribute in HTML put into the page, an
+    inline `<style>`) does not, under the CSP the channel serves."""
+    chromium()
+
+    async def main() -> None:
+        db = Database(tmp_path / "state.db")
+        upsert_group(db, GroupRow("main", "Admin chat", "hl:main", "@Andy", False, True,
+                                  "config"))
+        ch = HttpChannel(db, listen="127.0.0.1:0", on_inbound=lambda m: None)
+
+        async def injected(request: web.Request) -> web.Response:
+            # the real page with the real headers, plus inline code an attacker wants to run
+            async with aiohttp.ClientSession() as http, http.get(f"{ch.url}/") as r:
+                html = await r.text()
+                headers = {k: v for k, v in r.headers.items()
+                           if k in ("Content-Security-Policy", "X-Content-Type-Options",
+                                    "Cache-Control", "X-Frame-Options")}
+            assert "Content-Security-Policy" in headers
+            evil = ("<script>window.injectedRan = true; document.title = 'pwned';</script>"
+                    "<style>body { background-color: rgb(255, 0, 0) !important; }</style>")
+            return web.Response(text=html.replace("</head>", evil + "</head>"),
+                                        content_type="text/html", headers=headers)
+
+        ch.add_get("/injected", injected)
+        await ch.connect()
+        try:
+            async with browse(f"{ch.url}/injected", tmp_path / "chromium-profile") as page:
+                # the page's own script runs (it loads the chats) and its style sheet applies
+                await page.wait_for("document.getElementById('status').textContent === "
+                                    "'connected'")
+                assert await page.js("getComputedStyle(document.body).display") == "flex"
+                # the injected script did not run, the injected style does not apply
+                assert await page.js("window.injectedRan === undefined")
+                assert await page.js("document.title") == "mdclaw"
+                assert await page.js("getComputedStyle(document.body).backgroundColor") != (
+                    "rgb(255, 0, 0)")
+                # HTML put into the page (as a reply's html is) cannot run a handler either:
+                # the image fails to load, its onerror attribute is refused
+                await page.js("""(() => {
+                    const log = document.getElementById('log');
+                    log.insertAdjacentHTML('beforeend',
+                        '<img id="evil" src="data:," onerror="window.handlerRan = true">');
+                    document.getElementById('evil').addEventListener(
+                        'error', () => { window.errorSeen = true; });
+                })()""")
+                await page.wait_for("window.errorSeen === true")
+                assert await page.js("window.handlerRan === undefined")
+        finally:
             await ch.disconnect()
             db.close()
 

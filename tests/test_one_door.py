@@ -39,12 +39,12 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/runtime/apple.py": "the Apple runtime's private secrets folder",
     "mdclaw/outbox.py": "removes the host's spool copies once a file row is final",
     "mdclaw/channels/base.py": "reads the host's spool copy of a file a channel uploads",
-    "mdclaw/channels/http.py": "its packaged chat page, the host's spool copies and its own "
-                               "copies of sent files (data_dir/http/files)",
+    "mdclaw/channels/http.py": "the host's spool copies and its own copies of sent files "
+                               "(data_dir/http/files)",
     "mdclaw/channels/whatsapp.py": "the WhatsApp session file and link state in data_dir, "
                                    "and the host's spool copy of a file to upload",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
-    "mdclaw/operator/web.py": "its packaged page (HTML, JavaScript, CSS)",
+    "mdclaw/webassets.py": "the web pages' packaged files (HTML, JavaScript, CSS)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
     "mdclaw/integrations/ha_dashboards.py": "the operator's Home Assistant dashboards_dir "
                                             "(host-owned, never mounted into a container; "

@@ -23,7 +23,8 @@ Endpoints (JSON unless noted):
   never rendered as a page (`nosniff`, a sandboxing CSP).
 - `GET /groups` — the registered groups that answer in this channel.
 - `GET /health` — liveness, no auth.
-- `GET /` — a single-page chat (HTML and JavaScript, no build step).
+- `GET /` — a single-page chat (HTML, `GET /chat.js` and `GET /chat.css` beside it; no build
+  step). The page's CSP runs only those files, never inline script or style.
 
 Other parts of mdclaw (the operator page) add their own sub-application with `mount()`, or
 one GET route with `add_get()` (`/metrics`): its requests pass the same host and origin
@@ -37,10 +38,11 @@ chat keeps its newest `keep_per_chat` rows.
 Files the assistant sends are copied into `files_dir` (host-owned, under data_dir) and removed
 with their transcript rows.
 
-Security: bound to 127.0.0.1 by default; with a secret every endpoint but `/health` and `/`
-needs `Authorization: Bearer <secret>` (compared in constant time). Cross-site requests are
-refused: a request with an `Origin` other than its own `Host` gets 403, and on a loopback
-address only loopback host names are answered (no DNS rebinding).
+Security: bound to 127.0.0.1 by default; with a secret every endpoint but `/health` and the
+page's files (`/`, `/chat.js`, `/chat.css`: they hold no data) needs
+`Authorization: Bearer <secret>` (compared in constant time). Cross-site requests are refused:
+a request with an `Origin` other than its own `Host` gets 403, and on a loopback address only
+loopback host names are answered (no DNS rebinding).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ import re
 import shutil
 import time
 import uuid
-from importlib import resources
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -74,6 +75,7 @@ from mdclaw.config import read_secret
 from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
+from mdclaw.webassets import PageAssets
 
 log = logging.getLogger("mdclaw.channels.http")
 
@@ -88,9 +90,14 @@ _SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-             "connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; "
-             "form-action 'none'; frame-ancestors 'none'")
+# The page runs only its own script and style sheet (chat.js, chat.css), never inline code:
+# what the assistant writes is sanitised HTML, and even markup that slipped through could
+# run nothing.
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
+            "connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; "
+            "form-action 'none'; frame-ancestors 'none'")
+# The page's files (mdclaw/channels/static/): like the page, served without the token.
+PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css"}
 # A served file is never a page: no script, no plugin, a sandbox of its own.
 _FILE_CSP = "default-src 'none'; img-src 'self'; sandbox"
 INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
@@ -174,7 +181,9 @@ class HttpChannel(Channel):
         self._typing: dict[str, float] = {}
         self._mounts: list[tuple[str, web.Application]] = []
         self._routes: dict[str, Any] = {}  # GET path -> handler that decides access itself
-        self._page = resources.files("mdclaw.channels").joinpath("static/chat.html").read_bytes()
+        self._page = PageAssets("mdclaw.channels", PAGE_FILES, headers=_SECURITY_HEADERS,
+                                page_csp=PAGE_CSP)
+        self._public = frozenset({"/health", *(f"/{name}" for name in self._page.routes)})
 
     @classmethod
     def from_config(cls, section: Any, db: Database, *, assistant_name: str = "Andy",
@@ -245,7 +254,8 @@ class HttpChannel(Channel):
             return
         app = web.Application(client_max_size=self.max_body_bytes,
                               middlewares=[self._guard])
-        app.router.add_get("/", self._page_handler)
+        for name in self._page.routes:
+            app.router.add_get(f"/{name}", self._page_handler)
         app.router.add_get("/health", self._health)
         app.router.add_get("/groups", self._groups)
         app.router.add_post("/message", self._post_message)
@@ -443,7 +453,7 @@ class HttpChannel(Channel):
                 return _error(403, "cross-origin requests are not allowed")
         elif origin == "null" and request.method != "GET":
             return _error(403, "cross-origin requests are not allowed")
-        if (request.path not in ("/", "/health") and not self._mounted(request.path)
+        if (request.path not in self._public and not self._mounted(request.path)
                 and self._secret is not None):
             if not self.bearer_ok(request):
                 return _error(401, "missing or wrong bearer token",
@@ -451,9 +461,7 @@ class HttpChannel(Channel):
         return await handler(request)
 
     async def _page_handler(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._page, content_type="text/html", charset="utf-8",
-                            headers={**_SECURITY_HEADERS, "Content-Security-Policy": _PAGE_CSP,
-                                     "X-Frame-Options": "DENY"})
+        return self._page.response(request.path[1:])
 
     async def _health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "channel": self.name, "connected": self._connected})

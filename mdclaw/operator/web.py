@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from importlib import resources
 from typing import Any
 
 from aiohttp import web
@@ -29,12 +28,13 @@ from mdclaw.operator import views
 from mdclaw.operator.access import Access
 from mdclaw.state.outbox import OutboxError
 from mdclaw.state.tasks import TaskError
+from mdclaw.webassets import PageAssets
 
 log = logging.getLogger("mdclaw.operator")
 
 PREFIX = "/operator"
-STATIC = {"": ("index.html", "text/html"), "index.html": ("index.html", "text/html"),
-          "app.js": ("app.js", "text/javascript"), "app.css": ("app.css", "text/css")}
+STATIC = {"": "index.html", "index.html": "index.html", "app.js": "app.js",
+          "app.css": "app.css"}
 _HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
             "Cache-Control": "no-store"}
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -51,12 +51,6 @@ def _error(status: int, message: str) -> web.Response:
     return _json({"error": message}, status)
 
 
-def _assets() -> dict[str, bytes]:
-    root = resources.files("mdclaw.operator").joinpath("static")
-    return {name: root.joinpath(name).read_bytes()
-            for name in {f for f, _ in STATIC.values()}}
-
-
 async def _body(request: web.Request) -> dict[str, Any]:
     raw = await request.content.read(MAX_BODY + 1)
     if len(raw) > MAX_BODY:
@@ -71,7 +65,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 def build_app(d: Any, access: Access) -> web.Application:
     """The operator sub-application over daemon `d`, guarded by `access`."""
-    assets = _assets()
+    assets = PageAssets("mdclaw.operator", STATIC, headers=_HEADERS, page_csp=PAGE_CSP)
 
     def public(request: web.Request) -> bool:
         rel = request.match_info.get("asset")
@@ -80,15 +74,7 @@ def build_app(d: Any, access: Access) -> web.Application:
     app = web.Application(middlewares=[access.middleware(public)])
 
     async def asset(request: web.Request) -> web.StreamResponse:
-        name = request.match_info.get("asset", "")
-        if name not in STATIC:
-            raise web.HTTPNotFound()
-        file, ctype = STATIC[name]
-        headers = dict(_HEADERS)
-        if ctype == "text/html":
-            headers.update({"Content-Security-Policy": PAGE_CSP, "X-Frame-Options": "DENY"})
-        return web.Response(body=assets[file], content_type=ctype, charset="utf-8",
-                            headers=headers)
+        return assets.response(request.match_info.get("asset", ""))
 
     async def login(request: web.Request) -> web.Response:
         try:
