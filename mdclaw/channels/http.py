@@ -28,8 +28,8 @@ Endpoints (JSON unless noted):
 
 Other parts of mdclaw (the operator page) add their own sub-application with `mount()`, or
 one GET route with `add_get()` (`/metrics`): its requests pass the same host and origin
-checks, and it decides on access itself with `bearer_ok()` (the same secret, compared the
-same way).
+checks, and it decides on access itself with the channel's `gate` (`TokenGate`: the same
+secret, compared the same way, wrong tokens counted against the same lockout).
 
 The transcript lives in the `http_messages` table (its `seq` is the cursor), apart from the
 `messages` table the orchestrator keeps, so replies never show up as prompt context. Each
@@ -40,7 +40,8 @@ with their transcript rows.
 
 Security: bound to 127.0.0.1 by default; with a secret every endpoint but `/health` and the
 page's files (`/`, `/chat.js`, `/chat.css`: they hold no data) needs
-`Authorization: Bearer <secret>` (compared in constant time). Cross-site requests are refused:
+`Authorization: Bearer <secret>` (compared in constant time; after 10 wrong tokens within 5
+minutes an address gets 429 for 5 minutes, mdclaw.throttle). Cross-site requests are refused:
 a request with an `Origin` other than its own `Host` gets 403, and on a loopback address only
 loopback host names are answered (no DNS rebinding).
 """
@@ -52,6 +53,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import mimetypes
 import re
 import shutil
@@ -75,6 +77,7 @@ from mdclaw.config import read_secret
 from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
+from mdclaw.throttle import TokenThrottle
 from mdclaw.webassets import PageAssets
 
 log = logging.getLogger("mdclaw.channels.http")
@@ -140,15 +143,63 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def token_matches(secret: bytes | None, token: str) -> bool:
-    """`token` is `secret` (constant-time); False when there is no secret. The one check of
-    the local HTTP channel's token, used by the channel, the operator page and /metrics."""
+    """`token` is `secret` (constant-time); False when there is no secret. The one
+    comparison of the local HTTP channel's token; requests go through `TokenGate`."""
     return secret is not None and hmac.compare_digest(token.strip().encode(), secret)
 
 
-def bearer_matches(secret: bytes | None, request: web.BaseRequest) -> bool:
-    """The request carries `Authorization: Bearer <secret>`."""
+def bearer_token(request: web.BaseRequest) -> str | None:
+    """The token of the request's `Authorization: Bearer <token>` header, if it has one."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and token_matches(secret, token)
+    return token if scheme.lower() == "bearer" else None
+
+
+class TokenGate:
+    """The local HTTP channel's token as a door: compared in constant time
+    (`token_matches`), and wrong tokens throttled per client address
+    (`mdclaw.throttle.TokenThrottle`). The one check for the chat's bearer header, the
+    operator page's login and bearer header, and /metrics, so a guess counts wherever it is
+    made and a lockout holds everywhere."""
+
+    def __init__(self, secret: bytes | None, throttle: TokenThrottle | None = None) -> None:
+        self._secret = secret
+        self.throttle = throttle if throttle is not None else TokenThrottle()
+
+    @property
+    def has_secret(self) -> bool:
+        return self._secret is not None
+
+    def token_refusal(self, request: web.BaseRequest, token: str | None, *,
+                      wrong: str = "missing or wrong bearer token") -> web.Response | None:
+        """None when `token` is the secret; else the answer that refuses it: 429 with
+        `Retry-After` while the client's address is locked out (the right token too), else
+        401 (`wrong` as the message). Only a presented token counts as a guess (None: no
+        token was sent)."""
+        client = request.remote or "unknown"
+        left = self.throttle.locked(client)
+        if left is not None:
+            return _locked_out(left)
+        if token is None:
+            return _error(401, wrong, **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
+        if token_matches(self._secret, token):
+            self.throttle.succeeded(client)
+            return None
+        started = self.throttle.failed(client)
+        if started is not None:
+            log.warning("%d wrong tokens from %s within %.0f s: its tokens are refused for "
+                        "%.0f s", self.throttle.max_failures, client, self.throttle.window,
+                        started)
+            return _locked_out(started)
+        return _error(401, wrong, **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
+
+    def bearer_refusal(self, request: web.BaseRequest) -> web.Response | None:
+        """`token_refusal` of the request's bearer header."""
+        return self.token_refusal(request, bearer_token(request))
+
+
+def _locked_out(seconds: float) -> web.Response:
+    return _error(429, "too many wrong tokens from this address; try again later",
+                  **{"Retry-After": str(max(1, math.ceil(seconds)))})
 
 
 class HttpChannel(Channel):
@@ -162,11 +213,14 @@ class HttpChannel(Channel):
                  secret: str | None = None, on_inbound: InboundCallback | None = None,
                  assistant_name: str = "Andy", max_body_bytes: int = 64 * 1024,
                  keep_per_chat: int = 1000, max_upload_bytes: int = 20 * 1024 * 1024,
-                 files_dir: Path | None = None) -> None:
+                 files_dir: Path | None = None,
+                 throttle: TokenThrottle | None = None) -> None:
         super().__init__(on_inbound)
         self.db = db
         self.host, self.port = parse_listen(listen)
         self._secret = secret.encode() if secret else None
+        # The token as a door, shared with the operator page and /metrics (mdclaw.operator).
+        self.gate = TokenGate(self._secret, throttle)
         self.assistant_name = assistant_name
         self.max_body_bytes = max_body_bytes
         self.keep_per_chat = keep_per_chat
@@ -219,7 +273,7 @@ class HttpChannel(Channel):
     def mount(self, prefix: str, app: web.Application) -> None:
         """Serve `app` under `prefix` (e.g. "/operator"), from the next `connect()` on. Its
         requests get this channel's host and origin checks but not its bearer check: the
-        sub-application applies its own access rule (see `bearer_ok`)."""
+        sub-application applies its own access rule (with `gate`)."""
         if not prefix.startswith("/") or prefix.endswith("/") or prefix == "":
             raise ValueError(f"mount prefix {prefix!r} must be like /name")
         self._mounts.append((prefix, app))
@@ -235,14 +289,6 @@ class HttpChannel(Channel):
     def has_secret(self) -> bool:
         """True when the channel has a bearer token (channels.http.secret_file)."""
         return self._secret is not None
-
-    def token_ok(self, token: str) -> bool:
-        """`token` is this channel's secret (constant-time); False when it has none."""
-        return token_matches(self._secret, token)
-
-    def bearer_ok(self, request: web.BaseRequest) -> bool:
-        """The request carries `Authorization: Bearer <this channel's secret>`."""
-        return bearer_matches(self._secret, request)
 
     def _mounted(self, path: str) -> bool:
         return path in self._routes or any(path == p or path.startswith(p + "/")
@@ -455,9 +501,9 @@ class HttpChannel(Channel):
             return _error(403, "cross-origin requests are not allowed")
         if (request.path not in self._public and not self._mounted(request.path)
                 and self._secret is not None):
-            if not self.bearer_ok(request):
-                return _error(401, "missing or wrong bearer token",
-                              **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
+            refused = self.gate.bearer_refusal(request)
+            if refused is not None:
+                return refused
         return await handler(request)
 
     async def _page_handler(self, request: web.Request) -> web.Response:

@@ -25,7 +25,7 @@ def mount_operator(d: Any) -> Any:
     if http is None:
         log.info("operator page: off (the local HTTP channel is not enabled)")
         return None
-    access = Access(http)
+    access = Access(http.gate)
     http.mount(PREFIX, build_app(d, access))
     d.operator_access = access
     return access

@@ -4,7 +4,8 @@ metrics): one rule, one place.
 - With a bearer token (`channels.http.secret_file`): every request needs
   `Authorization: Bearer <token>` or the session cookie a login with that token set
   (`HttpOnly`, `SameSite=Strict`, `Secure` over https; kept in memory, so a restart logs
-  everyone out).
+  everyone out). Wrong tokens (login or header) count against the channel's lockout per
+  client address (`mdclaw.throttle`): too many, and that address gets 429 for a while.
 - Without a token: only loopback clients, judged by the connection's peer address (never a
   header), and only under a loopback host name (no DNS rebinding).
 - A request that changes something must be a POST, say where it comes from (`Origin`, else
@@ -38,14 +39,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class TokenHolder(Protocol):
-    """What access needs of the local HTTP channel: its secret, compared its way."""
+    """What access needs of the local HTTP channel: its token as a door
+    (`mdclaw.channels.http.TokenGate`: compared its way, wrong tokens throttled)."""
 
     @property
     def has_secret(self) -> bool: ...
 
-    def token_ok(self, token: str) -> bool: ...
+    def token_refusal(self, request: web.BaseRequest, token: str | None, *,
+                      wrong: str = ...) -> web.Response | None: ...
 
-    def bearer_ok(self, request: web.BaseRequest) -> bool: ...
+    def bearer_refusal(self, request: web.BaseRequest) -> web.Response | None: ...
 
 
 @dataclass
@@ -132,8 +135,9 @@ class Access:
                                     "the page is open to loopback clients without logging in")
         if not same_origin(request):
             return _json_error(403, "cross-origin requests are not allowed")
-        if not self.tokens.token_ok(token):
-            return _json_error(401, "wrong token")
+        refused = self.tokens.token_refusal(request, token, wrong="wrong token")
+        if refused is not None:
+            return refused
         while len(self._sessions) >= MAX_SESSIONS:
             oldest = min(self._sessions, key=lambda k: self._sessions[k].expires)
             del self._sessions[oldest]
@@ -168,8 +172,11 @@ class Access:
                 return _json_error(403, "without a token the operator page answers only on "
                                         "loopback host names")
             return Grant("loopback", self._local_csrf)
-        if self.tokens.bearer_ok(request):
-            return Grant("bearer", None)
+        if "Authorization" in request.headers:
+            # A bearer header is a token to check (and a guess to count), never passed over
+            # for the session cookie.
+            refused = self.tokens.bearer_refusal(request)
+            return refused if refused is not None else Grant("bearer", None)
         session = self._session(request)
         if session is not None:
             return Grant("cookie", session.csrf)

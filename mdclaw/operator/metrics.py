@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mdclaw import metrics
-from mdclaw.channels.http import bearer_matches, token_matches
+from mdclaw.channels.http import TokenGate
 from mdclaw.config import http_secret_path, read_secret
 from mdclaw.operator.access import Access, TokenHolder
 from mdclaw.state import Database, now_iso
@@ -128,37 +128,22 @@ def handler(d: Any) -> Any:
     return serve
 
 
-class FileToken:
-    """The access rule's token when the local HTTP channel does not run: the channel's token
-    file, if there is one (else none: loopback only)."""
-
-    def __init__(self, secret: str | None) -> None:
-        self._secret = secret.encode() if secret else None
-
-    @property
-    def has_secret(self) -> bool:
-        return self._secret is not None
-
-    def token_ok(self, token: str) -> bool:
-        return token_matches(self._secret, token)
-
-    def bearer_ok(self, request: web.BaseRequest) -> bool:
-        return bearer_matches(self._secret, request)
-
-
 def _token_holder(d: Any) -> TokenHolder:
     from mdclaw.channels.http import HttpChannel
 
     http = next((ch for ch in d.channels if isinstance(ch, HttpChannel)), None)
     if http is not None:
-        return http
+        return http.gate
+    # The channel does not run: its token file, if there is one (else none: loopback only).
     path = http_secret_path(d.cfg)
     if path is not None:
         try:
-            return FileToken(read_secret(path) or None)
+            secret = read_secret(path)
         except FileNotFoundError:  # generate_secret, but the channel never made it
-            pass
-    return FileToken(None)
+            secret = None
+        if secret:
+            return TokenGate(secret.encode())
+    return TokenGate(None)
 
 
 def mount_metrics(d: Any) -> bool:
@@ -169,7 +154,7 @@ def mount_metrics(d: Any) -> bool:
     http = next((ch for ch in d.channels if isinstance(ch, HttpChannel)), None)
     if not d.cfg.metrics.enabled or http is None:
         return False
-    access = d.operator_access if d.operator_access is not None else Access(http)
+    access = d.operator_access if d.operator_access is not None else Access(http.gate)
     http.add_get(PATH, access.protect(handler(d)))
     return True
 
