@@ -26,8 +26,10 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -107,6 +109,7 @@ class OutboxWorker:
         self._marks: list[OutboxRow] = []  # delivered, `sent` mark not yet written
         self._releases: list[OutboxRow] = []  # claimed, not tried: back to pending
         self._flush_at: asyncio.Handle | None = None
+        self._retry_at = 0.0  # monotonic time before which a failed round is not retried
 
     def set_channels(self, channels: Iterable[Channel]) -> None:
         self.channels = list(channels)
@@ -165,22 +168,61 @@ class OutboxWorker:
         return self._task is not None and not self._task.done()
 
     async def _run(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
+        # Each chat with due rows gets a drain of its own (at most ROUND_PER_CHAT rows, then
+        # a new one if more is due): a flooded chat does not hold back rows of chats that
+        # get theirs meanwhile, and a chat's new rows do not wait for other chats' drains.
+        active: dict[str, asyncio.Task[int]] = {}
+        cancelled = False
+
+        def ended(jid: str, task: asyncio.Task[int]) -> None:
+            active.pop(jid, None)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
+                          task.exception())
+                self._retry_at = time.monotonic() + 1.0
+            self._wake.set()
+
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                try:
+                    if time.monotonic() >= self._retry_at:
+                        for head, n in self._due_heads():
+                            jid = head.chat_jid
+                            if jid not in active:
+                                task = asyncio.create_task(
+                                    self._drain_chat(head, n, ROUND_PER_CHAT))
+                                active[jid] = task
+                                task.add_done_callback(functools.partial(ended, jid))
+                    due_in = self.next_due_in(busy=set(active))
+                except Exception:  # noqa: BLE001 - the worker must not die: a locked database
+                    log.exception("outbox: delivery round failed; trying again shortly")
+                    self._retry_at = time.monotonic() + 1.0
+                    due_in = 1.0
+                if self._stopping:
+                    break
+                due_in = max(due_in or 0.0, self._retry_at - time.monotonic()) \
+                    if due_in is not None else None
+                timeout = self.max_idle if due_in is None else min(due_in, self.max_idle)
+                if timeout > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            drains = list(active.values())
+            me = asyncio.current_task()
+            # (A cancel can also arrive as the wake-up wait ends, which then swallows it.)
+            cancelled = cancelled or (me is not None and me.cancelling() > 0)
             try:
-                # Bounded rounds: a chat that is flooded does not hold back rows of chats
-                # that get theirs meanwhile; the next round starts at once if more is due.
-                await self.run_once(per_chat=ROUND_PER_CHAT)
-            except Exception:  # noqa: BLE001 - the worker must not die: a locked database, a bug
-                log.exception("outbox: delivery round failed; trying again shortly")
-                await asyncio.sleep(1.0)
-            if self._stopping:
-                break
-            due_in = self.next_due_in()
-            timeout = self.max_idle if due_in is None else min(due_in, self.max_idle)
-            if timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                if drains and not cancelled:
+                    await asyncio.wait(drains)  # they stop at their next row
+            finally:
+                for task in drains:
+                    task.cancel()  # a send under way stays `sending`; recover() puts it back
+                if drains:
+                    await asyncio.wait(drains)
 
     # ------------------------------------------------------------------ queries
     def _heads(self) -> list[OutboxRow]:
@@ -192,9 +234,11 @@ class OutboxWorker:
                ORDER BY o.id""")
         return [OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__}) for r in rows]
 
-    def next_due_in(self) -> float | None:
-        """Seconds until the next chat's head row is due (0 if one is); None if none waits."""
-        heads = [h for h in self._heads() if h.status == "pending" and not h.waiting_for_copy]
+    def next_due_in(self, busy: set[str] = frozenset()) -> float | None:  # type: ignore[assignment]
+        """Seconds until the next chat's head row is due (0 if one is); None if none waits.
+        Chats in `busy` (being delivered to) are left out."""
+        heads = [h for h in self._heads() if h.status == "pending" and not h.waiting_for_copy
+                 and h.chat_jid not in busy]
         if not heads:
             return None
         soonest = min(h.next_attempt_at or "" for h in heads)
@@ -203,9 +247,9 @@ class OutboxWorker:
         return max(0.0, (from_iso(soonest) - utc_now()).total_seconds())
 
     # ------------------------------------------------------------------ delivery
-    async def run_once(self, per_chat: int | None = None) -> int:
-        """Deliver every row that is due now (at most `per_chat` of each chat); return how
-        many rows reached sent or failed."""
+    def _due_heads(self) -> list[tuple[OutboxRow, int]]:
+        """The head row of every chat whose head is due now, with the chat's number of
+        unfinished rows."""
         now = now_iso()
         rows = self.db.query(
             """SELECT o.*, h.n AS unfinished FROM outbox o JOIN (
@@ -213,8 +257,13 @@ class OutboxWorker:
                    WHERE status IN ('pending', 'sending') GROUP BY chat_jid) h ON o.id = h.id
                ORDER BY o.id""")
         heads = [(_to_row(r), int(r["unfinished"])) for r in rows]
-        heads = [(h, n) for h, n in heads if h.status == "pending" and not h.waiting_for_copy
-                 and (h.next_attempt_at or "") <= now]
+        return [(h, n) for h, n in heads if h.status == "pending" and not h.waiting_for_copy
+                and (h.next_attempt_at or "") <= now]
+
+    async def run_once(self, per_chat: int | None = None) -> int:
+        """Deliver every row that is due now (at most `per_chat` of each chat); return how
+        many rows reached sent or failed."""
+        heads = self._due_heads()
         if not heads:
             return 0
         try:
