@@ -101,6 +101,7 @@ class OutboxWorker:
         self.disconnected_recheck = disconnected_recheck
         self._sem = asyncio.Semaphore(max_parallel_chats)
         self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Writes the chats' drains ask for in one turn of the event loop, made together in
@@ -141,7 +142,7 @@ class OutboxWorker:
         cancel passed on."""
         task, self._task = self._task, None
         self._stopping = True
-        self._wake.set()
+        self.wake()
         try:
             if task is not None:
                 try:
@@ -162,6 +163,26 @@ class OutboxWorker:
     def wake(self) -> None:
         """Look for due rows now (call after enqueueing)."""
         self._wake.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _sleep(self, timeout: float) -> None:
+        """Wait until woken or `timeout` s. A plain future: the worker runs in the very next
+        turn of the event loop after wake() (waiting on the Event through wait_for takes
+        three, each of which may be a whole IPC round during a burst)."""
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+
+        def ring() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        timer = loop.call_later(timeout, ring)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     @property
     def running(self) -> bool:
@@ -180,7 +201,7 @@ class OutboxWorker:
                 log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
                           task.exception())
                 self._retry_at = time.monotonic() + 1.0
-            self._wake.set()
+            self.wake()
 
         try:
             while not self._stopping:
@@ -204,9 +225,8 @@ class OutboxWorker:
                 due_in = max(due_in or 0.0, self._retry_at - time.monotonic()) \
                     if due_in is not None else None
                 timeout = self.max_idle if due_in is None else min(due_in, self.max_idle)
-                if timeout > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), timeout)
+                if timeout > 0 and not self._wake.is_set():
+                    await self._sleep(timeout)
         except asyncio.CancelledError:
             cancelled = True
             raise
