@@ -30,7 +30,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -195,36 +195,55 @@ class OutboxWorker:
         active: dict[str, asyncio.Task[int]] = {}
         cancelled = False
 
+        def drain(head: OutboxRow, n: int | None) -> None:
+            task = asyncio.create_task(self._drain_chat(head, n, ROUND_PER_CHAT))
+            active[head.chat_jid] = task
+            task.add_done_callback(functools.partial(ended, head.chat_jid))
+
         def ended(jid: str, task: asyncio.Task[int]) -> None:
             active.pop(jid, None)
-            if not task.cancelled() and task.exception() is not None:
+            if task.cancelled() or self._stopping:
+                return
+            if task.exception() is not None:
                 log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
                           task.exception())
                 self._retry_at = time.monotonic() + 1.0
-            self.wake()
+                self.wake()
+                return
+            # Rows the chat got while its drain ran: look at this chat alone (a seek in its
+            # index), not at every chat's head (a walk of every unfinished row).
+            try:
+                head = self._head(jid)
+            except Exception:  # noqa: BLE001 - a locked database: the full look finds it
+                log.exception("outbox: looking for more rows of %s failed", jid)
+                self.wake()
+                return
+            if head is None:
+                return
+            if (head.status == "pending" and not head.waiting_for_copy
+                    and (head.next_attempt_at or "") <= now_iso()):
+                drain(head, None)
+            else:
+                self.wake()  # it waits (a retry later, a copy): the full look times it
 
         try:
             while not self._stopping:
                 self._wake.clear()
                 try:
+                    due_in: float | None = None
                     if time.monotonic() >= self._retry_at:
-                        for head, n in self._due_heads():
-                            jid = head.chat_jid
-                            if jid not in active:
-                                task = asyncio.create_task(
-                                    self._drain_chat(head, n, ROUND_PER_CHAT))
-                                active[jid] = task
-                                task.add_done_callback(functools.partial(ended, jid))
-                    due_in = self.next_due_in(busy=set(active))
+                        heads, due_in = self._due_heads(busy=set(active))
+                        for head, n in heads:
+                            drain(head, n)
                 except Exception:  # noqa: BLE001 - the worker must not die: a locked database
                     log.exception("outbox: delivery round failed; trying again shortly")
                     self._retry_at = time.monotonic() + 1.0
                     due_in = 1.0
                 if self._stopping:
                     break
-                due_in = max(due_in or 0.0, self._retry_at - time.monotonic()) \
-                    if due_in is not None else None
-                timeout = self.max_idle if due_in is None else min(due_in, self.max_idle)
+                timeout = min(self.max_idle, self._retry_at - time.monotonic()
+                              if self._retry_at > time.monotonic() else self.max_idle,
+                              self.max_idle if due_in is None else due_in)
                 if timeout > 0 and not self._wake.is_set():
                     await self._sleep(timeout)
         except asyncio.CancelledError:
@@ -254,11 +273,9 @@ class OutboxWorker:
                ORDER BY o.id""")
         return [OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__}) for r in rows]
 
-    def next_due_in(self, busy: set[str] = frozenset()) -> float | None:  # type: ignore[assignment]
-        """Seconds until the next chat's head row is due (0 if one is); None if none waits.
-        Chats in `busy` (being delivered to) are left out."""
-        heads = [h for h in self._heads() if h.status == "pending" and not h.waiting_for_copy
-                 and h.chat_jid not in busy]
+    def next_due_in(self) -> float | None:
+        """Seconds until the next chat's head row is due (0 if one is); None if none waits."""
+        heads = [h for h in self._heads() if h.status == "pending" and not h.waiting_for_copy]
         if not heads:
             return None
         soonest = min(h.next_attempt_at or "" for h in heads)
@@ -267,23 +284,40 @@ class OutboxWorker:
         return max(0.0, (from_iso(soonest) - utc_now()).total_seconds())
 
     # ------------------------------------------------------------------ delivery
-    def _due_heads(self) -> list[tuple[OutboxRow, int]]:
-        """The head row of every chat whose head is due now, with the chat's number of
-        unfinished rows."""
+    def _due_heads(self, busy: Collection[str] = ()
+                   ) -> tuple[list[tuple[OutboxRow, int]], float | None]:
+        """The head row of every chat (but those in `busy`) whose head is due now, with the
+        chat's number of unfinished rows; and the seconds until the next of the other heads
+        is due (None if none waits)."""
         now = now_iso()
         rows = self.db.query(
             """SELECT o.*, h.n AS unfinished FROM outbox o JOIN (
                    SELECT chat_jid, MIN(id) AS id, COUNT(*) AS n FROM outbox
                    WHERE status IN ('pending', 'sending') GROUP BY chat_jid) h ON o.id = h.id
                ORDER BY o.id""")
-        heads = [(_to_row(r), int(r["unfinished"])) for r in rows]
-        return [(h, n) for h, n in heads if h.status == "pending" and not h.waiting_for_copy
-                and (h.next_attempt_at or "") <= now]
+        due, later = [], ""
+        for r in rows:
+            h = _to_row(r)
+            if h.status != "pending" or h.waiting_for_copy or h.chat_jid in busy:
+                continue
+            if (h.next_attempt_at or "") <= now:
+                due.append((h, int(r["unfinished"])))
+            elif not later or (h.next_attempt_at or "") < later:
+                later = h.next_attempt_at or ""
+        due_in = None if not later else max(0.0, (from_iso(later) - utc_now()).total_seconds())
+        return due, due_in
+
+    def _head(self, jid: str) -> OutboxRow | None:
+        """The chat's oldest unfinished row (a seek in idx_outbox_chat)."""
+        r = self.db.query_one(
+            "SELECT * FROM outbox WHERE chat_jid = ? AND status IN ('pending', 'sending') "
+            "ORDER BY id LIMIT 1", (jid,))
+        return None if r is None else _to_row(r)
 
     async def run_once(self, per_chat: int | None = None) -> int:
         """Deliver every row that is due now (at most `per_chat` of each chat); return how
         many rows reached sent or failed."""
-        heads = self._due_heads()
+        heads, _ = self._due_heads()
         if not heads:
             return 0
         try:
@@ -302,11 +336,11 @@ class OutboxWorker:
             "('pending', 'sending') ORDER BY id LIMIT ?", (jid, after, limit))
         return [_to_row(r) for r in rows]
 
-    async def _drain_chat(self, head: OutboxRow, unfinished: int,
+    async def _drain_chat(self, head: OutboxRow, unfinished: int | None,
                           limit: int | None = None) -> int:
         """Deliver the chat's rows in order, from `head` (its oldest unfinished row; the
-        chat had `unfinished` such rows), until one is not due, waits or fails (or `limit`
-        were delivered).
+        chat had `unfinished` such rows; None: unknown), until one is not due, waits or fails
+        (or `limit` were delivered).
 
         Rows are claimed up to BATCH at a time. Claims and `sent` marks are not written one
         by one: the drains of all chats ask for them, and one transaction per turn of the
@@ -326,12 +360,15 @@ class OutboxWorker:
                 while not self._stopping:
                     if not claimed:
                         want = BATCH if limit is None else min(BATCH, limit - done)
-                        if want <= 0 or taken >= unfinished:
+                        if want <= 0 or (unfinished is not None and taken >= unfinished):
                             # Every row the chat had was taken: rows added since go in the
                             # next round (whatever added them woke the worker).
                             return done
-                        due = ([head] if unfinished == 1
-                               else self._due_rows(jid, after, min(want, unfinished - taken)))
+                        if unfinished == 1:
+                            due = [head]
+                        else:
+                            due = self._due_rows(jid, after, want if unfinished is None
+                                                 else min(want, unfinished - taken))
                         if not due:
                             return done
                         if ch is not None and not ch.is_connected():
