@@ -9,19 +9,28 @@ While the owning channel is not connected, rows wait without using up their trie
 a split text already delivered are remembered (`outbox_progress`), so a retry resumes where
 it stopped.
 
-Crash safety: a row is `sending` only while a send is under way; `recover()` (run by
-`start()` and `stop()`) puts rows a crash left `sending` back to `pending`, so they are sent
-again (at least once: a crash after the chat took a message but before it was recorded
-sends that message twice).
+Crash safety: a row is `sending` from its claim until it is marked sent, failed or back to
+pending; `recover()` (run by `start()` and `stop()`) puts rows a crash left `sending` back to
+`pending`, so they are sent again (at least once). A chat's rows are claimed up to BATCH at a
+time, and claims and `sent` marks of all chats are written together, once per turn of the
+event loop; a delivered row is marked as soon as its chat's drain waits for anything (its
+next claim, a send that waits on the network, its end). So a crash sends again, per chat,
+the row in flight and the rows delivered since the drain last waited: at most BATCH rows,
+and only the row in flight with a chat service whose sends wait on the network. Rows
+claimed but not yet tried when a crash stops them have one try counted that was not made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
+import functools
 import logging
 import random
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +45,7 @@ from mdclaw.state.outbox import OutboxRow, enqueue
 
 log = logging.getLogger("mdclaw.outbox")
 
-YIELD_EVERY = 16  # deliveries of one chat between yields to the event loop
+BATCH = 16  # rows of one chat claimed at a time: bounds the duplicates a crash can cause
 ROUND_PER_CHAT = 256  # deliveries of one chat per round of the background worker
 
 
@@ -92,8 +101,16 @@ class OutboxWorker:
         self.disconnected_recheck = disconnected_recheck
         self._sem = asyncio.Semaphore(max_parallel_chats)
         self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # Writes the chats' drains ask for in one turn of the event loop, made together in
+        # one transaction by _flush (see _drain_chat).
+        self._claims: list[tuple[list[OutboxRow], asyncio.Future[list[OutboxRow]]]] = []
+        self._marks: list[OutboxRow] = []  # delivered, `sent` mark not yet written
+        self._releases: list[OutboxRow] = []  # claimed, not tried: back to pending
+        self._flush_at: asyncio.Handle | None = None
+        self._retry_at = 0.0  # monotonic time before which a failed round is not retried
 
     def set_channels(self, channels: Iterable[Channel]) -> None:
         self.channels = list(channels)
@@ -125,7 +142,7 @@ class OutboxWorker:
         cancel passed on."""
         task, self._task = self._task, None
         self._stopping = True
-        self._wake.set()
+        self.wake()
         try:
             if task is not None:
                 try:
@@ -137,33 +154,114 @@ class OutboxWorker:
                         task.cancel()  # its send stays `sending`; recover() puts it back
                         await asyncio.wait([task])
         finally:
+            try:
+                self._flush()  # the marks of rows delivered: not sent again after a restart
+            except Exception:  # noqa: BLE001 - recover() must still run
+                log.exception("outbox: could not record the last deliveries before stopping")
             self.recover()
 
     def wake(self) -> None:
         """Look for due rows now (call after enqueueing)."""
         self._wake.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _sleep(self, timeout: float) -> None:
+        """Wait until woken or `timeout` s. A plain future: the worker runs in the very next
+        turn of the event loop after wake() (waiting on the Event through wait_for takes
+        three, each of which may be a whole IPC round during a burst)."""
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+
+        def ring() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        timer = loop.call_later(timeout, ring)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
     async def _run(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
+        # Each chat with due rows gets a drain of its own (at most ROUND_PER_CHAT rows, then
+        # a new one if more is due): a flooded chat does not hold back rows of chats that
+        # get theirs meanwhile, and a chat's new rows do not wait for other chats' drains.
+        active: dict[str, asyncio.Task[int]] = {}
+        cancelled = False
+
+        def drain(head: OutboxRow, n: int | None) -> None:
+            task = asyncio.create_task(self._drain_chat(head, n, ROUND_PER_CHAT))
+            active[head.chat_jid] = task
+            task.add_done_callback(functools.partial(ended, head.chat_jid))
+
+        def ended(jid: str, task: asyncio.Task[int]) -> None:
+            active.pop(jid, None)
+            if task.cancelled() or self._stopping:
+                return
+            if task.exception() is not None:
+                log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
+                          task.exception())
+                self._retry_at = time.monotonic() + 1.0
+                self.wake()
+                return
+            # Rows the chat got while its drain ran: look at this chat alone (a seek in its
+            # index), not at every chat's head (a walk of every unfinished row).
             try:
-                # Bounded rounds: a chat that is flooded does not hold back rows of chats
-                # that get theirs meanwhile; the next round starts at once if more is due.
-                await self.run_once(per_chat=ROUND_PER_CHAT)
-            except Exception:  # noqa: BLE001 - the worker must not die: a locked database, a bug
-                log.exception("outbox: delivery round failed; trying again shortly")
-                await asyncio.sleep(1.0)
-            if self._stopping:
-                break
-            due_in = self.next_due_in()
-            timeout = self.max_idle if due_in is None else min(due_in, self.max_idle)
-            if timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                head = self._head(jid)
+            except Exception:  # noqa: BLE001 - a locked database: the full look finds it
+                log.exception("outbox: looking for more rows of %s failed", jid)
+                self.wake()
+                return
+            if head is None:
+                return
+            if (head.status == "pending" and not head.waiting_for_copy
+                    and (head.next_attempt_at or "") <= now_iso()):
+                drain(head, None)
+            else:
+                self.wake()  # it waits (a retry later, a copy): the full look times it
+
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                try:
+                    due_in: float | None = None
+                    if time.monotonic() >= self._retry_at:
+                        heads, due_in = self._due_heads(busy=set(active))
+                        for head, n in heads:
+                            drain(head, n)
+                except Exception:  # noqa: BLE001 - the worker must not die: a locked database
+                    log.exception("outbox: delivery round failed; trying again shortly")
+                    self._retry_at = time.monotonic() + 1.0
+                    due_in = 1.0
+                if self._stopping:
+                    break
+                timeout = min(self.max_idle, self._retry_at - time.monotonic()
+                              if self._retry_at > time.monotonic() else self.max_idle,
+                              self.max_idle if due_in is None else due_in)
+                if timeout > 0 and not self._wake.is_set():
+                    await self._sleep(timeout)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            drains = list(active.values())
+            me = asyncio.current_task()
+            # (A cancel can also arrive as the wake-up wait ends, which then swallows it.)
+            cancelled = cancelled or (me is not None and me.cancelling() > 0)
+            try:
+                if drains and not cancelled:
+                    await asyncio.wait(drains)  # they stop at their next row
+            finally:
+                for task in drains:
+                    task.cancel()  # a send under way stays `sending`; recover() puts it back
+                if drains:
+                    await asyncio.wait(drains)
 
     # ------------------------------------------------------------------ queries
     def _heads(self) -> list[OutboxRow]:
@@ -186,17 +284,47 @@ class OutboxWorker:
         return max(0.0, (from_iso(soonest) - utc_now()).total_seconds())
 
     # ------------------------------------------------------------------ delivery
+    def _due_heads(self, busy: Collection[str] = ()
+                   ) -> tuple[list[tuple[OutboxRow, int]], float | None]:
+        """The head row of every chat (but those in `busy`) whose head is due now, with the
+        chat's number of unfinished rows; and the seconds until the next of the other heads
+        is due (None if none waits)."""
+        now = now_iso()
+        rows = self.db.query(
+            """SELECT o.*, h.n AS unfinished FROM outbox o JOIN (
+                   SELECT chat_jid, MIN(id) AS id, COUNT(*) AS n FROM outbox
+                   WHERE status IN ('pending', 'sending') GROUP BY chat_jid) h ON o.id = h.id
+               ORDER BY o.id""")
+        due, later = [], ""
+        for r in rows:
+            h = _to_row(r)
+            if h.status != "pending" or h.waiting_for_copy or h.chat_jid in busy:
+                continue
+            if (h.next_attempt_at or "") <= now:
+                due.append((h, int(r["unfinished"])))
+            elif not later or (h.next_attempt_at or "") < later:
+                later = h.next_attempt_at or ""
+        due_in = None if not later else max(0.0, (from_iso(later) - utc_now()).total_seconds())
+        return due, due_in
+
+    def _head(self, jid: str) -> OutboxRow | None:
+        """The chat's oldest unfinished row (a seek in idx_outbox_chat)."""
+        r = self.db.query_one(
+            "SELECT * FROM outbox WHERE chat_jid = ? AND status IN ('pending', 'sending') "
+            "ORDER BY id LIMIT 1", (jid,))
+        return None if r is None else _to_row(r)
+
     async def run_once(self, per_chat: int | None = None) -> int:
         """Deliver every row that is due now (at most `per_chat` of each chat); return how
         many rows reached sent or failed."""
-        now = now_iso()
-        heads = [(h.chat_jid, h.id) for h in self._heads()
-                 if h.status == "pending" and not h.waiting_for_copy
-                 and (h.next_attempt_at or "") <= now]
+        heads, _ = self._due_heads()
         if not heads:
             return 0
-        counts = await asyncio.gather(*(self._drain_chat(jid, hid, per_chat)
-                                        for jid, hid in heads))
+        try:
+            counts = await asyncio.gather(*(self._drain_chat(h, n, per_chat)
+                                            for h, n in heads))
+        finally:
+            self._flush()
         return sum(counts)
 
     def _next_rows(self, jid: str, after: int, limit: int = 64) -> list[OutboxRow]:
@@ -208,73 +336,150 @@ class OutboxWorker:
             "('pending', 'sending') ORDER BY id LIMIT ?", (jid, after, limit))
         return [_to_row(r) for r in rows]
 
-    async def _drain_chat(self, jid: str, head_id: int, limit: int | None = None) -> int:
-        """Deliver the chat's rows in order until one is not due, waits or fails (or
-        `limit` were delivered)."""
-        done = 0
-        unmarked: OutboxRow | None = None  # sent; its `sent` mark goes with the next claim
+    async def _drain_chat(self, head: OutboxRow, unfinished: int | None,
+                          limit: int | None = None) -> int:
+        """Deliver the chat's rows in order, from `head` (its oldest unfinished row; the
+        chat had `unfinished` such rows; None: unknown), until one is not due, waits or fails
+        (or `limit` were delivered).
+
+        Rows are claimed up to BATCH at a time. Claims and `sent` marks are not written one
+        by one: the drains of all chats ask for them, and one transaction per turn of the
+        event loop (_flush) writes what was asked for. A delivered row is marked the next
+        time this drain waits for anything (the claim of its next batch, a send that waits
+        on the network, the end of the drain), so a crash sends again at most the rows
+        delivered since the drain last waited: at most BATCH per chat, and only the row in
+        flight when the chat service's send waits on the network. Claimed rows not yet tried
+        go back to `pending` (their try not counted) when the drain stops early."""
+        jid = head.chat_jid
+        done = taken = 0
+        claimed: collections.deque[OutboxRow] = collections.deque()  # `sending`, not tried
         async with self._sem:
-            after = head_id - 1
+            after = head.id - 1
+            ch = channel_for(self.channels, jid)
             try:
                 while not self._stopping:
-                    rows = self._next_rows(jid, after)
-                    if not rows:
+                    if not claimed:
+                        want = BATCH if limit is None else min(BATCH, limit - done)
+                        if want <= 0 or (unfinished is not None and taken >= unfinished):
+                            # Every row the chat had was taken: rows added since go in the
+                            # next round (whatever added them woke the worker).
+                            return done
+                        if unfinished == 1:
+                            due = [head]
+                        else:
+                            due = self._due_rows(jid, after, want if unfinished is None
+                                                 else min(want, unfinished - taken))
+                        if not due:
+                            return done
+                        if ch is not None and not ch.is_connected():
+                            # An outage delays messages, it does not use up their tries:
+                            # look again soon.
+                            self._defer(due[0], f"waiting: the {ch.name} channel is not "
+                                        "connected")
+                            return done
+                        claimed.extend(await self._claim(due))
+                        taken += len(due)
+                        if not claimed:
+                            return done
+                        continue
+                    row = claimed[0]
+                    if ch is not None and not ch.is_connected():
+                        self._defer(row, f"waiting: the {ch.name} channel is not connected")
                         return done
-                    now = now_iso()
-                    for row in rows:
-                        if (self._stopping or row.status != "pending" or row.waiting_for_copy
-                                or (row.next_attempt_at or "") > now):
-                            return done
-                        prev, unmarked = unmarked, None
-                        finished, unmarked = await self._deliver(row, prev)
-                        if not finished:
-                            return done
-                        done += 1
-                        after = row.id
-                        if limit is not None and done >= limit:
-                            return done
-                        if done % YIELD_EVERY == 0:
-                            # A chat service's send usually waits on the network; one that
-                            # does not must still let the IPC loop and other chats run.
-                            # No row stays `sending` over the pause.
-                            if unmarked is not None:
-                                self._mark_sent(unmarked)
-                                unmarked = None
-                            await asyncio.sleep(0)
+                    claimed.popleft()  # in flight: stays `sending` if this is cancelled
+                    finished, ok = await self._deliver(ch, row)
+                    if ok:
+                        self._marks.append(row)
+                        self._schedule_flush()
+                    elif not finished:
+                        return done  # rescheduled: later rows of the chat wait behind it
+                    done += 1
+                    after = row.id
+                    if limit is not None and done >= limit:
+                        return done
             finally:
-                if unmarked is not None:
-                    self._mark_sent(unmarked)
+                if claimed:
+                    self._releases.extend(claimed)
+                    self._schedule_flush()
         return done
 
-    def _claim(self, row: OutboxRow, sent: OutboxRow | None = None) -> bool:
-        """Mark `row` as being sent; `sent` (the chat's previous row, just delivered) is
-        marked sent in the same transaction."""
+    def _due_rows(self, jid: str, after: int, limit: int) -> list[OutboxRow]:
+        """The chat's next rows after `after` that can go now: up to `limit`, stopping at
+        the first that is not pending, waits for its copy or is not due."""
         now = now_iso()
-        with self.db.transaction() as c:
-            if sent is not None:
-                self._sent_in(c, sent, now)
-            claimed = c.execute(
-                "UPDATE outbox SET status = 'sending', attempts = attempts + 1, updated_at = ? "
-                "WHERE id = ? AND status = 'pending'", (now, row.id)).rowcount == 1
-        if sent is not None:
-            self._after_sent(sent)
-        return claimed
+        due = []
+        for row in self._next_rows(jid, after, limit):
+            if (row.status != "pending" or row.waiting_for_copy
+                    or (row.next_attempt_at or "") > now):
+                break
+            due.append(row)
+        return due
 
-    @staticmethod
-    def _sent_in(c: Any, row: OutboxRow, now: str) -> None:
-        c.execute("UPDATE outbox SET status = 'sent', sent_at = ?, updated_at = ?, "
-                  "next_attempt_at = NULL WHERE id = ?", (now, now, row.id))
-        c.execute("DELETE FROM outbox_progress WHERE outbox_id = ?", (row.id,))
+    async def _claim(self, rows: list[OutboxRow]) -> list[OutboxRow]:
+        """Mark `rows` (a chat's next due rows, in order) as being sent, a try counted for
+        each, at the next _flush. Returns the rows claimed: the leading ones that were still
+        pending (in practice all)."""
+        fut: asyncio.Future[list[OutboxRow]] = asyncio.get_running_loop().create_future()
+        self._claims.append((rows, fut))
+        self._schedule_flush()
+        return await fut
 
-    def _mark_sent(self, row: OutboxRow) -> None:
-        with self.db.transaction() as c:
-            self._sent_in(c, row, now_iso())
-        self._after_sent(row)
+    def _schedule_flush(self) -> None:
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
 
-    def _after_sent(self, row: OutboxRow) -> None:
-        log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
-                 row.attempts + 1)
-        self._callback(self.on_sent, row.id)
+    def _flush(self) -> None:
+        """Write the claims, `sent` marks and releases asked for since the last flush, in
+        one transaction; then answer the claims and call `on_sent` for the rows marked."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        claims, self._claims = self._claims, []
+        marks, self._marks = self._marks, []
+        releases, self._releases = self._releases, []
+        if not (claims or marks or releases):
+            return
+        now = now_iso()
+        got: list[list[OutboxRow]] = []
+        try:
+            with self.db.transaction() as c:
+                if marks:
+                    c.executemany(_SENT_SQL, [(now, now, r.id) for r in marks])
+                    c.executemany(_PROGRESS_SQL, [(r.id,) for r in marks])
+                if releases:
+                    c.executemany(_RELEASE_SQL, [(now, r.id) for r in releases])
+                for rows, _ in claims:
+                    ids = {r[0] for r in c.execute(_CLAIM_SQL, (
+                        now, "[" + ",".join(str(r.id) for r in rows) + "]"))}
+                    n = 0
+                    while n < len(rows) and rows[n].id in ids:
+                        n += 1
+                    if n < len(ids):  # a gap: rows after it wait behind it, untried
+                        c.executemany(_RELEASE_SQL,
+                                      [(now, r.id) for r in rows[n:] if r.id in ids])
+                    got.append(rows[:n])
+        except Exception as e:
+            # Nothing was written (a locked database, say): the marks and releases are
+            # asked for again at the next flush; the claims fail their drains.
+            self._marks[:0] = marks
+            self._releases[:0] = releases
+            for _, fut in claims:
+                if not fut.done():
+                    fut.set_exception(e)
+            if not claims:
+                raise
+            return
+        for (_, fut), rows in zip(claims, got, strict=True):
+            if not fut.done():
+                fut.set_result(rows)
+        for row in marks:
+            log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
+                     row.attempts + 1)
+            if self.on_sent is not None:
+                # The row as written: no need to read it back.
+                self._call(self.on_sent, dataclasses.replace(
+                    row, status="sent", attempts=row.attempts + 1, sent_at=now,
+                    updated_at=now, next_attempt_at=None))
 
     def _parts_sent(self, row_id: int) -> int:
         r = self.db.query_one("SELECT parts_sent FROM outbox_progress WHERE outbox_id = ?",
@@ -312,20 +517,11 @@ class OutboxWorker:
         else:
             raise ChannelError(f"unknown outbox kind {row.kind!r}", permanent=True)
 
-    async def _deliver(self, row: OutboxRow, sent: OutboxRow | None = None
-                       ) -> tuple[bool, OutboxRow | None]:
-        """One attempt at `row`, after marking `sent` (the chat's previous row, delivered)
-        sent. Returns (True if it reached sent or failed, False if rescheduled; the row if it
-        was delivered and its `sent` mark is still to be written, else None)."""
-        ch = channel_for(self.channels, row.chat_jid)
-        if ch is not None and not ch.is_connected():
-            if sent is not None:
-                self._mark_sent(sent)
-            # An outage delays messages, it does not use up their tries: look again soon.
-            self._defer(row, f"waiting: the {ch.name} channel is not connected")
-            return False, None
-        if not self._claim(row, sent):
-            return False, None
+    async def _deliver(self, ch: Channel | None, row: OutboxRow) -> tuple[bool, bool]:
+        """One attempt at `row` (claimed: `sending`, its try counted), through `ch` (the
+        chat's channel; None if no channel serves it). Returns (True if it reached sent or
+        failed, False if rescheduled; True if it was delivered, its `sent` mark still to be
+        written)."""
         attempt = row.attempts + 1
         try:
             if ch is None:
@@ -337,7 +533,7 @@ class OutboxWorker:
         except ChannelError as e:
             reason = ch.redact(str(e)) if ch else str(e)
             return self._count_failed(ch, self._failed_attempt(
-                row, attempt, reason, e.permanent, e.retry_after)), None
+                row, attempt, reason, e.permanent, e.retry_after)), False
         except Exception as e:  # noqa: BLE001 - a channel's bug is a failed attempt, not a crash
             # A channel bug: keep the type for the record; the text might hold anything
             # (a token, say), so neither it nor a traceback is logged.
@@ -345,12 +541,12 @@ class OutboxWorker:
                       ch.name if ch else "?", type(e).__name__, row.id)
             return self._count_failed(ch, self._failed_attempt(
                 row, attempt, f"internal error in the {ch.name if ch else '?'} channel: "
-                f"{type(e).__name__}", False, None)), None
+                f"{type(e).__name__}", False, None)), False
         metrics.outbox_attempts.get(ch.name, "sent").inc()
         with contextlib.suppress(ValueError):
             metrics.outbox_delivery.get(ch.name).observe(
                 (utc_now() - from_iso(row.created_at)).total_seconds())
-        return True, row
+        return True, True
 
     @staticmethod
     def _count_failed(ch: Channel | None, finished: bool) -> bool:
@@ -393,14 +589,17 @@ class OutboxWorker:
         if cb is None:
             return
         row = get_row(self.db, row_id)
-        if row is None:
-            return
+        if row is not None:
+            self._call(cb, row)
+
+    @staticmethod
+    def _call(cb: RowCallback, row: OutboxRow) -> None:
         try:
             result = cb(row)
             if asyncio.iscoroutine(result):
                 asyncio.ensure_future(result)
         except Exception:  # noqa: BLE001 - the owner's callback: the row is already final
-            log.exception("outbox: result callback failed for message %d", row_id)
+            log.exception("outbox: result callback failed for message %d", row.id)
 
 
 def service_replier(db: Database, wake: Callable[[], None]) -> Callable[[str, str, str | None],
@@ -434,6 +633,18 @@ def spool_cleaner(spool_dir: Path) -> RowCallback:
                 path.unlink()
 
     return clean
+
+
+_SENT_SQL = ("UPDATE outbox SET status = 'sent', sent_at = ?, updated_at = ?, "
+             "next_attempt_at = NULL WHERE id = ?")
+# `+status`: look the ids up by rowid (without it SQLite walks every pending row of the
+# status index and tests each against the list).
+_CLAIM_SQL = ("UPDATE outbox SET status = 'sending', attempts = attempts + 1, updated_at = ? "
+              "WHERE id IN (SELECT value FROM json_each(?)) AND +status = 'pending' "
+              "RETURNING id")
+_PROGRESS_SQL = "DELETE FROM outbox_progress WHERE outbox_id = ?"
+_RELEASE_SQL = ("UPDATE outbox SET status = 'pending', attempts = attempts - 1, updated_at = ? "
+                "WHERE id = ? AND status = 'sending'")
 
 
 def _to_row(r: Any) -> OutboxRow:

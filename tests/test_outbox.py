@@ -442,3 +442,106 @@ def test_spooled_copies_are_removed_once_final(tmp_path: Path) -> None:
     asyncio.run(main())
     assert not (spool / "sent.txt").exists() and not (spool / "failed.txt").exists()
     assert mine.read_text() == "not in the spool"
+
+
+SLOW_ON_20 = textwrap.dedent("""
+    import asyncio, sys
+    from mdclaw.channels.base import Channel
+    from mdclaw.outbox import OutboxWorker
+    from mdclaw.state import Database
+
+    class Fast(Channel):
+        # Answers at once (no wait on the network), except message 20, whose send hangs.
+        name = "fake"; jid_prefix = "fk:"
+        async def connect(self): pass
+        async def disconnect(self): pass
+        def is_connected(self): return True
+        async def send_message(self, jid, text, **kw):
+            print(text, flush=True)
+            if text == "m20":
+                await asyncio.sleep(3600)
+        async def send_file(self, *a, **kw): pass
+        async def react(self, *a, **kw): pass
+        async def set_typing(self, *a, **kw): pass
+
+    async def main():
+        w = OutboxWorker(Database(sys.argv[1]), [Fast()])
+        await w.start()
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+def test_kill_9_during_a_burst_sends_again_only_what_was_not_recorded(tmp_path: Path) -> None:
+    """Rows are claimed in batches and marked sent together: after kill -9 every row still
+    arrives, and what arrives twice is bounded (here the one send that was waiting)."""
+    from mdclaw.outbox import BATCH
+
+    db_path = tmp_path / "s.db"
+    db = Database(db_path)
+    ids = [put(db, text=f"m{i}") for i in range(1, 51)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_ON_20, str(db_path)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    first: list[str] = []
+    try:
+        while not first or first[-1] != "m20":
+            line = proc.stdout.readline()
+            assert line, "the worker exited"
+            first.append(line.strip())
+        deadline = time.monotonic() + 10
+        while status(db, ids[18]) != "sent":  # m19's mark follows the wait of m20's send
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert first == [f"m{i}" for i in range(1, 21)]
+
+    async def main() -> None:
+        ch = ScriptedChannel()
+        w = OutboxWorker(db, [ch], policy=FAST)
+        await w.start()
+        try:
+            await wait_until(lambda: outbox_counts(db)["sent"] == 50)
+        finally:
+            await w.stop()
+        again = [t for _, t in ch.sent]
+        assert again == [f"m{i}" for i in range(20, 51)]  # in order; only m20 twice
+        assert len(set(first) & set(again)) <= BATCH
+
+    asyncio.run(main())
+    db.close()
+
+
+def test_a_failed_send_puts_the_rest_of_its_batch_back_untried(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = ScriptedChannel()
+        a, b, c = (put(db, text=t) for t in ("a", "b", "c"))
+        orig = ch.send_message
+
+        async def second_fails(jid, text, **kw):
+            if text == "b" and get_row(db, b).attempts == 1:
+                raise ChannelError("502 bad gateway")
+            return await orig(jid, text, **kw)
+
+        ch.send_message = second_fails  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST)
+        await w.run_once()
+        assert ch.sent == [("fk:1", "a")]
+        ra, rb, rc = get_row(db, a), get_row(db, b), get_row(db, c)
+        assert (ra.status, ra.attempts) == ("sent", 1)
+        assert (rb.status, rb.attempts) == ("pending", 1)
+        assert (rc.status, rc.attempts) == ("pending", 0)  # claimed, never tried: not counted
+        await asyncio.sleep(0.15)
+        await w.run_once()
+        assert [t for _, t in ch.sent] == ["a", "b", "c"]
+        assert get_row(db, c).attempts == 1
+        db.close()
+
+    asyncio.run(main())

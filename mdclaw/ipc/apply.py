@@ -346,6 +346,7 @@ class IpcEngine:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
         done: dict[tuple[str, str], set[str]] = {}
+        removals: list[Item] = []
         for it in items:
             if it.outcome == "deferred":
                 res.deferred += 1
@@ -356,7 +357,7 @@ class IpcEngine:
                 continue
             final = it.ledger_outcome if it.outcome == "done" else it.outcome
             if final == "applied":
-                self._remove_if_same(it)
+                removals.append(it)
             else:
                 self.quarantine.put(it.folder, it.dir_fd, it.sub, it.name,
                                     it.reason or "rejected", now)
@@ -372,6 +373,7 @@ class IpcEngine:
                 res.rejected += 1
                 metrics.IPC_COMMIT.observe(committed)
                 metrics.ipc_commands.get(it.ctype or "invalid", it.folder, "quarantined").inc()
+        self._remove_if_same(removals)
         for (folder, sub), names in done.items():
             gd = self.dirs.get(folder)
             if gd is not None:
@@ -400,11 +402,13 @@ class IpcEngine:
                     hits[(folder, r[0], r[1])] = (r[2], r[3])
         return hits
 
-    def _remove_if_same(self, it: Item) -> None:
+    def _remove_if_same(self, items: list[Item]) -> None:
         if self.remover is not None:
-            self.remover.submit((it.folder, it.sub, it.name), it.dir_fd, it.gen)
+            self.remover.submit([((it.folder, it.sub, it.name), it.dir_fd, it.gen)
+                                 for it in items])
         else:
-            remove_if_same(it.dir_fd, it.name, it.gen)
+            for it in items:
+                remove_if_same(it.dir_fd, it.name, it.gen)
 
     def _spool_now(self) -> None:
         spool_pending(self.cfg, self.db, self.layout)
@@ -708,33 +712,47 @@ class BackgroundRemover:
 
     def __init__(self) -> None:
         self.keys: set[tuple[str, str, str]] = set()
-        self._q: queue.SimpleQueue[tuple[tuple[str, str, str], int, str] | None] = (
+        self._q: queue.SimpleQueue[
+            tuple[list[tuple[tuple[str, str, str], int, str]], list[int]] | None] = (
             queue.SimpleQueue())
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ipc-remove", daemon=True)
         self._thread.start()
 
-    def submit(self, key: tuple[str, str, str], dir_fd: int, gen: str) -> None:
-        """Queue the removal of file key=(folder, sub, name) in the open folder `dir_fd`."""
-        fd = os.dup(dir_fd)  # the engine may close its own fd (a folder swapped) meanwhile
+    def submit(self, files: list[tuple[tuple[str, str, str], int, str]]) -> None:
+        """Queue the removal of files (key=(folder, sub, name), the open folder's fd, the
+        generation read): one job for a batch's files, one wake-up of the thread."""
+        if not files:
+            return
+        dups: dict[int, int] = {}
+        jobs = []
+        for key, dir_fd, gen in files:
+            fd = dups.get(dir_fd)
+            if fd is None:
+                # The engine may close its own fd (a folder swapped) meanwhile.
+                fd = dups[dir_fd] = os.dup(dir_fd)
+            jobs.append((key, fd, gen))
         with self._cond:
-            self.keys.add(key)
-        self._q.put((key, fd, gen))
+            self.keys.update(key for key, _, _ in files)
+        self._q.put((jobs, list(dups.values())))
 
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
-            key, fd, gen = job
+            files, fds = job
             try:
-                remove_if_same(fd, key[2], gen)
-            except OSError as e:
-                log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
+                for key, fd, gen in files:
+                    try:
+                        remove_if_same(fd, key[2], gen)
+                    except OSError as e:
+                        log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
             finally:
-                os.close(fd)
+                for fd in fds:
+                    os.close(fd)
                 with self._cond:
-                    self.keys.discard(key)
+                    self.keys.difference_update(key for key, _, _ in files)
                     self._cond.notify_all()
 
     def flush(self, timeout: float = 60.0) -> bool:
