@@ -66,6 +66,10 @@ class Grant:
     csrf: str | None
 
 
+# Where a checked request carries its grant (for the handlers behind the check).
+GRANT = web.RequestKey("operator_grant", Grant)
+
+
 def is_loopback_address(host: str | None) -> bool:
     if not host:
         return False
@@ -206,7 +210,7 @@ class Access:
             got = self.check(request)
             if isinstance(got, web.Response):
                 return got
-            request["operator_grant"] = got
+            request[GRANT] = got
             return await handler(request)
         return guarded
 
@@ -224,6 +228,6 @@ class Access:
             checked = self.check(request)
             if isinstance(checked, web.Response):
                 return checked
-            request["operator_grant"] = checked
+            request[GRANT] = checked
             return await handler(request)
         return guard

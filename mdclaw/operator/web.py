@@ -25,7 +25,7 @@ from aiohttp import web
 from mdclaw import schedule
 from mdclaw.ipc.quarantine import QuarantineError
 from mdclaw.operator import views
-from mdclaw.operator.access import Access
+from mdclaw.operator.access import GRANT, Access
 from mdclaw.state.outbox import OutboxError
 from mdclaw.state.tasks import TaskError
 from mdclaw.webassets import PageAssets
@@ -90,7 +90,7 @@ def build_app(d: Any, access: Access) -> web.Application:
         return access.logout(request)
 
     async def session(request: web.Request) -> web.Response:
-        grant = request["operator_grant"]
+        grant = request[GRANT]
         return _json({"auth": grant.how, "csrf": grant.csrf})
 
     def view(fn: Callable[[Any], Any], *, blocking: bool = False) -> Any:
