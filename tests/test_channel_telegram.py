@@ -167,6 +167,20 @@ def run(coro_fn):
     asyncio.run(main())
 
 
+async def restart_asks_after(api: Any, db: Any, last: int) -> None:
+    """A new channel over the same database asks Telegram for the updates after `last` and
+    hands nothing over twice."""
+    api.offsets.clear()
+    again: list[InboundMessage] = []
+    second = TelegramChannel(TOKEN, api_base=api.base, on_inbound=again.append,
+                             poll_timeout=1, db=db)
+    await second.connect()
+    # its first poll answered (nothing) and handled: the second poll has begun
+    await wait_until(lambda: len(api.offsets) >= 2)
+    await second.disconnect()
+    assert api.offsets[0] == last + 1
+    assert again == []  # nothing handed over twice
+
 def test_inbound_text_and_captions_reach_the_callback() -> None:
     async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
         await ch.connect()
@@ -517,16 +531,7 @@ def test_the_offset_survives_a_restart(tmp_path) -> None:
             last = max(u["update_id"] for u in api.updates)
             await wait_until(lambda: (last + 1) in api.offsets)
             await first.disconnect()
-            api.offsets.clear()
-            again: list[InboundMessage] = []
-            second = TelegramChannel(TOKEN, api_base=api.base, on_inbound=again.append,
-                                     poll_timeout=1, db=db)
-            await second.connect()
-            # its first poll answered (nothing) and handled: the second poll has begun
-            await wait_until(lambda: len(api.offsets) >= 2)
-            await second.disconnect()
-            assert api.offsets[0] == last + 1
-            assert again == []  # nothing handed over twice
+            await restart_asks_after(api, db, last)
         finally:
             await api.stop()
 
@@ -893,14 +898,7 @@ def test_the_offset_is_written_off_the_event_loop_and_kept_across_restart(tmp_pa
             last = max(u["update_id"] for u in api.updates)
             assert _stored_offset(path) == str(last + 1)
 
-            api.offsets.clear()
-            again: list[InboundMessage] = []
-            second = TelegramChannel(TOKEN, api_base=api.base, on_inbound=again.append,
-                                     poll_timeout=1, db=db)
-            await second.connect()
-            await wait_until(lambda: len(api.offsets) >= 2)
-            await second.disconnect()
-            assert api.offsets[0] == last + 1 and again == []
+            await restart_asks_after(api, db, last)
         finally:
             blocker.close()
             await api.stop()

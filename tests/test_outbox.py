@@ -291,30 +291,40 @@ def test_delivery_to_the_local_http_channel(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-CRASHING_WORKER = textwrap.dedent("""
-    import asyncio, sys
-    from mdclaw.channels.base import Channel
-    from mdclaw.outbox import OutboxWorker
-    from mdclaw.state import Database
+def worker_script(send_body: str) -> str:
+    """A process running the outbox worker over the database in argv[1] with a fake chat
+    service whose send_message(jid, text) runs `send_body` (indented 8 spaces); for the
+    kill -9 tests."""
+    return textwrap.dedent("""
+        import asyncio, sys
+        from mdclaw.channels.base import Channel
+        from mdclaw.outbox import OutboxWorker
+        from mdclaw.state import Database
 
-    class Stuck(Channel):
-        name = "fake"; jid_prefix = "fk:"
-        async def connect(self): pass
-        async def disconnect(self): pass
-        def is_connected(self): return True
-        async def send_message(self, jid, text, **kw):
-            print("sending", flush=True)
+        class Fake(Channel):
+            name = "fake"; jid_prefix = "fk:"
+            async def connect(self): pass
+            async def disconnect(self): pass
+            def is_connected(self): return True
+            async def send_message(self, jid, text, **kw):
+        %s
+            async def send_file(self, *a, **kw): pass
+            async def react(self, *a, **kw): pass
+            async def set_typing(self, *a, **kw): pass
+
+        async def main():
+            w = OutboxWorker(Database(sys.argv[1]), [Fake()])
+            await w.start()
             await asyncio.sleep(3600)
-        async def send_file(self, *a, **kw): pass
-        async def react(self, *a, **kw): pass
-        async def set_typing(self, *a, **kw): pass
 
-    async def main():
-        w = OutboxWorker(Database(sys.argv[1]), [Stuck()])
-        await w.start()
-        await asyncio.sleep(3600)
+        asyncio.run(main())
+    """) % textwrap.indent(textwrap.dedent(send_body).strip("\n"), " " * 8)
 
-    asyncio.run(main())
+
+# Its send never returns.
+CRASHING_WORKER = worker_script("""
+    print("sending", flush=True)
+    await asyncio.sleep(3600)
 """)
 
 
@@ -444,32 +454,11 @@ def test_spooled_copies_are_removed_once_final(tmp_path: Path) -> None:
     assert mine.read_text() == "not in the spool"
 
 
-SLOW_ON_20 = textwrap.dedent("""
-    import asyncio, sys
-    from mdclaw.channels.base import Channel
-    from mdclaw.outbox import OutboxWorker
-    from mdclaw.state import Database
-
-    class Fast(Channel):
-        # Answers at once (no wait on the network), except message 20, whose send hangs.
-        name = "fake"; jid_prefix = "fk:"
-        async def connect(self): pass
-        async def disconnect(self): pass
-        def is_connected(self): return True
-        async def send_message(self, jid, text, **kw):
-            print(text, flush=True)
-            if text == "m20":
-                await asyncio.sleep(3600)
-        async def send_file(self, *a, **kw): pass
-        async def react(self, *a, **kw): pass
-        async def set_typing(self, *a, **kw): pass
-
-    async def main():
-        w = OutboxWorker(Database(sys.argv[1]), [Fast()])
-        await w.start()
+# Answers at once (no wait on the network), except message 20, whose send hangs.
+SLOW_ON_20 = worker_script("""
+    print(text, flush=True)
+    if text == "m20":
         await asyncio.sleep(3600)
-
-    asyncio.run(main())
 """)
 
 
