@@ -727,6 +727,8 @@ class ContainerRunner:
             if self._spares.get(folder) is spare:
                 del self._spares[folder]
             return
+        if spare.claimed:  # a run waits for it to start it (or to discard it)
+            return
         if self._closing or self._spares.get(folder) is not spare:
             self._discard(spare)
             return
@@ -749,6 +751,7 @@ class ContainerRunner:
         spare = self._spares.pop(folder, None)
         if spare is None:
             return None
+        spare.claimed = True  # not in _spares any more, yet not superseded: not discarded
         if spare.expiry is not None:
             spare.expiry.cancel()
         assert spare.task is not None
@@ -936,6 +939,7 @@ class _Spare:
         self.name = ""
         self.id: str | None = None  # set once the engine created it
         self.expiry: asyncio.TimerHandle | None = None
+        self.claimed = False  # a run took it (`_claim_spare`): that run decides its fate
 
 
 def _spec_key(spec: RunSpec) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from mdclaw.config import Config
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
-from mdclaw.runtime import install_labels
+from mdclaw.runtime import RunSpec, install_labels
 from mdclaw.runtime.docker_engine import DockerRuntime
 
 pytestmark = pytest.mark.e2e
@@ -165,6 +165,42 @@ def test_keep_created_turned_off_by_a_reload_discards_the_spare(tmp_path, engine
         # and none is made for the next run: a run that keeps one registers it before it
         # returns (its creation goes on in the background)
         assert "family" not in runner._spares
+        await runner.aclose()
+
+    asyncio.run(go())
+    assert engine.list(labels) == []
+
+
+class SlowCreate(DockerRuntime):
+    """The real engine, with container creation taking a while (a loaded machine)."""
+
+    def create(self, spec: RunSpec) -> str:
+        time.sleep(1.5)
+        return super().create(spec)
+
+
+def test_a_run_that_comes_while_its_container_is_being_created_starts_it(
+        tmp_path, engine, plain_image, install_id, reap) -> None:
+    """The next run claims the spare while the engine still creates it: it waits for it and
+    starts it. (The creation, when it ended, used to take the claimed spare for a superseded
+    one and remove it under the run: 'does not exist in database', or exit 137 when the
+    removal came just after the start.)"""
+    cfg = config(tmp_path, install_id, plain_image)
+    labels = install_labels(cfg)
+    reap(labels)
+
+    async def go() -> None:
+        runner = ContainerRunner(cfg, SlowCreate(engine.base_url, engine=engine.engine))
+        first = await runner.run("family", inp("one"))
+        assert first.status == "success", first
+        spares = runner._spares  # noqa: SLF001 - the spare being created has no id yet
+        assert "family" in spares and spares["family"].id is None  # still being created
+        while not spares["family"].name:
+            await asyncio.sleep(0.01)
+        name = spares["family"].name
+        second = await runner.run("family", inp("two"))
+        assert second.status == "success", second
+        assert second.name == name, (second.name, name)  # the spare ran this turn
         await runner.aclose()
 
     asyncio.run(go())
