@@ -25,6 +25,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` different free ports: all bound at once, so the kernel cannot hand one out twice
+    (two free_port() calls in a row can return the same port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 @contextmanager
 def running_daemon(config: Path, port: int, *,
                    ready: str | urllib.request.Request | None = None

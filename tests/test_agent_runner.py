@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -254,15 +255,32 @@ def test_parse_outputs_reads_every_pair() -> None:
 def test_watcher_latency_with_inotify(tmp_path: Path) -> None:
     from mdclaw_agent.ipc import InputWatcher
 
-    w = InputWatcher(tmp_path / "input", poll_seconds=5.0)  # a poll would take 5 s
+    w = InputWatcher(tmp_path / "input", poll_seconds=60.0)  # a poll would take a minute
     assert w.uses_inotify
-    try:
-        t0 = time.monotonic()
+    written: list[float] = []
+    waiting = threading.Event()
+    real_wait = w._wait  # noqa: SLF001
+
+    def noted_wait(seconds: float) -> None:
+        waiting.set()
+        real_wait(seconds)
+
+    w._wait = noted_wait  # noqa: SLF001 - to write only once it waits
+
+    def write_later() -> None:
+        # Only once next() has scanned the empty folder and waits: the file is news to it.
+        assert waiting.wait(20)
+        written.append(time.monotonic())
         write_input(tmp_path / "input", {"text": "ping"}, "1-a.json")
-        item = w.next(timeout=3)
+
+    writer = threading.Thread(target=write_later)
+    try:
+        writer.start()
+        item = w.next(timeout=20)  # only inotify can wake it before the poll
         assert item is not None and item.text == "ping"
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - written[0] < 5
     finally:
+        writer.join()
         w.close()
 
 

@@ -477,6 +477,7 @@ def test_an_outage_delays_messages_without_using_up_their_tries(tmp_path: Path) 
                 rid = enqueue(c, chat_jid="tg:7", kind="text", text="after the outage",
                               source_group="main")
             w.wake()
+            await wait_until(lambda: get_row(db, rid).last_error)  # the worker looked at it
             await asyncio.sleep(1.5)  # far longer than two tries would take
             row = get_row(db, rid)
             assert row.status == "pending" and row.attempts == 0

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from operator_helpers import REPO, free_port, running_daemon
+from operator_helpers import REPO, free_ports, running_daemon
 from test_operator_access import non_loopback_address
 
 TOKEN = "metrics-test-token"
@@ -93,7 +93,7 @@ def wait_for(what: str, check, timeout: float = 30.0):  # noqa: ANN001, ANN201
 
 
 def test_series_move_when_commands_are_applied(tmp_path: Path) -> None:
-    port, mport = free_port(), free_port()
+    port, mport = free_ports(2)
     cfg = write_config(tmp_path, listen=f"127.0.0.1:{port}",
                        metrics_listen=f"127.0.0.1:{mport}", secret=True)
     data = tmp_path / "data"
@@ -162,7 +162,7 @@ def test_without_a_token_only_loopback_clients_may_scrape(tmp_path: Path) -> Non
     addr = non_loopback_address()
     if addr is None:
         pytest.skip("this machine has no non-loopback address to connect from")
-    port, mport = free_port(), free_port()
+    port, mport = free_ports(2)
     cfg = write_config(tmp_path, listen=f"0.0.0.0:{port}", metrics_listen=f"0.0.0.0:{mport}",
                        secret=False)
     with running_daemon(cfg, port):
@@ -178,7 +178,7 @@ def test_without_a_token_only_loopback_clients_may_scrape(tmp_path: Path) -> Non
 
 
 def test_separate_listener_without_the_http_channel(tmp_path: Path) -> None:
-    port, mport = free_port(), free_port()
+    port, mport = free_ports(2)
     cfg = write_config(tmp_path, listen=f"127.0.0.1:{port}",
                        metrics_listen=f"127.0.0.1:{mport}", secret=True, http=False)
     murl = f"http://127.0.0.1:{mport}/metrics"

@@ -144,7 +144,7 @@ def test_every_view_in_chromium(tmp_path: Path, cli) -> None:
                 assert "no container is running" in text
                 extra = fail_row(db, "one more", "timed out")
                 await page.wait_for("document.getElementById('outbox-counts').innerText"
-                                    ".includes('failed: 3')", timeout=5)
+                                    ".includes('failed: 3')")
                 assert await page.js("window.__loaded") == 1  # the same page: not reloaded
                 with db.transaction() as c:
                     c.execute("DELETE FROM outbox WHERE id = ?", (extra,))

@@ -46,6 +46,13 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def until(cond) -> None:  # noqa: ANN001
+    """Wait for `cond()` (checked every 5 ms); run()'s 30 s bound fails a test that waits
+    for ever."""
+    while not cond():
+        await asyncio.sleep(0.005)
+
+
 def test_one_job_per_group_and_the_global_cap() -> None:
     rec = Recorder(duration=0.03)
 
@@ -172,10 +179,10 @@ def test_a_retrying_job_keeps_its_group_order_and_does_not_block_others() -> Non
     rec = Recorder(duration=0.0, fail={"m1": 1})
 
     async def go():
-        q = GroupQueue(rec, max_concurrent=2, retry_base=0.2, retry_jitter=0)
+        q = GroupQueue(rec, max_concurrent=2, retry_base=1.0, retry_jitter=0)
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("a", job_id="m2")
-        await asyncio.sleep(0.05)
+        await until(lambda: q.status()["retrying"] == ["a"])
         q.enqueue_message("b", job_id="b1")  # runs while a waits for its retry
         await q.join()
 
@@ -192,7 +199,7 @@ def test_shutdown_drains_running_jobs_and_returns_the_rest() -> None:
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("a", job_id="m2")
         q.enqueue_task("b", "t1")
-        await asyncio.sleep(0.05)
+        await until(lambda: rec.started)
         left = await q.shutdown(grace=5)
         assert q.enqueue_message("a", job_id="late") is False
         return left
@@ -204,8 +211,10 @@ def test_shutdown_drains_running_jobs_and_returns_the_rest() -> None:
 
 def test_shutdown_cancels_jobs_that_outlive_the_grace() -> None:
     cancelled: list[str] = []
+    entered: list[str] = []
 
     async def slow(job: Job) -> None:
+        entered.append(job.id)
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
@@ -216,7 +225,7 @@ def test_shutdown_cancels_jobs_that_outlive_the_grace() -> None:
         q = GroupQueue(slow, max_concurrent=2)
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("b", job_id="m2")
-        await asyncio.sleep(0.05)
+        await until(lambda: len(entered) == 2)
         t0 = time.monotonic()
         left = await q.shutdown(grace=0.2)
         assert time.monotonic() - t0 < 2
@@ -233,7 +242,7 @@ def test_shutdown_cancels_pending_retries() -> None:
     async def go():
         q = GroupQueue(rec, max_concurrent=1, retry_base=30)
         q.enqueue_task("a", "t")
-        await asyncio.sleep(0.05)
+        await until(lambda: q.status()["retrying"])
         assert q.status()["retrying"] == ["a"]
         return await q.shutdown(grace=1)
 

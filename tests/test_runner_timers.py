@@ -527,27 +527,28 @@ async def started(runner: ContainerRunner):
 
 
 def test_a_follow_up_postpones_the_idle_close(tmp_path: Path) -> None:
-    """touch() three times, 200 ms apart, under a 600 ms idle timer: _close comes 600 ms
-    after the last one, not 600 ms after the output."""
+    """touch() three times, 500 ms apart, under a 2 s idle timer: _close comes 2 s after
+    the last one, not 2 s after the output. (Each touch comes 1.5 s before the timer would
+    fire: room for a loaded machine.)"""
     def script(c: FakeContainer) -> None:
         c.say("answer")
         c.end(0 if until(close_file(runner).exists) else 9)
 
-    runner = make_runner(tmp_path, FakeRuntime(script), idle="600ms")
+    runner = make_runner(tmp_path, FakeRuntime(script), idle="2s")
 
     async def main():
         task = asyncio.ensure_future(run_and_clean(runner))
         handle = await started(runner)
         for _ in range(3):
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
             assert not close_file(runner).exists()
             handle.touch()
         return await task
 
     res = asyncio.run(main())
     assert res.closed_idle and res.status == "success"
-    # marks are perf_counter values: the output ended (after _close) >= 0.6 + 0.6 s in
-    assert res.marks["eof"] - res.marks["started"] >= 1.15
+    # marks are perf_counter values: the output ended (after _close) >= 1.5 + 2 s in
+    assert res.marks["eof"] - res.marks["started"] >= 3.45
 
 
 def test_a_close_from_the_orchestrator_ends_the_run_before_the_idle_timer(
@@ -605,16 +606,19 @@ def test_the_hard_timer_stops_a_silent_container(
 
 
 def test_output_keeps_a_container_past_its_hard_timeout(tmp_path: Path) -> None:
+    # A block every 0.4 s under a 2 s hard timer, for 2.8 s in all: each block comes 1.6 s
+    # before the timer would fire (room for a loaded machine), and the run outlives it.
     def script(c: FakeContainer) -> None:
-        for i in range(5):
+        for i in range(8):
             c.say(str(i))
-            time.sleep(0.15)
+            if i < 7:
+                time.sleep(0.4)
         c.end(0)
 
     rt = FakeRuntime(script)
-    res = asyncio.run(run_and_clean(make_runner(tmp_path, rt), timeout=0.4))
+    res = asyncio.run(run_and_clean(make_runner(tmp_path, rt), timeout=2.0))
     assert res.status == "success" and not res.timed_out
-    assert res.outputs == ["0", "1", "2", "3", "4"]
+    assert res.outputs == [str(i) for i in range(8)]
     assert "stop 2" not in rt.calls
 
 

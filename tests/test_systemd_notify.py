@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -41,26 +42,36 @@ def test_watchdog_interval_from_env(monkeypatch) -> None:
 
 def test_watchdog_pings_only_with_progress(tmp_path, monkeypatch) -> None:
     s = listen(tmp_path, monkeypatch)
-    s.settimeout(0.3)
+    s.setblocking(False)
     n = Notifier()
     last = {"t": time.monotonic()}
     n.add_probe("ipc", lambda: last["t"])
 
-    async def main() -> None:
-        task = asyncio.create_task(n.watchdog_loop(interval=0.05))
-        await asyncio.sleep(0.12)
-        last["t"] = time.monotonic() - 100  # the component stopped making progress
-        await asyncio.sleep(0.05)
-        task.cancel()
+    def drain() -> list[bytes]:
+        got = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                got.append(s.recv(100))
+        return got
 
-    asyncio.run(main())
-    pings = []
-    try:
-        while True:
-            pings.append(s.recv(100))
-    except TimeoutError:
-        pass
-    assert 2 <= len(pings) <= 4 and all(p == b"WATCHDOG=1" for p in pings)
+    async def main() -> tuple[list[bytes], list[bytes]]:
+        task = asyncio.create_task(n.watchdog_loop(interval=0.05))
+        before: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(before) < 2 and time.monotonic() < deadline:  # fresh: it pings
+            await asyncio.sleep(0.01)
+            last["t"] = time.monotonic()
+            before += drain()
+        before += drain()
+        # The component stops making progress (no await in between: no ping is under way).
+        last["t"] = time.monotonic() - 100
+        await asyncio.sleep(0.3)  # six intervals in which no ping may come
+        task.cancel()
+        return before, drain()
+
+    before, after = asyncio.run(main())
+    assert len(before) >= 2 and all(p == b"WATCHDOG=1" for p in before)
+    assert after == []
 
 
 def test_daemon_pings_the_watchdog_while_its_loops_run(tmp_path, write_config) -> None:
@@ -104,7 +115,6 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
     """The daemon's scheduler sleeps until its next due time (no 1 s tick). Asleep with its
     deadline ahead is progress however long it lasts; a round stuck (here: on a write lock
     another connection holds) is not, and the pings stop until it moves again."""
-    import contextlib
     import threading
     from datetime import timedelta
 
@@ -128,7 +138,8 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
     n = Notifier()
     n.add_probe("scheduler", sched.alive_at)
 
-    def pings_during(seconds: float) -> int:
+    def pings_during(seconds: float, *, enough: int | None = None) -> int:
+        """Pings in `seconds`; with `enough`, until that many came (at most 10 s)."""
         got = 0
 
         def drain() -> None:  # read as they come: a full datagram queue would block the send
@@ -139,8 +150,8 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
 
         async def main() -> None:
             task = asyncio.create_task(n.watchdog_loop(interval=0.05))  # stale after 0.1 s
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
+            end = time.monotonic() + (10 if enough else seconds)
+            while time.monotonic() < end and not (enough and got >= enough):
                 drain()
                 await asyncio.sleep(0.01)
             task.cancel()
@@ -160,7 +171,7 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
         until(lambda: sched.ticks >= 1, "the scheduler did not start")
         ticks = sched.ticks
         # Idle: asleep for up to 30 s, far past the 0.1 s the watchdog allows, yet alive.
-        assert pings_during(0.6) >= 8
+        assert pings_during(0, enough=8) >= 8  # 0.35 s at least: past the 0.1 s
         assert sched.ticks == ticks  # it did not tick meanwhile
         # Stuck: a task due now, but another connection holds the write lock its claim needs.
         with blocker.transaction() as c:
@@ -175,7 +186,7 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
         assert pings_during(0.3) == 0
         blocker.conn.execute("ROLLBACK")
         until(lambda: ran == ["t"], "the task did not run once the lock was gone")
-        assert pings_during(0.3) >= 3
+        assert pings_during(0, enough=3) >= 3
     finally:
         if blocker.conn.in_transaction:
             blocker.conn.execute("ROLLBACK")

@@ -374,7 +374,17 @@ class _DockerRun(RunningContainer):
         delay = 0.005
         try:
             while True:
-                state = self.rt._call(api.inspect_container, self.id).get("State") or {}
+                try:
+                    state = self.rt._call(api.inspect_container, self.id).get("State") or {}
+                except docker.errors.APIError as e:
+                    # An inspect while the process is going away can fail on the engine's
+                    # side (Podman: 500 "read /proc/N/cgroup: no such process"); it answers
+                    # once the container has exited, so ask again.
+                    if isinstance(e, docker.errors.NotFound) or not e.is_server_error():
+                        raise
+                    log.debug("inspect of exiting container %s failed (%s); asking again",
+                              self.name, e.explanation or e)
+                    state = {"Running": True}
                 status = str(state.get("Status", "")).lower()
                 if not state.get("Running") and status not in ("running", "created",
                                                                "configured", "restarting"):
@@ -391,6 +401,8 @@ class _DockerRun(RunningContainer):
             res = self.rt._call(api.wait, self.id, timeout=timeout or API_TIMEOUT)
         except docker.errors.NotFound:
             return -1
+        except docker.errors.APIError as e:  # the runner reports RuntimeError_ as the error
+            raise RuntimeError_(str(e.explanation or e)) from None
         return int(res.get("StatusCode", -1))
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -108,7 +109,10 @@ def agent_image(engine: DockerRuntime, tmp_path_factory: pytest.TempPathFactory)
         "COPY fake_agent.py /opt/fake_agent.py\n"
         'ENTRYPOINT ["python3", "-u", "/opt/fake_agent.py"]\n'
     )
-    tag = "mdclaw-e2e-agent:test"
+    # Named by its content: test runs from other checkouts on the same engine, with another
+    # fake_agent.py, build their own tag instead of replacing this one under our feet.
+    digest = hashlib.sha256((ctx / "fake_agent.py").read_bytes()).hexdigest()[:12]
+    tag = f"mdclaw-e2e-agent:{digest}"
     engine.build_image(tag, ctx / "Dockerfile", ctx)
     return tag
 

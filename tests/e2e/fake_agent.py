@@ -102,6 +102,11 @@ def main():
             "stdin": json.loads(stdin) if stdin else None,
             "env": {k: v for k, v in os.environ.items() if k not in ("PATH",)},
         })
+        if args and args[0] == "until-close":
+            # Stay up until the test has looked at the running container (it writes _close).
+            close, deadline = "/workspace/ipc/input/_close", time.monotonic() + 120
+            while not os.path.exists(close) and time.monotonic() < deadline:
+                time.sleep(0.05)
     elif mode == "exit":
         emit({"exiting": int(args[0])})
         sys.exit(int(args[0]))

@@ -28,7 +28,7 @@ def plain_image(engine: DockerRuntime, agent_image: str,
     """The fake agent with a default command, as the real image runs without one."""
     ctx = tmp_path_factory.mktemp("plain-image")
     (ctx / "Dockerfile").write_text(f'FROM {agent_image}\nCMD ["blocks", "1", "0"]\n')
-    tag = "mdclaw-e2e-agent:plain"
+    tag = f"{agent_image}-plain"  # named after its base, like the base is after its content
     engine.build_image(tag, ctx / "Dockerfile", ctx)
     return tag
 
@@ -228,3 +228,4 @@ def test_keep_created_turned_off_by_a_reload_discards_the_spare(tmp_path, engine
 
     asyncio.run(go())
     assert engine.list(labels) == []
+
