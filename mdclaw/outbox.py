@@ -434,7 +434,10 @@ class OutboxWorker:
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
-        claims, self._claims = self._claims, []
+        # A claim whose drain was cancelled meanwhile is not written: nothing would send
+        # its rows, which would stay `sending` with a try counted until recover().
+        claims = [(rows, fut) for rows, fut in self._claims if not fut.done()]
+        self._claims = []
         marks, self._marks = self._marks, []
         releases, self._releases = self._releases, []
         if not (claims or marks or releases):
@@ -460,9 +463,12 @@ class OutboxWorker:
                     got.append(rows[:n])
         except Exception as e:
             # Nothing was written (a locked database, say): the marks and releases are
-            # asked for again at the next flush; the claims fail their drains.
+            # written by a flush a second from now (their chats wait behind their `sending`
+            # rows, so no drain of theirs would ask for one); the claims fail their drains.
             self._marks[:0] = marks
             self._releases[:0] = releases
+            if (marks or releases) and self._flush_at is None:
+                self._flush_at = asyncio.get_running_loop().call_later(1.0, self._flush_again)
             for _, fut in claims:
                 if not fut.done():
                     fut.set_exception(e)
@@ -480,6 +486,16 @@ class OutboxWorker:
                 self._call(self.on_sent, dataclasses.replace(
                     row, status="sent", attempts=row.attempts + 1, sent_at=now,
                     updated_at=now, next_attempt_at=None))
+
+    def _flush_again(self) -> None:
+        """The flush after one that failed; then a full look for due rows (the chats whose
+        rows it put back or marked have no drain to go on)."""
+        try:
+            self._flush()
+        except Exception:  # noqa: BLE001 - _flush asked for a further try
+            log.exception("outbox: could not record deliveries; trying again shortly")
+            return
+        self.wake()
 
     def _parts_sent(self, row_id: int) -> int:
         r = self.db.query_one("SELECT parts_sent FROM outbox_progress WHERE outbox_id = ?",

@@ -534,3 +534,39 @@ def test_a_failed_send_puts_the_rest_of_its_batch_back_untried(tmp_path: Path) -
         db.close()
 
     asyncio.run(main())
+
+
+def test_deliveries_whose_marks_could_not_be_written_are_recorded_and_the_chat_goes_on(
+        tmp_path: Path) -> None:
+    """The database is locked by another writer when a burst's `sent` marks and next claim
+    are written: the marks are written once it is free again (not only at stop), and the
+    rest of the chat is then delivered, each row once."""
+    import sqlite3
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db", timeout=0.2)
+        ch = ScriptedChannel()
+        ids = [put(db, text=f"m{i}") for i in range(20)]
+        other = sqlite3.connect(str(tmp_path / "s.db"), isolation_level=None)
+        orig = ch.send_message
+
+        async def lock_after_16th(jid, text, **kw):
+            r = await orig(jid, text, **kw)
+            if text == "m15":  # the last of the first batch: its next claim meets the lock
+                other.execute("BEGIN IMMEDIATE")
+                asyncio.get_running_loop().call_later(0.5, other.execute, "COMMIT")
+            return r
+
+        ch.send_message = lock_after_16th  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST, max_idle=30)
+        await w.start()
+        try:
+            await wait_until(lambda: status(db, ids[-1]) == "sent", timeout=10)
+            assert [t for _, t in ch.sent] == [f"m{i}" for i in range(20)]
+            assert outbox_counts(db)["sent"] == 20
+        finally:
+            await w.stop()
+            other.close()
+            db.close()
+
+    asyncio.run(main())
