@@ -6,7 +6,10 @@ locked out for `window` seconds: every token it presents is refused (HTTP 429 wi
 `Retry-After`), the right one too, so guessing cannot go on behind the refusals. A right
 token outside a lockout clears the address's count. At most `max_clients` addresses are
 tracked (the least recently failing one is forgotten first), so a flood of addresses cannot
-grow memory. The clock is injectable for tests.
+grow memory. An IPv6 client is counted by its /64 network (`client_key`): one host
+usually holds a whole /64, so counting single addresses would let it guess on by changing
+its address (and push locked-out entries past `max_clients`). The clock is injectable for
+tests.
 
 Pure bookkeeping: it neither compares tokens nor answers requests (`mdclaw.channels.http.
 TokenGate` does, with this).
@@ -14,6 +17,7 @@ TokenGate` does, with this).
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -22,6 +26,23 @@ from dataclasses import dataclass, field
 MAX_FAILURES = 10
 WINDOW_SECONDS = 300.0
 MAX_CLIENTS = 4096
+IPV6_PREFIX = 64  # an IPv6 client is counted by its network of this length
+
+
+def client_key(address: str | None) -> str:
+    """The unit wrong tokens are counted by for a peer `address`: an IPv4 address itself
+    (also when IPv4-mapped), an IPv6 address its /64 network, anything else as it is."""
+    if not address:
+        return "unknown"
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip), IPV6_PREFIX), strict=False))
+    return str(ip)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from mdclaw.operator.access import COOKIE, Access
 from mdclaw.operator.web import PREFIX, build_app
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
-from mdclaw.throttle import TokenThrottle
+from mdclaw.throttle import TokenThrottle, client_key
 
 SECRET = "the-right-token-0123456789"
 OTHER_ADDRESS = "127.0.0.2"  # all of 127/8 is loopback on Linux
@@ -165,3 +165,20 @@ def test_the_throttle_keeps_a_bounded_number_of_addresses() -> None:
     assert len(t) == 1
     with pytest.raises(ValueError, match="positive"):
         TokenThrottle(max_failures=0)
+
+
+def test_an_ipv6_client_is_counted_by_its_64_network() -> None:
+    # One host holds a whole /64: changing the address within it must not start a new count.
+    a, b = "2001:db8:1:2::1", "2001:db8:1:2:ffff:ffff:ffff:fffe"
+    assert client_key(a) == client_key(b) == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::1") != client_key(a)
+    assert client_key("::ffff:192.0.2.7") == client_key("192.0.2.7") == "192.0.2.7"
+    assert client_key(None) == client_key("") == "unknown"
+    assert client_key("not an address") == "not an address"
+    clock = Clock()
+    t = TokenThrottle(max_failures=3, window=60.0, clock=clock)
+    for i in range(2):
+        assert t.failed(client_key(f"2001:db8:1:2::{i + 1:x}")) is None
+    assert t.failed(client_key("2001:db8:1:2::abcd")) == 60.0
+    assert t.locked(client_key(b)) is not None
+    assert t.locked(client_key("2001:db8:1:3::1")) is None

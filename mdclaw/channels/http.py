@@ -77,7 +77,7 @@ from mdclaw.config import read_secret
 from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
-from mdclaw.throttle import TokenThrottle
+from mdclaw.throttle import TokenThrottle, client_key
 from mdclaw.webassets import PageAssets
 
 log = logging.getLogger("mdclaw.channels.http")
@@ -175,7 +175,7 @@ class TokenGate:
         `Retry-After` while the client's address is locked out (the right token too), else
         401 (`wrong` as the message). Only a presented token counts as a guess (None: no
         token was sent)."""
-        client = request.remote or "unknown"
+        client = client_key(request.remote)
         left = self.throttle.locked(client)
         if left is not None:
             return _locked_out(left)
