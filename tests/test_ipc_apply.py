@@ -146,6 +146,22 @@ def test_agent_task_changes_follow_the_same_rule_as_the_cli(env: Env) -> None:
     assert meta and "completed" in meta["error"]
 
 
+def test_update_task_status_is_the_same_pause_and_resume(env: Env) -> None:
+    """update_task's `status` pauses and resumes as pause_task and resume_task do: a resume
+    after the next run has passed computes a fresh one instead of firing at once."""
+    apply_one(env, "family", schedule_body("u", schedule_type="interval",
+                                           schedule_value="60000"))
+    assert apply_one(env, "family", {"type": "update_task", "taskId": "u",
+                                     "updates": {"status": "paused"}}) is None
+    assert env.task("u")["status"] == "paused"
+    env.db.conn.execute("UPDATE scheduled_tasks SET next_run = '2001-01-01T00:00:00.000Z'")
+    assert apply_one(env, "family", {"type": "update_task", "taskId": "u",
+                                     "updates": {"status": "active", "prompt": "p2"}}) is None
+    t = env.task("u")
+    assert (t["status"], t["prompt"]) == ("active", "p2")
+    assert from_iso(t["next_run"]) > datetime.now(UTC)
+
+
 # --------------------------------------------------------------------------- outbound
 
 def test_message_and_react_go_to_the_outbox(env: Env) -> None:

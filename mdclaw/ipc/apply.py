@@ -572,9 +572,9 @@ class IpcEngine:
             if task.status == "completed":
                 raise ApplyError(f"update_task: task {task.id!r} is completed; schedule a new one")
             changes = cmd.changes()
-            if "status" in changes:  # a pause or a resume: the same rule as pause_task's
-                why = change_refusal(task, "pause" if changes["status"] == "paused"
-                                     else "resume")
+            status = changes.pop("status", None)
+            if status is not None:  # a pause or a resume: the same rule as pause_task's
+                why = change_refusal(task, "pause" if status == "paused" else "resume")
                 if why is not None:
                     raise ApplyError(f"update_task: {why}")
             if {"schedule_type", "schedule_value", "timezone"} & set(changes):
@@ -586,7 +586,14 @@ class IpcEngine:
                 changes["schedule_value"] = schedule.validate(stype, value, tz)
                 changes["next_run"] = to_iso(schedule.first_run(stype,
                                                                 changes["schedule_value"], tz))
-            update_task_fields(conn, task.id, **changes)
+            if changes:
+                update_task_fields(conn, task.id, **changes)
+            # ... then the state layer's pause or resume, after the new schedule is in (a
+            # resume computes its next run from the schedule, as resume_task does)
+            if status == "paused":
+                pause_task(conn, task.id)
+            elif status == "active":
+                resume_task(conn, task.id, self.cfg.assistant.timezone)
 
     def _group_op(self, conn: sqlite3.Connection, cmd: Any,
                   jid_to_folder: dict[str, str]) -> None:
