@@ -213,30 +213,40 @@ class DockerRuntime(ContainerRuntime):
         # against 20-70 ms measured), so a container created ahead of its run is attached
         # ahead too. The stream is kept until start_created or remove.
         try:
-            sock_io = self._call(api.attach_socket, cid,
-                                 params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+            attached = self._attach(api, cid)
         except Exception as e:  # whatever stopped the attach: no container is left behind
             self._quiet(api.remove_container, cid, force=True)
             if isinstance(e, docker.errors.APIError):
                 raise RuntimeError_(f"cannot attach to container {spec.name}: "
                                     f"{e.explanation or e}") from None
             raise
+        with self._lock:
+            self._attached[cid] = attached
+        return cid
+
+    def _attach(self, api: Any, cid: str) -> tuple[socket.socket, Any]:
+        """One hijacked stream to the container's stdin, stdout and stderr: (socket, the
+        SDK's object that owns it)."""
+        sock_io = self._call(api.attach_socket, cid,
+                             params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
         sock: socket.socket = getattr(sock_io, "_sock", sock_io)
         sock.settimeout(None)
-        with self._lock:
-            self._attached[cid] = (sock, sock_io)
-        return cid
+        return sock, sock_io
+
+    @staticmethod
+    def _close_attached(kept: tuple[socket.socket, Any]) -> None:
+        for closing in (kept[0].close, kept[1].close):
+            try:
+                closing()
+            except OSError:
+                pass
 
     def _detach(self, container_id: str) -> None:
         """Close the attach stream `create` kept for a container never started."""
         with self._lock:
             kept = self._attached.pop(container_id, None)
         if kept is not None:
-            for closing in (kept[0].close, kept[1].close):
-                try:
-                    closing()
-                except OSError:
-                    pass
+            self._close_attached(kept)
 
     def start_created(self, container_id: str, spec: RunSpec) -> RunningContainer:
         api = self._api()
@@ -245,20 +255,12 @@ class DockerRuntime(ContainerRuntime):
             kept = self._attached.pop(cid, None)
         try:
             if kept is None:
-                sock_io = self._call(api.attach_socket, cid, params={
-                    "stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
-                sock: socket.socket = getattr(sock_io, "_sock", sock_io)
-                sock.settimeout(None)
-            else:
-                sock, sock_io = kept
+                kept = self._attach(api, cid)
+            sock, sock_io = kept
             self._call(api.start, cid)
         except Exception as e:  # whatever stopped the start: no container is left behind
             if kept is not None:
-                for closing in (kept[0].close, kept[1].close):
-                    try:
-                        closing()
-                    except OSError:
-                        pass
+                self._close_attached(kept)
             self._quiet(api.remove_container, cid, force=True)
             if isinstance(e, docker.errors.APIError):
                 raise RuntimeError_(f"cannot start container {spec.name}: "
