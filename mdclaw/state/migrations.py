@@ -8,6 +8,24 @@ earlier one: a database made by any earlier version is carried forward step by s
 from __future__ import annotations
 
 # Each entry: (version, description, SQL script). Scripts run inside one transaction.
+# The transcript row of a message whose files are settled (migration 11's two triggers, one
+# for a message stored settled, one for a message whose files settle later).
+_MESSAGE_TRANSCRIPT_ROW = """\
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, ts, body)
+    SELECT 'messages', NEW.id, 'message', 'in', g.folder, NEW.chat_jid,
+           COALESCE(NULLIF(NEW.sender_name, ''), NEW.sender), NEW.timestamp, b
+    FROM registered_groups g,
+         (SELECT trim(NEW.content || COALESCE(char(10) || (
+             SELECT group_concat('[' || json_extract(j.value, '$.kind') || ' ' ||
+                 json_extract(j.value, '$.name') ||
+                 COALESCE(': ' || NULLIF(json_extract(j.value, '$.caption'), NEW.content), '')
+                 || ']' || COALESCE(char(10) || json_extract(j.value, '$.transcript'), ''),
+                 char(10))
+             FROM json_each(NEW.attachments) j), ''), char(10) || ' ') AS b)
+    WHERE g.jid = NEW.chat_jid AND b != '';
+"""
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "original schema", """
 CREATE TABLE IF NOT EXISTS chats (
@@ -460,36 +478,10 @@ CREATE INDEX idx_messages_files_pending ON messages(chat_jid, timestamp)
 DROP TRIGGER transcript_messages_ai;
 CREATE TRIGGER transcript_messages_ai AFTER INSERT ON messages WHEN NEW.files_pending = 0
 BEGIN
-  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
-      chat_jid, sender, ts, body)
-    SELECT 'messages', NEW.id, 'message', 'in', g.folder, NEW.chat_jid,
-           COALESCE(NULLIF(NEW.sender_name, ''), NEW.sender), NEW.timestamp, b
-    FROM registered_groups g,
-         (SELECT trim(NEW.content || COALESCE(char(10) || (
-             SELECT group_concat('[' || json_extract(j.value, '$.kind') || ' ' ||
-                 json_extract(j.value, '$.name') ||
-                 COALESCE(': ' || NULLIF(json_extract(j.value, '$.caption'), NEW.content), '')
-                 || ']' || COALESCE(char(10) || json_extract(j.value, '$.transcript'), ''),
-                 char(10))
-             FROM json_each(NEW.attachments) j), ''), char(10) || ' ') AS b)
-    WHERE g.jid = NEW.chat_jid AND b != '';
-END;
+""" + _MESSAGE_TRANSCRIPT_ROW + """END;
 CREATE TRIGGER transcript_messages_files_au AFTER UPDATE OF files_pending ON messages
 WHEN OLD.files_pending = 1 AND NEW.files_pending = 0 BEGIN
-  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
-      chat_jid, sender, ts, body)
-    SELECT 'messages', NEW.id, 'message', 'in', g.folder, NEW.chat_jid,
-           COALESCE(NULLIF(NEW.sender_name, ''), NEW.sender), NEW.timestamp, b
-    FROM registered_groups g,
-         (SELECT trim(NEW.content || COALESCE(char(10) || (
-             SELECT group_concat('[' || json_extract(j.value, '$.kind') || ' ' ||
-                 json_extract(j.value, '$.name') ||
-                 COALESCE(': ' || NULLIF(json_extract(j.value, '$.caption'), NEW.content), '')
-                 || ']' || COALESCE(char(10) || json_extract(j.value, '$.transcript'), ''),
-                 char(10))
-             FROM json_each(NEW.attachments) j), ''), char(10) || ' ') AS b)
-    WHERE g.jid = NEW.chat_jid AND b != '';
-END;
+""" + _MESSAGE_TRANSCRIPT_ROW + """END;
 """),
 ]
 
