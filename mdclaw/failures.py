@@ -230,14 +230,14 @@ def from_result(result: Any) -> TurnFailure:
 
 def from_exception(e: BaseException) -> TurnFailure:
     """A run that could not start: the engine, the image, the credential proxy."""
-    from mdclaw.runtime import EngineUnavailable, ImageError, RuntimeError_
+    from mdclaw.runtime import EngineCallError, EngineUnavailable, ImageError
 
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, EngineUnavailable):
         return TurnFailure("engine_down", detail=text)
     if isinstance(e, ImageError):
         return TurnFailure("image_missing", detail=text)
-    if isinstance(e, RuntimeError_):
+    if isinstance(e, EngineCallError):
         return TurnFailure("container_start", detail=text)
     if type(e).__name__ == "ProxyError":
         return TurnFailure("proxy_failure", detail=text)

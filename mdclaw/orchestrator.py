@@ -42,6 +42,7 @@ from typing import Any
 from mdclaw import failures, media
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, format_duration, read_secret
+from mdclaw.errors import EngineError
 from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
 from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger, strip_internal
 from mdclaw.ipc.writers import write_follow_up
@@ -91,7 +92,7 @@ SESSION_GONE_HINTS = ("no conversation found", "session not found", "session is 
 IMAGE_CHECK_TTL = 30.0  # seconds an image's backends label is trusted before asking again
 
 
-class RunFailed(RuntimeError):
+class RunFailed(EngineError, RuntimeError):
     """A container run ended without a usable result. With a transient `failure` the queue
     retries it (after at least `retry_delay` seconds, at most `max_tries` tries in all);
     otherwise it is final (`permanent`)."""

@@ -56,12 +56,12 @@ from mdclaw.runtime import (
     GROUP_LABEL,
     STDOUT,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageError,
     Mount,
     RunningContainer,
     RunSpec,
-    RuntimeError_,
     engine_errors,
     install_labels,
 )
@@ -394,7 +394,7 @@ class RunHandle:
 
     async def kill(self) -> None:
         """SIGKILL the container now; does nothing before it has started. Raises what the
-        runtime's `kill` raises (RuntimeError_, EngineUnavailable)."""
+        runtime's `kill` raises (EngineCallError, EngineUnavailable)."""
         if self.container_id:
             await asyncio.to_thread(self._runner.runtime.kill, self.container_id)
 
@@ -558,7 +558,7 @@ class ContainerRunner:
         """
         t_call = time.perf_counter()
         if folder in self._active:
-            raise RuntimeError_(f"group {folder} already has a running container")
+            raise EngineCallError(f"group {folder} already has a running container")
         cfg = self.cfg
         group = cfg.groups.get(folder)
         hard = timeout if timeout is not None else (
@@ -630,7 +630,7 @@ class ContainerRunner:
                 return self.runtime.start_created(created, spec)
             except (EngineUnavailable, ImageError):
                 raise
-            except RuntimeError_ as e:
+            except EngineCallError as e:
                 log.warning("container %s created ahead of time did not start (%s); creating "
                             "a new one", spec.name, e)
                 spec.name = f"mdclaw-{spec.labels.get(GROUP_LABEL, 'x')}-" \
@@ -665,7 +665,7 @@ class ContainerRunner:
         t_wait = time.perf_counter()
         try:
             exit_code = await asyncio.to_thread(running.wait, 30)
-        except RuntimeError_ as e:
+        except EngineCallError as e:
             exit_code, error = -1, error or str(e)
         t_waited = time.perf_counter()
         running.close()
