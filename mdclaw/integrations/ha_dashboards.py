@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from mdclaw import agentfs
+from mdclaw.errors import IpcError
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 STAGING_FILE = "ui-lovelace-staging.yaml"
@@ -37,7 +38,7 @@ _ENTITY_ID = re.compile(r"^[a-z0-9_]+\.[a-z0-9_]+$")
 _ENTITY_KEYS = ("entity", "entity_id", "entities", "camera_image")
 
 
-class DashboardError(ValueError):
+class DashboardError(IpcError, ValueError):
     """A bad file name, unreadable YAML, or an operation that cannot apply; str(e) says
     which and why."""
 

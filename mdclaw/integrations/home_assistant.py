@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mdclaw import agentfs
 from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config, HomeAssistant, read_secret
+from mdclaw.errors import IpcError
 from mdclaw.integrations import ha_dashboards as dash
 from mdclaw.integrations import ha_screenshot
 from mdclaw.ipc.actions import ActionFailed, OffloopContext, action
@@ -58,7 +59,7 @@ MAX_STATES = 5000
 CONNECTIONS = 4  # at most this many connections to HA per action's session
 
 
-class HAError(Exception):
+class HAError(IpcError):
     """Home Assistant could not be reached or said no; str(e) never holds the token."""
 
     def __init__(self, message: str, status: int | None = None) -> None:

@@ -70,12 +70,13 @@ from typing import Any, Literal
 from mdclaw import agentfs
 from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config, validate_folder
+from mdclaw.errors import IpcError
 from mdclaw.ipc.auth import Caller, check_group_target
 from mdclaw.paths import Layout
 from mdclaw.state import Database, transcripts
 
 
-class ActionFailed(Exception):
+class ActionFailed(IpcError):
     """The handler could not do what was asked; str(e) goes into the error result."""
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from mdclaw import retry
+from mdclaw.errors import EngineError
 
 if TYPE_CHECKING:
     from mdclaw.config import Config, Runtime
@@ -48,15 +49,16 @@ SOCKET_CANDIDATES = (
 )
 
 
-class RuntimeError_(Exception):
-    """Base of the errors a runtime raises; the message is for a person."""
+class EngineCallError(EngineError):
+    """Base of the errors a runtime raises (a call to the container engine failed); the
+    message is for a person."""
 
 
-class EngineUnavailable(RuntimeError_):
+class EngineUnavailable(EngineCallError):
     """The engine's API cannot be reached (not installed, not started, wrong socket)."""
 
 
-class ImageError(RuntimeError_):
+class ImageError(EngineCallError):
     """An image could not be built, loaded or found. Retrying a run does not help."""
 
     permanent = True
@@ -65,7 +67,7 @@ class ImageError(RuntimeError_):
 @functools.cache
 def engine_errors() -> tuple[type[Exception], ...]:
     """What a ContainerRuntime call raises when the engine fails, for `except
-    engine_errors():` around one: the runtimes' own RuntimeError_ (EngineUnavailable,
+    engine_errors():` around one: the runtimes' own EngineCallError (EngineUnavailable,
     ImageError...), the Docker SDK's errors that DockerRuntime passes on (an API answer other
     than "not connected"), and OSError / SubprocessError from the Apple CLI. Anything else
     is a bug. (The Docker SDK is imported on the first call, i.e. only when an engine call
@@ -74,7 +76,7 @@ def engine_errors() -> tuple[type[Exception], ...]:
 
     import docker.errors
 
-    return (RuntimeError_, docker.errors.DockerException, OSError, subprocess.SubprocessError)
+    return (EngineCallError, docker.errors.DockerException, OSError, subprocess.SubprocessError)
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,7 @@ class ContainerRuntime(ABC):
             try:
                 self.remove(info.id)
                 removed.append(info.name)
-            except RuntimeError_ as e:
+            except EngineCallError as e:
                 log.warning("could not remove container %s: %s", info.name, e)
         return removed
 
@@ -337,8 +339,8 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
 
 
 __all__ = [
-    "BACKENDS_LABEL", "BOOT_LABEL", "ContainerInfo", "ContainerRuntime", "EngineUnavailable",
-    "GROUP_LABEL", "INSTALL_LABEL", "ImageError", "ImageInfo", "LABEL", "Mount", "RunSpec",
-    "RunningContainer", "RuntimeError_", "STDERR", "STDOUT", "create_runtime", "engine_errors",
-    "find_socket", "install_id", "install_labels", "wait_for_engine",
+    "BACKENDS_LABEL", "BOOT_LABEL", "ContainerInfo", "ContainerRuntime", "EngineCallError",
+    "EngineUnavailable", "GROUP_LABEL", "INSTALL_LABEL", "ImageError", "ImageInfo", "LABEL",
+    "Mount", "RunSpec", "RunningContainer", "STDERR", "STDOUT", "create_runtime", "engine_errors",
+    "find_socket", "install_id", "install_labels", "wait_for_engine"
 ]
