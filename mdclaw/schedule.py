@@ -58,7 +58,7 @@ def from_iso(text: str) -> datetime:
     return dt.astimezone(UTC)
 
 
-_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+$")
+_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+\Z")
 
 
 def validate_cron(expr: str) -> str:

@@ -197,7 +197,7 @@ def run_action(ctx: ActionContext, name: str, params: dict[str, Any]) -> dict[st
 
 MEMORY_FILE_MAX = 1024 * 1024
 MEMORY_MAX_FILES = 200
-_MEMORY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.md$")
+_MEMORY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.md\Z")
 
 
 def _target_folder(caller: Caller, params: dict[str, Any], what: str) -> str:
