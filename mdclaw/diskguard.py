@@ -102,14 +102,15 @@ class Verdict:
         folder's tree, else groups/<g>."""
         if self.state == UNREADABLE and self.unreadable:
             return "/".join(self.unreadable.split("/")[:2])
-        key = 2 if self.state == TOO_MANY_FILES else 1
-        held = sorted((t for t in self.trees if t[key]), key=lambda t: -t[key])
+        entries = self.state == TOO_MANY_FILES
+        held = sorted(((path, n_entries if entries else n_bytes)
+                       for path, n_bytes, n_entries in self.trees), key=lambda t: -t[1])
+        held = [(path, n) for path, n in held if n]
         if not held:
             return f"groups/{self.folder}"
-        total = sum(t[key] for t in held) or 1
+        total = sum(n for _, n in held)
         # Every tree with a real share of it (a fifth or more), largest first.
-        named = [t[0] for t in held if t[key] * 5 >= total] or [held[0][0]]
-        return " and ".join(named)
+        return " and ".join(path for path, n in held if n * 5 >= total)
 
     def chat_text(self) -> str:
         """The one message the group's chat gets: what happened and what to do."""
