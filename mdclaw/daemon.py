@@ -4,8 +4,9 @@ Start-up: open the database, reconcile, start the IPC loop, the scheduler, the o
 the channels and the container runner (an engine that is down is retried with backoff and
 shown in STATUS=, not a crash loop), then READY=1.
 
-SIGHUP: RELOADING=1, re-read and validate the config, reconcile, hand the new config to every
-component, READY=1. An invalid config keeps the old one running and says why.
+SIGHUP: RELOADING=1, re-read and validate the config and its secret files, reconcile, hand
+the new config to every component, READY=1. An invalid config or a bad secret file keeps the
+old one running and says why.
 
 SIGTERM/SIGINT: STOPPING=1, stop taking work, write `_close` to running conversations, wait
 up to `drain_timeout` (30 s) for runs to finish, stop the rest, flush the outbox state, close
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mdclaw.config import Config, ConfigError, load_config
+from mdclaw.config import Config, ConfigError, check_secret_files, load_config
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
@@ -333,6 +334,7 @@ class Daemon:
             log.info("reloading config")
             try:
                 new = await asyncio.to_thread(load_config, self.config_path)
+                await asyncio.to_thread(check_secret_files, new, self.config_path)
                 assert self.db is not None
                 plan = await asyncio.to_thread(reconcile, new, self.db)
             except ConfigError as e:
