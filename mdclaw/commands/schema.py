@@ -221,6 +221,9 @@ def render_markdown(schema: dict[str, Any]) -> str:
         "line, key path, what is wrong and the fix), sorted by line; `--json` gives the same",
         "list as `{file, line, path, message, severity}` objects. See `config.example.yaml`",
         "for a start.",
+        "The daemon applies a changed file on SIGHUP (`systemctl reload mdclaw`), every key",
+        "except those marked \"(restart to apply)\": a reload keeps their running value and",
+        "logs `reload: KEY changed; restart mdclaw to apply it`.",
         "On NixOS the same keys are set under `services.mdclaw.settings` (docs/nixos.md).",
     ]
     sections: list[tuple[str, str, dict[str, Any]]] = []

@@ -8,7 +8,9 @@ One concern a module:
   sections) and the rules across keys;
 - `load`: reading config.yaml with line numbers, ConfigIssue/ConfigError, `load_config`;
 - `secrets`: secret files: the one pass that checks them (`secret_file_issues`), reading
-  them, showing them as set/missing, the local HTTP channel's token file.
+  them, showing them as set/missing, the local HTTP channel's token file;
+- `live`: the running config every component reads at use time (`LiveConfig`) and what a
+  reload may change.
 
 Environment variables with the `MDCLAW_` prefix override the file (`MDCLAW_DATA_DIR`,
 `MDCLAW_ASSISTANT__NAME`, ...). Secrets are never written inline: keys ending in `_file` name
@@ -17,6 +19,7 @@ a file that holds the secret; it is read only when needed and never logged.
 `from mdclaw.config import X` works for every public name of these modules.
 """
 
+from mdclaw.config.live import RESTART_ONLY, LiveConfig, reload_config, restart_only_changes
 from mdclaw.config.load import (
     DEFAULT_CONFIG_PATHS,
     ConfigError,
@@ -96,10 +99,10 @@ from mdclaw.config.types import (
 
 __all__ = [
     "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "FLOOR_PATTERN", "FOLDER_RE", "HTTP_SECRET_NAME",
-    "RESERVED_FOLDERS", "SIZE_PATTERN", "AllowSenders", "AllowedRoot",
+    "RESERVED_FOLDERS", "RESTART_ONLY", "SIZE_PATTERN", "AllowSenders", "AllowedRoot",
     "Assistant", "Channels", "Config", "ConfigError", "ConfigIssue", "CrossKeyError",
     "Duration", "Folder", "Frozen", "Group", "GroupMount", "HomeAssistant",
-    "HomeAssistantAllow", "HttpChannel", "Integrations", "Limits", "Media",
+    "HomeAssistantAllow", "HttpChannel", "Integrations", "Limits", "LiveConfig", "Media",
     "Metrics", "ModelSpec", "MountPolicy", "Problem", "Runtime", "SecretFile",
     "ServiceCredential", "Size", "SizeOrPercent", "TaskSpec", "TelegramChannel", "TimeZone",
     "Transcription", "Web", "WebSearch", "WhatsAppChannel", "check_secret_files",
@@ -107,6 +110,6 @@ __all__ = [
     "find_config_path", "floor_bytes", "format_duration", "format_size", "http_secret_path",
     "in_service_credentials", "issue_at", "iter_secret_files", "key_lines", "line_of",
     "load_config", "network_problem", "parse_duration", "parse_size", "read_secret",
-    "secret_file_issues", "secret_file_problem",
+    "reload_config", "restart_only_changes", "secret_file_issues", "secret_file_problem",
     "secret_state", "service_credential_secrets", "sorted_issues", "validate_folder",
 ]

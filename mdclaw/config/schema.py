@@ -6,7 +6,8 @@ host-only paths). The other sections are in schema_groups and schema_services.
 The pydantic models are the single source of truth for the config: validation, the error
 messages people read, `config.example.yaml` and the NixOS option descriptions all come from
 them. Every model is frozen and forbids unknown keys, so a typo is an error that names the key,
-where it is, and the nearest valid key.
+where it is, and the nearest valid key. A field whose description ends in "(restart to
+apply)" is read once at start: mdclaw.config.live names those keys for the reload.
 """
 
 from __future__ import annotations
@@ -201,22 +202,27 @@ class _Settings(BaseSettings):
 
 class Config(_Settings):
     data_dir: Path = Field(Path("/var/lib/mdclaw"),
-                           description="state.db, ipc/ and groups/ live under it.")
+                           description="state.db, ipc/ and groups/ live under it (restart to "
+                           "apply).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Least severe log level written to stderr.")
     assistant: Assistant = Field(default_factory=Assistant,
                                  description="Who the assistant is and where it lives.")
     groups: dict[Folder, Group] = Field(default_factory=dict,
                                         description="Key: the group's folder name.")
-    limits: Limits = Field(default_factory=Limits, description="Resource limits and timeouts.")
+    limits: Limits = Field(default_factory=Limits,
+                           description="Resource limits and timeouts. A reload (SIGHUP) applies "
+                           "every one; those of a container from its group's next run.")
     runtime: Runtime = Field(default_factory=Runtime,
-                             description="The container engine and the agent image.")
+                             description="The container engine and the agent image (restart "
+                             "to apply).")
     mount_policy: MountPolicy = Field(default_factory=MountPolicy,
                                       description="Which host folders groups may mount.")
     models: dict[str, ModelSpec] = Field(default_factory=dict,
                                          description="Model backends by name; groups pick one.")
     channels: Channels = Field(default_factory=Channels,
-                               description="Chat channels mdclaw listens on.")
+                               description="Chat channels mdclaw listens on (restart to "
+                               "apply).")
     tasks: tuple[TaskSpec, ...] = Field((), description="Scheduled tasks declared in config.")
     media: Media = Field(default_factory=Media,
                          description="Files people send the assistant (saved in the group's "
@@ -230,7 +236,8 @@ class Config(_Settings):
     web: Web = Field(default_factory=Web, description="Web access for agents, through the host "
                      "(docs/integrations.md).")
     metrics: Metrics = Field(default_factory=Metrics,
-                             description="Prometheus metrics for the operator (docs/metrics.md).")
+                             description="Prometheus metrics for the operator, "
+                             "docs/metrics.md (restart to apply).")
 
     @field_validator("data_dir")
     @classmethod
