@@ -4,8 +4,11 @@ Start-up: open the database, reconcile, start the IPC loop, the scheduler, the o
 the channels and the container runner (an engine that is down is retried with backoff and
 shown in STATUS=, not a crash loop), then READY=1.
 
-SIGHUP: RELOADING=1, re-read and validate the config, reconcile, hand the new config to every
-component, READY=1. An invalid config keeps the old one running and says why.
+SIGHUP: RELOADING=1, re-read and validate the config and its secret files, reconcile, make it
+the config in force (mdclaw.config.live: every component reads it at use time, those that
+must act on a change subscribe), READY=1. An invalid config or a bad secret file keeps the old
+one running and says why; a changed restart-only key (RESTART_ONLY) keeps its running value
+and the log says to restart.
 
 SIGTERM/SIGINT: STOPPING=1, stop taking work, write `_close` to running conversations, wait
 up to `drain_timeout` (30 s) for runs to finish, stop the rest, flush the outbox state, close
@@ -25,7 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mdclaw.config import Config, ConfigError, load_config
+from mdclaw.channels.registry import apply_config as apply_channel_config
+from mdclaw.config import (
+    Config,
+    ConfigError,
+    LiveConfig,
+    check_secret_files,
+    load_config,
+    reload_config,
+)
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
@@ -46,7 +57,8 @@ def status_path(cfg: Config) -> Path:
 class Daemon:
     def __init__(self, cfg: Config, config_path: str | None = None, *,
                  drain_timeout: float = DRAIN_TIMEOUT) -> None:
-        self.cfg = cfg
+        # The config in force: every component is given this holder and reads it at use time.
+        self.live = LiveConfig(cfg)
         self.config_path = config_path
         self.drain_timeout = drain_timeout
         self.notifier = Notifier()
@@ -75,6 +87,11 @@ class Daemon:
         self.operator_access: Any = None  # mdclaw.operator.access.Access, once mounted
         self.metrics_runner: Any = None  # the metrics.listen listener (aiohttp AppRunner)
         self._clock_offset = time.time() - time.monotonic()
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
 
     # ---------------------------------------------------------------- signals
     def _on_sigterm(self) -> None:
@@ -133,34 +150,32 @@ class Daemon:
         from mdclaw.integrations import load_all
         from mdclaw.ipc.watcher import IpcWatcher
         from mdclaw.orchestrator import Orchestrator
-        from mdclaw.outbox import OutboxWorker, RetryPolicy, service_replier, spool_cleaner
+        from mdclaw.outbox import OutboxWorker, service_replier, spool_cleaner
         from mdclaw.paths import Layout
         from mdclaw.proxy import CredentialProxy
         from mdclaw.runner import ContainerRunner
         from mdclaw.runtime import create_runtime, engine_errors
 
         assert self.db is not None
-        cfg, db = self.cfg, self.db
+        cfg, db, live = self.cfg, self.db, self.live
         load_all()  # host actions of the integrations (web...) register themselves
         # Containers: the runtime is lazy; the engine is waited for in the background.
         try:
             self.runtime = create_runtime(cfg.runtime)
-            self.runner = ContainerRunner(cfg, self.runtime)
+            self.runner = ContainerRunner(live, self.runtime)
         except engine_errors() as e:  # the daemon runs on; runs say there is no engine
             self.engine_status = f"no container engine: {e}"
             log.error("%s", self.engine_status)
         self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
         clean = spool_cleaner(cfg.data_dir / "spool" / "outbox")
-        self.outbox = OutboxWorker(db, policy=RetryPolicy(
-            max_attempts=cfg.limits.delivery_attempts,
-            base_delay=cfg.limits.delivery_retry_base.total_seconds()),
-            on_sent=clean, on_failed=clean)
+        # Failed deliveries are retried by the limits.delivery_* in force.
+        self.outbox = OutboxWorker(db, cfg=live, on_sent=clean, on_failed=clean)
         # Disk limits: groups past theirs are stopped and refused (mdclaw.diskguard).
-        self.diskguard = DiskGuard(cfg, self.runner)
-        self.orch = Orchestrator(cfg, db, runner=self.runner, proxy=self.proxy,
+        self.diskguard = DiskGuard(live, self.runner)
+        self.orch = Orchestrator(live, db, runner=self.runner, proxy=self.proxy,
                                  wake_outbox=self.outbox.wake, diskguard=self.diskguard)
         # IPC: applied commands wake the outbox and the scheduler at once.
-        self.watcher = IpcWatcher(cfg, db)
+        self.watcher = IpcWatcher(live, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
         loop = asyncio.get_running_loop()
         self.watcher.on_files_ready = lambda: loop.call_soon_threadsafe(self.outbox.wake)
@@ -170,7 +185,7 @@ class Daemon:
         # Scheduler: due tasks go through the orchestrator's queue.
         # It sleeps until the next due time: _after_ipc_poll wakes it on any commit.
         self.scheduler = Scheduler(db, self.orch.execute_task,
-                                   default_timezone=cfg.assistant.timezone,
+                                   default_timezone=lambda: self.cfg.assistant.timezone,
                                    max_sleep=DAEMON_MAX_SLEEP)
         self._watch(asyncio.create_task(self.scheduler.run(), name="scheduler"), "scheduler")
         self.notifier.add_probe("scheduler", self._scheduler_progress)
@@ -181,6 +196,8 @@ class Daemon:
             ch.on_service_reply(service_replier(db, self.outbox.wake))
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
+        # A reload reaches the parts wired here (the rest read `live` themselves).
+        live.subscribe(self._config_changed)
         self._mount_operator()
         await self._start_metrics()
         await self.outbox.start()
@@ -333,6 +350,7 @@ class Daemon:
             log.info("reloading config")
             try:
                 new = await asyncio.to_thread(load_config, self.config_path)
+                await asyncio.to_thread(check_secret_files, new, self.config_path)
                 assert self.db is not None
                 plan = await asyncio.to_thread(reconcile, new, self.db)
             except ConfigError as e:
@@ -355,35 +373,24 @@ class Daemon:
             return error is None
 
     def apply_config(self, new: Config) -> None:
+        """Make `new` the config in force: every component reads it from now on (those that
+        must act on a change are told by the holder); restart-only keys keep their running
+        values, each change logged with "restart mdclaw to apply it"."""
         old = self.cfg
-        for key in ("channels", "runtime", "data_dir", "metrics"):
-            if getattr(old, key) != getattr(new, key):
-                log.warning("reload: %s changed; restart mdclaw to apply it (the running "
-                            "daemon keeps the old %s)", key, key)
-        new = new.model_copy(update={k: getattr(old, k) for k in ("channels", "runtime",
-                                                                  "data_dir", "metrics")})
+        new, _restart = reload_config(old, new)
         if new.log_level != old.log_level:
             apply_log_level(new.log_level)
             log.warning("reload: log_level is now %s", new.log_level)
-        self.cfg = new
-        for obj in (self.runner, self.orch, self.diskguard):
-            if obj is not None:
-                obj.cfg = new
-        if self.diskguard is not None:
-            self.diskguard.wake()  # limits may have changed: decide again now
-        if self.orch is not None:
-            self.orch.queue.max_concurrent = new.limits.max_concurrent_containers
-            if new.transcription != old.transcription:
-                from mdclaw.transcribe import make_transcriber
-                self.orch.transcriber = make_transcriber(new.transcription)
-        if self.watcher is not None:
-            self.watcher.cfg = new
-            self.watcher.engine.cfg = new
-            self.watcher.actions.cfg = new
-            self.watcher.engine.refresh_groups()
-            self.watcher.sync_watches()
+        self.live.replace(new)
+
+    def _config_changed(self, old: Config, new: Config) -> None:
+        """What the daemon itself wires follows a reload: the caps of the groups the proxy
+        serves now, what the channels take from outside their section, and the scheduler
+        (tasks and their time zones may have changed) looks again."""
+        if self.proxy is not None:
+            self.proxy.apply_caps(new)
+        apply_channel_config(self.channels, new)
         if self.scheduler is not None:
-            self.scheduler.default_timezone = new.assistant.timezone
             self.scheduler.wake()
 
     # ---------------------------------------------------------------- stop

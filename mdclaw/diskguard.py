@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import agentfs
-from mdclaw.config import Config, floor_bytes, format_size
+from mdclaw.config import Config, LiveConfig, floor_bytes, format_size
 from mdclaw.paths import Layout
 from mdclaw.runtime import engine_errors
 
@@ -260,9 +260,11 @@ class DiskGuard:
     verdict)` returns the chat message once per episode (None when already told).
     """
 
-    def __init__(self, cfg: Config, runner: Any = None, *,
+    def __init__(self, cfg: Config | LiveConfig, runner: Any = None, *,
                  running: Callable[[], Iterable[str]] | None = None) -> None:
-        self.cfg = cfg
+        # The limits in force are read each round; a reload makes it measure again at once.
+        self.live = LiveConfig.of(cfg)
+        self.live.subscribe(self._config_changed)
         self.runner = runner
         self._running = running
         self._blocked: dict[str, Verdict] = {}
@@ -275,6 +277,11 @@ class DiskGuard:
         self._wake = asyncio.Event()
         self._kick = asyncio.Event()  # a run was admitted: start the host tick
         self._admitted = -math.inf  # time.monotonic() of the last admit()
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
 
     # ------------------------------------------------------------------ decisions
 
@@ -376,6 +383,9 @@ class DiskGuard:
     def wake(self) -> None:
         """Measure now (a run started, the config changed)."""
         self._wake.set()
+
+    def _config_changed(self, old: Config, new: Config) -> None:
+        self.wake()  # the limits may have changed: decide again now
 
     async def run(self, stop: asyncio.Event) -> None:
         """Measure the groups every `limits.disk_check_interval` (or 10x the last round),

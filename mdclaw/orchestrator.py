@@ -40,7 +40,7 @@ from typing import Any
 
 from mdclaw import failures, media
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
-from mdclaw.config import Config, format_duration, read_secret
+from mdclaw.config import Config, LiveConfig, format_duration, read_secret
 from mdclaw.errors import EngineError
 from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
 from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger, strip_internal
@@ -146,11 +146,15 @@ class Orchestrator:
     retried by the queue) with a clear reason.
     """
 
-    def __init__(self, cfg: Config, db: Database, *, runner: ContainerRunner | None,
-                 proxy: Any = None, channels: list[Channel] | None = None,
+    def __init__(self, cfg: Config | LiveConfig, db: Database, *,
+                 runner: ContainerRunner | None, proxy: Any = None,
+                 channels: list[Channel] | None = None,
                  wake_outbox: Callable[[], None] = lambda: None,
                  max_concurrent: int | None = None, diskguard: Any = None) -> None:
-        self.cfg = cfg
+        # The config in force is read at use time (self.cfg); a reload reaches the queue's
+        # limits and the transcriber through _config_changed.
+        self.live = LiveConfig.of(cfg)
+        cfg = self.live.current
         self.db = db
         self.layout = Layout(cfg.data_dir)
         self.runner = runner
@@ -159,9 +163,8 @@ class Orchestrator:
         self.wake_outbox = wake_outbox
         # mdclaw.diskguard.DiskGuard: runs of a group past a disk limit are refused.
         self.diskguard = diskguard
-        self.queue = GroupQueue(self.run_job,
-                                max_concurrent=max_concurrent
-                                or cfg.limits.max_concurrent_containers,
+        self._max_concurrent = max_concurrent  # given: it wins over the config's
+        self.queue = GroupQueue(self.run_job, max_concurrent=self._slots(cfg),
                                 max_attempts=cfg.limits.run_attempts,
                                 retry_base=cfg.limits.run_retry_base.total_seconds(),
                                 on_failure=self.on_job_failed, on_retry=self.on_job_retry)
@@ -190,6 +193,24 @@ class Orchestrator:
         self._file_tasks: dict[str, asyncio.Task[None]] = {}
         self._chat_files: dict[str, asyncio.Task[None]] = {}  # chat -> its newest such task
         self._downloads = asyncio.Semaphore(MAX_PARALLEL_DOWNLOADS)
+        self.live.subscribe(self._config_changed)
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
+
+    def _slots(self, cfg: Config) -> int:
+        return self._max_concurrent or cfg.limits.max_concurrent_containers
+
+    def _config_changed(self, old: Config, new: Config) -> None:
+        """A reload: the queue takes the new limits (a raised cap starts waiting jobs now),
+        and a changed `transcription` gets a transcriber of its own."""
+        self.queue.configure(max_concurrent=self._slots(new),
+                             max_attempts=new.limits.run_attempts,
+                             retry_base=new.limits.run_retry_base.total_seconds())
+        if new.transcription != old.transcription:
+            self.transcriber = make_transcriber(new.transcription)
 
     # ------------------------------------------------------------------ inbound
     @staticmethod

@@ -38,6 +38,7 @@ from typing import Any
 
 from mdclaw import metrics
 from mdclaw.channels.base import Channel, ChannelError, channel_for
+from mdclaw.config import Config, Limits, LiveConfig
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
 from mdclaw.state import Database, now_iso
@@ -78,21 +79,34 @@ class RetryPolicy:
         """Seconds to wait after `attempts` failed attempts."""
         return self._backoff.delay(attempts)
 
+    @classmethod
+    def from_limits(cls, limits: Limits) -> RetryPolicy:
+        """`limits.delivery_attempts` tries, the second `limits.delivery_retry_base` after
+        the first."""
+        return cls(max_attempts=limits.delivery_attempts,
+                   base_delay=limits.delivery_retry_base.total_seconds())
+
 
 RowCallback = Callable[[OutboxRow], Any]
 
 
 class OutboxWorker:
     """Delivers outbox rows through `channels` (a list the caller may change later with
-    `set_channels`). `on_sent` / `on_failed` are called with the final row."""
+    `set_channels`). `on_sent` / `on_failed` are called with the final row.
+
+    Failed deliveries are retried by `policy`, or, given `cfg` instead (a LiveConfig, or a
+    plain Config), by the config's `limits.delivery_*` in force when the failure happens."""
 
     def __init__(self, db: Database, channels: Iterable[Channel] = (), *,
-                 policy: RetryPolicy | None = None, on_sent: RowCallback | None = None,
+                 policy: RetryPolicy | None = None, cfg: Config | LiveConfig | None = None,
+                 on_sent: RowCallback | None = None,
                  on_failed: RowCallback | None = None, max_idle: float = 60.0,
                  max_parallel_chats: int = 8, disconnected_recheck: float = 10.0) -> None:
         self.db = db
         self.channels: list[Channel] = list(channels)
-        self.policy = policy or RetryPolicy()
+        self.live = LiveConfig.of(cfg) if cfg is not None else None
+        self._policy = policy or (None if self.live is not None else RetryPolicy())
+        self._policy_of: tuple[Limits, RetryPolicy] | None = None
         self.on_sent = on_sent
         self.on_failed = on_failed
         self.max_idle = max_idle
@@ -111,6 +125,17 @@ class OutboxWorker:
         self._releases: list[OutboxRow] = []  # claimed, not tried: back to pending
         self._flush_at: asyncio.Handle | None = None
         self._retry_at = 0.0  # monotonic time before which a failed round is not retried
+
+    @property
+    def policy(self) -> RetryPolicy:
+        """The retry policy for a delivery that fails now."""
+        if self._policy is not None:
+            return self._policy
+        assert self.live is not None
+        limits = self.live.current.limits
+        if self._policy_of is None or self._policy_of[0] is not limits:
+            self._policy_of = (limits, RetryPolicy.from_limits(limits))
+        return self._policy_of[1]
 
     def set_channels(self, channels: Iterable[Channel]) -> None:
         self.channels = list(channels)

@@ -747,6 +747,16 @@ class CredentialProxy:
     def running(self) -> list[str]:
         return sorted(self._sites)
 
+    def apply_caps(self, cfg: Config) -> None:
+        """Give every group served now the caps `cfg` gives it (a config reload; a group's
+        next run starts with them anyway): connections over a lowered cap are refused from
+        the next one accepted, and the request bucket holds at most the new rate."""
+        for folder, site in self._sites.items():
+            conns, rate = cfg.proxy_caps(folder)
+            site.caps.max_connections = conns
+            site.caps.per_minute = rate
+            site.caps.tokens_per_day = cfg.token_budget(folder)
+
     def caps(self, folder: str) -> dict[str, int] | None:
         """The group's caps and how often they were hit, while its socket is served."""
         site = self._sites.get(folder)

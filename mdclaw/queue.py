@@ -70,29 +70,44 @@ class GroupQueue:
                  on_failure: Callable[[Job, BaseException], Awaitable[None] | None] | None = None,
                  on_retry: Callable[[Job, BaseException, float], Awaitable[None] | None]
                  | None = None) -> None:
-        if max_concurrent < 1 or max_attempts < 1 or retry_base < 0:
-            raise ValueError("max_concurrent and max_attempts must be >= 1, retry_base >= 0")
         self.run_job = run_job
-        self.max_concurrent = max_concurrent
-        self.max_attempts = max_attempts
-        self.retry_base = retry_base
-        # The cap never undercuts a configured base (a base above it waits the base).
-        self.backoff = Backoff(base=retry_base, factor=2.0, cap=max(retry_cap, retry_base),
-                               jitter=retry_jitter, rng=rng)
+        self.retry_cap = retry_cap
+        self.retry_jitter = retry_jitter
+        self._rng = rng
+        self._closing = False
+        self._running: dict[str, tuple[Job, asyncio.Task[None]]] = {}
+        self._set_limits(max_concurrent, max_attempts, retry_base)
         self.on_failure = on_failure
         self.on_retry = on_retry
         self.failures: list[Failure] = []
         self._tasks: dict[str, deque[Job]] = {}
         self._messages: dict[str, deque[Job]] = {}
-        self._running: dict[str, tuple[Job, asyncio.Task[None]]] = {}
         # Per group waiting to retry: its release timer and the kind of job that waits.
         self._held: dict[str, tuple[asyncio.TimerHandle, Kind]] = {}
         self._keys: set[tuple[str, str]] = set()
         self._seq = itertools.count(1)
-        self._closing = False
         self._idle = asyncio.Event()
         self._idle.set()
         self.peak_running = 0
+
+    def _set_limits(self, max_concurrent: int, max_attempts: int, retry_base: float) -> None:
+        if max_concurrent < 1 or max_attempts < 1 or retry_base < 0:
+            raise ValueError("max_concurrent and max_attempts must be >= 1, retry_base >= 0")
+        self.max_concurrent = max_concurrent
+        self.max_attempts = max_attempts
+        self.retry_base = retry_base
+        # The cap never undercuts a configured base (a base above it waits the base).
+        self.backoff = Backoff(base=retry_base, factor=2.0,
+                               cap=max(self.retry_cap, retry_base), jitter=self.retry_jitter,
+                               rng=self._rng)
+
+    def configure(self, *, max_concurrent: int, max_attempts: int, retry_base: float) -> None:
+        """New limits (a config reload): a job already running keeps going, a higher cap
+        starts waiting jobs at once, and the next failure is retried (or not) by the new
+        tries and backoff; a job waiting to retry keeps the wait it was given."""
+        self._set_limits(max_concurrent, max_attempts, retry_base)
+        if not self._closing:
+            self._pump()
 
     # ----------------------------------------------------------------- enqueue
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from mdclaw import agentfs, metrics
 from mdclaw import mounts as mount_rules
-from mdclaw.config import Config, validate_folder
+from mdclaw.config import Config, LiveConfig, validate_folder
 from mdclaw.integrations import load_all
 from mdclaw.ipc.actions import ACTIONS, action_refusal
 from mdclaw.ipc.writers import CLOSE_SENTINEL, remove_close, write_close
@@ -199,6 +199,16 @@ class ContainerResult:
 
 
 @dataclass(frozen=True)
+class RunLimits:
+    """What bounds one run, from the config in force when it starts (a reload meanwhile
+    applies from the group's next run)."""
+
+    hard_timeout: float  # seconds: the container is stopped after this long
+    idle_timeout: float  # seconds without output or follow-up: the conversation is closed
+    max_output_bytes: int  # stdout kept; the rest is dropped unread
+
+
+@dataclass(frozen=True)
 class RunContext:
     """What a spec hook knows about the run it is adjusting."""
 
@@ -320,12 +330,13 @@ class RunHandle:
     """A running container, as the orchestrator sees it."""
 
     def __init__(self, runner: ContainerRunner, folder: str, name: str,
-                 timers: RunTimers) -> None:
+                 timers: RunTimers, max_output_bytes: int = 10 * 1024 * 1024) -> None:
         self._runner = runner
         self.folder = folder
         self.name = name
         self.container_id: str | None = None
         self.timers = timers
+        self.max_output_bytes = max_output_bytes
         self._wake = asyncio.Event()  # set by touch(): the run's loop recomputes its wait
 
     @property
@@ -371,8 +382,12 @@ class RunHandle:
 
 
 class ContainerRunner:
-    def __init__(self, cfg: Config, runtime: ContainerRuntime) -> None:
-        self.cfg = cfg
+    """Runs containers for groups. The config (a LiveConfig, or a plain Config that never
+    changes) is read when a run is built: a reload applies from each group's next run."""
+
+    def __init__(self, cfg: Config | LiveConfig, runtime: ContainerRuntime) -> None:
+        self.live = LiveConfig.of(cfg)
+        cfg = self.live.current
         self.runtime = runtime
         self.layout = Layout(cfg.data_dir)
         self.labels = install_labels(cfg)
@@ -383,6 +398,11 @@ class ContainerRunner:
         # Per group, the container created (not started) for its next run, or being created.
         self._spares: dict[str, _Spare] = {}
         self._closing = False
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
 
     # ----------------------------------------------------------------- public
 
@@ -444,6 +464,18 @@ class ContainerRunner:
             # No fsync: the file is rewritten before every run, so a crash loses nothing.
             agentfs.atomic_write(fd, "settings.json", data, 0o660, durable=False)
         return self.layout.sessions_dir / folder / ".claude" / "settings.json"
+
+    def run_limits(self, folder: str, timeout: float | None = None) -> RunLimits:
+        """The limits a run of `folder` starting now gets: `timeout` (seconds), else the
+        group's `timeout`, else limits.container_timeout; limits.idle_timeout and
+        limits.max_output_bytes."""
+        cfg = self.cfg
+        group = cfg.groups.get(folder)
+        hard = timeout if timeout is not None else (
+            (group.timeout if group and group.timeout else cfg.limits.container_timeout)
+            .total_seconds())
+        return RunLimits(hard, cfg.limits.idle_timeout.total_seconds(),
+                         cfg.limits.max_output_bytes)
 
     def write_close(self, folder: str) -> None:
         """Write ipc/<folder>/input/_close. Raises UnsafePath (a swapped folder) or OSError."""
@@ -527,12 +559,8 @@ class ContainerRunner:
         t_call = time.perf_counter()
         if folder in self._active:
             raise EngineCallError(f"group {folder} already has a running container")
-        cfg = self.cfg
-        group = cfg.groups.get(folder)
-        hard = timeout if timeout is not None else (
-            (group.timeout if group and group.timeout else cfg.limits.container_timeout)
-            .total_seconds())
-        timers = RunTimers(hard, cfg.limits.idle_timeout.total_seconds(), time.monotonic())
+        limits = self.run_limits(folder, timeout)
+        timers = RunTimers(limits.hard_timeout, limits.idle_timeout, time.monotonic())
         spec = await asyncio.to_thread(self.build_spec, folder, input, extra_env=extra_env,
                                        extra_mounts=extra_mounts, command=command, image=image)
         # A stale sentinel would end this run at once.
@@ -543,7 +571,7 @@ class ContainerRunner:
         if not plain and folder in self._spares:
             self._discard(self._spares.pop(folder))
 
-        handle = RunHandle(self, folder, spec.name, timers)
+        handle = RunHandle(self, folder, spec.name, timers, limits.max_output_bytes)
         self._active[folder] = handle
         try:
             return await self._run(handle, spec, on_output, t_call, created)
@@ -573,7 +601,7 @@ class ContainerRunner:
         metrics.container_starts.get("started").inc()
         metrics.CONTAINER_START.observe(t_started - t_start_call)
         handle.container_id = running.id
-        reader = _Reader(running, loop, events, self.cfg.limits.max_output_bytes, spec.name)
+        reader = _Reader(running, loop, events, handle.max_output_bytes, spec.name)
         reader.start()
         handle.timers.on_started(time.monotonic())
         followed = _RunLoop(self, handle, running, events, spec.name, on_output)
@@ -639,7 +667,7 @@ class ContainerRunner:
         running.close()
         if reader.dropped:
             log.warning("container %s: output cap of %d bytes reached; dropped %d byte(s)",
-                        spec.name, self.cfg.limits.max_output_bytes, reader.dropped)
+                        spec.name, handle.max_output_bytes, reader.dropped)
         if reader.parser.dropped_blocks:
             log.warning("container %s: dropped %d oversized output block(s)", spec.name,
                         reader.parser.dropped_blocks)

@@ -99,13 +99,16 @@ class Scheduler:
     on concurrently; a task is never started while its previous run is still going.
     """
 
-    def __init__(self, db: Database, execute: Execute, *, default_timezone: str = "UTC",
+    def __init__(self, db: Database, execute: Execute, *,
+                 default_timezone: str | Callable[[], str] = "UTC",
                  clock: Callable[[], datetime] = schedule.utc_now,
                  late_grace: timedelta = timedelta(seconds=60), max_sleep: float = 1.0,
                  batch: int = 100) -> None:
         self.db = db
         self.execute = execute
-        self.default_timezone = default_timezone
+        # A task without a timezone of its own is read in this one; a function (the
+        # daemon's: the config's assistant.timezone now) is asked each time.
+        self._default_timezone = default_timezone
         self.clock = clock
         self.late_grace = late_grace
         self.max_sleep = max_sleep
@@ -149,6 +152,11 @@ class Scheduler:
                         " %d one-shot task(s) left running marked completed (not re-fired)",
                         len(rows), stuck)
         return [r[0] for r in rows]
+
+    @property
+    def default_timezone(self) -> str:
+        tz = self._default_timezone
+        return tz if isinstance(tz, str) else tz()
 
     # ------------------------------------------------------------------ claiming
     def zone_of(self, task: TaskRow) -> str:

@@ -44,17 +44,18 @@ def test_skip_secrets_still_checks_everything_else(cli, write_config) -> None:
     assert "does not exist" not in r.stderr
 
 
-def test_skip_is_scoped_to_the_block(tmp_path) -> None:
-    import pytest
-
-    from mdclaw.config import ConfigError, load_config, secret_checks_skipped
+def test_secret_files_are_checked_by_their_own_pass(tmp_path) -> None:
+    """Loading takes the path (expanded) without looking at the file; the one pass that
+    looks (check-config without --skip-secrets, doctor, the daemon) says what is wrong, at
+    the key's line."""
+    from mdclaw.config import key_lines, load_config, secret_file_issues
 
     text = f"data_dir: {tmp_path}\nchannels: {{telegram: {{token_file: /nonexistent/t}}}}\n"
-    with secret_checks_skipped():
-        cfg = load_config(tmp_path / "c.yaml", text=text)
+    cfg = load_config(tmp_path / "c.yaml", text=text)
     assert str(cfg.channels.telegram.token_file) == "/nonexistent/t"
-    with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "c.yaml", text=text)
+    issues = secret_file_issues(cfg, key_lines(text))
+    assert [(i.path, i.line) for i in issues] == [("channels.telegram.token_file", 2)]
+    assert "does not exist" in issues[0].message
 
 
 def test_skip_host_checks_leaves_out_the_checks_beyond_the_schema(write_config, capsys) -> None:

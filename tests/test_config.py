@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from mdclaw.config import ConfigError, find_config_path, load_config, parse_duration
+from mdclaw.config import (
+    ConfigError,
+    check_secret_files,
+    find_config_path,
+    load_config,
+    parse_duration,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,6 +23,15 @@ REPO = Path(__file__).resolve().parent.parent
 def errors_of(path: Path) -> list[str]:
     with pytest.raises(ConfigError) as ei:
         load_config(path)
+    return [i.render(str(path)) for i in ei.value.issues]
+
+
+def secret_errors_of(path: Path) -> list[str]:
+    """The secret files' problems, as check-config and the daemon report them: loading the
+    config takes the paths; the secret pass looks at the files."""
+    cfg = load_config(path)
+    with pytest.raises(ConfigError) as ei:
+        check_secret_files(cfg, path)
     return [i.render(str(path)) for i in ei.value.issues]
 
 
@@ -160,7 +175,7 @@ def test_idle_timeout_must_be_below_hard_timeout(write_config) -> None:
 
 
 def test_secret_file_missing(write_config, tmp_path) -> None:
-    errs = errors_of(write_config(
+    errs = secret_errors_of(write_config(
         f"channels:\n  telegram:\n    token_file: {tmp_path}/nope\n"))
     assert "channels.telegram.token_file" in errs[0] and "does not exist" in errs[0]
 
@@ -171,7 +186,7 @@ def test_secret_file_world_readable_is_refused_and_content_never_shown(write_con
     secret.write_text("s3cr3t-VALUE-123\n")
     os.chmod(secret, 0o644)
     p = write_config(f"channels:\n  telegram:\n    token_file: {secret}\n")
-    errs = errors_of(p)
+    errs = secret_errors_of(p)
     assert "readable by every user" in errs[0] and "chmod o-rwx" in errs[0]
     assert all("s3cr3t" not in e for e in errs)
     os.chmod(secret, 0o600)

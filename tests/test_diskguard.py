@@ -16,7 +16,7 @@ import pytest
 
 from mdclaw import agentfs, diskguard
 from mdclaw.channels.base import InboundMessage
-from mdclaw.config import Config, floor_bytes, load_config, parse_size
+from mdclaw.config import Config, LiveConfig, floor_bytes, load_config, parse_size
 from mdclaw.diskguard import (
     GROUP_FULL,
     HOST_FULL,
@@ -399,7 +399,9 @@ def test_free_space_is_checked_every_second_between_rounds(tmp_path: Path) -> No
         while guard.rounds < 1:  # the first (full) round is done; the next is an hour away
             await asyncio.sleep(0.01)
         # The disk "fills up": a floor this disk never meets (no wake: only the tick sees it).
-        guard.cfg = make_cfg(tmp_path, disk_check_interval="1h", min_free_disk="99.99%")
+        # A holder of its own, which wakes nobody: only the tick may see the new floor.
+        guard.live = LiveConfig(make_cfg(tmp_path, disk_check_interval="1h",
+                                         min_free_disk="99.99%"), fixed=True)
         t0 = asyncio.get_running_loop().time()
         await asyncio.wait_for(runner.handles["family"].killed.wait(), 10)
         await asyncio.wait_for(runner.handles["main"].killed.wait(), 10)
@@ -478,7 +480,9 @@ def test_free_space_ticks_only_once_a_run_is_admitted(tmp_path: Path) -> None:
         assert guard.host_checks == 0
         assert (await guard.admit("family")).ok
         runner.handles = handles  # its container starts
-        guard.cfg = make_cfg(tmp_path, disk_check_interval="1h", min_free_disk="99.99%")
+        # A holder of its own, which wakes nobody: only the tick may see the new floor.
+        guard.live = LiveConfig(make_cfg(tmp_path, disk_check_interval="1h",
+                                         min_free_disk="99.99%"), fixed=True)
         t0 = asyncio.get_running_loop().time()
         await asyncio.wait_for(handles["family"].killed.wait(), 10)
         took = asyncio.get_running_loop().time() - t0

@@ -26,8 +26,9 @@ DOOR = "mdclaw/agentfs.py"
 
 # Modules that touch only the host's own files, and why that is not a container's tree.
 HOST_ONLY: dict[str, str] = {
-    "mdclaw/config.py": "reads config.yaml and the secret files it names; writes the "
-                        "generated HTTP token in data_dir",
+    "mdclaw/config/load.py": "reads config.yaml",
+    "mdclaw/config/secrets.py": "looks at and reads the secret files config.yaml names; "
+                                "writes the generated HTTP token in data_dir",
     "mdclaw/state/db.py": "the state database file and its folder",
     "mdclaw/daemon.py": "the daemon's status file in data_dir",
     "mdclaw/commands/daemon.py": "the CLI reads the status file and the database path",
@@ -155,7 +156,7 @@ def test_the_host_only_list_names_real_modules() -> None:
     ("mdclaw/reconcile.py", "st = path.lstat()\n", ".lstat() outside"),
     # Listed host-only modules still may not reach into a container's tree.
     ("mdclaw/daemon.py", "self.layout.group_dir(f).mkdir()\n", "container-writable"),
-    ("mdclaw/config.py", "open(layout.ipc_dir / f / 'x')\n", "container-writable"),
+    ("mdclaw/config/secrets.py", "open(layout.ipc_dir / f / 'x')\n", "container-writable"),
     ("mdclaw/outbox.py", "os.chmod(layout.sessions_dir / f, 0o777)\n", "container-writable"),
 ])
 def test_a_planted_violation_fails_the_check(module: str, source: str, expect: str) -> None:

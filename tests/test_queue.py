@@ -334,3 +334,38 @@ def test_a_message_waiting_to_retry_does_not_hold_up_a_task_of_its_group() -> No
 
     asyncio.run(main())
     assert order == ["m", "t"]
+
+
+def test_new_limits_apply_to_waiting_jobs_and_the_next_failure() -> None:
+    """configure() (a config reload): a raised cap starts waiting jobs at once, without
+    waiting for a running one to end; the next failure is retried by the new tries."""
+    gate = asyncio.Event()
+    started: list[str] = []
+    tries: dict[str, int] = {}
+
+    async def job(j: Job) -> None:
+        started.append(j.id)
+        tries[j.id] = tries.get(j.id, 0) + 1
+        if j.id == "flaky":
+            raise RuntimeError("down")
+        await gate.wait()
+
+    async def go() -> GroupQueue:
+        q = GroupQueue(job, max_concurrent=1, max_attempts=5, retry_base=0.001,
+                       retry_jitter=0)
+        for g in "abc":
+            q.enqueue_message(g, job_id=g)
+        await until(lambda: started == ["a"])
+        q.configure(max_concurrent=4, max_attempts=2, retry_base=0.001)
+        await until(lambda: sorted(started) == ["a", "b", "c"])  # while "a" still runs
+        assert q.status()["max_concurrent"] == 4
+        q.enqueue_message("d", job_id="flaky")  # the fourth slot
+        await until(lambda: len(q.failures) == 1)
+        gate.set()
+        await q.join()
+        return q
+
+    q = run(go())
+    assert tries["flaky"] == 2  # the new max_attempts, not the 5 it was made with
+    with pytest.raises(ValueError):
+        q.configure(max_concurrent=0, max_attempts=1, retry_base=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any, cast
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.http import HttpChannel
@@ -47,6 +48,18 @@ def build_channels(cfg: Config, db: Database,
             wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
             trigger=f"@{cfg.assistant.name}", db=db))
     return channels
+
+
+def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
+    """What the channels take from outside their own section, from `cfg` (a config reload;
+    the `channels` section itself needs a restart): the assistant's name and trigger, and the
+    largest file the local chat takes."""
+    for ch in channels:
+        if isinstance(ch, HttpChannel):
+            ch.assistant_name = cfg.assistant.name
+            ch.max_upload_bytes = cfg.media.limit
+        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional)
+            cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 
 async def connect_all(channels: Iterable[Channel]) -> dict[str, str]:

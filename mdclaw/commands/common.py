@@ -55,10 +55,15 @@ def load_or_exit(args) -> Config:  # noqa: ANN001 - argparse namespace
     try:
         return load_config(args.config)
     except ConfigError as e:
-        print(f"mdclaw: invalid config {e.file}:", file=sys.stderr)
-        for issue in e.issues:
-            print(f"  {issue.render(e.file)}", file=sys.stderr)
-        raise SystemExit(1) from None
+        exit_invalid(e)
+
+
+def exit_invalid(e: ConfigError) -> NoReturn:
+    """Print every problem of `e` to stderr and exit with status 1."""
+    print(f"mdclaw: invalid config {e.file}:", file=sys.stderr)
+    for issue in e.issues:
+        print(f"  {issue.render(e.file)}", file=sys.stderr)
+    raise SystemExit(1) from None
 
 
 def open_db_or_exit(cfg: Config) -> Database:

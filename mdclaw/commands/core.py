@@ -6,21 +6,27 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 from typing import Literal
 
-from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit, read_db_or_exit
+from mdclaw.commands.common import (
+    exit_invalid,
+    fail,
+    load_or_exit,
+    open_db_or_exit,
+    read_db_or_exit,
+)
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import (
     Config,
     ConfigError,
     ConfigIssue,
+    check_secret_files,
+    file_key_lines,
     find_config_path,
     issue_at,
     iter_secret_files,
-    key_lines,
     load_config,
-    secret_checks_skipped,
+    secret_file_issues,
     service_credential_secrets,
     sorted_issues,
 )
@@ -103,21 +109,18 @@ def as_issue(found: str | ConfigIssue, lines: dict[tuple[str, ...], int],
 
 def config_issues(args: argparse.Namespace) -> tuple[str, Config | None, list[ConfigIssue]]:
     """(file, the config if valid, every issue sorted by line then key path): the schema's
-    and the cross-key problems, then (on a valid config) the checks beyond the schema and
-    the warnings."""
-    with secret_checks_skipped() if args.skip_secrets else nullcontext():
-        try:
-            cfg = load_config(args.config)
-        except ConfigError as e:
-            return e.file, None, list(e.issues)
-        path = find_config_path(args.config)
-        try:
-            lines = key_lines(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError):
-            lines = {}
-        checks = [] if args.skip_host_checks else CONFIG_CHECKS
-        issues = [as_issue(f, lines, "error") for check in checks for f in check(cfg)]
-        issues += [as_issue(f, lines, "warning") for check in CONFIG_WARNINGS for f in check(cfg)]
+    and the cross-key problems, then (on a valid config) the secret files (unless
+    --skip-secrets), the checks beyond the schema and the warnings."""
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        return e.file, None, list(e.issues)
+    path = find_config_path(args.config)
+    lines = file_key_lines(path)
+    issues = [] if args.skip_secrets else secret_file_issues(cfg, lines)
+    checks = [] if args.skip_host_checks else CONFIG_CHECKS
+    issues += [as_issue(f, lines, "error") for check in checks for f in check(cfg)]
+    issues += [as_issue(f, lines, "warning") for check in CONFIG_WARNINGS for f in check(cfg)]
     return str(path), cfg, sorted_issues(issues)
 
 
@@ -213,4 +216,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         fail("cannot run here: " + ", ".join(f"{k} ({p})" for k, p in unreadable)
              + " is set in the service's credentials, which exist only inside the mdclaw "
              "service: start it with `systemctl start mdclaw`")
+    try:  # the daemon refuses a bad secret file as it refuses an invalid config
+        check_secret_files(cfg, args.config)
+    except ConfigError as e:
+        exit_invalid(e)
     return run_daemon(cfg, config_path=args.config)

@@ -21,6 +21,7 @@ from mdclaw.config import (
     iter_secret_files,
     load_config,
     read_secret,
+    secret_file_issues,
 )
 from mdclaw.schedule import from_iso, get_zone, to_iso, utc_now
 from mdclaw.senders import jid_is_group_chat, main_group_warning
@@ -282,8 +283,13 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                "start Docker or `podman system service`, or set runtime.socket / DOCKER_HOST")
         _check(results, "image", "warn", "not checked: no engine")
     _disk_checks(results, cfg)
-    # secret files (models and channels)
+    # secret files (models, channels, integrations...): the config's check, then a read
+    problems = {i.path: i.message for i in secret_file_issues(cfg)}
     for key, path in iter_secret_files(cfg):
+        if key in problems:
+            _check(results, key, "fail", problems[key],
+                   f"make {path} a file readable by this user (and by no one else)")
+            continue
         try:
             if read_secret(path):
                 _check(results, key, "ok", f"{path} is readable")

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from mdclaw import agentfs, metrics, schedule
-from mdclaw.config import Config
+from mdclaw.config import Config, LiveConfig
 from mdclaw.errors import IpcError
 from mdclaw.ipc import protocol as P
 from mdclaw.ipc.actions import (
@@ -142,9 +142,12 @@ class IpcEngine:
     # A group alone with work takes `batch_per_group` files a round (fewer, larger
     # transactions for a flood); while several have work each takes at most `batch_shared`,
     # so a quiet group's command is in a short round behind at most one long one.
-    def __init__(self, cfg: Config, db: Database, *, batch_per_group: int = 64,
+    def __init__(self, cfg: Config | LiveConfig, db: Database, *, batch_per_group: int = 64,
                  batch_max: int = 128, batch_shared: int = 16, settle_ns: int = 0) -> None:
-        self.cfg = cfg
+        # The config in force is read at use time (self.cfg); the quarantine's caps follow
+        # a reload through _config_changed.
+        self.live = LiveConfig.of(cfg)
+        cfg = self.live.current
         self.settle_ns = settle_ns
         self.db = db
         self.layout = Layout(cfg.data_dir)
@@ -155,6 +158,7 @@ class IpcEngine:
         self.ipc_root_fd = agentfs.open_root(self.layout.ipc_dir)
         self.quarantine = Quarantine(self.layout.errors_dir, cfg.limits.errors_max_files,
                                      cfg.limits.errors_max_bytes)
+        self.live.subscribe(self._config_changed)
         self.dirs: dict[str, GroupDirs] = {}
         self.rows: dict[str, GroupRow] = {}
         # Where snapshot rewrites go: written at once by default; the watcher hands them to a
@@ -171,6 +175,14 @@ class IpcEngine:
         self.on_jobs: Callable[[], None] | None = None
         self._db_mark: tuple[int, int] | None = None
         self.refresh_groups()
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
+
+    def _config_changed(self, old: Config, new: Config) -> None:
+        self.quarantine.set_caps(new.limits.errors_max_files, new.limits.errors_max_bytes)
 
     def close(self) -> None:
         for gd in self.dirs.values():

@@ -67,14 +67,18 @@ class Quarantine:
 
     def __init__(self, errors_dir: Path, max_files: int, max_bytes: int) -> None:
         self.errors_dir = errors_dir
-        self.max_files = max_files
-        self.max_bytes = max_bytes
-        self.keep_limit = max(1024, max_bytes // 16)  # largest payload kept
+        self.set_caps(max_files, max_bytes)
         agentfs.make_dirs(errors_dir, 0o700)
         self.fd = agentfs.open_root(errors_dir)
         self._sizes: OrderedDict[str, int] = OrderedDict()  # base -> bytes, oldest first
         self._bytes = 0
         self._load()
+
+    def set_caps(self, max_files: int, max_bytes: int) -> None:
+        """The caps from now on; the next entry put in prunes down to them."""
+        self.max_files = max_files
+        self.max_bytes = max_bytes
+        self.keep_limit = max(1024, max_bytes // 16)  # largest payload kept
 
     def close(self) -> None:
         os.close(self.fd)

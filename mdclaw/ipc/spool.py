@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mdclaw import agentfs
 from mdclaw.agentfs import UnsafePath
-from mdclaw.config import Config
+from mdclaw.config import Config, LiveConfig
 from mdclaw.ipc.files import SEND_FILE_MAX_BYTES
 from mdclaw.mounts import resolve_container_path
 from mdclaw.paths import PRIVATE_DIR_MODE, Layout
@@ -116,10 +116,11 @@ class FileSpooler:
     start, for rows a crash left behind). `on_ready` is called from that thread after rows
     were finished (the daemon wakes the outbox with it)."""
 
-    def __init__(self, cfg: Config, db_path: Path,
+    def __init__(self, cfg: Config | LiveConfig, db_path: Path,
                  on_ready: Callable[[], None] | None = None) -> None:
-        self.cfg = cfg
-        self.layout = Layout(cfg.data_dir)
+        # Read for each round of copies: a reload's mounts apply to the next file sent.
+        self.live = LiveConfig.of(cfg)
+        self.layout = Layout(self.live.current.data_dir)
         self.db_path = db_path
         self.on_ready = on_ready
         self._cond = threading.Condition()
@@ -128,6 +129,11 @@ class FileSpooler:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="ipc-spool", daemon=True)
         self._thread.start()
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
 
     def wake(self) -> None:
         with self._cond:

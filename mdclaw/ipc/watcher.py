@@ -27,7 +27,7 @@ from collections.abc import Callable
 from inotify_simple import INotify
 from inotify_simple import flags as F
 
-from mdclaw.config import Config
+from mdclaw.config import Config, LiveConfig
 from mdclaw.ipc.apply import SETTLE_NS, BackgroundRemover, BatchResult, IpcEngine
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
 from mdclaw.ipc.spool import FileSpooler
@@ -48,11 +48,14 @@ SAFETY_RESCAN = 30.0
 class IpcWatcher:
     """Runs an IpcEngine until stopped. `use_inotify=False` leaves only the poll."""
 
-    def __init__(self, cfg: Config, db: Database, *, use_inotify: bool = True,
+    def __init__(self, cfg: Config | LiveConfig, db: Database, *, use_inotify: bool = True,
                  poll_interval: float | None = None, engine: IpcEngine | None = None,
                  safety_rescan: float = SAFETY_RESCAN) -> None:
-        self.cfg = cfg
-        self.engine = engine or IpcEngine(cfg, db, settle_ns=SETTLE_NS)
+        # The engine, the spooler and the action worker read the same holder; a reload
+        # reaches the poll interval and the watched groups through _config_changed.
+        self.live = LiveConfig.of(cfg)
+        cfg = self.live.current
+        self.engine = engine or IpcEngine(self.live, db, settle_ns=SETTLE_NS)
         self.snapshot_writer = SnapshotWriter(cfg.db_path, self.engine.layout)
         self.engine.snapshots = self.snapshot_writer.request
         self.remover = BackgroundRemover()
@@ -63,13 +66,13 @@ class IpcWatcher:
         # Called on every poll tick with whether anything was committed to the database
         # since the last one (by any connection or process).
         self.on_poll: Callable[[bool], None] | None = None
-        self.spooler = FileSpooler(cfg, cfg.db_path, on_ready=self._files_ready)
+        self.spooler = FileSpooler(self.live, cfg.db_path, on_ready=self._files_ready)
         self.engine.spool = self.spooler.wake
         # Off-loop actions (web, slow work) run on the action worker, a task beside the loop.
-        self.actions = ActionWorker(cfg)
+        self.actions = ActionWorker(self.live)
         self.engine.on_jobs = self.actions.wake
-        self.poll_interval = (poll_interval if poll_interval is not None
-                              else cfg.limits.ipc_poll_interval.total_seconds())
+        self._poll_interval = poll_interval  # given: it wins over the config's
+        self._next_poll = 0.0  # time.monotonic() of the next poll tick, while running
         self.safety_rescan = safety_rescan
         self.inotify: INotify | None = None
         if use_inotify:
@@ -96,6 +99,27 @@ class IpcWatcher:
         self.totals = BatchResult()
         self.idle = asyncio.Event()  # set while nothing is known to be pending
         self.last_progress = time.monotonic()
+        self.live.subscribe(self._config_changed)
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between two poll ticks (limits.ipc_poll_interval, unless given)."""
+        if self._poll_interval is not None:
+            return self._poll_interval
+        return self.cfg.limits.ipc_poll_interval.total_seconds()
+
+    def _config_changed(self, old: Config, new: Config) -> None:
+        """A reload: groups may have come or gone (the reconciler wrote them), and the next
+        poll tick is at most the new interval away."""
+        self.engine.refresh_groups()
+        self.sync_watches()
+        self._next_poll = min(self._next_poll, time.monotonic() + self.poll_interval)
+        self._wake.set()
 
     # ------------------------------------------------------------------ watches
     def _add_watch(self, key: tuple[str, str | None], fd: int, mask: int) -> bool:
@@ -289,7 +313,7 @@ class IpcWatcher:
         log.info("ipc: watching %d group(s) (%s, poll every %.3fs)", len(self.engine.dirs),
                  "inotify" if self.inotify is not None else "polling only", self.poll_interval)
         stop_task = asyncio.ensure_future(stop.wait())
-        next_poll = time.monotonic() + self.poll_interval
+        self._next_poll = time.monotonic() + self.poll_interval
         next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
         try:
             while not stop.is_set():
@@ -301,9 +325,9 @@ class IpcWatcher:
                     continue
                 self.idle.set()
                 now = time.monotonic()
-                if now >= next_poll:
+                if now >= self._next_poll:
                     self._poll()
-                    next_poll = now + self.poll_interval
+                    self._next_poll = now + self.poll_interval
                     if now >= next_prune:
                         self.engine.prune_ledger()
                         next_prune = now + LEDGER_PRUNE_EVERY
@@ -311,7 +335,8 @@ class IpcWatcher:
                         continue
                 self._wake.clear()
                 wake_task = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait({wake_task, stop_task}, timeout=max(0.0, next_poll - now),
+                await asyncio.wait({wake_task, stop_task},
+                                   timeout=max(0.0, self._next_poll - now),
                                    return_when=asyncio.FIRST_COMPLETED)
                 wake_task.cancel()
         finally:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from mdclaw import agentfs, metrics
 from mdclaw.agentfs import UnsafePath
-from mdclaw.config import Config
+from mdclaw.config import Config, LiveConfig
 from mdclaw.ipc.actions import ActionFailed, OffloopContext, action_refusal, get_spec
 from mdclaw.ipc.auth import Caller, Unauthorized
 from mdclaw.ipc.writers import write_action_result
@@ -73,10 +73,14 @@ def _now() -> str:
 class ActionWorker:
     """Runs queued off-loop action jobs until stopped (see module doc)."""
 
-    def __init__(self, cfg: Config, *, max_concurrent: int | None = None,
+    def __init__(self, cfg: Config | LiveConfig, *, max_concurrent: int | None = None,
                  per_group: int | None = None, poll_interval: float = POLL_INTERVAL,
                  stop_grace: float = STOP_GRACE) -> None:
-        self.cfg = cfg
+        # The limits in force are read each time jobs are claimed; a reload wakes the loop,
+        # so raised limits take waiting jobs at once.
+        self.live = LiveConfig.of(cfg)
+        self.live.subscribe(self._config_changed)
+        cfg = self.live.current
         self.layout = Layout(cfg.data_dir)
         self._max = max_concurrent
         self._per_group = per_group
@@ -90,6 +94,14 @@ class ActionWorker:
         self._task: asyncio.Task[None] | None = None
         self.running: dict[int, tuple[Job, asyncio.Task[None]]] = {}
         self.finished = 0  # jobs whose result was stored by this worker
+
+    @property
+    def cfg(self) -> Config:
+        """The config in force now."""
+        return self.live.current
+
+    def _config_changed(self, old: Config, new: Config) -> None:
+        self.wake()
 
     @property
     def max_concurrent(self) -> int:

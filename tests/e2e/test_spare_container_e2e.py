@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mdclaw.config import Config
+from mdclaw.config import Config, LiveConfig
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
 from mdclaw.runtime import install_labels
 from mdclaw.runtime.docker_engine import DockerRuntime
@@ -70,7 +70,7 @@ async def run_after_settings_change(runner: ContainerRunner, engine: DockerRunti
     spare made from the old ones, and the spare is removed."""
     await runner.run("family", inp())
     stale = await spare_of(runner, "family")
-    runner.cfg = new
+    runner.live.replace(new)
     res = await runner.run("family", inp())
     assert res.status == "success" and res.name != stale, res
     await gone(engine, labels, stale)
@@ -176,7 +176,7 @@ def test_a_created_container_from_other_settings_is_discarded(tmp_path, engine, 
     reap(labels)
 
     async def go() -> None:
-        runner = ContainerRunner(cfg, engine)
+        runner = ContainerRunner(LiveConfig(cfg), engine)
         # A reload hands the runner a config with other limits: the container made from
         # the old settings must not run.
         await run_after_settings_change(runner, engine, labels, cfg.model_copy(update={
@@ -218,7 +218,7 @@ def test_keep_created_turned_off_by_a_reload_discards_the_spare(tmp_path, engine
     reap(labels)
 
     async def go() -> None:
-        runner = ContainerRunner(cfg, engine)
+        runner = ContainerRunner(LiveConfig(cfg), engine)
         await run_after_settings_change(runner, engine, labels, cfg.model_copy(update={
             "runtime": cfg.runtime.model_copy(update={"keep_created": False})}))
         # and none is made for the next run: a run that keeps one registers it before it

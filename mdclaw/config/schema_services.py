@@ -1,0 +1,240 @@
+"""The services mdclaw talks to: model backends (`models`), chat `channels`, the files people
+send (`media`) and their `transcription`, host `integrations` (Home Assistant), `web` access
+for agents and the Prometheus `metrics` endpoint."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from mdclaw.config.types import (
+    Cidr,
+    CrossKeyError,
+    Domain,
+    Duration,
+    Frozen,
+    Glob,
+    SecretFile,
+    Size,
+    parse_size,
+)
+
+
+class ModelSpec(Frozen):
+    backend: Literal["claude", "openai"] = Field(description="claude (Agent SDK) or openai.")
+    model: str = Field(min_length=1, description="Model name passed to the backend.")
+    base_url: str | None = Field(None, pattern=r"^https?://",
+                                 description="API base URL (default: the provider's).")
+    api_key_file: SecretFile | None = Field(None, description="File holding the API key.")
+    allow_models: tuple[str, ...] = Field(
+        (), description="Other model names an agent may ask for with this entry's key. The "
+        "credential proxy sends every request with `model` set to this entry's `model`, "
+        "unless the request names one of these (the claude CLI asks for a small model for "
+        "side tasks, e.g. `claude-haiku-4-5`).")
+
+
+class HttpChannel(Frozen):
+    enabled: bool = Field(True, description="Serve the local HTTP channel and its chat page.")
+    listen: str = Field("127.0.0.1:3000", pattern=r"^[^:\s]*:\d{1,5}$",
+                        description="host:port to listen on.")
+    secret_file: SecretFile | None = Field(None, description="Bearer token file (optional).")
+    generate_secret: bool = Field(
+        False, description="When `secret_file` is unset: generate a random token into "
+        "`<data_dir>/http-secret` (mode 0600) on the daemon's first start and require it, so "
+        "no other local user can post as the main group. `mdclaw send` and `mdclaw "
+        "http-token` (for the chat page) read it. The NixOS module turns this on.")
+
+
+class TelegramChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to Telegram.")
+    token_file: SecretFile = Field(description="File holding the bot token.")
+    api_base: str = Field("https://api.telegram.org", pattern=r"^https?://",
+                          description="Bot API base URL (for a local Bot API server or tests).")
+
+
+class WhatsAppChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to WhatsApp as a linked device of your "
+                          "phone's account (pair with `mdclaw whatsapp link`).")
+    session_file: Path | None = Field(
+        None, description="Where the linked device's keys are kept (an SQLite file, mode "
+        "0600; whoever reads it can act as your WhatsApp account). Default: "
+        "data_dir/whatsapp/session.sqlite3.")
+    send_interval: float = Field(
+        1.0, ge=0, le=60, description="Seconds between two messages the assistant sends "
+        "(WhatsApp bans accounts that send in bursts).")
+
+
+class Channels(Frozen):
+    http: HttpChannel | None = Field(
+        default_factory=HttpChannel,
+        description="Local HTTP channel (jids hl:<id>), on by default on 127.0.0.1:3000.")
+    telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
+    whatsapp: WhatsAppChannel | None = Field(
+        None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
+        "wa:120363012345678901@g.us for a group, wa:4915112345678@s.whatsapp.net for a person).")
+
+
+class Media(Frozen):
+    max_bytes: Size = Field(
+        "20M", description="Largest file a person may send the assistant (photo, document, "
+        "audio, voice note, web chat upload); a larger one is not saved and the chat is told. "
+        "Telegram's Bot API lets bots download at most 20 MB whatever this says.")
+
+    @property
+    def limit(self) -> int:
+        """`max_bytes` in bytes."""
+        return parse_size(self.max_bytes)
+
+
+class Transcription(Frozen):
+    provider: Literal["local", "openai"] = Field(
+        description="local: a faster-whisper model on this machine's CPU (int8; needs the "
+        "`transcribe` extra); openai: an OpenAI-compatible /audio/transcriptions endpoint.")
+    model: str | None = Field(
+        None, min_length=1, description="local: a faster-whisper model name (tiny, base, "
+        "small...) or the path of a downloaded model folder, default base; openai: the "
+        "model name, default whisper-1.")
+    base_url: str | None = Field(
+        None, pattern=r"^https?://", description="openai: the API root the "
+        "/audio/transcriptions path is added to (default https://api.openai.com/v1).")
+    api_key_file: SecretFile | None = Field(
+        None, description="openai: file holding the API key (sent as a bearer token).")
+    language: str | None = Field(
+        None, pattern=r"^[A-Za-z]{2,3}$",
+        description="Language of the voice notes (ISO 639-1, e.g. en); default: detected.")
+    timeout: Duration = Field(timedelta(minutes=2),
+                              description="Longest a transcription may take.")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or ("base" if self.provider == "local" else "whisper-1")
+
+    @property
+    def url(self) -> str:
+        """The transcription endpoint (openai)."""
+        return (self.base_url or "https://api.openai.com/v1").rstrip("/") + \
+            "/audio/transcriptions"
+
+
+class HomeAssistantAllow(Frozen):
+    services: tuple[Glob, ...] = Field(
+        (), description="Services agents may call, as fnmatch patterns of `domain.service` "
+        "(`light.*`, `switch.turn_on`). Empty (the default): none, read-only.")
+    entities: tuple[Glob, ...] = Field(
+        (), description="Entities agents may read and act on, as fnmatch patterns of the "
+        "entity id (`light.*`, `climate.greenhouse`). Empty (the default): none.")
+
+
+class HomeAssistant(Frozen):
+    url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+                     description="Home Assistant's base URL, e.g. http://homeassistant.local:8123.")
+    token_file: SecretFile = Field(
+        description="File holding a long-lived access token (HA profile → Security → "
+        "Long-lived access tokens). Read on the host only; never sent to a container.")
+    dashboards_dir: Path | None = Field(
+        None, description="Folder of the Lovelace YAML dashboards (and canvas specs) the "
+        "dashboard actions read and edit; host-only, never mounted into a container.")
+    allow: HomeAssistantAllow = Field(
+        default_factory=HomeAssistantAllow,
+        description="What agents may call and see; the default allows nothing (read-only "
+        "status only).")
+    timeout: Duration = Field(timedelta(seconds=20),
+                              description="Longest one request to Home Assistant may take.")
+    chromium: str | None = Field(
+        None, min_length=1, description="Chromium binary ha_capture_screenshot runs on the "
+        "host; default: chromium (or chromium-browser, google-chrome) on PATH.")
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+    @field_validator("dashboards_dir")
+    @classmethod
+    def _absolute_dashboards(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = Path(os.path.expanduser(str(v)))
+        if not v.is_absolute():
+            raise ValueError("dashboards_dir must be an absolute path")
+        return v
+
+
+class Integrations(Frozen):
+    home_assistant: HomeAssistant | None = Field(
+        None, description="Home Assistant actions (ha_*, farm_state_refresh); "
+        "docs/integrations.md.")
+
+
+class WebSearch(Frozen):
+    provider: Literal["searxng", "brave"] = Field(
+        description="searxng: a SearXNG instance (its JSON API must be enabled: "
+        "`search.formats: [html, json]` in its settings.yml); brave: the Brave Search API.")
+    url: str | None = Field(
+        None, description="searxng: the instance's URL, e.g. http://searx.lan:8080 (the "
+        "operator's own choice: not checked against the private-address rule). brave: the "
+        "API endpoint (default https://api.search.brave.com/res/v1/web/search).")
+    api_key_file: SecretFile | None = Field(
+        None, description="brave: file holding the subscription token (never logged).")
+    max_results: int = Field(10, ge=1, le=50, description="Most results one search returns.")
+
+    @model_validator(mode="after")
+    def _provider_needs(self) -> WebSearch:
+        if self.provider == "searxng" and not self.url:
+            raise CrossKeyError([(("url",), "searxng needs `url`: the instance's address, "
+                                  "e.g. http://searx.lan:8080")])
+        if self.provider == "brave" and self.api_key_file is None:
+            raise CrossKeyError([(("api_key_file",), "brave needs `api_key_file`: a file "
+                                  "holding the API token (chmod 600)")])
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise CrossKeyError([(("url",), f"{self.url!r} is not an http(s) URL")])
+        return self
+
+
+class Metrics(Frozen):
+    enabled: bool = Field(
+        True, description="Serve Prometheus metrics at `/metrics` on the local HTTP channel's "
+        "listener (and on `listen`, when set), behind the operator page's access rule: the "
+        "channel's bearer token when it has one, else loopback clients only (docs/metrics.md).")
+    listen: str | None = Field(
+        None, pattern=r"^[^:\s]*:\d{1,5}$",
+        description="host:port of a listener of its own that serves only `/metrics` (e.g. "
+        "`127.0.0.1:9464`), for scraping without the HTTP channel. Same access rule; the "
+        "token is the HTTP channel's (`channels.http.secret_file` or the generated one).")
+
+
+class Web(Frozen):
+    enabled: bool = Field(
+        False, description="Let agents fetch web pages and search (the web_fetch and "
+        "web_search actions); the host does the fetching, containers keep no network. Off "
+        "by default: pages an agent reads can carry instructions to it. Per group: "
+        "`groups.<g>.actions`.")
+    allow_domains: tuple[Domain, ...] = Field(
+        (), description="Only these domains (and their subdomains) may be fetched; empty: "
+        "any public domain.")
+    deny_domains: tuple[Domain, ...] = Field(
+        (), description="These domains (and their subdomains) are never fetched; wins over "
+        "allow_domains.")
+    allow_private: tuple[Cidr, ...] = Field(
+        (), description="Non-public address ranges fetches may reach anyway, e.g. "
+        "['192.168.1.20/32'] for one LAN host. Empty: loopback, private, link-local, "
+        "multicast, reserved and the host's own addresses are all refused.")
+    max_bytes: Size = Field("2MiB", description="Most bytes of one response body read.")
+    max_chars: int = Field(20_000, ge=100, le=1_000_000,
+                           description="Most characters of text one fetch returns (an agent "
+                           "may ask for fewer).")
+    timeout: Duration = Field(timedelta(seconds=20),
+                              description="Time one fetch (all redirects) may take.")
+    max_redirects: int = Field(5, ge=0, le=20,
+                               description="Redirects followed; each target is checked again.")
+    content_types: tuple[str, ...] = Field(
+        ("text/html", "application/xhtml+xml", "text/plain", "text/markdown", "text/csv",
+         "application/json", "application/xml", "text/xml"),
+        description="Response media types accepted; others are refused.")
+    user_agent: str = Field("mdclaw-web/0.1", description="User-Agent of the host's requests.")
+    search: WebSearch | None = Field(None, description="The web_search provider; unset: "
+                                     "web_search answers that no provider is configured.")
