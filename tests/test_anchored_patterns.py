@@ -36,3 +36,12 @@ def test_ha_entity_ids_with_a_newline_are_refused() -> None:
     assert entity_form_refusal("light.kitchen") is None
     assert entity_form_refusal("light.kitchen\n") is not None
     assert entity_format_errors(["light.kitchen\n"]) != []
+
+
+def test_a_folder_name_with_a_newline_is_refused() -> None:
+    from mdclaw.config import validate_folder
+
+    assert validate_folder("family") == "family"
+    for bad in ("family\n", "main\n", "fam\nily"):
+        with pytest.raises(ValueError, match="is not allowed"):
+            validate_folder(bad)
