@@ -603,7 +603,7 @@ class Orchestrator:
     def _failure_ctx(self, group: GroupRow) -> dict[str, Any]:
         """What a failure's chat message may name: the model server (host and port), the
         memory limit, the image, the backend, the model's config key, the time limit."""
-        from mdclaw.proxy import DEFAULT_BASE_URLS, model_for_group
+        from mdclaw.models import DEFAULT_BASE_URLS, model_for_group
 
         key, spec = model_for_group(self.cfg, group.folder)
         backend = spec.backend if spec else "claude"
@@ -655,7 +655,7 @@ class Orchestrator:
         no model resolves for the group, or its key file cannot be read."""
         if self.proxy is None:
             return None  # no model path at all (tests, benchmarks)
-        from mdclaw.proxy import model_for_group
+        from mdclaw.models import model_for_group
 
         key, spec = model_for_group(self.cfg, group.folder)
         if spec is None:
@@ -677,7 +677,7 @@ class Orchestrator:
         """The image is missing, or its mdclaw.backends label lacks the group's backend."""
         if self.proxy is None or self.runner is None:
             return None
-        from mdclaw.proxy import model_for_group
+        from mdclaw.models import model_for_group
 
         _key, spec = model_for_group(self.cfg, group.folder)
         if spec is None:
