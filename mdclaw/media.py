@@ -196,6 +196,9 @@ def announced(attachments: tuple[Attachment, ...]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- intake
 
 MAX_PARALLEL_DOWNLOADS = 4  # files of inbound messages fetched at once
+# Logged under the name these lines had before they moved here, so that journal filters
+# and log readers keep working.
+intake_log = logging.getLogger("mdclaw.orchestrator")
 
 
 class FileIntake:
@@ -256,8 +259,8 @@ class FileIntake:
                 saved = await save_all(self._config(), group.folder, msg.attachments,
                                        transcriber=self._transcriber())
         except Exception:  # noqa: BLE001 - never leave the chat held back
-            log.exception("group %s: saving the files of message %s failed", group.folder,
-                          msg.id)
+            intake_log.exception("group %s: saving the files of message %s failed",
+                                 group.folder, msg.id)
             saved = not_saved_note(msg.attachments, "saving it failed (see the log)")
         lost = [s for s in saved if s.container_path is None]
         if lost and group.jid:
@@ -292,6 +295,6 @@ class FileIntake:
                     "saved; please send it again" for f in files))
             n += 1
         if n:
-            log.warning("%d message(s) whose files were downloading when mdclaw stopped: "
-                        "their files are lost, the chats were told", n)
+            intake_log.warning("%d message(s) whose files were downloading when mdclaw "
+                               "stopped: their files are lost, the chats were told", n)
         return n

@@ -29,7 +29,9 @@ from mdclaw.failures import TurnFailure
 from mdclaw.models import model_for_group
 from mdclaw.runtime import ContainerRuntime, engine_errors
 
-log = logging.getLogger("mdclaw.preflight")
+# Logged under the name these lines had before they moved here, so that journal filters
+# and log readers keep working.
+log = logging.getLogger("mdclaw.orchestrator")
 
 IMAGE_CHECK_TTL = 30.0  # seconds an image's backends label is trusted before asking again
 

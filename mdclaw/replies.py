@@ -41,7 +41,9 @@ from mdclaw.state.groups import GroupRow
 from mdclaw.state.outbox import enqueue
 from mdclaw.turns import Settle
 
-log = logging.getLogger("mdclaw.replies")
+# Logged under the name these lines had before they moved here, so that journal filters
+# and log readers keep working.
+log = logging.getLogger("mdclaw.orchestrator")
 
 # Agent errors that mean the stored session cannot be resumed: start fresh next time.
 SESSION_GONE_HINTS = ("no conversation found", "session not found", "session is gone",

@@ -35,7 +35,9 @@ from mdclaw.state.groups import get_group
 from mdclaw.state.tasks import TaskRow, mark_run_started
 from mdclaw.turns import Conversation
 
-log = logging.getLogger("mdclaw.taskruns")
+# Logged under the name these lines had before they moved here, so that journal filters
+# and log readers keep working.
+log = logging.getLogger("mdclaw.orchestrator")
 
 
 class TaskRuns:

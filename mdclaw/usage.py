@@ -25,7 +25,9 @@ from typing import Any
 from mdclaw import metrics
 from mdclaw.state import Database, now_iso
 
-log = logging.getLogger("mdclaw.usage")
+# Logged under the name these lines had before they moved here, so that journal filters
+# and log readers keep working.
+log = logging.getLogger("mdclaw.proxy")
 
 MAX_BUFFERED_JSON = 8 * 1024 * 1024  # bytes of one response kept to read its usage
 
