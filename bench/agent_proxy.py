@@ -30,8 +30,8 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "container" / "agent-runner"), s
 
 from agent_helpers import ProxyThread  # noqa: E402
 from fake_models import FakeAnthropic, say  # noqa: E402
+from mdclaw.models import Upstream  # noqa: E402
 from mdclaw.paths import Layout  # noqa: E402
-from mdclaw.proxy import Upstream  # noqa: E402
 from mdclaw.state import Database  # noqa: E402
 from mdclaw_agent.forwarder import Forwarder  # noqa: E402
 

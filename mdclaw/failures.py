@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from mdclaw.budget import BUDGET_PREFIX
 from mdclaw.retry import NO_JITTER, Backoff
 from mdclaw.wire import OutputBlock
 
@@ -145,10 +146,9 @@ _CAUSES = (
 
 CAUSES: dict[str, Cause] = {c.name: c for c in _CAUSES}
 
-# How the credential proxy's refusal for a group's daily token budget begins (see
-# mdclaw/proxy.py budget_message): an over_budget failure whose API message starts so is the
+# BUDGET_PREFIX: how the credential proxy's refusal for a group's daily token budget begins
+# (mdclaw/budget.py budget_message): an over_budget failure whose API message starts so is the
 # host's own budget, not the provider's account, and the message says when it resets.
-BUDGET_PREFIX = "This chat has used its model budget for today"
 
 
 def is_group_budget(failure: TurnFailure) -> bool:

@@ -1,16 +1,18 @@
 """Files people send the assistant: saved in the group's folder, described in the prompt.
 
 Every channel puts what came with a message on `InboundMessage.attachments` (see
-`mdclaw.channels.base.Attachment`); the orchestrator hands them here before the message is
-stored. Each attachment is downloaded (`fetch`, async, at most `media.max_bytes`), written
-through the one door into `groups/<g>/inbox/<YYYY-MM-DD>/<name>` (a thread does the file
-work; folders are walked without following symlinks; an existing entry is never replaced,
-the new file gets `name (2).ext`), and voice notes are transcribed when `transcription:` is
-configured. The result (`Saved.as_dict`) is kept beside the message's text, in the messages
-table's `attachments` column, and the prompt shows it as an element the person's own text
-cannot produce (mdclaw.formatting): the agent reads where the file is
-(`/workspace/group/inbox/...`), its type, size and caption, and the transcript; a file that
-was too large or could not be fetched is named with the reason, never silently dropped.
+`mdclaw.channels.base.Attachment`); the orchestrator stores the message with its files
+announced and hands it to `FileIntake`, which fetches them off the channel's path, in the
+chat's order (see the class). Each attachment is downloaded (`fetch`, async, at most
+`media.max_bytes`), written through the one door into `groups/<g>/inbox/<YYYY-MM-DD>/<name>`
+(a thread does the file work; folders are walked without following symlinks; an existing
+entry is never replaced, the new file gets `name (2).ext`), and voice notes are transcribed
+when `transcription:` is configured. The result (`Saved.as_dict`) is kept beside the
+message's text, in the messages table's `attachments` column, and the prompt shows it as an
+element the person's own text cannot produce (mdclaw.formatting): the agent reads where the
+file is (`/workspace/group/inbox/...`), its type, size and caption, and the transcript; a
+file that was too large or could not be fetched is named with the reason, never silently
+dropped.
 
 Names are the sender's, so they are sanitised: one plain component (no `/`, `\\`, `..`,
 control or format characters, no leading dot), at most NAME_MAX characters with the
@@ -24,16 +26,20 @@ import logging
 import mimetypes
 import re
 import unicodedata
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from mdclaw import agentfs, schedule
 from mdclaw.agentfs import UnsafePath
-from mdclaw.channels.base import Attachment, ChannelError, kind_for_mime
+from mdclaw.channels.base import Attachment, ChannelError, InboundMessage, kind_for_mime
 from mdclaw.config import Config, format_size
 from mdclaw.mounts import GROUP_ROOT
 from mdclaw.paths import GROUP_DIR_MODE, Layout
+from mdclaw.state import Database
+from mdclaw.state.conversations import StoredMessage, pending_files, settle_files
+from mdclaw.state.groups import GroupRow, get_group_by_jid
 from mdclaw.transcribe import Transcriber, TranscriptionError
 
 log = logging.getLogger("mdclaw.media")
@@ -185,3 +191,110 @@ def announced(attachments: tuple[Attachment, ...]) -> list[dict[str, Any]]:
     its files are downloaded, so a restart can say which files were lost."""
     return [{k: v for k, v in s.as_dict().items() if k != "error"}
             for s in not_saved_note(attachments, "")]
+
+
+# --------------------------------------------------------------------------- intake
+
+MAX_PARALLEL_DOWNLOADS = 4  # files of inbound messages fetched at once
+# Logged under the name these lines had before they moved here, so that journal filters
+# and log readers keep working.
+intake_log = logging.getLogger("mdclaw.orchestrator")
+
+
+class FileIntake:
+    """Fetches the files of inbound messages off the channel's path, one message after the
+    other within a chat (their names in the inbox and their release follow the chat's order),
+    chats in parallel, at most MAX_PARALLEL_DOWNLOADS at once.
+
+    The message is stored first with its files announced and `files_pending` set: until its
+    files are settled the message, and every later one of its chat, is held back from the
+    agent (mdclaw.state.conversations), so the agent reads the chat in order. `take` returns
+    at once; the task saves the files (`save_all`), tells the chat about files that could not
+    be kept (`send_text(jid, folder, text)`), records what became of them with the message and
+    hands the settled message to `on_saved(group, message, t0)`.
+
+    `config` and `transcriber` are asked when a download starts (a reload may change them).
+    """
+
+    def __init__(self, db: Database, *, config: Callable[[], Config],
+                 transcriber: Callable[[], Transcriber | None],
+                 send_text: Callable[[str, str, str], None],
+                 on_saved: Callable[[GroupRow, StoredMessage, float], Awaitable[None]]) -> None:
+        self.db = db
+        self._config = config
+        self._transcriber = transcriber
+        self._send_text = send_text
+        self._on_saved = on_saved
+        # Messages whose files are being downloaded (message id -> its task), and each
+        # chat's newest such task.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._chats: dict[str, asyncio.Task[None]] = {}
+        self._downloads = asyncio.Semaphore(MAX_PARALLEL_DOWNLOADS)
+
+    def take(self, group: GroupRow, msg: InboundMessage, t0: float) -> None:
+        """Save the files of `msg` (stored with files_pending) in a task of their own."""
+        before = self._chats.get(msg.chat_jid)
+        task = asyncio.create_task(self._take(group, msg, t0, before), name=f"files:{msg.id}")
+        self._tasks[msg.id] = task
+        self._chats[msg.chat_jid] = task
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        for mid, t in list(self._tasks.items()):
+            if t is task:
+                del self._tasks[mid]
+        for jid, t in list(self._chats.items()):
+            if t is task:
+                del self._chats[jid]
+
+    async def _take(self, group: GroupRow, msg: InboundMessage, t0: float,
+                    before: asyncio.Task[None] | None = None) -> None:
+        """Save `msg`'s files in its group's inbox, record what became of them with the
+        message and release it to the agent. Files that could not be kept are named with the
+        reason, and the chat is told."""
+        if before is not None:
+            await asyncio.wait([before])
+        try:
+            async with self._downloads:
+                saved = await save_all(self._config(), group.folder, msg.attachments,
+                                       transcriber=self._transcriber())
+        except Exception:  # noqa: BLE001 - never leave the chat held back
+            intake_log.exception("group %s: saving the files of message %s failed",
+                                 group.folder, msg.id)
+            saved = not_saved_note(msg.attachments, "saving it failed (see the log)")
+        lost = [s for s in saved if s.container_path is None]
+        if lost and group.jid:
+            self._send_text(group.jid, group.folder, "\n".join(
+                f"I could not keep {s.name!r}: {s.error}" for s in lost))
+        files = tuple(s.as_dict() for s in saved)
+        await asyncio.to_thread(settle_files, self.db, msg.id, files)
+        stored = StoredMessage(msg.id, msg.chat_jid, msg.sender, msg.sender_name, msg.content,
+                               msg.timestamp, False, False, attachments=files)
+        await self._on_saved(group, stored, t0)
+
+    async def settled(self) -> None:
+        """Wait until every file download under way has been settled (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
+
+    def settle_stale(self) -> int:
+        """Messages whose files were being downloaded when mdclaw stopped: record that the
+        files were not saved (the agent is told, the chat too) and release them."""
+        n = 0
+        for m in pending_files(self.db):
+            if m.id in self._tasks:
+                continue
+            group = get_group_by_jid(self.db, m.chat_jid)
+            files = tuple({**{k: v for k, v in f.items() if k != "path"},
+                           "error": "mdclaw stopped before it was saved; please send it again"}
+                          for f in m.attachments)
+            settle_files(self.db, m.id, files)
+            if group is not None and group.jid:
+                self._send_text(group.jid, group.folder, "\n".join(
+                    f"I could not keep {f.get('name')!r}: mdclaw stopped before it was "
+                    "saved; please send it again" for f in files))
+            n += 1
+        if n:
+            intake_log.warning("%d message(s) whose files were downloading when mdclaw "
+                               "stopped: their files are lost, the chats were told", n)
+        return n

@@ -9,16 +9,19 @@ proxy:
 - accepts only the model API's own paths (POST /v1/messages for claude, POST
   /v1/chat/completions for openai, and a few read-only ones) — anything else is 404;
 - drops whatever credentials the client sent and injects the real one, read from the
-  model's `api_key_file` (never logged, never sent back);
+  model's `api_key_file` (never logged, never sent back; the endpoint, its URL rules and
+  credential are mdclaw.models.Upstream);
 - sends the group's configured model whatever the request names: a request body must be a
   JSON object, and its `model` is set to the configured one unless it names one of the
   entry's `allow_models` (the key is paid for the models the operator chose, not the ones
   the agent prefers);
-- refuses every request of a group that used its daily token budget
-  (`limits.tokens_per_day`) with HTTP 429 `mdclaw_over_budget`, saying when it resets;
+- asks the budget (mdclaw.budget) whether the request may go: every request of a group that
+  used its daily token budget (`limits.tokens_per_day`) is refused with HTTP 429
+  `mdclaw_over_budget`, saying when it resets;
 - forwards to the configured upstream and streams the answer back as it arrives;
-- counts the request and the tokens the API reports in the state database (`model_usage`),
-  per group, model and UTC day — `mdclaw usage` shows them.
+- counts the request and the tokens the API reports in the usage ledger (mdclaw.usage),
+  which writes them to the state database (`model_usage`) per group, model and UTC day —
+  `mdclaw usage` shows them.
 
 A container cannot use its socket against the host or the other groups: it may hold at most
 `limits.proxy_connections` connections open (more are answered with a short 503 and closed
@@ -41,32 +44,29 @@ import logging
 import math
 import os
 import socket
-import sqlite3
 import time
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from zoneinfo import ZoneInfo
 
 import aiohttp
 from aiohttp import web
 
-from mdclaw import agentfs, metrics
-from mdclaw.config import Config, ModelSpec, read_secret
+from mdclaw import agentfs
+from mdclaw.budget import Budget, OverBudget
+from mdclaw.config import Config
 from mdclaw.errors import EngineError
-from mdclaw.failures import BUDGET_PREFIX
+from mdclaw.models import Upstream, container_model_fields, model_for_group
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
-from mdclaw.state import Database, now_iso
+from mdclaw.state import Database
+from mdclaw.usage import UsageCounter, UsageLedger
 
 log = logging.getLogger("mdclaw.proxy")
 
 SOCKET_NAME = PROXY_SOCKET_NAME
 SOCKET_MODE = 0o660
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
-MAX_BUFFERED_JSON = 8 * 1024 * 1024
 
-DEFAULT_BASE_URLS = {"claude": "https://api.anthropic.com", "openai": "https://api.openai.com/v1"}
 # (method, path) the proxy forwards, per backend; everything else is refused.
 ALLOWED_ROUTES: dict[str, frozenset[tuple[str, str]]] = {
     "claude": frozenset({("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
@@ -101,280 +101,6 @@ BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application
 
 class ProxyError(EngineError, RuntimeError):
     """The proxy for a group cannot be started (socket path too long, folder missing...)."""
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """Where one group's model requests go and how they are authenticated."""
-
-    backend: str
-    model: str | None
-    base_url: str
-    api_key_file: Path | None = None
-    allow_models: tuple[str, ...] = ()
-
-    def url_for(self, path: str, query: str) -> str:
-        base = self.base_url.rstrip("/")
-        # Bases are given with or without their /v1 (http://host:11434/v1 for Ollama).
-        rest = path[3:] if base.endswith("/v1") and path.startswith("/v1/") else path
-        return base + rest + (f"?{query}" if query else "")
-
-    def auth_headers(self) -> dict[str, str]:
-        """The real credential as headers (empty for a local server without a key).
-
-        Raises OSError if the key file went away; the message names the file only.
-        """
-        if self.api_key_file is None:
-            return {}
-        key = read_secret(self.api_key_file)
-        if self.backend == "claude":
-            return {"x-api-key": key}
-        return {"authorization": f"Bearer {key}"}
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec | None) -> Upstream:
-        if spec is None:
-            return cls(backend="claude", model=None, base_url=DEFAULT_BASE_URLS["claude"])
-        return cls(backend=spec.backend, model=spec.model,
-                   base_url=spec.base_url or DEFAULT_BASE_URLS[spec.backend],
-                   api_key_file=spec.api_key_file, allow_models=spec.allow_models)
-
-    def pin_model(self, body: bytes) -> tuple[bytes, str]:
-        """(the body to forward, the model it names) for a request body of the agent: the
-        configured model replaces whatever the body names, unless that is one of
-        `allow_models`. The body is parsed and written again, so the upstream reads exactly
-        what was checked (no duplicate keys). Without a configured model the body goes as
-        it is. Raises ValueError when the body is not a JSON object."""
-        if self.model is None:
-            return body, _named_model(body) or ""
-        try:
-            sent = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError("the request body is not JSON") from None
-        if not isinstance(sent, dict):
-            raise ValueError("the request body is not a JSON object")
-        asked = sent.get("model")
-        if not (isinstance(asked, str) and asked in self.allow_models):
-            sent["model"] = self.model
-        return json.dumps(sent, separators=(",", ":")).encode(), sent["model"]
-
-
-def _named_model(body: bytes) -> str | None:
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
-        sent = json.loads(body)
-        if isinstance(sent, dict) and isinstance(sent.get("model"), str):
-            return str(sent["model"])[:128]
-    return None
-
-
-def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | None]:
-    """(model key, spec) a group uses: its own `model`, else `assistant.model`, else the only
-    configured model; (None, None) means the claude backend's defaults."""
-    group = cfg.groups.get(folder)
-    key = (group.model if group else None) or cfg.assistant.model
-    if key is None and len(cfg.models) == 1:
-        key = next(iter(cfg.models))
-    if key is None:
-        return None, None
-    return key, cfg.models[key]
-
-
-async def probe_upstream(upstream: Upstream, within: float = 5.0) -> tuple[int | None, str]:
-    """Ask the model API `GET /v1/models` the way the proxy forwards requests (same URL
-    rules, same credential, same HTTP proxy settings): (HTTP status, detail), or (None, why)
-    when nothing answered. The detail never holds the key."""
-    url = upstream.url_for("/v1/models", "")
-    try:
-        headers = upstream.auth_headers()
-    except OSError as e:
-        return None, f"the key file cannot be read ({e.strerror or type(e).__name__})"
-    if upstream.backend == "claude":
-        headers["anthropic-version"] = "2023-06-01"
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=within),
-                                         trust_env=True) as session:
-            async with session.get(url, headers=headers, allow_redirects=False) as r:
-                body = (await r.content.read(2000)).decode("utf-8", "replace")
-                return r.status, " ".join(body.split())[:200]
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        return None, f"{type(e).__name__}: {e}"[:200]
-
-
-def container_model_fields(cfg: Config, folder: str) -> dict[str, Any]:
-    """The ContainerInput fields naming the backend and model (never a key or URL)."""
-    _key, spec = model_for_group(cfg, folder)
-    up = Upstream.from_spec(spec)
-    return {"backend": up.backend, "model": up.model}
-
-
-# --------------------------------------------------------------------------- usage
-
-
-@dataclass
-class UsageCounter:
-    """Tokens seen in one response: JSON body or server-sent events, OpenAI or Anthropic.
-
-    Counts are cumulative in both APIs' streams, so the largest value seen wins.
-    """
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-    _pending: bytes = b""
-    _json: bytearray = field(default_factory=bytearray)
-    _json_overflow: bool = False
-
-    def take(self, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-
-        def num(*keys: str) -> int:
-            total = 0
-            for k in keys:
-                v = usage.get(k)
-                if isinstance(v, int) and not isinstance(v, bool):
-                    total += v
-            return total
-
-        self.input_tokens = max(self.input_tokens, num("input_tokens", "prompt_tokens",
-                                                       "cache_creation_input_tokens",
-                                                       "cache_read_input_tokens"))
-        self.output_tokens = max(self.output_tokens, num("output_tokens", "completion_tokens"))
-
-    def take_object(self, obj: Any) -> None:
-        if not isinstance(obj, dict):
-            return
-        self.take(obj.get("usage"))
-        message = obj.get("message")
-        if isinstance(message, dict):
-            self.take(message.get("usage"))
-
-    def feed_sse(self, chunk: bytes) -> None:
-        data = self._pending + chunk
-        lines = data.split(b"\n")
-        self._pending = lines.pop()
-        if len(self._pending) > MAX_BUFFERED_JSON:  # a runaway line: stop looking at it
-            self._pending = b""
-        for line in lines:
-            line = line.strip()
-            if not line.startswith(b"data:") or b"usage" not in line:
-                continue
-            with contextlib.suppress(ValueError, UnicodeDecodeError):
-                self.take_object(json.loads(line[5:].strip()))
-
-    def feed_json(self, chunk: bytes) -> None:
-        if self._json_overflow:
-            return
-        if len(self._json) + len(chunk) > MAX_BUFFERED_JSON:
-            self._json_overflow = True
-            self._json.clear()
-            return
-        self._json.extend(chunk)
-
-    def finish(self) -> None:
-        if self._pending:
-            self.feed_sse(b"\n")
-        if self._json:
-            with contextlib.suppress(ValueError, UnicodeDecodeError):
-                self.take_object(json.loads(bytes(self._json)))
-            self._json.clear()
-
-
-_UPSERT = """INSERT INTO model_usage (group_folder, day, model, requests, errors,
-                   input_tokens, output_tokens, updated_at)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-               ON CONFLICT (group_folder, day, model) DO UPDATE SET
-                   requests = requests + excluded.requests,
-                   errors = errors + excluded.errors,
-                   input_tokens = input_tokens + excluded.input_tokens,
-                   output_tokens = output_tokens + excluded.output_tokens,
-                   updated_at = excluded.updated_at"""
-
-
-def record_usage(db: Database, folder: str, model: str, *, ok: bool, input_tokens: int,
-                 output_tokens: int, when: str | None = None) -> None:
-    """Add one request to the group's row for its day."""
-    stamp = when or now_iso()
-    with db.transaction() as conn:
-        conn.execute(_UPSERT, (folder, stamp[:10], model, 1, 0 if ok else 1, input_tokens,
-                               output_tokens, stamp))
-
-
-def record_usage_batch(db: Database, rows: dict[tuple[str, str, str], list[int]]) -> None:
-    """Add accumulated counts {(folder, day, model): [requests, errors, in, out]} in one
-    transaction."""
-    stamp = now_iso()
-    with db.transaction() as conn:
-        conn.executemany(_UPSERT, [(f, d, m, r, e, i, o, stamp)
-                                   for (f, d, m), (r, e, i, o) in rows.items()])
-
-
-def tokens_on_day(db: Database, folder: str, day: str) -> int:
-    """Tokens (input + output) the group's requests used on UTC day `day` (YYYY-MM-DD), as
-    written to the database."""
-    rows = db.query("SELECT COALESCE(SUM(input_tokens + output_tokens), 0) AS n "
-                    "FROM model_usage WHERE group_folder = ? AND day = ?", (folder, day))
-    return int(rows[0]["n"]) if rows else 0
-
-
-def over_budget(tokens: int, budget: int | None) -> bool:
-    """A day's tokens (input + output) reached the group's daily budget: its requests are
-    refused here, and the day shows as over (`mdclaw usage`, the operator page)."""
-    return budget is not None and tokens >= budget
-
-
-def next_reset(now: datetime | None = None) -> datetime:
-    """When the daily token budgets start again: the next midnight UTC."""
-    now = now or datetime.now(UTC)
-    return datetime(now.year, now.month, now.day, tzinfo=UTC) + timedelta(days=1)
-
-
-def budget_message(used: int, budget: int, timezone: str = "UTC",
-                   now: datetime | None = None) -> str:
-    """What the agent (and through it the chat) is told when the group is over its budget:
-    how much, and when it resets, in UTC and in the assistant's timezone."""
-    reset = next_reset(now)
-    when = "midnight UTC"
-    if timezone != "UTC":
-        with contextlib.suppress(Exception):
-            local = reset.astimezone(ZoneInfo(timezone))
-            when += f", {local:%H:%M} in {timezone}"
-    return f"{BUDGET_PREFIX} ({used} of {budget} tokens). It resets at {when}."
-
-
-def _usage_filter(group: str | None, since_day: str | None) -> tuple[str, tuple[str, ...]]:
-    """The WHERE clause (fixed column names only) and its parameters for a usage query."""
-    where, params = [], []
-    if group:
-        where.append("group_folder = ?")
-        params.append(group)
-    if since_day:
-        where.append("day >= ?")
-        params.append(since_day)
-    return (" WHERE " + " AND ".join(where) if where else ""), tuple(params)
-
-
-def usage_rows(db: Database, *, group: str | None = None,
-               since_day: str | None = None) -> list[dict[str, Any]]:
-    """Usage totals per group and model (summed over days from `since_day` on)."""
-    where, params = _usage_filter(group, since_day)
-    # Fixed column names only; every value is a parameter.
-    sql = ("SELECT group_folder, model, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
-           "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens, "
-           "MIN(day) AS first_day, MAX(day) AS last_day FROM model_usage" + where
-           + " GROUP BY group_folder, model ORDER BY group_folder, model")
-    return [dict(r) for r in db.query(sql, params)]
-
-
-def daily_usage(db: Database, *, group: str | None = None,
-                since_day: str | None = None) -> list[dict[str, Any]]:
-    """Usage per group and UTC day (summed over models), oldest day first."""
-    where, params = _usage_filter(group, since_day)
-    # Fixed column names only; every value is a parameter.
-    sql = ("SELECT group_folder, day, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
-           "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens "
-           "FROM model_usage" + where
-           + " GROUP BY group_folder, day ORDER BY day, group_folder")
-    return [dict(r) for r in db.query(sql, params)]
 
 
 # --------------------------------------------------------------------------- server
@@ -578,14 +304,13 @@ class CredentialProxy:
     """Serves one unix socket per running group. Use inside a running event loop.
 
     `start_group` before the container starts, `stop_group` after it ended, `close` at
-    shutdown. `db` may be None (then nothing is persisted; counts stay in `stats`).
-
-    Usage is added up in memory and written every `flush_interval` seconds, when a group's
-    proxy stops, and at `close` — one small transaction instead of one per request, which
-    keeps database work off the request path (a crash loses at most one interval's counts).
-    At most `max_concurrent` requests per group are forwarded at once; more wait. At most
-    `max_connections` connections per group are open at once and `requests_per_minute`
-    requests are taken (both can be given per group to `start_group`).
+    shutdown. Every forwarded request is counted in `ledger` (mdclaw.usage.UsageLedger over
+    `db`, written every `flush_interval` seconds, when a group's proxy stops and at `close`;
+    `db` None: nothing is persisted, the counts stay in `ledger.stats`), and `budget`
+    (mdclaw.budget) says whether a group's request may go at all. At most `max_concurrent`
+    requests per group are forwarded at once; more wait. At most `max_connections`
+    connections per group are open at once and `requests_per_minute` requests are taken
+    (both can be given per group to `start_group`).
     """
 
     def __init__(self, layout: Layout, db: Database | None = None, *,
@@ -595,7 +320,6 @@ class CredentialProxy:
                  requests_per_minute: int = DEFAULT_REQUESTS_PER_MINUTE) -> None:
         self.layout = layout
         self.db = db
-        self.flush_interval = flush_interval
         self.max_concurrent = max_concurrent
         self.max_connections = max_connections
         self.requests_per_minute = requests_per_minute
@@ -603,18 +327,13 @@ class CredentialProxy:
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout,
                                               sock_read=read_timeout)
-        self._unflushed: dict[tuple[str, str, str], list[int]] = {}
-        self._flusher: asyncio.Task | None = None
-        self._flush_lock = asyncio.Lock()
+        self.ledger = UsageLedger(db, flush_interval=flush_interval)
+        self.budget = Budget(self.ledger)
         self._keys: dict[Path, tuple[float, int, dict[str, str]]] = {}
-        self.stats: dict[str, dict[str, int]] = {}
         # folder -> (cause, time.monotonic()) of its latest request that failed here.
         self.last_failure: dict[str, tuple[str, float]] = {}
         # folder -> request handlers under way (cancelled when the group's proxy stops).
         self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
-        # folder -> [UTC day, tokens used that day] (the database's count plus every request
-        # counted since it was read), for the daily token budget.
-        self._today: dict[str, list[Any]] = {}
 
     def socket_path(self, folder: str) -> Path:
         return self.layout.proxy_socket(folder)
@@ -674,10 +393,7 @@ class CredentialProxy:
             sock.close()
             raise ProxyError(f"cannot listen on {path}: {e.strerror}") from None
         self._sites[folder] = _GroupSite(folder, upstream, path, runner, listener, caps)
-        self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
-                                       "output_tokens": 0})
-        if self.db is not None and (self._flusher is None or self._flusher.done()):
-            self._flusher = asyncio.ensure_future(self._flush_loop())
+        self.ledger.track(folder)
         return path
 
     def _unlink_socket(self, folder: str) -> None:
@@ -729,17 +445,12 @@ class CredentialProxy:
                         site.caps.refused, site.caps.max_connections, site.caps.limited,
                         site.caps.per_minute)
         await asyncio.to_thread(self._unlink_socket, folder)
-        await self.flush()
+        await self.ledger.flush()
 
     async def close(self) -> None:
         for folder in list(self._sites):
             await self.stop_group(folder)
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
-        await self.flush()
+        await self.ledger.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -766,22 +477,6 @@ class CredentialProxy:
         return {"max_connections": c.max_connections, "open": c.open, "refused": c.refused,
                 "requests_per_minute": c.per_minute, "limited": c.limited,
                 "tokens_per_day": c.tokens_per_day or 0, "over_budget": c.over_budget}
-
-    async def tokens_today(self, folder: str) -> int:
-        """Tokens the group used today (UTC): the database's rows plus the counts not yet
-        written. Read from the database once a day per group, then kept up to date by
-        every counted request."""
-        day = now_iso()[:10]
-        got = self._today.get(folder)
-        if got is not None and got[0] == day:
-            return int(got[1])
-        async with self._flush_lock:  # no counts in flight between memory and database
-            n = (await asyncio.to_thread(tokens_on_day, self.db, folder, day)
-                 if self.db is not None else 0)
-            n += sum(v[2] + v[3] for (f, d, _m), v in self._unflushed.items()
-                     if f == folder and d == day)
-            self._today[folder] = [day, n]
-        return n
 
     # ------------------------------------------------------------------ request path
     def _make_handler(self, folder: str, upstream: Upstream, caps: _Caps):  # noqa: ANN202
@@ -810,10 +505,9 @@ class CredentialProxy:
                     {"error": {"type": "not_found",
                                "message": f"{request.method} {request.path} is not a model "
                                           "API path this proxy forwards"}}, status=404)
-            if caps.tokens_per_day is not None:
-                used = await self.tokens_today(folder)
-                if over_budget(used, caps.tokens_per_day):
-                    return self._over_budget(folder, caps, used)
+            refused = await self.budget.check(folder, caps.tokens_per_day, caps.timezone)
+            if refused is not None:
+                return self._over_budget(folder, caps, refused)
             task = asyncio.current_task()
             inflight = self._inflight.setdefault(folder, set())
             if task is not None:
@@ -826,21 +520,19 @@ class CredentialProxy:
 
         return handle
 
-    def _over_budget(self, folder: str, caps: _Caps, used: int) -> web.Response:
+    def _over_budget(self, folder: str, caps: _Caps, refused: OverBudget) -> web.Response:
         caps.over_budget += 1
         if caps.over_budget == 1:
             log.warning("group %s: used %d model tokens today, over its budget of %d; "
-                        "refusing its model requests until midnight UTC", folder, used,
-                        caps.tokens_per_day)
+                        "refusing its model requests until midnight UTC", folder,
+                        refused.used, refused.budget)
         self._note_failure(folder, "over_budget")
-        seconds = max(1, math.ceil((next_reset() - datetime.now(UTC)).total_seconds()))
-        assert caps.tokens_per_day is not None
         return web.json_response(
             {"type": "error",
-             "error": {"type": "mdclaw_over_budget",
-                       "message": budget_message(used, caps.tokens_per_day, caps.timezone)}},
+             "error": {"type": "mdclaw_over_budget", "message": refused.message}},
             # x-should-retry: the model SDKs' own retries would only be refused again.
-            status=429, headers={"retry-after": str(seconds), "x-should-retry": "false"})
+            status=429, headers={"retry-after": str(refused.retry_after),
+                                 "x-should-retry": "false"})
 
     async def _forward(self, request: web.Request, folder: str,
                        upstream: Upstream) -> web.StreamResponse:
@@ -934,52 +626,8 @@ class CredentialProxy:
         return cached[2]
 
     def _count(self, folder: str, model: str, *, ok: bool, usage: UsageCounter | None) -> None:
-        tin = usage.input_tokens if usage else 0
-        tout = usage.output_tokens if usage else 0
-        s = self.stats.setdefault(folder, {"requests": 0, "errors": 0, "input_tokens": 0,
-                                           "output_tokens": 0})
-        s["requests"] += 1
-        s["errors"] += 0 if ok else 1
-        s["input_tokens"] += tin
-        s["output_tokens"] += tout
         if folder in self._sites:
             self._sites[folder].requests += 1
-        label = metrics.model_label(model or "default")
-        metrics.proxy_requests.get(folder, label, "ok" if ok else "error").inc()
-        if tin:
-            metrics.proxy_tokens.get(folder, label, "input").inc(tin)
-        if tout:
-            metrics.proxy_tokens.get(folder, label, "output").inc(tout)
-        day = now_iso()[:10]
-        today = self._today.get(folder)
-        if today is not None and today[0] == day:
-            today[1] += tin + tout
-        if self.db is None:
-            return
-        row = self._unflushed.setdefault((folder, day, model), [0, 0, 0, 0])
-        row[0] += 1
-        row[1] += 0 if ok else 1
-        row[2] += tin
-        row[3] += tout
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_interval)
-            await self.flush()
-
-    async def flush(self) -> None:
-        """Write every counted request to the database now."""
-        if self.db is None:
-            return
-        async with self._flush_lock:
-            if not self._unflushed:
-                return
-            rows, self._unflushed = self._unflushed, {}
-            try:
-                await asyncio.to_thread(record_usage_batch, self.db, rows)
-            except sqlite3.Error as e:  # locked past the busy timeout, disk full...
-                log.error("could not record model usage (kept for the next try): %s", e)
-                for k, v in rows.items():
-                    cur = self._unflushed.setdefault(k, [0, 0, 0, 0])
-                    for i in range(4):
-                        cur[i] += v[i]
+        self.ledger.count(folder, model, ok=ok,
+                          input_tokens=usage.input_tokens if usage else 0,
+                          output_tokens=usage.output_tokens if usage else 0)

@@ -37,10 +37,34 @@ from typing import Any, Literal
 
 from mdclaw import metrics
 from mdclaw.retry import EQUAL_JITTER, Backoff
+from mdclaw.state.tasks import TaskRow
 
 log = logging.getLogger("mdclaw.queue")
 
 Kind = Literal["task", "message"]
+
+
+@dataclass(frozen=True)
+class MessageTurn:
+    """What a message job carries. Changed by replacing it (`dataclasses.replace`)."""
+
+    t_inbound: float | None = None  # time.perf_counter() when the message that queued it came
+    upto: str | None = None  # the newest message its latest try gave the agent
+    told_cause: str | None = None  # the failure cause the chat was told a retry is coming for
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """What a scheduled task's job carries: the task, the future its result goes to, when it
+    was queued (time.perf_counter()) and what it waited for (a phrase for the run log)."""
+
+    task: TaskRow
+    future: asyncio.Future[str]
+    queued_at: float
+    waits_for: str | None = None
+
+
+Payload = MessageTurn | TaskRun
 
 
 @dataclass
@@ -48,7 +72,7 @@ class Job:
     group: str
     kind: Kind
     id: str
-    payload: Any = None
+    payload: Payload | None = None
     attempts: int = 0  # failed tries so far
     seq: int = 0
     enqueued_at: float = 0.0  # time.perf_counter()
@@ -111,11 +135,12 @@ class GroupQueue:
 
     # ----------------------------------------------------------------- enqueue
 
-    def enqueue_task(self, group: str, task_id: str, payload: Any = None) -> bool:
+    def enqueue_task(self, group: str, task_id: str, payload: TaskRun | None = None) -> bool:
         """Queue scheduled task `task_id`; False if it is already queued or running."""
         return self._enqueue(Job(group, "task", task_id, payload))
 
-    def enqueue_message(self, group: str, payload: Any = None, job_id: str | None = None) -> bool:
+    def enqueue_message(self, group: str, payload: MessageTurn | None = None,
+                        job_id: str | None = None) -> bool:
         """Queue message work for `group`; with a `job_id`, a duplicate is refused."""
         return self._enqueue(Job(group, "message", job_id or f"m{next(self._seq)}", payload))
 
@@ -149,6 +174,13 @@ class GroupQueue:
         """The job `group` is running now, or None."""
         got = self._running.get(group)
         return got[0] if got is not None else None
+
+    def find(self, kind: Kind, job_id: str) -> Job | None:
+        """The queued, waiting or running job `job_id` of `kind`, or None."""
+        for job in self.pending() + [j for j, _t in self._running.values()]:
+            if job.kind == kind and job.id == job_id:
+                return job
+        return None
 
     def pending(self, group: str | None = None) -> list[Job]:
         groups = [group] if group else sorted(set(self._tasks) | set(self._messages))
@@ -303,4 +335,4 @@ class GroupQueue:
         return left
 
 
-__all__ = ["Failure", "GroupQueue", "Job"]
+__all__ = ["Failure", "GroupQueue", "Job", "MessageTurn", "Payload", "TaskRun"]

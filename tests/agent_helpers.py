@@ -120,7 +120,7 @@ class ProxyThread:
         return self.call(self.proxy.start_group(folder, upstream))
 
     def flush(self) -> None:
-        self.call(self.proxy.flush())
+        self.call(self.proxy.ledger.flush())
 
     def close(self) -> None:
         self.call(self.proxy.close())

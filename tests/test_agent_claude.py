@@ -125,8 +125,8 @@ def test_cli_missing_session_starts_fresh_and_main_sees_group_tools(dirs) -> Non
 
 
 def test_cli_through_proxy_gets_real_key(tmp_path: Path) -> None:
+    from mdclaw.models import Upstream
     from mdclaw.paths import Layout
-    from mdclaw.proxy import Upstream
 
     layout = Layout(tmp_path / "d")
     ipc = layout.group_ipc_dir("family")
@@ -148,7 +148,7 @@ def test_cli_through_proxy_gets_real_key(tmp_path: Path) -> None:
             reqs = [q for q in api.requests if q.path == "/v1/messages"]
         assert r.results[0]["result"] == "via proxy"
         assert reqs and all(q.headers["x-api-key"] == "sk-ant-api03-REALKEY" for q in reqs)
-        stats = proxy.proxy.stats["family"]
+        stats = proxy.proxy.ledger.stats["family"]
         assert stats["requests"] >= 1 and stats["input_tokens"] >= 40
     finally:
         proxy.close()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_helpers import write_input
-from mdclaw.proxy import UsageCounter
+from mdclaw.usage import UsageCounter
 from mdclaw_agent.ipc import InputWatcher
 
 # Each follow-up: pause before it (0 = same burst) and whether _close follows it at once.

@@ -14,14 +14,10 @@ import pytest
 from agent_helpers import ProxyThread
 from fake_models import FakeAnthropic, FakeOpenAI, say
 from mdclaw.config import ModelSpec, load_config
+from mdclaw.models import Upstream, container_model_fields, model_for_group
 from mdclaw.paths import Layout
-from mdclaw.proxy import (
-    Upstream,
-    UsageCounter,
-    container_model_fields,
-    model_for_group,
-)
 from mdclaw.state import Database
+from mdclaw.usage import UsageCounter
 
 
 @pytest.fixture
@@ -199,7 +195,7 @@ def test_model_selection_from_config(tmp_path, write_config) -> None:
 
 
 def test_usage_cli(tmp_path, write_config, cli, data_dir) -> None:
-    from mdclaw.proxy import record_usage
+    from mdclaw.usage import record_usage
 
     cfg_path = write_config()
     db = Database(data_dir / "state.db")

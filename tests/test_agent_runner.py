@@ -204,8 +204,8 @@ def test_missing_proxy_socket_is_reported(dirs) -> None:
 
 def test_through_real_proxy_and_forwarder(tmp_path: Path) -> None:
     """Runner → loopback forwarder → unix socket → credential proxy → fake provider."""
+    from mdclaw.models import Upstream
     from mdclaw.paths import Layout
-    from mdclaw.proxy import Upstream
     from mdclaw.state import Database
 
     data = tmp_path / "d"
@@ -437,8 +437,8 @@ def test_a_failed_follow_up_is_not_kept_in_the_history(dirs) -> None:
 def test_causes_through_the_real_proxy(tmp_path: Path) -> None:
     """What the proxy sees (upstream down, connection closed, key gone) reaches the runner
     as the right cause."""
+    from mdclaw.models import Upstream
     from mdclaw.paths import Layout
-    from mdclaw.proxy import Upstream
 
     layout = Layout(tmp_path / "d")
     ipc = layout.group_ipc_dir("family")

@@ -14,10 +14,10 @@ from datetime import timedelta
 from pathlib import Path
 
 from mdclaw import schedule
-from mdclaw.proxy import record_usage
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import finish_run, insert_run
+from mdclaw.usage import record_usage
 from operator_helpers import free_port, running_daemon
 from test_chat_page_browser import DevTools, browse, chromium
 

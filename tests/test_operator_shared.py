@@ -16,10 +16,10 @@ from mdclaw.config import load_config
 from mdclaw.ipc.quarantine import QuarantineError, delete_error, read_error_payload
 from mdclaw.operator.views import channel_info
 from mdclaw.paths import Layout
-from mdclaw.proxy import record_usage
 from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
+from mdclaw.usage import record_usage
 
 
 @pytest.fixture

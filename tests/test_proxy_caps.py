@@ -26,8 +26,9 @@ import pytest
 
 from agent_helpers import ProxyThread
 from fake_models import FakeAnthropic, say
+from mdclaw.models import Upstream
 from mdclaw.paths import Layout
-from mdclaw.proxy import BUSY_RESPONSE, Upstream
+from mdclaw.proxy import BUSY_RESPONSE
 
 FLOOD = textwrap.dedent("""\
     import errno, os, resource, socket, sys, threading, time

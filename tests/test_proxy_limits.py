@@ -13,11 +13,13 @@ import pytest
 
 from agent_helpers import ProxyThread
 from fake_models import FakeAnthropic, FakeOpenAI, say
+from mdclaw.budget import budget_message
 from mdclaw.config import load_config
 from mdclaw.failures import TurnFailure, chat_message
+from mdclaw.models import Upstream
 from mdclaw.paths import Layout
-from mdclaw.proxy import Upstream, budget_message, record_usage, usage_rows
 from mdclaw.state import Database, now_iso
+from mdclaw.usage import record_usage, usage_rows
 
 
 def raw_http(sock: Path, method: str, path: str, body: bytes = b"",

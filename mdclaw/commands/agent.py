@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def budget_rows(cfg: Config, db: Database, group: str | None = None) -> list[dict[str, Any]]:
     """Per configured group with a daily token budget: the tokens it used today (UTC, as
     written by the proxy, which flushes every few seconds) against the budget."""
-    from mdclaw.proxy import over_budget, tokens_on_day
+    from mdclaw.budget import over_budget
+    from mdclaw.usage import tokens_on_day
 
     day = utc_now().strftime("%Y-%m-%d")
     out = []
@@ -58,7 +59,7 @@ def since_day(days: int) -> str:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from mdclaw.proxy import daily_usage, usage_rows
+    from mdclaw.usage import daily_usage, usage_rows
 
     cfg = load_or_exit(args)
     since = None

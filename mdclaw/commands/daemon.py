@@ -415,7 +415,7 @@ def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
 
 def _check_models(results: list[dict[str, str]], cfg: Config) -> dict[str, list[str]]:
     """A model resolves for every group; returns {model key: [groups using it]}."""
-    from mdclaw.proxy import model_for_group
+    from mdclaw.models import model_for_group
 
     used: dict[str, list[str]] = {}
     missing = []
@@ -470,7 +470,7 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
     Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token."""
     from mdclaw.failures import redact, server_name
-    from mdclaw.proxy import Upstream, probe_upstream
+    from mdclaw.models import Upstream, probe_upstream
 
     async def one(key: str) -> None:
         up = Upstream.from_spec(cfg.models[key])

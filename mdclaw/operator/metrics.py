@@ -59,7 +59,7 @@ def database_counts(db: Database) -> tuple[dict[str, int], list[tuple[str, str, 
 
 async def scrape_gauges(d: Any) -> list[GaugeMetricFamily]:
     """The gauges computed at scrape time from daemon `d`'s state."""
-    from mdclaw.proxy import tokens_on_day
+    from mdclaw.usage import tokens_on_day
 
     out: list[GaugeMetricFamily] = []
     db: Database | None = d.db
@@ -100,7 +100,7 @@ async def scrape_gauges(d: Any) -> list[GaugeMetricFamily]:
     day = now_iso()[:10]
     for folder in cfg.groups:
         if d.proxy is not None:
-            n = await d.proxy.tokens_today(folder)
+            n = await d.proxy.ledger.tokens_today(folder)
         elif db is not None:
             n = await asyncio.to_thread(tokens_on_day, db, folder, day)
         else:

@@ -1,7 +1,7 @@
 """What each view of the operator page shows, as JSON, from what the running daemon knows.
 
 Every read and every change goes through the functions the CLI uses (mdclaw.commands.*,
-mdclaw.state.*, mdclaw.ipc.quarantine, mdclaw.proxy): no rule is defined twice. `d` is the
+mdclaw.state.*, mdclaw.ipc.quarantine, mdclaw.usage...): no rule is defined twice. `d` is the
 running daemon (mdclaw.daemon.Daemon): its config, database, channels, queue and status.
 """
 
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from mdclaw import __version__
+from mdclaw.budget import over_budget
 from mdclaw.commands.agent import budget_rows, since_day
 from mdclaw.commands.core import group_listing
 from mdclaw.commands.ipc import change_outbox_row, delete_quarantined
@@ -29,13 +30,14 @@ from mdclaw.commands.tasks import (
 )
 from mdclaw.config import config_for_display, find_config_path
 from mdclaw.ipc.quarantine import list_errors, read_error_payload
+from mdclaw.models import container_model_fields
 from mdclaw.outbox import outbox_counts
 from mdclaw.paths import Layout
-from mdclaw.proxy import container_model_fields, daily_usage, over_budget
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import Refusals, list_groups, refusals
 from mdclaw.state.outbox import list_outbox
 from mdclaw.state.tasks import changes_allowed, get_task, list_runs, list_tasks, running_run_id
+from mdclaw.usage import daily_usage
 
 log = logging.getLogger("mdclaw.operator")
 

@@ -23,8 +23,9 @@ import pytest
 
 from mdclaw.config import load_config
 from mdclaw.ipc.writers import write_close, write_follow_up
+from mdclaw.models import container_model_fields
 from mdclaw.paths import Layout
-from mdclaw.proxy import CredentialProxy, container_model_fields
+from mdclaw.proxy import CredentialProxy
 from mdclaw.runner import ContainerInput, ContainerRunner
 from mdclaw.runtime import install_labels
 from mdclaw.state import Database
@@ -185,7 +186,7 @@ def test_openai_agent_end_to_end(tmp_path, engine, real_agent_image, install_id,
             result = await asyncio.wait_for(run, 60)
             return {"result": result, "outputs": outputs}
         finally:
-            await proxy.flush()
+            await proxy.ledger.flush()
             await proxy.close()
             await runner.aclose()
             db.close()

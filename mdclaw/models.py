@@ -1,0 +1,127 @@
+"""Which model a group uses, and how its endpoint is reached.
+
+A group uses its own `model` key, else `assistant.model`, else the only configured `models:`
+entry (`model_for_group`). `Upstream` is that entry as an endpoint: where requests go (a base
+URL given with or without its /v1), the credential read from the entry's `api_key_file`, and
+the model a request is pinned to. The credential proxy (mdclaw.proxy) forwards through it;
+`mdclaw doctor` asks it `GET /v1/models` (`probe_upstream`) the same way; the container is
+told only the backend and the model (`container_model_fields`), never a key or a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from mdclaw.config import Config, ModelSpec, read_secret
+
+DEFAULT_BASE_URLS = {"claude": "https://api.anthropic.com", "openai": "https://api.openai.com/v1"}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where one group's model requests go and how they are authenticated."""
+
+    backend: str
+    model: str | None
+    base_url: str
+    api_key_file: Path | None = None
+    allow_models: tuple[str, ...] = ()
+
+    def url_for(self, path: str, query: str) -> str:
+        base = self.base_url.rstrip("/")
+        # Bases are given with or without their /v1 (http://host:11434/v1 for Ollama).
+        rest = path[3:] if base.endswith("/v1") and path.startswith("/v1/") else path
+        return base + rest + (f"?{query}" if query else "")
+
+    def auth_headers(self) -> dict[str, str]:
+        """The real credential as headers (empty for a local server without a key).
+
+        Raises OSError if the key file went away; the message names the file only.
+        """
+        if self.api_key_file is None:
+            return {}
+        key = read_secret(self.api_key_file)
+        if self.backend == "claude":
+            return {"x-api-key": key}
+        return {"authorization": f"Bearer {key}"}
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec | None) -> Upstream:
+        if spec is None:
+            return cls(backend="claude", model=None, base_url=DEFAULT_BASE_URLS["claude"])
+        return cls(backend=spec.backend, model=spec.model,
+                   base_url=spec.base_url or DEFAULT_BASE_URLS[spec.backend],
+                   api_key_file=spec.api_key_file, allow_models=spec.allow_models)
+
+    def pin_model(self, body: bytes) -> tuple[bytes, str]:
+        """(the body to forward, the model it names) for a request body of the agent: the
+        configured model replaces whatever the body names, unless that is one of
+        `allow_models`. The body is parsed and written again, so the upstream reads exactly
+        what was checked (no duplicate keys). Without a configured model the body goes as
+        it is. Raises ValueError when the body is not a JSON object."""
+        if self.model is None:
+            return body, _named_model(body) or ""
+        try:
+            sent = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("the request body is not JSON") from None
+        if not isinstance(sent, dict):
+            raise ValueError("the request body is not a JSON object")
+        asked = sent.get("model")
+        if not (isinstance(asked, str) and asked in self.allow_models):
+            sent["model"] = self.model
+        return json.dumps(sent, separators=(",", ":")).encode(), sent["model"]
+
+
+def _named_model(body: bytes) -> str | None:
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        sent = json.loads(body)
+        if isinstance(sent, dict) and isinstance(sent.get("model"), str):
+            return str(sent["model"])[:128]
+    return None
+
+
+def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | None]:
+    """(model key, spec) a group uses: its own `model`, else `assistant.model`, else the only
+    configured model; (None, None) means the claude backend's defaults."""
+    group = cfg.groups.get(folder)
+    key = (group.model if group else None) or cfg.assistant.model
+    if key is None and len(cfg.models) == 1:
+        key = next(iter(cfg.models))
+    if key is None:
+        return None, None
+    return key, cfg.models[key]
+
+
+def container_model_fields(cfg: Config, folder: str) -> dict[str, Any]:
+    """The ContainerInput fields naming the backend and model (never a key or URL)."""
+    _key, spec = model_for_group(cfg, folder)
+    up = Upstream.from_spec(spec)
+    return {"backend": up.backend, "model": up.model}
+
+
+async def probe_upstream(upstream: Upstream, within: float = 5.0) -> tuple[int | None, str]:
+    """Ask the model API `GET /v1/models` the way the proxy forwards requests (same URL
+    rules, same credential, same HTTP proxy settings): (HTTP status, detail), or (None, why)
+    when nothing answered. The detail never holds the key."""
+    url = upstream.url_for("/v1/models", "")
+    try:
+        headers = upstream.auth_headers()
+    except OSError as e:
+        return None, f"the key file cannot be read ({e.strerror or type(e).__name__})"
+    if upstream.backend == "claude":
+        headers["anthropic-version"] = "2023-06-01"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=within),
+                                         trust_env=True) as session:
+            async with session.get(url, headers=headers, allow_redirects=False) as r:
+                body = (await r.content.read(2000)).decode("utf-8", "replace")
+                return r.status, " ".join(body.split())[:200]
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return None, f"{type(e).__name__}: {e}"[:200]
