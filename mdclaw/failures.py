@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mdclaw.retry import NO_JITTER, Backoff
+from mdclaw.runtime import EngineUnavailable, ImageError, RuntimeError_
 
 TRANSIENT = "transient"
 DETERMINISTIC = "deterministic"
@@ -230,8 +231,6 @@ def from_result(result: Any) -> TurnFailure:
 
 def from_exception(e: BaseException) -> TurnFailure:
     """A run that could not start: the engine, the image, the credential proxy."""
-    from mdclaw.runtime import EngineUnavailable, ImageError, RuntimeError_
-
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, EngineUnavailable):
         return TurnFailure("engine_down", detail=text)

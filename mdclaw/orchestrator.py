@@ -37,6 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from mdclaw import failures, media
@@ -47,6 +48,7 @@ from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger, st
 from mdclaw.ipc.writers import write_follow_up
 from mdclaw.outbox import describe_failures, failed_since
 from mdclaw.paths import Layout
+from mdclaw.proxy import DEFAULT_BASE_URLS, model_for_group
 from mdclaw.queue import GroupQueue, Job
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
 from mdclaw.runtime import engine_errors
@@ -603,8 +605,6 @@ class Orchestrator:
     def _failure_ctx(self, group: GroupRow) -> dict[str, Any]:
         """What a failure's chat message may name: the model server (host and port), the
         memory limit, the image, the backend, the model's config key, the time limit."""
-        from mdclaw.proxy import DEFAULT_BASE_URLS, model_for_group
-
         key, spec = model_for_group(self.cfg, group.folder)
         backend = spec.backend if spec else "claude"
         timeout_ms = group.container_config.get("timeout_ms") or 0
@@ -612,8 +612,6 @@ class Orchestrator:
         hard = (timeout_ms / 1000 if timeout_ms else
                 (cfg_group.timeout if cfg_group and cfg_group.timeout
                  else self.cfg.limits.container_timeout).total_seconds())
-        from datetime import timedelta
-
         return {"base_url": (spec.base_url if spec else None) or DEFAULT_BASE_URLS[backend],
                 "memory": self.cfg.limits.memory, "image": self.cfg.runtime.image,
                 "backend": backend, "model_key": key or "-",
@@ -655,8 +653,6 @@ class Orchestrator:
         no model resolves for the group, or its key file cannot be read."""
         if self.proxy is None:
             return None  # no model path at all (tests, benchmarks)
-        from mdclaw.proxy import model_for_group
-
         key, spec = model_for_group(self.cfg, group.folder)
         if spec is None:
             return TurnFailure("no_model", detail="no model resolves for the group: no "
@@ -677,8 +673,6 @@ class Orchestrator:
         """The image is missing, or its mdclaw.backends label lacks the group's backend."""
         if self.proxy is None or self.runner is None:
             return None
-        from mdclaw.proxy import model_for_group
-
         _key, spec = model_for_group(self.cfg, group.folder)
         if spec is None:
             return None

@@ -22,10 +22,9 @@ from mdclaw.outbox import (
     describe_failures,
     failed_since,
     get_row,
-    outbox_counts,
 )
 from mdclaw.state import Database
-from mdclaw.state.outbox import enqueue
+from mdclaw.state.outbox import enqueue, outbox_counts
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = RetryPolicy(max_attempts=3, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0)

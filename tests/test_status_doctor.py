@@ -154,12 +154,11 @@ class _FakeRuntime:
 
 
 def _doctor(write_config, monkeypatch, text: str, labels: dict[str, str] | None = None):
-    import mdclaw.runtime
-    from mdclaw.commands.daemon import run_checks
+    from mdclaw.ops import doctor
 
-    monkeypatch.setattr(mdclaw.runtime, "create_runtime", lambda rt: _FakeRuntime(labels))
+    monkeypatch.setattr(doctor, "create_runtime", lambda rt: _FakeRuntime(labels))
     checks: dict[str, dict[str, str]] = {}
-    for c in run_checks(str(write_config(text))):
+    for c in doctor.run_checks(str(write_config(text))):
         checks[c["check"]] = c
     return checks
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.telegram import TelegramChannel
+from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config, ensure_http_secret
 from mdclaw.state import Database
 
@@ -41,8 +42,6 @@ def build_channels(cfg: Config, db: Database,
                                                     trigger=f"@{cfg.assistant.name}", db=db))
     wa = cfg.channels.whatsapp
     if wa is not None and wa.enabled:
-        from mdclaw.channels.whatsapp import WhatsAppChannel  # neonize is optional
-
         channels.append(WhatsAppChannel.from_config(
             wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
             trigger=f"@{cfg.assistant.name}", db=db))

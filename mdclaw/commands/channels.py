@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import sqlite3
 import sys
 import time
 import urllib.error
@@ -12,9 +13,11 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from mdclaw.commands.common import fail, load_or_exit
 from mdclaw.commands.output import print_json
 from mdclaw.config import Config, http_secret_path, read_secret
+from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.state import Database, DatabaseError
+from mdclaw.state.groups import get_group
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -52,11 +55,6 @@ def _registered_jid(cfg: Config, folder: str) -> str | None:
     """A group registered at run time (by the main group's agent) lives only in state.db."""
     if not cfg.db_path.exists():
         return None
-    import sqlite3
-
-    from mdclaw.state import Database, DatabaseError
-    from mdclaw.state.groups import get_group
-
     try:
         with Database(cfg.db_path, migrate=False) as db:
             g = get_group(db, folder)

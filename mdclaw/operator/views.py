@@ -1,8 +1,8 @@
 """What each view of the operator page shows, as JSON, from what the running daemon knows.
 
-Every read and every change goes through the functions the CLI uses (mdclaw.commands.*,
+Every read and every change goes through the functions the CLI uses (mdclaw.ops.*,
 mdclaw.state.*, mdclaw.ipc.quarantine, mdclaw.proxy): no rule is defined twice. `d` is the
-running daemon (mdclaw.daemon.Daemon): its config, database, channels, queue and status.
+running daemon (mdclaw.daemon.core.Daemon): its config, database, channels, queue and status.
 """
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ import logging
 import time
 from typing import Any
 
+import segno
+
 from mdclaw import __version__
-from mdclaw.commands.agent import budget_rows, since_day
-from mdclaw.commands.core import group_listing
-from mdclaw.commands.ipc import change_outbox_row, delete_quarantined
-from mdclaw.commands.tasks import (
+from mdclaw.config import config_for_display, find_config_path
+from mdclaw.ipc.quarantine import list_errors, read_error_payload
+from mdclaw.ops.budgets import budget_rows, since_day
+from mdclaw.ops.groups import group_listing
+from mdclaw.ops.outbox import change_outbox_row
+from mdclaw.ops.quarantine import delete_quarantined
+from mdclaw.ops.tasks import (
     CONFIG_CANCEL_NOTE,
     TASK_ACTIONS,
     change_summary,
@@ -27,14 +32,11 @@ from mdclaw.commands.tasks import (
     task_json,
     zone_for,
 )
-from mdclaw.config import config_for_display, find_config_path
-from mdclaw.ipc.quarantine import list_errors, read_error_payload
-from mdclaw.outbox import outbox_counts
 from mdclaw.paths import Layout
 from mdclaw.proxy import container_model_fields, daily_usage, over_budget
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import Refusals, list_groups, refusals
-from mdclaw.state.outbox import list_outbox
+from mdclaw.state.outbox import list_outbox, outbox_counts
 from mdclaw.state.tasks import changes_allowed, get_task, list_runs, list_tasks, running_run_id
 
 log = logging.getLogger("mdclaw.operator")
@@ -44,12 +46,8 @@ OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "file_name", "emoji", "status
                  "updated_at")
 
 
-def qr_svg(text: str) -> str | None:
+def qr_svg(text: str) -> str:
     """`text` as a QR code: an SVG data URL (for an <img>, where no script runs)."""
-    try:
-        import segno
-    except ImportError:  # pragma: no cover - a dependency; the page then shows the text
-        return None
     buf = io.BytesIO()
     segno.make(text, error="m").save(buf, kind="svg", scale=6, border=2, xmldecl=False)
     return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode()

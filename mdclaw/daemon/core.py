@@ -22,25 +22,38 @@ import os
 import signal
 import sqlite3
 import time
-from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
+from mdclaw.channels.base import Channel
+from mdclaw.channels.registry import build_channels, connect_all, disconnect_all
 from mdclaw.config import Config, ConfigError, load_config
+from mdclaw.diskguard import DiskGuard
+from mdclaw.integrations import load_all
+from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.operator import mount_operator
+from mdclaw.operator.access import Access
+from mdclaw.operator.metrics import mount_metrics, start_listener
+from mdclaw.ops.status import status_path
+from mdclaw.orchestrator import Orchestrator
+from mdclaw.outbox import OutboxWorker, RetryPolicy, service_replier, spool_cleaner
+from mdclaw.paths import Layout
+from mdclaw.proxy import CredentialProxy
 from mdclaw.reconcile import ReconcileError, reconcile
+from mdclaw.runner import ContainerRunner
+from mdclaw.runtime import ContainerRuntime, create_runtime, engine_errors, wait_for_engine
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
 from mdclaw.state import Database
+from mdclaw.state.outbox import outbox_counts
 from mdclaw.systemd import Notifier
+from mdclaw.transcribe import make_transcriber
 
 log = logging.getLogger("mdclaw.daemon")
 
-STATUS_FILE = "daemon-status.json"
 DRAIN_TIMEOUT = 30.0
 CLOCK_JUMP = 0.5  # seconds the wall clock may drift against the monotonic one between polls
-
-
-def status_path(cfg: Config) -> Path:
-    return cfg.data_dir / STATUS_FILE
 
 
 class Daemon:
@@ -63,17 +76,17 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._sigterms = 0
         self._reloading = asyncio.Lock()
-        self.watcher: Any = None
+        self.watcher: IpcWatcher | None = None
         self.scheduler: Scheduler | None = None
-        self.outbox: Any = None
-        self.channels: list[Any] = []
-        self.runtime: Any = None
-        self.runner: Any = None
-        self.proxy: Any = None
-        self.orch: Any = None
-        self.diskguard: Any = None
-        self.operator_access: Any = None  # mdclaw.operator.access.Access, once mounted
-        self.metrics_runner: Any = None  # the metrics.listen listener (aiohttp AppRunner)
+        self.outbox: OutboxWorker | None = None
+        self.channels: list[Channel] = []
+        self.runtime: ContainerRuntime | None = None
+        self.runner: ContainerRunner | None = None
+        self.proxy: CredentialProxy | None = None
+        self.orch: Orchestrator | None = None
+        self.diskguard: DiskGuard | None = None
+        self.operator_access: Access | None = None  # once the operator page is mounted
+        self.metrics_runner: web.AppRunner | None = None  # the metrics.listen listener
         self._clock_offset = time.time() - time.monotonic()
 
     # ---------------------------------------------------------------- signals
@@ -128,17 +141,6 @@ class Daemon:
         return task
 
     async def start_services(self) -> None:
-        from mdclaw.channels.registry import build_channels, connect_all
-        from mdclaw.diskguard import DiskGuard
-        from mdclaw.integrations import load_all
-        from mdclaw.ipc.watcher import IpcWatcher
-        from mdclaw.orchestrator import Orchestrator
-        from mdclaw.outbox import OutboxWorker, RetryPolicy, service_replier, spool_cleaner
-        from mdclaw.paths import Layout
-        from mdclaw.proxy import CredentialProxy
-        from mdclaw.runner import ContainerRunner
-        from mdclaw.runtime import create_runtime, engine_errors
-
         assert self.db is not None
         cfg, db = self.cfg, self.db
         load_all()  # host actions of the integrations (web...) register themselves
@@ -151,19 +153,23 @@ class Daemon:
             log.error("%s", self.engine_status)
         self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
         clean = spool_cleaner(cfg.data_dir / "spool" / "outbox")
-        self.outbox = OutboxWorker(db, policy=RetryPolicy(
+        self.outbox = outbox = OutboxWorker(db, policy=RetryPolicy(
             max_attempts=cfg.limits.delivery_attempts,
             base_delay=cfg.limits.delivery_retry_base.total_seconds()),
             on_sent=clean, on_failed=clean)
         # Disk limits: groups past theirs are stopped and refused (mdclaw.diskguard).
         self.diskguard = DiskGuard(cfg, self.runner)
-        self.orch = Orchestrator(cfg, db, runner=self.runner, proxy=self.proxy,
-                                 wake_outbox=self.outbox.wake, diskguard=self.diskguard)
+        self.orch = orch = Orchestrator(cfg, db, runner=self.runner, proxy=self.proxy,
+                                        wake_outbox=outbox.wake, diskguard=self.diskguard)
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(cfg, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
         loop = asyncio.get_running_loop()
-        self.watcher.on_files_ready = lambda: loop.call_soon_threadsafe(self.outbox.wake)
+
+        def files_ready() -> None:  # from the watcher's thread
+            loop.call_soon_threadsafe(outbox.wake)
+
+        self.watcher.on_files_ready = files_ready
         self.watcher.on_poll = self._after_ipc_poll
         self._watch(asyncio.create_task(self.watcher.run(self.ipc_stop), name="ipc"), "ipc")
         self.notifier.add_probe("ipc", self._ipc_progress)
@@ -187,8 +193,9 @@ class Daemon:
         problems = await connect_all(self.channels)
         for name, reason in problems.items():
             log.error("channel %s is down: %s", name, reason)
-        if self.runner is not None:
-            self._watch(asyncio.create_task(self._engine_up(), name="engine"), "engine")
+        if self.runtime is not None and self.runner is not None:
+            self._watch(asyncio.create_task(
+                self._engine_up(self.runtime, self.runner, orch), name="engine"), "engine")
         self._watch(asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
                     "watchdog")
         self._watch(asyncio.create_task(self._status_loop(), name="status"), "status")
@@ -197,15 +204,11 @@ class Daemon:
 
     def _mount_operator(self) -> None:
         """The operator page beside the local HTTP chat (mdclaw.operator), if that runs."""
-        from mdclaw.operator import mount_operator
-
         mount_operator(self)
 
     async def _start_metrics(self) -> None:
         """`/metrics` beside the operator page, and on `metrics.listen` (mdclaw.operator.metrics);
         a listener that cannot bind is logged, not fatal."""
-        from mdclaw.operator.metrics import mount_metrics, start_listener
-
         mount_metrics(self)
         try:
             self.metrics_runner = await start_listener(self)
@@ -241,6 +244,7 @@ class Daemon:
 
     def _ipc_progress(self) -> float:
         # The IPC loop goes round at least once per poll interval.
+        assert self.watcher is not None
         return self.watcher.last_progress
 
     def _scheduler_progress(self) -> float:
@@ -248,30 +252,27 @@ class Daemon:
         assert self.scheduler is not None
         return self.scheduler.alive_at()
 
-    async def _engine_up(self) -> None:
-        from mdclaw.runtime import engine_errors, wait_for_engine
-
+    async def _engine_up(self, runtime: ContainerRuntime, runner: ContainerRunner,
+                         orch: Orchestrator) -> None:
         def status(line: str) -> None:
             self.engine_status = line
             self._publish()
 
-        desc = await wait_for_engine(self.runtime, status=status, stop=self.stop_event)
+        desc = await wait_for_engine(runtime, status=status, stop=self.stop_event)
         if desc is None:
             return
         try:
-            await self.runner.cleanup_orphans()
+            await runner.cleanup_orphans()
         except engine_errors() as e:  # the engine went away again: runs will say so
             log.warning("could not remove orphaned containers: %s", e)
         self.engine_status = f"ok ({desc})"
-        self.orch.engine_ready.set()
-        self.orch.recover_pending()
+        orch.engine_ready.set()
+        orch.recover_pending()
         self._publish()
         log.info("container engine: %s", desc)
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
-        from mdclaw.outbox import outbox_counts
-
         assert self.db is not None
         nxt = self.scheduler.next_wakeup() if self.scheduler else None
         return {
@@ -374,7 +375,6 @@ class Daemon:
         if self.orch is not None:
             self.orch.queue.max_concurrent = new.limits.max_concurrent_containers
             if new.transcription != old.transcription:
-                from mdclaw.transcribe import make_transcriber
                 self.orch.transcriber = make_transcriber(new.transcription)
         if self.watcher is not None:
             self.watcher.cfg = new
@@ -388,8 +388,6 @@ class Daemon:
 
     # ---------------------------------------------------------------- stop
     async def stop_services(self) -> None:
-        from mdclaw.channels.registry import disconnect_all
-
         if self.orch is not None:
             self.orch.accepting = False
             closed = self.orch.close_conversations()
