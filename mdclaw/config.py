@@ -279,6 +279,9 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+LISTEN_PATTERN = r"^[^:\s]*:\d{1,5}$"  # host:port (an empty host is 127.0.0.1)
+
+
 Problem = tuple[tuple[str, ...], str]  # (key path relative to the model checked, message)
 
 
@@ -547,16 +550,32 @@ class ModelSpec(Frozen):
         "side tasks, e.g. `claude-haiku-4-5`).")
 
 
-class HttpChannel(Frozen):
-    enabled: bool = Field(True, description="Serve the local HTTP channel and its chat page.")
-    listen: str = Field("127.0.0.1:3000", pattern=r"^[^:\s]*:\d{1,5}$",
-                        description="host:port to listen on.")
-    secret_file: SecretFile | None = Field(None, description="Bearer token file (optional).")
+class Server(Frozen):
+    listen: str = Field("127.0.0.1:3000", pattern=LISTEN_PATTERN,
+                        description="host:port the daemon's web server listens on.")
+    secret_file: SecretFile | None = Field(
+        None, description="Bearer token file (optional): required by the chat's endpoints, "
+        "the operator page and /metrics.")
     generate_secret: bool = Field(
         False, description="When `secret_file` is unset: generate a random token into "
         "`<data_dir>/http-secret` (mode 0600) on the daemon's first start and require it, so "
         "no other local user can post as the main group. `mdclaw send` and `mdclaw "
         "http-token` (for the chat page) read it. The NixOS module turns this on.")
+
+
+class HttpChannel(Frozen):
+    enabled: bool = Field(True, description="Serve the local HTTP chat and its page on the "
+                          "daemon's web server (`server`).")
+    # The old names of the web server's keys, from when the chat owned the server: read as
+    # `server.<key>` (Config.web_server); check-config warns (old_server_keys).
+    listen: str | None = Field(
+        None, pattern=LISTEN_PATTERN, description="Deprecated: the old name of "
+        "`server.listen`, read as it (check-config warns; a different `server.listen` is an "
+        "error).")
+    secret_file: SecretFile | None = Field(
+        None, description="Deprecated: the old name of `server.secret_file`, read as it.")
+    generate_secret: bool | None = Field(
+        None, description="Deprecated: the old name of `server.generate_secret`, read as it.")
 
 
 class TelegramChannel(Frozen):
@@ -581,7 +600,8 @@ class WhatsAppChannel(Frozen):
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
-        description="Local HTTP channel (jids hl:<id>), on by default on 127.0.0.1:3000.")
+        description="Local HTTP chat (jids hl:<id>), on by default, served by the daemon's "
+        "web server (`server`).")
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
     whatsapp: WhatsAppChannel | None = Field(
         None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
@@ -775,14 +795,14 @@ class WebSearch(Frozen):
 
 class Metrics(Frozen):
     enabled: bool = Field(
-        True, description="Serve Prometheus metrics at `/metrics` on the local HTTP channel's "
-        "listener (and on `listen`, when set), behind the operator page's access rule: the "
-        "channel's bearer token when it has one, else loopback clients only (docs/metrics.md).")
+        True, description="Serve Prometheus metrics at `/metrics` on the daemon's web server "
+        "(`server`; and on `listen`, when set), behind the operator page's access rule: the "
+        "server's bearer token when it has one, else loopback clients only (docs/metrics.md).")
     listen: str | None = Field(
-        None, pattern=r"^[^:\s]*:\d{1,5}$",
+        None, pattern=LISTEN_PATTERN,
         description="host:port of a listener of its own that serves only `/metrics` (e.g. "
-        "`127.0.0.1:9464`), for scraping without the HTTP channel. Same access rule; the "
-        "token is the HTTP channel's (`channels.http.secret_file` or the generated one).")
+        "`127.0.0.1:9464`), for scraping apart from the web server. Same access rule; the "
+        "token is the web server's (`server.secret_file` or the generated one).")
 
 
 class Web(Frozen):
@@ -851,6 +871,10 @@ class Config(_Settings):
                                       description="Which host folders groups may mount.")
     models: dict[str, ModelSpec] = Field(default_factory=dict,
                                          description="Model backends by name; groups pick one.")
+    server: Server | None = Field(
+        default_factory=Server,
+        description="The daemon's web server: the operator page, /metrics and, when "
+        "`channels.http` is enabled, the local chat (docs/web.md). null: no web server.")
     channels: Channels = Field(default_factory=Channels,
                                description="Chat channels mdclaw listens on.")
     tasks: tuple[TaskSpec, ...] = Field((), description="Scheduled tasks declared in config.")
@@ -889,6 +913,17 @@ class Config(_Settings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "state.db"
+
+    @property
+    def web_server(self) -> Server | None:
+        """The daemon's web server as configured: `server`, each key it leaves unset taken
+        from its old name under `channels.http` when that is set (see old_server_keys);
+        None for `server: null` (no web server)."""
+        if self.server is None:
+            return None
+        old = old_server_keys(self)
+        taken = {k: v for k, v in old.items() if k not in self.server.model_fields_set}
+        return self.server.model_copy(update=taken) if taken else self.server
 
     @property
     def whatsapp_session_path(self) -> Path:
@@ -1035,6 +1070,8 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 f"{str(ha.dashboards_dir)!r} {why}: the dashboards folder is the host's "
                 "alone; put it outside data_dir's groups/, ipc/, sessions/ and every "
                 "group mount", ("groups",))
+    for path, msg in server_key_problems(cfg):
+        add(path, msg, ("server",))
     wa = cfg.channels.whatsapp
     if wa is not None and wa.session_file is not None:
         # The session file holds the linked device's keys: never where an agent can reach.
@@ -1367,26 +1404,71 @@ def _cross_key_without(data: dict[str, Any], e: ValidationError) -> list[Problem
             if not depends_on_dropped(needs)]
 
 
+# ------------------------------------------------------------------ the web server's keys
+# `server.listen`, `server.secret_file` and `server.generate_secret` were once
+# `channels.http.*` (the chat owned the web server). The old names still work: each is read as
+# the new one (Config.web_server), check-config warns, and setting both to different values
+# (or the old one beside `server: null`) is an error naming both keys.
+SERVER_KEYS = ("listen", "secret_file", "generate_secret")
+
+
+def old_server_keys(cfg: Config) -> dict[str, Any]:
+    """The web server's keys set under their old names (`channels.http.<key>`)."""
+    http = cfg.channels.http
+    if http is None:
+        return {}
+    return {k: getattr(http, k) for k in SERVER_KEYS if getattr(http, k) is not None}
+
+
+def server_key_problems(cfg: Config) -> list[Problem]:
+    """An old name set beside `server: null`, or beside its new name with another value; and
+    the chat enabled without a web server to serve it."""
+    problems: list[Problem] = []
+    for key, value in old_server_keys(cfg).items():
+        if cfg.server is None:
+            problems.append((("channels", "http", key),
+                             f"channels.http.{key} is the old name of server.{key}, but "
+                             "server is null (no web server): remove one of the two"))
+        elif key in cfg.server.model_fields_set and getattr(cfg.server, key) != value:
+            problems.append((("channels", "http", key),
+                             f"channels.http.{key} ({_short(value)}) and server.{key} "
+                             f"({_short(getattr(cfg.server, key))}) differ: channels.http.{key} "
+                             f"is the old name of server.{key}; keep server.{key} only"))
+    http = cfg.channels.http
+    if cfg.server is None and http is not None and http.enabled:
+        problems.append((("channels", "http"),
+                         "the local HTTP chat is served by the daemon's web server, but server "
+                         "is null: remove `server: null`, or turn the chat off "
+                         "(channels.http.enabled: false)"))
+    return problems
+
+
+def old_server_key_warnings(cfg: Config) -> list[str]:
+    """One warning per web server key set under its old name (check-config, start-up)."""
+    return [f"channels.http.{key}: the old name of server.{key}, read as it; move it to "
+            f"server.{key}" for key in old_server_keys(cfg)]
+
+
 HTTP_SECRET_NAME = "http-secret"  # noqa: S105 - a file name, not a secret
 
 
 def http_secret_path(cfg: Config) -> Path | None:
-    """The local HTTP channel's token file: `secret_file`, else the generated one in
-    data_dir when `generate_secret` is on, else None (no token)."""
-    http = cfg.channels.http
-    if http is None:
+    """The web server's token file: `server.secret_file`, else the generated one in data_dir
+    when `server.generate_secret` is on, else None (no token, or no web server)."""
+    server = cfg.web_server
+    if server is None:
         return None
-    if http.secret_file is not None:
-        return http.secret_file
-    return cfg.data_dir / HTTP_SECRET_NAME if http.generate_secret else None
+    if server.secret_file is not None:
+        return server.secret_file
+    return cfg.data_dir / HTTP_SECRET_NAME if server.generate_secret else None
 
 
 def ensure_http_secret(cfg: Config) -> Path | None:
     """http_secret_path(), generating the token first when it is to be generated and does
     not exist yet (a new random token, mode 0600, never replaced once written)."""
     path = http_secret_path(cfg)
-    http = cfg.channels.http
-    if path is None or http is None or http.secret_file is not None:
+    server = cfg.web_server
+    if path is None or server is None or server.secret_file is not None:
         return path
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -1408,8 +1490,11 @@ def iter_secret_files(cfg: Config) -> Iterator[tuple[str, Path]]:
     for name, m in cfg.models.items():
         if m.api_key_file:
             yield f"models.{name}.api_key_file", m.api_key_file
-    if cfg.channels.http and cfg.channels.http.secret_file:
-        yield "channels.http.secret_file", cfg.channels.http.secret_file
+    server = cfg.web_server
+    if server is not None and server.secret_file is not None:
+        key = ("server" if cfg.server is not None and "secret_file" in
+               cfg.server.model_fields_set else "channels.http")
+        yield f"{key}.secret_file", server.secret_file
     if cfg.channels.telegram:
         yield "channels.telegram.token_file", cfg.channels.telegram.token_file
     ha = cfg.integrations.home_assistant

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def cmd_usage(args: argparse.Namespace) -> int:
     # Imported here for the CLI's start-up: the usage ledger lives beside the credential
-    # proxy, which brings in aiohttp (~0.3 s) that no other read-only command needs.
+    # proxy, which brings in aiohttp (~0.4 s) that no other read-only command needs.
     from mdclaw.ops.budgets import budget_rows, since_day
     from mdclaw.proxy import daily_usage, usage_rows
 

@@ -20,6 +20,7 @@ from mdclaw.config import (
     iter_secret_files,
     key_lines,
     load_config,
+    old_server_key_warnings,
     secret_checks_skipped,
     sorted_issues,
 )
@@ -51,7 +52,8 @@ def open_main_group(cfg: Config) -> Iterable[str]:
 
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
-CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [open_main_group]
+CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [
+    open_main_group, old_server_key_warnings]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def cmd_drain(args: argparse.Namespace) -> int:
     # Imported here for the CLI's start-up: the engine and the integrations bring in
-    # aiohttp and prometheus_client (~0.4 s), which only `ipc drain` needs.
+    # aiohttp and prometheus_client (over half a second), which only `ipc drain` needs.
     from mdclaw.integrations import load_all
     from mdclaw.ipc.apply import IpcEngine
 
@@ -94,8 +94,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def _run_actions(cfg: Config) -> int:
     """Run the queued off-loop actions (memory searches, fetches...) here and now, as the
     daemon's action worker does; safe beside a running daemon (a job is claimed once)."""
-    # Imported here for the CLI's start-up: the worker and the actions' integrations bring
-    # in aiohttp and prometheus_client (~0.4 s), which only --run-actions needs.
+    # Imported here for the CLI's start-up: the worker and its metrics (~0.1 s), which only
+    # --run-actions needs.
     from mdclaw.ipc.actions import ACTIONS
     from mdclaw.ipc.worker import ActionWorker
 

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here for the CLI's start-up: the daemon brings in every component (the
-    # orchestrator, channels, aiohttp, the Docker SDK...: ~1 s), which no other command needs.
+    # orchestrator, channels, aiohttp...: over half a second), which no other command needs.
     from mdclaw.daemon.core import run_daemon
 
     cfg = load_or_exit(args)

@@ -28,27 +28,30 @@ from aiohttp import web
 
 from mdclaw.channels.base import Channel
 from mdclaw.channels.registry import build_channels, connect_all, disconnect_all
-from mdclaw.config import Config, ConfigError, load_config
+from mdclaw.config import Config, ConfigError, load_config, old_server_key_warnings
+from mdclaw.daemon.web import WebServerSetupError, build_web_server, server_gate
 from mdclaw.diskguard import DiskGuard
 from mdclaw.integrations import load_all
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.operator import mount_operator
-from mdclaw.operator.access import Access
 from mdclaw.operator.metrics import mount_metrics, start_listener
 from mdclaw.ops.status import status_path
+from mdclaw.ops.view import DaemonView
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.outbox import OutboxWorker, RetryPolicy, service_replier, spool_cleaner
 from mdclaw.paths import Layout
-from mdclaw.proxy import CredentialProxy
+from mdclaw.proxy import CredentialProxy, tokens_on_day
+from mdclaw.queue import GroupQueue
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.runner import ContainerRunner
 from mdclaw.runtime import ContainerRuntime, create_runtime, engine_errors, wait_for_engine
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
-from mdclaw.state import Database
+from mdclaw.state import Database, now_iso
 from mdclaw.state.outbox import outbox_counts
 from mdclaw.systemd import Notifier
 from mdclaw.transcribe import make_transcriber
+from mdclaw.webserver import TokenGate, WebServer
 
 log = logging.getLogger("mdclaw.daemon")
 
@@ -66,7 +69,7 @@ class Daemon:
         self.stop_event = asyncio.Event()
         # The IPC loop outlives the drain: agents still write their last replies.
         self.ipc_stop = asyncio.Event()
-        self.db: Database | None = None
+        self._db: Database | None = None  # open while run() runs
         self.failed: list[str] = []
         self.engine_status = "checking"
         self.reload_error: str | None = None
@@ -85,7 +88,9 @@ class Daemon:
         self.proxy: CredentialProxy | None = None
         self.orch: Orchestrator | None = None
         self.diskguard: DiskGuard | None = None
-        self.operator_access: Access | None = None  # once the operator page is mounted
+        # The web server (server:) and its token, which the metrics.listen listener shares.
+        self.gate = TokenGate(None)
+        self.web: WebServer | None = None
         self.metrics_runner: web.AppRunner | None = None  # the metrics.listen listener
         self._clock_offset = time.time() - time.monotonic()
 
@@ -107,15 +112,23 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_sigterm)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
-        self.db = Database(self.cfg.db_path)
+        for warning in old_server_key_warnings(self.cfg):
+            log.warning("config: %s", warning)
+        self._db = db = Database(self.cfg.db_path)
         try:
-            plan = reconcile(self.cfg, self.db)
+            plan = reconcile(self.cfg, db)
         except ReconcileError as e:
             log.error("reconcile failed: %s", e)
-            self.db.close()
+            db.close()
             return 1
         log.info("reconciled: %d change(s); %d group(s) configured", len(plan.actions),
                  len(self.cfg.groups))
+        try:
+            self.gate = server_gate(self.cfg)
+        except WebServerSetupError as e:
+            log.error("%s", e)
+            db.close()
+            return 1
         try:
             await self.start_services()
             self.notifier.ready(self.status_line())
@@ -125,7 +138,7 @@ class Daemon:
             self.notifier.stopping()
             log.info("stopping: draining for up to %.0f s", self.drain_timeout)
             await self.stop_services()
-            self.db.close()
+            db.close()
         return 1 if self.failed else 0
 
     def _watch(self, task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
@@ -141,7 +154,6 @@ class Daemon:
         return task
 
     async def start_services(self) -> None:
-        assert self.db is not None
         cfg, db = self.cfg, self.db
         load_all()  # host actions of the integrations (web...) register themselves
         # Containers: the runtime is lazy; the engine is waited for in the background.
@@ -180,15 +192,17 @@ class Daemon:
                                    max_sleep=DAEMON_MAX_SLEEP)
         self._watch(asyncio.create_task(self.scheduler.run(), name="scheduler"), "scheduler")
         self.notifier.add_probe("scheduler", self._scheduler_progress)
+        # The web server: the local HTTP chat adds its routes as it is built, then the
+        # operator page and /metrics join; it listens before the channels connect.
+        self.web = build_web_server(cfg, self.gate)
         # Channels and delivery.
-        self.channels = build_channels(cfg, db, on_inbound=self.orch.on_inbound)
+        self.channels = build_channels(cfg, db, self.web, on_inbound=self.orch.on_inbound)
         # A channel's own answers (/chatid) go through the outbox like any reply.
         for ch in self.channels:
             ch.on_service_reply(service_replier(db, self.outbox.wake))
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
-        self._mount_operator()
-        await self._start_metrics()
+        await self._start_web(self)
         await self.outbox.start()
         problems = await connect_all(self.channels)
         for name, reason in problems.items():
@@ -202,19 +216,53 @@ class Daemon:
         self._watch(asyncio.create_task(self.diskguard.run(self.stop_event), name="disk"),
                     "disk")
 
-    def _mount_operator(self) -> None:
-        """The operator page beside the local HTTP chat (mdclaw.operator), if that runs."""
-        mount_operator(self)
-
-    async def _start_metrics(self) -> None:
-        """`/metrics` beside the operator page, and on `metrics.listen` (mdclaw.operator.metrics);
-        a listener that cannot bind is logged, not fatal."""
-        mount_metrics(self)
+    async def _start_web(self, view: DaemonView) -> None:
+        """The operator page and `/metrics` on the web server (mdclaw.operator), which then
+        listens; `/metrics` also on `metrics.listen`. `view` is this daemon as the page sees
+        it (passing `self` makes mypy check that the Daemon is a DaemonView). A listener that
+        cannot bind is logged, not fatal: the daemon runs on without it."""
+        if self.web is not None:
+            access = mount_operator(self.web, view)
+            mount_metrics(self.web, view, access)
+            try:
+                await self.web.start()
+            except OSError as e:
+                log.error("web server: %s; the operator page, /metrics and the local HTTP "
+                          "chat are not served (server.listen)", e)
         try:
-            self.metrics_runner = await start_listener(self)
+            self.metrics_runner = await start_listener(view, self.gate)
         except OSError as e:
             log.error("metrics: cannot listen on %s: %s", self.cfg.metrics.listen,
                       e.strerror or e)
+
+    # ---------------------------------------------------------------- the operator's view
+    @property
+    def db(self) -> Database:
+        """The state database, open while the daemon runs."""
+        assert self._db is not None, "the database is open only while the daemon runs"
+        return self._db
+
+    @property
+    def queue(self) -> GroupQueue | None:
+        return self.orch.queue if self.orch is not None else None
+
+    def wake_scheduler(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.wake()
+
+    def wake_outbox(self) -> None:
+        if self.outbox is not None:
+            self.outbox.wake()
+
+    def disk_blocked(self, folder: str) -> bool:
+        return self.diskguard is not None and self.diskguard.blocked(folder) is not None
+
+    async def tokens_today(self, folder: str) -> int:
+        """As the credential proxy counts them (in memory, ahead of its flush), else as the
+        database has them."""
+        if self.proxy is not None:
+            return await self.proxy.tokens_today(folder)
+        return await asyncio.to_thread(tokens_on_day, self.db, folder, now_iso()[:10])
 
     def _after_ipc_commit(self, items: list[Any]) -> None:
         if self.outbox is not None:
@@ -273,7 +321,6 @@ class Daemon:
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
-        assert self.db is not None
         nxt = self.scheduler.next_wakeup() if self.scheduler else None
         return {
             "pid": os.getpid(), "started_at": self.started_at, "updated_at": to_iso(utc_now()),
@@ -334,7 +381,6 @@ class Daemon:
             log.info("reloading config")
             try:
                 new = await asyncio.to_thread(load_config, self.config_path)
-                assert self.db is not None
                 plan = await asyncio.to_thread(reconcile, new, self.db)
             except ConfigError as e:
                 error: str | None = "; ".join(i.render(e.file) for i in e.issues)[:500]
@@ -357,12 +403,12 @@ class Daemon:
 
     def apply_config(self, new: Config) -> None:
         old = self.cfg
-        for key in ("channels", "runtime", "data_dir", "metrics"):
+        for key in ("server", "channels", "runtime", "data_dir", "metrics"):
             if getattr(old, key) != getattr(new, key):
                 log.warning("reload: %s changed; restart mdclaw to apply it (the running "
                             "daemon keeps the old %s)", key, key)
-        new = new.model_copy(update={k: getattr(old, k) for k in ("channels", "runtime",
-                                                                  "data_dir", "metrics")})
+        new = new.model_copy(update={k: getattr(old, k) for k in (
+            "server", "channels", "runtime", "data_dir", "metrics")})
         if new.log_level != old.log_level:
             apply_log_level(new.log_level)
             log.warning("reload: log_level is now %s", new.log_level)
@@ -412,6 +458,8 @@ class Daemon:
         if self.outbox is not None:
             await self.outbox.stop()  # before the channels go, so a send under way finishes
         await disconnect_all(self.channels)
+        if self.web is not None:
+            await self.web.stop()
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
         for t in self._tasks:

@@ -352,25 +352,27 @@ def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
 
 
 def _check_http_port(results: list[dict[str, str]], cfg: Config) -> None:
-    """The local HTTP channel's port is free (or held by this install's running daemon)."""
-    http = cfg.channels.http
-    if http is None or not http.enabled:
+    """The web server's port (the operator page, /metrics, the local HTTP chat) is free, or
+    held by this install's running daemon."""
+    server = cfg.web_server
+    if server is None:
         return
-    host, _, port = http.listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - the port check binds what the channel would
+    listen = server.listen
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - the port check binds what the server would
     try:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
-        _check(results, "http port", "ok", f"{http.listen} is free")
+        _check(results, "http port", "ok", f"{listen} is free")
     except OSError as e:
         if daemon_running(cfg):
-            _check(results, "http port", "ok", f"{http.listen} is served by the running daemon")
+            _check(results, "http port", "ok", f"{listen} is served by the running daemon")
         else:
-            _check(results, "http port", "fail", f"{http.listen}: {e.strerror or e}",
-                   "stop the program using it, or set channels.http.listen to a free port")
+            _check(results, "http port", "fail", f"{listen}: {e.strerror or e}",
+                   "stop the program using it, or set server.listen to a free port")
 
 
 def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float = 1.0,
