@@ -1,8 +1,9 @@
 """The daemon behind `mdclaw run`: one asyncio loop, systemd notify, reload and drain.
 
-Start-up: open the database, reconcile, start the IPC loop, the scheduler, the outbox worker,
-the channels and the container runner (an engine that is down is retried with backoff and
-shown in STATUS=, not a crash loop), then READY=1.
+Start-up: open the database, reconcile, read the web server's token, start the IPC loop, the
+scheduler, the outbox worker, the web server (mdclaw.daemon.web: the local HTTP chat's routes,
+the operator page, /metrics), the channels and the container runner (an engine that is down
+is retried with backoff and shown in STATUS=, not a crash loop), then READY=1.
 
 SIGHUP: RELOADING=1, re-read and validate the config, reconcile, hand the new config to every
 component, READY=1. An invalid config keeps the old one running and says why.
