@@ -38,6 +38,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from mdclaw.errors import IpcError
 from mdclaw.paths import (
     GLOBAL_DIR_MODE,
     GROUP_DIR_MODE,
@@ -57,11 +58,11 @@ COPY_CHUNK = 1 << 20
 COPY_SYNC_EVERY = 4 << 20  # bytes between flushes of a large copy (see copy_bounded)
 
 
-class UnsafePath(Exception):
+class UnsafePath(IpcError):
     """A path the host refuses to use; str(e) is the reason."""
 
 
-class Rejected(Exception):
+class Rejected(IpcError):
     """A file that must not be used (and, for a command file, is quarantined).
 
     `generation` identifies the directory entry (see `generation()`).
@@ -73,7 +74,7 @@ class Rejected(Exception):
         self.generation = generation
 
 
-class Vanished(Exception):
+class Vanished(IpcError):
     """The file disappeared before it could be read (someone else processed it)."""
 
 

@@ -41,6 +41,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mdclaw import schedule
+from mdclaw.errors import ConfigProblem
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 FOLDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -225,7 +226,7 @@ def in_service_credentials(path: str | os.PathLike[str]) -> bool:
             and not os.environ.get(CREDENTIALS_VAR))
 
 
-class ServiceCredential(OSError):
+class ServiceCredential(ConfigProblem, OSError):
     """A secret that only the service can read (see in_service_credentials)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -285,7 +286,7 @@ LISTEN_PATTERN = r"^[^:\s]*:\d{1,5}$"  # host:port (an empty host is 127.0.0.1)
 Problem = tuple[tuple[str, ...], str]  # (key path relative to the model checked, message)
 
 
-class CrossKeyError(ValueError):
+class CrossKeyError(ConfigProblem, ValueError):
     """Problems a model validator found across keys, each at the key it is about (a path
     relative to the model). `load_config` reports each as its own issue at that key's line;
     anyone else constructing a model sees them joined in one message."""
@@ -1144,7 +1145,7 @@ def sorted_issues(issues: list[ConfigIssue]) -> list[ConfigIssue]:
 
 
 @dataclass
-class ConfigError(Exception):
+class ConfigError(ConfigProblem):
     """The config could not be loaded; `issues` lists every problem found, by line."""
 
     file: str

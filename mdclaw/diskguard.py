@@ -71,6 +71,9 @@ class Verdict:
     free: int | None = None  # bytes free on data_dir's file system (None: not known)
     floor: int = 0  # bytes that must stay free there
     measured_at: float = 0.0  # time.time()
+    # What each tree the container can write holds: (path relative to data_dir, bytes,
+    # files and folders), for telling where the space went.
+    trees: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -93,10 +96,26 @@ class Verdict:
                     f"cannot be checked; runs are refused")
         return f"group {self.folder} uses {usage}, {self.entries} files and folders"
 
+    def where(self) -> str:
+        """The folder(s) to clean up, relative to data_dir: the tree that holds most of the
+        bytes (over the size limit) or of the entries (too many files), else the unreadable
+        folder's tree, else groups/<g>."""
+        if self.state == UNREADABLE and self.unreadable:
+            return "/".join(self.unreadable.split("/")[:2])
+        entries = self.state == TOO_MANY_FILES
+        held = sorted(((path, n_entries if entries else n_bytes)
+                       for path, n_bytes, n_entries in self.trees), key=lambda t: -t[1])
+        held = [(path, n) for path, n in held if n]
+        if not held:
+            return f"groups/{self.folder}"
+        total = sum(n for _, n in held)
+        # Every tree with a real share of it (a fifth or more), largest first.
+        return " and ".join(path for path, n in held if n * 5 >= total)
+
     def chat_text(self) -> str:
         """The one message the group's chat gets: what happened and what to do."""
         fix = (f"Please ask whoever runs this server to delete files in my folder "
-               f"(groups/{self.folder} in mdclaw's data directory)")
+               f"({self.where()} in mdclaw's data directory)")
         if self.state == HOST_FULL:
             return ("I have stopped: the server's disk is nearly full "
                     f"({format_size(self.free or 0)} free, {format_size(self.floor)} must stay "
@@ -133,12 +152,14 @@ def group_trees(layout: Layout, folder: str, *, is_main: bool) -> list[tuple[Pat
     return trees
 
 
-def measure_group(layout: Layout, folder: str, *, is_main: bool,
-                  max_entries: int) -> tuple[agentfs.Usage, str]:
+def measure_group(layout: Layout, folder: str, *, is_main: bool, max_entries: int
+                  ) -> tuple[agentfs.Usage, str, tuple[tuple[str, int, int], ...]]:
     """Space taken by everything the group's container can write, walked by fds; returns the
-    usage and the first folder that could not be read ('' if none). Blocking."""
+    usage, the first folder that could not be read ('' if none) and what each tree holds
+    (path relative to data_dir, bytes, entries). Blocking."""
     total = agentfs.Usage()
     first = ""
+    trees: list[tuple[str, int, int]] = []
     for root, name in group_trees(layout, folder, is_main=is_main):
         try:
             with agentfs.opened(root, name) as fd:
@@ -147,6 +168,7 @@ def measure_group(layout: Layout, folder: str, *, is_main: bool,
             continue
         except (agentfs.UnsafePath, OSError):
             u = agentfs.Usage(unreadable=1)
+        trees.append((f"{root.name}/{name}", u.bytes, u.entries))
         total.bytes += u.bytes
         total.entries += u.entries
         total.complete = total.complete and u.complete
@@ -156,7 +178,7 @@ def measure_group(layout: Layout, folder: str, *, is_main: bool,
             first = f"{rel}/{u.first_unreadable}" if u.first_unreadable else rel
         if not total.complete:
             break
-    return total, first
+    return total, first, tuple(trees)
 
 
 def measure_host(cfg: Config) -> agentfs.FreeSpace | None:
@@ -174,7 +196,8 @@ def measure_host(cfg: Config) -> agentfs.FreeSpace | None:
 
 
 def decide(cfg: Config, folder: str, usage: agentfs.Usage | None, unreadable: str,
-           space: agentfs.FreeSpace | None) -> Verdict:
+           space: agentfs.FreeSpace | None,
+           trees: tuple[tuple[str, int, int], ...] = ()) -> Verdict:
     """The rule, given measurements: the host's floor first, then the group's limits."""
     limit = cfg.disk_limit(folder)
     floor = floor_bytes(cfg.limits.min_free_disk, space.total) if space else 0
@@ -184,7 +207,7 @@ def decide(cfg: Config, folder: str, usage: agentfs.Usage | None, unreadable: st
         return Verdict(state=state, folder=folder, used=u.bytes, limit=limit, entries=u.entries,
                        max_entries=cfg.limits.disk_files, unreadable=unreadable,
                        free=space.free if space else None, floor=floor,
-                       measured_at=time.time())
+                       measured_at=time.time(), trees=trees)
 
     if space is not None and space.free < floor:
         return verdict(HOST_FULL)
@@ -204,12 +227,12 @@ def check(cfg: Config, folder: str, *, space: agentfs.FreeSpace | None = None,
     """Measure group `folder` (and, with `host`, the free space) and decide. Blocking: call
     it in a thread from the event loop."""
     group = cfg.groups.get(folder)
-    usage, unreadable = measure_group(Layout(cfg.data_dir), folder,
-                                      is_main=bool(group and group.main),
-                                      max_entries=cfg.limits.disk_files)
+    usage, unreadable, trees = measure_group(Layout(cfg.data_dir), folder,
+                                             is_main=bool(group and group.main),
+                                             max_entries=cfg.limits.disk_files)
     if space is None and host:
         space = measure_host(cfg)
-    return decide(cfg, folder, usage, unreadable, space)
+    return decide(cfg, folder, usage, unreadable, space, trees)
 
 
 def check_all(cfg: Config, folders: Iterable[str] | None = None) -> dict[str, Any]:

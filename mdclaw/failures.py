@@ -10,8 +10,8 @@ One table, `CAUSES`, maps every cause to
   container ids) — `chat_message` adds what happens now;
 * what the operator can do (docs/troubleshooting.md lists the same).
 
-Causes come from the agent runner's error blocks (`cause`, see
-container/agent-runner/mdclaw_agent/protocol.py), from what the host sees itself (the
+Causes come from the agent runner's error blocks (`cause`, one of mdclaw.wire.RUNNER_CAUSES,
+read through mdclaw.wire.OutputBlock), from what the host sees itself (the
 container was OOM-killed, killed or vanished, the image is missing, the engine is down, the
 credential proxy failed) and from checks before a run (no model configured, the backend is not
 in the image, the key file is missing).
@@ -20,12 +20,14 @@ in the image, the key file is missing).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from mdclaw.retry import NO_JITTER, Backoff
-from mdclaw.runtime import EngineUnavailable, ImageError, RuntimeError_
+from mdclaw.runtime import EngineCallError, EngineUnavailable, ImageError
+from mdclaw.wire import OutputBlock
 
 TRANSIENT = "transient"
 DETERMINISTIC = "deterministic"
@@ -190,21 +192,17 @@ class TurnFailure:
         return rule(self.cause).policy
 
     @classmethod
-    def from_block(cls, block: dict[str, Any]) -> TurnFailure:
-        """From an error block of the agent runner."""
-        def num(key: str) -> float | None:
-            v = block.get(key)
-            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-        status = num("httpStatus")
-        msg = block.get("apiMessage")
-        limit = block.get("limit")
-        return cls(cause=str(block.get("cause") or UNKNOWN),
-                   detail=str(block.get("error") or ""),
-                   http_status=int(status) if status is not None else None,
-                   api_message=str(msg) if isinstance(msg, str) else None,
-                   retry_after=num("retryAfter"),
-                   limit=str(limit) if isinstance(limit, str) else None)
+    def from_block(cls, block: OutputBlock | Mapping[str, Any]) -> TurnFailure:
+        """From an error block of the agent runner (a mapping is read as the host reads a
+        block: mdclaw.wire.OutputBlock.from_dict). A cause this host does not know becomes
+        agent_crash, named in the detail."""
+        if not isinstance(block, OutputBlock):
+            block = OutputBlock.from_dict(block)
+        unknown = block.ignored.get("cause")
+        cause = block.cause or (unknown if isinstance(unknown, str) and unknown else UNKNOWN)
+        return cls(cause=cause, detail=block.error or "", http_status=block.http_status,
+                   api_message=block.api_message, retry_after=block.retry_after,
+                   limit=block.limit)
 
 
 def from_result(result: Any) -> TurnFailure:
@@ -236,7 +234,7 @@ def from_exception(e: BaseException) -> TurnFailure:
         return TurnFailure("engine_down", detail=text)
     if isinstance(e, ImageError):
         return TurnFailure("image_missing", detail=text)
-    if isinstance(e, RuntimeError_):
+    if isinstance(e, EngineCallError):
         return TurnFailure("container_start", detail=text)
     if type(e).__name__ == "ProxyError":
         return TurnFailure("proxy_failure", detail=text)

@@ -49,7 +49,7 @@ _DEFAULT_STEM = {"image": "photo", "document": "document", "audio": "audio", "vo
                  "video": "video"}
 _DEFAULT_EXT = {"image": ".jpg", "voice": ".ogg", "audio": ".mp3", "video": ".mp4",
                 "document": ".bin"}
-_EXT_RE = re.compile(r"^\.[A-Za-z0-9]{1," + str(EXT_MAX) + "}$")
+_EXT_RE = re.compile(r"^\.[A-Za-z0-9]{1," + str(EXT_MAX) + r"}\Z")
 
 
 def safe_name(name: str | None, kind: str = "document", mime: str | None = None) -> str:

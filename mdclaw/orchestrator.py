@@ -32,7 +32,6 @@ the group's one container. The run log says when the task started and what it wa
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from typing import Any
 from mdclaw import failures, media
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, format_duration, read_secret
+from mdclaw.errors import EngineError
 from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
 from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger, strip_internal
 from mdclaw.ipc.writers import write_follow_up
@@ -77,6 +77,7 @@ from mdclaw.state.groups import (
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import TaskRow, mark_run_started
 from mdclaw.transcribe import Transcriber, make_transcriber
+from mdclaw.wire import OutputBlock
 
 log = logging.getLogger("mdclaw.orchestrator")
 
@@ -93,7 +94,7 @@ SESSION_GONE_HINTS = ("no conversation found", "session not found", "session is 
 IMAGE_CHECK_TTL = 30.0  # seconds an image's backends label is trusted before asking again
 
 
-class RunFailed(RuntimeError):
+class RunFailed(EngineError, RuntimeError):
     """A container run ended without a usable result. With a transient `failure` the queue
     retries it (after at least `retry_delay` seconds, at most `max_tries` tries in all);
     otherwise it is final (`permanent`)."""
@@ -763,32 +764,29 @@ class Orchestrator:
                 self._image_checks.pop(self.cfg.runtime.image, None)
             raise RunFailed(str(e), failure) from e
 
-    def _parse_block(self, group: GroupRow, block: str) -> dict[str, Any] | None:
-        """The block as a dict, with the session id kept (or dropped when it is gone)."""
-        try:
-            out = json.loads(block)
-        except json.JSONDecodeError:
-            log.warning("group %s: output block is not JSON; ignored", group.folder)
+    def _parse_block(self, group: GroupRow, block: str) -> OutputBlock | None:
+        """The block read through the wire contract (mdclaw.wire), with the session id kept
+        (or dropped when it is gone)."""
+        out = OutputBlock.read(block)
+        if out is None:
+            log.warning("group %s: output block is not a JSON object; ignored", group.folder)
             return None
-        if not isinstance(out, dict):
-            return None
-        session = out.get("newSessionId")
-        error = str(out.get("error") or "")
-        if out.get("status") == "error" and any(h in error.lower() for h in SESSION_GONE_HINTS):
+        if out.ignored:
+            log.debug("group %s: output block fields not read: %s", group.folder,
+                      ", ".join(sorted(out.ignored)))
+        error = out.error or ""
+        if out.status == "error" and any(h in error.lower() for h in SESSION_GONE_HINTS):
             log.info("group %s: session is gone; the next run starts fresh", group.folder)
             set_session(self.db, group.folder, None)
-        elif isinstance(session, str) and session:
-            set_session(self.db, group.folder, session)
+        elif out.new_session_id:
+            set_session(self.db, group.folder, out.new_session_id)
         return out
 
-    def _deliver(self, group: GroupRow, out: dict[str, Any], reply_jid: str) -> str:
+    def _deliver(self, group: GroupRow, out: OutputBlock, reply_jid: str) -> str:
         """Send a success block's notice and text to `reply_jid`; return the text."""
-        notice = out.get("notice")
-        if isinstance(notice, dict) and notice.get("cause") == "context_too_long":
-            limit = notice.get("limit")
-            self._send_text(reply_jid, group.folder,
-                            failures.trimmed_notice(limit if isinstance(limit, str) else None))
-        text = strip_internal(str(out.get("result") or ""))
+        if out.notice is not None and out.notice.cause == "context_too_long":
+            self._send_text(reply_jid, group.folder, failures.trimmed_notice(out.notice.limit))
+        text = strip_internal(out.result or "")
         if text:
             self._send_text(reply_jid, group.folder, text)
             log.info("group %s: reply out to %s (%d characters)", group.folder, reply_jid,
@@ -800,9 +798,10 @@ class Orchestrator:
         out = self._parse_block(group, block)
         if out is None:
             return False, ""
-        if out.get("status") == "error":
+        if out.status == "error":
             log.warning("group %s: agent reported an error (%s): %s", group.folder,
-                        out.get("cause") or "no cause", str(out.get("error") or "")[:500])
+                        out.cause or out.ignored.get("cause") or "no cause",
+                        (out.error or "")[:500])
             return False, ""
         text = self._deliver(group, out, reply_jid)
         return bool(text), text
@@ -879,7 +878,7 @@ class Orchestrator:
             out = self._parse_block(group, block)
             if out is None:
                 return
-            if out.get("status") == "error":
+            if out.status == "error":
                 failure = self._refine(group, TurnFailure.from_block(out))
                 log.warning("group %s: turn failed in the container (%s): %s", group.folder,
                             failure.cause, failure.detail or "-")
@@ -996,7 +995,7 @@ class Orchestrator:
 
         def on_output(block: str) -> None:
             out = self._parse_block(group, block)
-            if out is not None and out.get("status") == "error":
+            if out is not None and out.status == "error":
                 errors.append(self._refine(group, TurnFailure.from_block(out)))
             elif out is not None:
                 text = self._deliver(group, out, task.chat_jid)

@@ -54,6 +54,7 @@ from aiohttp import web
 
 from mdclaw import agentfs, metrics
 from mdclaw.config import Config, ModelSpec, read_secret
+from mdclaw.errors import EngineError
 from mdclaw.failures import BUDGET_PREFIX
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.state import Database, now_iso
@@ -98,7 +99,7 @@ BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application
                  + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 
 
-class ProxyError(RuntimeError):
+class ProxyError(EngineError, RuntimeError):
     """The proxy for a group cannot be started (socket path too long, folder missing...)."""
 
 

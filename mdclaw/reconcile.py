@@ -16,6 +16,7 @@ from typing import Any
 
 from mdclaw import agentfs, schedule
 from mdclaw.config import Config, Group, TaskSpec
+from mdclaw.errors import ConfigProblem
 from mdclaw.paths import (
     DATA_DIR_MODE,
     GLOBAL_DIR_MODE,
@@ -85,7 +86,7 @@ class Plan:
                 "changes": len(self.actions)}
 
 
-class ReconcileError(RuntimeError):
+class ReconcileError(ConfigProblem, RuntimeError):
     """The config cannot be applied as it stands (e.g. a jid held by a runtime group)."""
 
 

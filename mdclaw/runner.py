@@ -19,10 +19,10 @@ What a run does: writes the group's agent settings file, removes a stale `_close
 the spec (uid 1000 plus the daemon's group, no network unless the group says so, all
 capabilities dropped, no-new-privileges, read-only root with a tmpfs /tmp, memory/CPU/pids
 limits, the group/IPC/global/settings mounts and the validated extra mounts), sends the
-`ContainerInput` JSON on stdin, and parses output blocks as they stream. Each block goes to
-`on_output` at once and resets both timers. The idle timer writes
-`ipc/<folder>/input/_close`; the hard timer stops the container and the result says
-`timed_out`. Stdout beyond `limits.max_output_bytes` is dropped (and logged) unread.
+`ContainerInput` JSON on stdin (the contract is mdclaw.wire), and cuts output blocks out of
+the stream as they come. Each block goes to `on_output` at once and resets both timers. The
+idle timer writes `ipc/<folder>/input/_close`; the hard timer stops the container and the
+result says `timed_out`. Stdout beyond `limits.max_output_bytes` is dropped (and logged) unread.
 `RunTimers` holds the timers and their rules without any I/O; `_RunLoop` only waits for the
 next output event or deadline and does what `RunTimers.due()` says.
 """
@@ -56,20 +56,19 @@ from mdclaw.runtime import (
     GROUP_LABEL,
     STDOUT,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageError,
     Mount,
     RunningContainer,
     RunSpec,
-    RuntimeError_,
     engine_errors,
     install_labels,
 )
+from mdclaw.wire import OUTPUT_END, OUTPUT_START, ContainerInput
 
 log = logging.getLogger("mdclaw.runner")
 
-OUTPUT_START = "---NANOCLAW_OUTPUT_START---"
-OUTPUT_END = "---NANOCLAW_OUTPUT_END---"
 PROXY_MOUNT = "/workspace/proxy"
 AGENT_HOME = "/home/node"  # the image's user home; its .claude is the per-group settings dir
 STDERR_TAIL_BYTES = 64 * 1024
@@ -171,37 +170,6 @@ def allowed_actions(cfg: Config, folder: str, is_main: bool) -> list[str]:
     container's tools offer: passed as MDCLAW_ACTIONS."""
     load_all()
     return sorted(n for n in ACTIONS if action_refusal(cfg, folder, is_main, n) is None)
-
-
-@dataclass(frozen=True)
-class ContainerInput:
-    """What the agent is told on stdin. It has no secrets field, on purpose."""
-
-    prompt: str
-    group_folder: str
-    chat_jid: str
-    is_main: bool = False
-    is_scheduled_task: bool = False
-    assistant_name: str = "Andy"
-    session_id: str | None = None
-    backend: str | None = None
-    model: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> bytes:
-        body: dict[str, Any] = {k: v for k, v in self.extra.items() if k != "secrets"}
-        body.update({
-            "prompt": self.prompt, "groupFolder": self.group_folder, "chatJid": self.chat_jid,
-            "isMain": self.is_main, "isScheduledTask": self.is_scheduled_task,
-            "assistantName": self.assistant_name,
-        })
-        if self.session_id:
-            body["sessionId"] = self.session_id
-        if self.backend:
-            body["backend"] = self.backend
-        if self.model:
-            body["model"] = self.model
-        return json.dumps(body, ensure_ascii=False).encode()
 
 
 @dataclass
@@ -394,7 +362,7 @@ class RunHandle:
 
     async def kill(self) -> None:
         """SIGKILL the container now; does nothing before it has started. Raises what the
-        runtime's `kill` raises (RuntimeError_, EngineUnavailable)."""
+        runtime's `kill` raises (EngineCallError, EngineUnavailable)."""
         if self.container_id:
             await asyncio.to_thread(self._runner.runtime.kill, self.container_id)
 
@@ -558,7 +526,7 @@ class ContainerRunner:
         """
         t_call = time.perf_counter()
         if folder in self._active:
-            raise RuntimeError_(f"group {folder} already has a running container")
+            raise EngineCallError(f"group {folder} already has a running container")
         cfg = self.cfg
         group = cfg.groups.get(folder)
         hard = timeout if timeout is not None else (
@@ -630,7 +598,7 @@ class ContainerRunner:
                 return self.runtime.start_created(created, spec)
             except (EngineUnavailable, ImageError):
                 raise
-            except RuntimeError_ as e:
+            except EngineCallError as e:
                 log.warning("container %s created ahead of time did not start (%s); creating "
                             "a new one", spec.name, e)
                 spec.name = f"mdclaw-{spec.labels.get(GROUP_LABEL, 'x')}-" \
@@ -665,7 +633,7 @@ class ContainerRunner:
         t_wait = time.perf_counter()
         try:
             exit_code = await asyncio.to_thread(running.wait, 30)
-        except RuntimeError_ as e:
+        except EngineCallError as e:
             exit_code, error = -1, error or str(e)
         t_waited = time.perf_counter()
         running.close()

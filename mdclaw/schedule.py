@@ -15,6 +15,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
+from mdclaw.errors import ConfigProblem
+
 ScheduleType = Literal["cron", "interval", "once"]
 SCHEDULE_TYPES: tuple[str, ...] = ("cron", "interval", "once")
 
@@ -22,7 +24,7 @@ UTC = UTC
 MISSED_COUNT_LIMIT = 1000  # bounds the work of counting a long outage's cron slots
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ConfigProblem, ValueError):
     """A schedule value that cannot be used; the message says why, for a person."""
 
 
@@ -56,7 +58,7 @@ def from_iso(text: str) -> datetime:
     return dt.astimezone(UTC)
 
 
-_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+$")
+_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+\Z")
 
 
 def validate_cron(expr: str) -> str:

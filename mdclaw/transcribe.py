@@ -22,13 +22,14 @@ from typing import Any, Protocol
 import aiohttp
 
 from mdclaw.config import Transcription, read_secret
+from mdclaw.errors import MdclawError
 
 log = logging.getLogger("mdclaw.transcribe")
 
 MAX_TRANSCRIPT_CHARS = 20_000  # what goes into a prompt at most
 
 
-class TranscriptionError(Exception):
+class TranscriptionError(MdclawError):
     """The audio could not be transcribed; str(e) says why (no secret in it)."""
 
 

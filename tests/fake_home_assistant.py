@@ -41,6 +41,11 @@ body { margin: 0; background: #fff; font: 24px sans-serif; }
 </script></body></html>"""
 
 
+LOGIN_PAGE = ("<!doctype html><html><head><title>Sign in</title></head><body><form "
+              "method=post><input name=user><input name=password type=password></form>"
+              "</body></html>")
+
+
 def state(entity_id: str, value: str, **attributes: Any) -> dict[str, Any]:
     return {"entity_id": entity_id, "state": value, "attributes": attributes,
             "last_changed": NOW, "last_updated": NOW,
@@ -76,6 +81,9 @@ class FakeHomeAssistant:
     connections: set[tuple[str, int]] = field(default_factory=set)
     check_result: str = "valid"
     restarts: int = 0
+    # Answer every /api/ call with an HTML sign-in page and 200, as a login portal or a
+    # misrouted reverse proxy in front of HA does.
+    login_page: bool = False
 
     def __post_init__(self) -> None:
         if not self.states:
@@ -87,6 +95,9 @@ class FakeHomeAssistant:
             peer = request.transport.get_extra_info("peername") if request.transport else None
             if peer is not None:
                 self.connections.add((str(peer[0]), int(peer[1])))
+            if request.path.startswith("/api/") and self.login_page:
+                self.requests.append((request.method, request.path, 200))
+                return web.Response(text=LOGIN_PAGE, content_type="text/html")
             if request.path.startswith("/api/"):
                 ok = request.headers.get("Authorization") == f"Bearer {self.token}"
                 if not ok:

@@ -54,8 +54,9 @@ def test_container_input_parsing() -> None:
     assert (nested.backend, nested.model) == ("claude", "claude-x")
     for bad, word in [("[]", "object"), ("{", "not JSON"),
                       (json.dumps({"groupFolder": "x"}), "'prompt' is required"),
-                      (json.dumps(base_input(isMain="yes")), "'isMain'"),
-                      (json.dumps(base_input(backend="gemini")), "backend")]:
+                      (json.dumps(base_input(isMain="yes")), "isMain must be boolean"),
+                      (json.dumps(base_input(backend="gemini")),
+                       "backend must be one of claude, openai")]:
         with pytest.raises(InputError, match=word):
             ContainerInput.from_json(bad)
 

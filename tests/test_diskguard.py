@@ -80,6 +80,7 @@ def test_real_bytes_over_the_limit_and_back(tmp_path: Path) -> None:
     assert v.state == GROUP_FULL and v.used > MiB, v
     assert "over its disk limit" in v.summary()
     assert "my folder is full" in v.chat_text() and "groups.family.disk" in v.chat_text()
+    assert "delete files in my folder (groups/family in" in v.chat_text()
     big.unlink()
     assert check(cfg, "family").state == OK
 
@@ -92,6 +93,23 @@ def test_ipc_and_sessions_count_too(tmp_path: Path) -> None:
     write(layout.sessions_dir / "family" / ".claude" / "log.jsonl", 700_000)
     v = check(cfg, "family")
     assert v.state == GROUP_FULL and v.used >= 1_400_000, v
+    # The message names the trees that hold the bytes, not the group folder they are not in.
+    assert "(ipc/family and sessions/family in" in v.chat_text() \
+        or "(sessions/family and ipc/family in" in v.chat_text(), v.chat_text()
+    assert "groups/family" not in v.chat_text()
+
+
+def test_the_disk_message_names_the_tree_that_holds_the_bytes(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    layout = Layout(cfg.data_dir)
+    write(group_dir(cfg) / "notes.md", 20_000)
+    write(layout.group_ipc_dir("family") / "messages" / "junk", 2 * MiB)
+    v = check(cfg, "family")
+    assert v.state == GROUP_FULL, v
+    assert v.where() == "ipc/family"
+    assert "delete files in my folder (ipc/family in mdclaw's data directory)" in v.chat_text()
+    trees = {t[0]: t[1] for t in v.trees}
+    assert trees["ipc/family"] >= 2 * MiB and 0 < trees["groups/family"] < 100_000, trees
 
 
 def test_a_sparse_file_counts_what_it_holds(tmp_path: Path) -> None:
@@ -171,6 +189,8 @@ def test_decisions_without_files(tmp_path: Path) -> None:
     assert decide(cfg, "family", agentfs.Usage(bytes=10), "", space).state == OK
     v = decide(cfg, "family", agentfs.Usage(bytes=10, unreadable=1), "groups/family/x", space)
     assert v.state == UNREADABLE and "groups/family/x" in v.chat_text(), v
+    v = decide(cfg, "family", agentfs.Usage(bytes=10, unreadable=1), "sessions/family/y", space)
+    assert "(sessions/family in mdclaw's data directory)" in v.chat_text(), v.chat_text()
     # no limit for main: only the host's floor applies (limits.disk null)
     nolimit = make_cfg(tmp_path, disk=None)
     assert nolimit.disk_limit("main") is None

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mdclaw.runtime import RuntimeError_
+from mdclaw.runtime import EngineCallError
 from mdclaw.runtime.docker_engine import DockerRuntime, _DockerRun
 
 CID = "c0ffee"
@@ -125,7 +125,7 @@ def test_an_engine_error_from_the_wait_endpoint_is_the_runtime_error_the_runner_
         engine_with) -> None:
     engine, run = engine_with(lambda n: (500, GONE),
                               wait=lambda n: (500, {"message": "something broke"}))
-    with pytest.raises(RuntimeError_, match="something broke"):
+    with pytest.raises(EngineCallError, match="something broke"):
         run.wait(0.3)
 
 
@@ -133,7 +133,7 @@ def test_a_client_error_from_inspect_is_not_retried(engine_with) -> None:
     """Only the engine's own failures (5xx) are asked again; a 4xx means the question was
     wrong, and a container that is gone has no exit status (-1)."""
     engine, run = engine_with(lambda n: (400, {"message": "bad request"}))
-    with pytest.raises(RuntimeError_, match="bad request"):  # the error the runner reports
+    with pytest.raises(EngineCallError, match="bad request"):  # the error the runner reports
         run.wait(5)
     assert engine.inspects() == 1
     engine, run = engine_with(lambda n: (404, {"message": "no such container"}))

@@ -126,11 +126,11 @@ def test_host_side_causes_from_a_result() -> None:
 
 def test_host_side_causes_from_exceptions() -> None:
     from mdclaw.proxy import ProxyError
-    from mdclaw.runtime import EngineUnavailable, ImageError, RuntimeError_
+    from mdclaw.runtime import EngineCallError, EngineUnavailable, ImageError
 
     assert failures.from_exception(EngineUnavailable("x")).cause == "engine_down"
     assert failures.from_exception(ImageError("x")).cause == "image_missing"
-    assert failures.from_exception(RuntimeError_("x")).cause == "container_start"
+    assert failures.from_exception(EngineCallError("x")).cause == "container_start"
     assert failures.from_exception(ProxyError("x")).cause == "proxy_failure"
 
 

@@ -567,3 +567,101 @@ def test_container_is_told_the_groups_actions(tmp_path: Path) -> None:
         assert not [a for a in work if a.startswith("ha_")]
     finally:
         env.close()
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("entity_id,ok", [
+    ("light.kitchen", True), ("sensor.soil_moisture", True), ("climate.greenhouse_2", True),
+    ("light.x/../sensor.secret", False), ("light.x%2F..%2Fsensor.secret", False),
+    ("Light.Kitchen", False), ("light.", False), (".kitchen", False), ("light", False),
+    ("light._kitchen", False), ("light.kitchen_", False), ("light.kit__chen", False),
+    ("light.kitchen.extra", False), ("light.kitchen ", False), ("light.küche", False),
+    ("light.kitchen\n", False), ("light.*", False),
+])
+def test_entity_form_is_home_assistants(entity_id: str, ok: bool) -> None:
+    from mdclaw.integrations.home_assistant import entity_form_refusal
+
+    refusal = entity_form_refusal(entity_id)
+    assert (refusal is None) is ok, (entity_id, refusal)
+    if not ok:
+        assert "is not an entity id" in refusal and "domain.object_id" in refusal
+
+
+def test_an_entity_id_with_a_path_is_refused_before_any_rule_or_request(tmp_path: Path) -> None:
+    """`light.*` would match `light.x/../sensor.secret_camera_battery`: the id's form is
+    checked first, and nothing about it reaches Home Assistant."""
+    sneaky = "light.x/../sensor.secret_camera_battery"
+
+    async def go() -> None:
+        async with harness(tmp_path, services=["light.*"], entities=["light.*"]) as h:
+            before_requests, before_calls = len(h.fake.requests), len(h.fake.calls)
+            r = await h.ask("main", "ha_get_status", entityIds=[sneaky])
+            assert r["status"] == "error"
+            assert "is not an entity id" in r["error"] and "allowed by" not in r["error"]
+            r = await h.ask("main", "ha_call_service", service="light.turn_on",
+                            target={"entity_id": [sneaky]})
+            assert r["status"] == "error" and "is not an entity id" in r["error"], r
+            r = await h.ask("main", "ha_call_service", service="light.turn_on",
+                            data={"entity_id": "light.kitchen,light.x/../sensor.secret"})
+            assert r["status"] == "error" and "is not an entity id" in r["error"], r
+            assert len(h.fake.calls) == before_calls
+            assert len(h.fake.requests) == before_requests  # not one request was made
+            # The refusal of an entity outside the list names the real key.
+            r = await h.ask("main", "ha_get_status", entityIds=["sensor.soil_moisture"])
+            assert r["status"] == "error"
+            assert "integrations.home_assistant.allow.entities [light.*]" in r["error"]
+            assert "entitys" not in r["error"]
+    run(go())
+
+
+def test_an_html_answer_is_an_error_naming_what_came_back(tmp_path: Path) -> None:
+    """A login page answered with 200 is not a working Home Assistant with every field
+    null: the action fails and says what answered, and doctor's probe fails too."""
+
+    async def go() -> None:
+        async with harness(tmp_path) as h:
+            h.fake.login_page = True
+            r = await h.ask("main", "ha_get_status")
+            assert r["status"] == "error", r
+            assert "HTTP 200 and text/html" in r["error"]
+            assert "not Home Assistant's JSON" in r["error"] and "Sign in" in r["error"]
+            r = await h.ask("main", "farm_state_refresh")
+            assert r["status"] == "error" and "text/html" in r["error"], r
+            ha = h.env.cfg.integrations.home_assistant
+            assert ha is not None
+            level, what, _fix = await probe(ha)
+            assert level == "fail" and "text/html" in what
+    run(go())
+
+
+def test_apply_refuses_what_validate_calls_invalid(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with harness(tmp_path) as h:
+            target = h.dash / "ui-lovelace.yaml"
+            target.write_text(LIVE)
+            staging = h.dash / "ui-lovelace-staging.yaml"
+            staging.write_text("views:\n  - path: x\n    cards:\n      - type: button\n"
+                               "        entity: 'not an id!'\n")
+            r = await h.ask("main", "ha_dashboard_validate")
+            assert r["result"]["valid"] is False
+            r = await h.ask("main", "ha_apply_dashboard")
+            assert r["status"] == "error", r
+            assert "not a valid dashboard" in r["error"] and "'not an id!'" in r["error"]
+            assert target.read_text() == LIVE and not (h.dash / "backups").exists()
+
+            # An entity Home Assistant does not have: validate and apply agree again.
+            staging.write_text("views:\n  - path: x\n    cards:\n      - type: button\n"
+                               "        entity: light.nowhere\n")
+            r = await h.ask("main", "ha_dashboard_validate")
+            assert r["result"]["missingEntities"] == ["light.nowhere"]
+            r = await h.ask("main", "ha_apply_dashboard")
+            assert r["status"] == "error" and "light.nowhere does not exist" in r["error"]
+            assert target.read_text() == LIVE
+            r = await h.ask("main", "ha_dashboard_validate", checkEntities=False)
+            assert r["result"]["valid"] is True
+            r = await h.ask("main", "ha_apply_dashboard", checkEntities=False)
+            assert r["status"] == "success", r
+            assert target.read_text() == staging.read_text()
+    run(go())

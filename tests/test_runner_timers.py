@@ -45,11 +45,11 @@ from mdclaw.runtime import (
     STDOUT,
     ContainerInfo,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageInfo,
     RunningContainer,
     RunSpec,
-    RuntimeError_,
 )
 
 HARD, IDLE = 100.0, 10.0
@@ -682,7 +682,7 @@ class Refusing(FakeRuntime):
 
 
 @pytest.mark.parametrize("error", [
-    RuntimeError_("no such container"), EngineUnavailable("socket gone"),
+    EngineCallError("no such container"), EngineUnavailable("socket gone"),
     TimeoutError("read timed out"),  # an OSError, as the docker SDK's request errors are
 ])
 def test_kill_and_remove_quietly_log_engine_errors(

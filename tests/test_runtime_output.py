@@ -72,13 +72,23 @@ def test_any_chunking_gives_the_same_blocks(pairs, tail, data) -> None:
 
 
 def test_container_input_has_no_secrets_and_uses_the_wire_names() -> None:
-    body = json.loads(ContainerInput(
-        prompt="hi", group_folder="fam", chat_jid="tg:2", session_id="s",
-        extra={"secrets": {"KEY": "v"}, "traceId": "t1"}).to_json())
-    assert "secrets" not in body
-    assert body == {"prompt": "hi", "groupFolder": "fam", "chatJid": "tg:2", "isMain": False,
-                    "isScheduledTask": False, "assistantName": "Andy", "sessionId": "s",
-                    "traceId": "t1"}
+    import pytest
+    from pydantic import ValidationError
+
+    # The contract (mdclaw.wire) has no room for a secret, or for any key it does not name.
+    for extra in ({"secrets": {"KEY": "v"}}, {"extra": {"traceId": "t1"}}):
+        with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+            ContainerInput(prompt="hi", group_folder="fam", chat_jid="tg:2", **extra)
+    raw = ContainerInput(prompt="hi", group_folder="fam", chat_jid="tg:2",
+                         session_id="s").to_json()
+    assert json.loads(raw) == {
+        "prompt": "hi", "groupFolder": "fam", "chatJid": "tg:2", "isMain": False,
+        "isScheduledTask": False, "assistantName": "Andy", "sessionId": "s",
+        "backend": "claude"}
+    # Byte for byte what the host has always written (json.dumps' separators, UTF-8 as is).
+    assert raw == (b'{"prompt": "hi", "groupFolder": "fam", "chatJid": "tg:2", "isMain": '
+                   b'false, "isScheduledTask": false, "assistantName": "Andy", "sessionId": '
+                   b'"s", "backend": "claude"}')
 
 
 def test_the_runner_refuses_a_folder_that_is_not_a_folder_name(tmp_path) -> None:

@@ -57,6 +57,7 @@ schemas = st.recursive(
             "required": [k for k in req if k in props], "additionalProperties": extra},
             st.dictionaries(KEYS, inner, max_size=3), st.lists(KEYS, max_size=2),
             st.booleans() | inner),
+        st.builds(lambda alts: {"anyOf": alts}, st.lists(inner, min_size=1, max_size=3)),
     ),
     max_leaves=6)
 
@@ -66,6 +67,37 @@ schemas = st.recursive(
 def test_the_check_agrees_with_a_reference_validator(schema: dict, value: object) -> None:
     reference = jsonschema.Draft202012Validator(schema).is_valid(value)
     assert is_valid(schema, value) == reference, (schema, value, errors(schema, value))
+
+
+@settings(max_examples=500, deadline=None)
+@given(schemas, schemas, json_values)
+def test_refs_into_defs_agree_with_a_reference_validator(target: dict, other: dict,
+                                                         value: object) -> None:
+    """`$ref: #/$defs/...` at the root and below it (what a pydantic schema uses)."""
+    defs = {"T": target, "O": other}
+    at_root = {"$defs": defs, "$ref": "#/$defs/T"}
+    below = {"$defs": defs, "type": "object",
+             "properties": {"a": {"$ref": "#/$defs/T"},
+                            "b": {"anyOf": [{"$ref": "#/$defs/O"}, {"type": "null"}]}},
+             "additionalProperties": {"$ref": "#/$defs/O"}}
+    for schema, v in ((at_root, value), (below, {"a": value, "b": value, "c": value}),
+                      (below, {"b": None})):
+        reference = jsonschema.Draft202012Validator(schema).is_valid(v)
+        assert is_valid(schema, v) == reference, (schema, v, errors(schema, v))
+
+
+def test_a_ref_resolves_in_the_root_it_is_given() -> None:
+    root = {"$defs": {"N": {"type": "object", "required": ["cause"],
+                            "properties": {"cause": {"enum": ["a", "b"]}}}}}
+    field = {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}
+    assert errors(field, None, "notice", root=root) == []
+    assert errors(field, {"cause": "c"}, "notice", root=root) == [
+        "notice.cause must be one of a, b"]
+    assert errors(field, 3, "notice", root=root) == ["notice must be object"]
+    with pytest.raises(SchemaError, match="cannot resolve"):
+        errors(field, {}, root={})
+    with pytest.raises(SchemaError, match="cannot resolve"):
+        errors({"$ref": "https://example.com/s.json"}, 1)
 
 
 def test_messages_say_where_and_what() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from mdclaw.errors import ChannelError
 from mdclaw.markup import split_text
 
 log = logging.getLogger("mdclaw.channels")
@@ -82,21 +83,6 @@ class InboundMessage:
 InboundCallback = Callable[[InboundMessage], "Awaitable[None] | None"]
 #: Queues a channel's own answer: (jid, Markdown text, message id it answers or None).
 ServiceReply = Callable[[str, str, "str | None"], "Awaitable[None] | None"]
-
-
-class ChannelError(Exception):
-    """A send did not happen. The message is safe to show (it never holds a secret).
-
-    `permanent` means retrying cannot help (unknown chat, file too large, bot blocked);
-    `retry_after` is the wait in seconds the chat service asked for, if any.
-    """
-
-    def __init__(self, message: str, *, permanent: bool = False,
-                 retry_after: float | None = None, code: int | None = None) -> None:
-        super().__init__(message)
-        self.permanent = permanent
-        self.retry_after = retry_after
-        self.code = code  # the service's status code, when it gave one
 
 
 class Channel(abc.ABC):

@@ -80,7 +80,7 @@ from mdclaw.webserver import SECURITY_HEADERS, Handler, WebServer, is_loopback, 
 
 log = logging.getLogger("mdclaw.channels.http")
 
-JID_RE = re.compile(r"^hl:[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
+JID_RE = re.compile(r"^hl:[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}\Z")
 MAX_WAIT_SECONDS = 30.0
 MAX_FIELD = 200
 TYPING_SECONDS = 30.0
@@ -95,7 +95,7 @@ PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css"}
 # A served file is never a page: no script, no plugin, a sandbox of its own.
 _FILE_CSP = "default-src 'none'; img-src 'self'; sandbox"
 INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
-FILE_KEY_RE = re.compile(r"^[0-9a-f]{32}$")
+FILE_KEY_RE = re.compile(r"^[0-9a-f]{32}\Z")
 
 
 def normalize_jid(value: str) -> str:

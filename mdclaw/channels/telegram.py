@@ -52,7 +52,7 @@ from mdclaw.state.conversations import get_router_value, set_router_value
 
 log = logging.getLogger("mdclaw.channels.telegram")
 
-JID_RE = re.compile(r"^tg:(-?\d{1,20})$")
+JID_RE = re.compile(r"^tg:(-?\d{1,20})\Z")
 PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 MAX_PHOTO_BYTES = 10 * 1024 * 1024
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024

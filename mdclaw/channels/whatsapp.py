@@ -75,7 +75,7 @@ LINK_FIX = {
 }
 STATE_FILE = "link-state.json"  # beside the session: remembers a logout (the keys are gone)
 
-JID_RE = re.compile(r"^wa:([0-9A-Za-z._-]{1,64})@(s\.whatsapp\.net|g\.us|lid)$")
+JID_RE = re.compile(r"^wa:([0-9A-Za-z._-]{1,64})@(s\.whatsapp\.net|g\.us|lid)\Z")
 MAX_UPLOAD_BYTES = 100 * 1024 * 1024
 IMAGE_MIMES = frozenset({"image/jpeg", "image/png", "image/webp"})
 TYPING_REPEAT_SECONDS = 10.0

@@ -43,6 +43,10 @@ DB_EXIT: dict[str, int] = {
 }
 
 
+class CommandFailed(SystemExit):
+    """Exit status 1 with the message already printed to stderr."""
+
+
 def open_db_or_exit(cfg: Config) -> Database:
     try:
         return Database(cfg.db_path)

@@ -17,9 +17,9 @@ from mdclaw.ops.console import fail, load_or_exit
 from mdclaw.runtime import (
     LABEL,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageError,
-    RuntimeError_,
     create_runtime,
     install_labels,
 )
@@ -98,7 +98,7 @@ def cmd_image_build(args: argparse.Namespace) -> int:
                                   build_args=build_args)
     except EngineUnavailable as e:
         fail(f"container engine unreachable at {rt.description}: {e}")
-    except (ImageError, RuntimeError_) as e:
+    except (ImageError, EngineCallError) as e:
         fail(str(e))
     print(f"built {tag} ({image_id[:19]})")
     return 0
@@ -181,7 +181,7 @@ def cmd_image_load(args: argparse.Namespace) -> int:
         refs = rt.load_image(args.tarball, progress=_progress)
     except EngineUnavailable as e:
         fail(f"container engine unreachable at {rt.description}: {e}")
-    except (ImageError, RuntimeError_) as e:
+    except (ImageError, EngineCallError) as e:
         fail(str(e))
     want = cfg.runtime.image
     print(f"loaded {', '.join(refs) or 'image'}")

@@ -1,5 +1,6 @@
 """config-schema: the config schema as JSON Schema or as the Markdown reference;
-command-schema: the JSON Schema of the IPC commands, for the agent runner.
+command-schema: the JSON Schema of the IPC commands, for the agent runner;
+wire-schema: the JSON Schema of the host<->container contract, for the agent runner.
 
 Both config files come from the pydantic models in mdclaw.config, so the NixOS option
 descriptions (nixos-module/config-schema.json) and docs/configuration.md cannot say something
@@ -13,6 +14,11 @@ types, fields, enums and limits its tools write from the models in mdclaw.ipc.pr
 a generated file. Regenerate it after changing mdclaw/ipc/protocol.py:
 
     python -m mdclaw command-schema > container/agent-runner/mdclaw_agent/commands_schema.json
+
+It reads its stdin and writes its results by the contract in mdclaw.wire, through another
+generated file. Regenerate it after changing mdclaw/wire.py:
+
+    python -m mdclaw wire-schema > container/agent-runner/mdclaw_agent/wire_schema.json
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from pydantic.json_schema import GenerateJsonSchema
 
 from mdclaw.config import Config, format_duration
 from mdclaw.ipc.protocol import command_json_schema
+from mdclaw.wire import wire_json_schema
 
 JSON_SCHEMA_PATH = "nixos-module/config-schema.json"
 MARKDOWN_PATH = "docs/configuration.md"
 COMMAND_SCHEMA_PATH = "container/agent-runner/mdclaw_agent/commands_schema.json"
+WIRE_SCHEMA_PATH = "container/agent-runner/mdclaw_agent/wire_schema.json"
 
 
 class _Schema(GenerateJsonSchema):
@@ -253,6 +261,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        help="print the JSON Schema of the IPC commands (as committed in "
                             "the agent runner)")
     p.set_defaults(func=cmd_command_schema)
+    p = sub.add_parser("wire-schema",
+                       help="print the JSON Schema of the container's stdin and output blocks "
+                            "(as committed in the agent runner)")
+    p.set_defaults(func=cmd_wire_schema)
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
@@ -263,4 +275,9 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
 def cmd_command_schema(args: argparse.Namespace) -> int:
     print(render_json(command_json_schema()), end="")
+    return 0
+
+
+def cmd_wire_schema(args: argparse.Namespace) -> int:
+    print(render_json(wire_json_schema()), end="")
     return 0

@@ -5,10 +5,11 @@ the operator page and /metrics join (mdclaw.webserver)."""
 from __future__ import annotations
 
 from mdclaw.config import Config, ensure_http_secret, read_secret
+from mdclaw.errors import ConfigProblem
 from mdclaw.webserver import TokenGate, WebServer
 
 
-class WebServerSetupError(Exception):
+class WebServerSetupError(ConfigProblem):
     """The web server's token cannot be made or read: the daemon does not start (it would
     otherwise serve the chat without the token the config asks for)."""
 

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from mdclaw import agentfs
+from mdclaw.errors import IpcError
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 STAGING_FILE = "ui-lovelace-staging.yaml"
@@ -32,12 +33,14 @@ CANVAS_FILE = "canvas-spec.json"
 BACKUP_DIR = "backups"
 # Agents coming from other hosts name files by their old container path; the name is kept.
 _LEGACY_PREFIX = "/workspace/dashboard/"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_ENTITY_ID = re.compile(r"^[a-z0-9_]+\.[a-z0-9_]+$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
+# Home Assistant's own form of an entity id (its `valid_entity_id`): `domain.object_id`, each
+# part lowercase letters, digits and single underscores, neither starting nor ending with _.
+ENTITY_ID = re.compile(r"^(?!.+__)(?!_)[\da-z_]+(?<!_)\.(?!_)[\da-z_]+(?<!_)\Z")
 _ENTITY_KEYS = ("entity", "entity_id", "entities", "camera_image")
 
 
-class DashboardError(ValueError):
+class DashboardError(IpcError, ValueError):
     """A bad file name, unreadable YAML, or an operation that cannot apply; str(e) says
     which and why."""
 
@@ -178,7 +181,7 @@ def referenced_entities(doc: Any) -> list[str]:
 
 def entity_format_errors(entities: list[str]) -> list[str]:
     return [f"{e!r} is not an entity id (domain.object_id)" for e in entities
-            if not _ENTITY_ID.match(e)]
+            if not ENTITY_ID.match(e)]
 
 
 # --------------------------------------------------------------------------- patches

@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from mdclaw.errors import IpcError
+
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 _FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
           "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -31,7 +33,7 @@ _FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no
 _LISTENING = re.compile(rb"DevTools listening on (ws://\S+)")
 
 
-class ScreenshotError(Exception):
+class ScreenshotError(IpcError):
     """The screenshot could not be taken; str(e) says why (never with the token)."""
 
 

@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mdclaw import agentfs
 from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config, HomeAssistant, read_secret
+from mdclaw.errors import IpcError
 from mdclaw.integrations import ha_dashboards as dash
 from mdclaw.integrations import ha_screenshot
 from mdclaw.ipc.actions import ActionFailed, OffloopContext, action
@@ -58,7 +59,7 @@ MAX_STATES = 5000
 CONNECTIONS = 4  # at most this many connections to HA per action's session
 
 
-class HAError(Exception):
+class HAError(IpcError):
     """Home Assistant could not be reached or said no; str(e) never holds the token."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -74,24 +75,39 @@ def allowed_by(patterns: tuple[str, ...], name: str) -> str | None:
     return next((p for p in patterns if fnmatchcase(name, p)), None)
 
 
-def _rule(kind: str, patterns: tuple[str, ...], name: str) -> tuple[str | None, str]:
+def _rule(kind: str, key: str, patterns: tuple[str, ...], name: str) -> tuple[str | None, str]:
     hit = allowed_by(patterns, name)
     if hit is not None:
         return None, f"{kind} {name} allowed by {hit!r}"
     shown = ", ".join(patterns)
-    return (f"{kind} {name} is not in integrations.home_assistant.allow.{kind}s "
+    return (f"{kind} {name} is not in integrations.home_assistant.allow.{key} "
             f"[{shown}]" + ("" if patterns else " (empty: read-only)"), "")
 
 
 def service_rule(ha: HomeAssistant, service: str) -> tuple[str | None, str]:
     """(refusal, note): refusal names the list that refused `service` (domain.service), or
     is None and note names the pattern that allowed it."""
-    return _rule("service", ha.allow.services, service)
+    return _rule("service", "services", ha.allow.services, service)
+
+
+def entity_form_refusal(entity_id: str) -> str | None:
+    """Why `entity_id` is not an entity id of Home Assistant's form, or None. Checked before
+    any allow-list pattern or request: `light.*` must not match `light.x/../sensor.secret`,
+    and only such an id may become part of a URL."""
+    if dash.ENTITY_ID.match(entity_id):
+        return None
+    shown = entity_id if len(entity_id) <= 80 else entity_id[:77] + "..."
+    return (f"{shown!r} is not an entity id: Home Assistant's form is domain.object_id, "
+            "lowercase letters, digits and single underscores (e.g. light.kitchen)")
 
 
 def entity_rule(ha: HomeAssistant, entity_id: str) -> tuple[str | None, str]:
-    """Like service_rule, for an entity id and allow.entities."""
-    return _rule("entity", ha.allow.entities, entity_id)
+    """Like service_rule, for an entity id and allow.entities; an id not of Home
+    Assistant's form is refused before any pattern is tried."""
+    refusal = entity_form_refusal(entity_id)
+    if refusal is not None:
+        return refusal, ""
+    return _rule("entity", "entities", ha.allow.entities, entity_id)
 
 
 # --------------------------------------------------------------------------- client
@@ -153,12 +169,14 @@ class HAClient:
                 if r.status >= 400:
                     raise HAError(f"Home Assistant answered HTTP {r.status} to {method} "
                                   f"{path}: {self.redact(text)[:300]}", r.status)
-                if not text:
+                if not text.strip():
                     return None
                 try:
-                    return await r.json(content_type=None)
+                    return json.loads(text)
                 except ValueError:
-                    return text
+                    raise HAError(self._not_json(method, path, r.status,
+                                                 r.headers.get("Content-Type"), text),
+                                  r.status) from None
         except TimeoutError:
             raise HAError(f"Home Assistant did not answer {method} {path} within "
                           f"{self.ha.timeout.total_seconds():g} s") from None
@@ -166,11 +184,40 @@ class HAClient:
             raise HAError(f"cannot reach Home Assistant at {self.ha.url}: "
                           f"{self.redact(f'{type(e).__name__}: {e}')[:300]}") from None
 
-    async def api_status(self) -> Any:
-        return await self.request("GET", "/api/")
+    def _not_json(self, method: str, path: str, status: int, ctype: str | None,
+                  text: str) -> str:
+        """What came back instead of Home Assistant's JSON (a login page, a proxy's error
+        page...), shortened and with the token taken out."""
+        shown = " ".join(self.redact(text).split())
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return (f"{self.ha.url} answered {method} {path} with HTTP {status} and "
+                f"{ctype or 'no content type'}, not Home Assistant's JSON ({shown!r}): check "
+                "that integrations.home_assistant.url is Home Assistant itself, not a login "
+                "page or a proxy in front of it")
 
-    async def config(self) -> Any:
-        return await self.request("GET", "/api/config")
+    def _shape(self, path: str, data: Any, what: str) -> Any:
+        """`data` if it is a JSON object, else HAError: valid JSON that is not Home
+        Assistant's answer (another service at that address)."""
+        if not isinstance(data, dict):
+            kind = "nothing" if data is None else type(data).__name__
+            raise HAError(f"{self.ha.url} answered GET {path} with {kind}, not {what}: "
+                          "check that integrations.home_assistant.url is Home Assistant")
+        return data
+
+    async def api_status(self) -> dict[str, Any]:
+        """GET /api/: {"message": "API running."}; HAError for anything else."""
+        data = self._shape("/api/", await self.request("GET", "/api/"),
+                           "Home Assistant's API status")
+        if not isinstance(data.get("message"), str):
+            raise HAError(f"{self.ha.url} answered GET /api/ without Home Assistant's "
+                          "status message: check that integrations.home_assistant.url is "
+                          "Home Assistant")
+        return data
+
+    async def config(self) -> dict[str, Any]:
+        """GET /api/config: a JSON object (version, location_name...)."""
+        return self._shape("/api/config", await self.request("GET", "/api/config"),
+                           "Home Assistant's configuration")
 
     async def states(self) -> list[dict[str, Any]]:
         data = await self.request("GET", "/api/states")
@@ -234,8 +281,7 @@ async def probe(ha: HomeAssistant) -> tuple[str, str, str]:
                     f"Long-lived access tokens) and put it into {ha.token_file}")
         return ("fail", str(e), "start Home Assistant or fix integrations.home_assistant.url "
                 "(the address this host reaches it at, e.g. http://homeassistant.local:8123)")
-    message = body.get("message") if isinstance(body, dict) else None
-    return "ok", f"{ha.url} answers and accepts the token ({message or 'HTTP 200'})", ""
+    return "ok", f"{ha.url} answers and accepts the token ({body['message']})", ""
 
 
 # --------------------------------------------------------------------------- params
@@ -332,6 +378,7 @@ class ApplyDashboardParams(_Params):
     staging_file: str | None = Field(None, alias="stagingFile")
     target_file: str | None = Field(None, alias="targetFile")
     backup: bool = True
+    check_entities: bool = Field(True, alias="checkEntities")
 
 
 class CanvasGetParams(_Params):
@@ -549,9 +596,8 @@ async def ha_get_status(ctx: OffloopContext, params: dict[str, Any]) -> dict[str
             states = {e: await client.state(e) for e in p.entity_ids}
     except HAError as e:
         raise _fail(e) from None
-    conf = conf if isinstance(conf, dict) else {}
     return {
-        "message": api.get("message") if isinstance(api, dict) else None,
+        "message": api["message"],
         "version": conf.get("version"), "locationName": conf.get("location_name"),
         "timeZone": conf.get("time_zone"), "state": conf.get("state"),
         "safeMode": conf.get("safe_mode"),
@@ -645,20 +691,31 @@ async def ha_dashboard_validate(ctx: OffloopContext, params: dict[str, Any]
                     "missingEntities": []}
         if source is None:
             raise ActionFailed(f"{name} does not exist in the dashboards folder")
-    errors += dash.structure_errors(doc)
+    errors, entities, missing = await dashboard_problems(ha, doc,
+                                                         check_entities=p.check_entities)
+    return {"valid": not errors, "file": source, "errors": errors, "entities": entities,
+            "missingEntities": missing}
+
+
+async def dashboard_problems(ha: HomeAssistant, doc: Any, *, check_entities: bool
+                             ) -> tuple[list[str], list[str], list[str]]:
+    """(errors, entities named, entities missing) of a parsed dashboard: its shape, the form
+    of every entity id, and (check_entities) that each exists in Home Assistant. The one
+    check ha_dashboard_validate reports and ha_apply_dashboard requires."""
+    errors = dash.structure_errors(doc)
     entities = dash.referenced_entities(doc)
     errors += dash.entity_format_errors(entities)
     missing: list[str] = []
-    if p.check_entities and entities:
+    well_formed = [e for e in entities if dash.ENTITY_ID.match(e)]
+    if check_entities and well_formed:
         try:
             async with client_for(ha) as client:
                 known = {s.get("entity_id") for s in await client.states()}
         except HAError as e:
             raise _fail(e) from None
-        missing = [e for e in entities if e not in known]
+        missing = [e for e in well_formed if e not in known]
         errors += [f"entity {e} does not exist in Home Assistant" for e in missing]
-    return {"valid": not errors, "file": source, "errors": errors, "entities": entities,
-            "missingEntities": missing}
+    return errors, entities, missing
 
 
 @action("ha_dashboard_patch", offloop=True, default_scope="main", timeout=60)
@@ -683,10 +740,11 @@ async def ha_dashboard_patch(ctx: OffloopContext, params: dict[str, Any]) -> dic
 @action("ha_apply_dashboard", offloop=True, default_scope="main", timeout=60)
 async def ha_apply_dashboard(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]:
     """Copy the staging dashboard over the target (default ui-lovelace.yaml), after a
-    timestamped backup of the target (unless backup is false). The staging file must be a
-    valid dashboard."""
+    timestamped backup of the target (unless backup is false). The staging file must pass
+    the check ha_dashboard_validate makes (with its checkEntities, default true)."""
     p = parse_params(ApplyDashboardParams, params, "ha_apply_dashboard")
-    folder = _dashboards_dir(ha_config(ctx.cfg))
+    ha = ha_config(ctx.cfg)
+    folder = _dashboards_dir(ha)
     staging = _yaml_name(p.staging_file, dash.STAGING_FILE, "stagingFile")
     target = _yaml_name(p.target_file, dash.TARGET_FILE, "targetFile")
     if staging == target:
@@ -695,9 +753,11 @@ async def ha_apply_dashboard(ctx: OffloopContext, params: dict[str, Any]) -> dic
         data = await asyncio.to_thread(dash.read_bytes, folder, staging)
         if data is None:
             raise ActionFailed(f"{staging} does not exist in the dashboards folder")
-        problems = dash.structure_errors(dash.parse_yaml(data, staging))
+        doc = dash.parse_yaml(data, staging)
     except (dash.DashboardError, OSError) as e:
         raise _fail(e) from None
+    problems, _entities, _missing = await dashboard_problems(ha, doc,
+                                                             check_entities=p.check_entities)
     if problems:
         raise ActionFailed(f"{staging} is not a valid dashboard: {'; '.join(problems)}")
     backup_path = None

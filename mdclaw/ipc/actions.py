@@ -70,12 +70,13 @@ from typing import Any, Literal
 from mdclaw import agentfs
 from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config, validate_folder
+from mdclaw.errors import IpcError
 from mdclaw.ipc.auth import Caller, check_group_target
 from mdclaw.paths import Layout
 from mdclaw.state import Database, transcripts
 
 
-class ActionFailed(Exception):
+class ActionFailed(IpcError):
     """The handler could not do what was asked; str(e) goes into the error result."""
 
 
@@ -196,7 +197,7 @@ def run_action(ctx: ActionContext, name: str, params: dict[str, Any]) -> dict[st
 
 MEMORY_FILE_MAX = 1024 * 1024
 MEMORY_MAX_FILES = 200
-_MEMORY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.md$")
+_MEMORY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.md\Z")
 
 
 def _target_folder(caller: Caller, params: dict[str, Any], what: str) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 from mdclaw import agentfs, metrics, schedule
 from mdclaw.config import Config
+from mdclaw.errors import IpcError
 from mdclaw.ipc import protocol as P
 from mdclaw.ipc.actions import (
     ActionContext,
@@ -82,7 +83,7 @@ SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file young
 ONE_WRITE = (P.SendMessage, P.React)
 
 
-class ApplyError(Exception):
+class ApplyError(IpcError):
     """A well-formed, authorized command that cannot be carried out (unknown task...)."""
 
 

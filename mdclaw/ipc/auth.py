@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mdclaw.errors import IpcError
 from mdclaw.ipc.protocol import GROUP_ADMIN_TYPES
 
 
-class Unauthorized(Exception):
+class Unauthorized(IpcError):
     """The writer may not do this; str(e) says why (logged, never sent to the container)."""
 
 

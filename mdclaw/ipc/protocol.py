@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from mdclaw.config import validate_folder
+from mdclaw.errors import IpcError
 
 TASK_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
@@ -30,7 +31,7 @@ MAX_TEXT = 65536
 SEND_FILE_MAX_BYTES = 64 * 1024 * 1024
 
 
-class ProtocolError(ValueError):
+class ProtocolError(IpcError, ValueError):
     """A command body that cannot be understood; str(e) is the reason."""
 
 

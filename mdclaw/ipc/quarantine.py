@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import agentfs
+from mdclaw.errors import IpcError
 from mdclaw.schedule import to_iso, utc_now
 
 log = logging.getLogger("mdclaw.ipc")
@@ -209,7 +210,7 @@ def list_errors(errors_dir: Path) -> list[ErrorEntry]:
     return out
 
 
-class QuarantineError(ValueError):
+class QuarantineError(IpcError, ValueError):
     """An operator's request about a quarantine entry that cannot be met (a bad or unknown
     name). The message is safe to show."""
 

@@ -34,13 +34,13 @@ from mdclaw.runtime.base import (
     STDOUT,
     ContainerInfo,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageError,
     ImageInfo,
     Mount,
     RunningContainer,
     RunSpec,
-    RuntimeError_,
     Stream,
     engine_errors,
 )
@@ -149,8 +149,8 @@ async def wait_for_engine(runtime: ContainerRuntime, *,
 
 
 __all__ = [
-    "BACKENDS_LABEL", "BOOT_LABEL", "ContainerInfo", "ContainerRuntime", "EngineUnavailable",
-    "GROUP_LABEL", "INSTALL_LABEL", "ImageError", "ImageInfo", "LABEL", "Mount", "RunSpec",
-    "RunningContainer", "RuntimeError_", "STDERR", "STDOUT", "Stream", "create_runtime",
+    "BACKENDS_LABEL", "BOOT_LABEL", "ContainerInfo", "ContainerRuntime", "EngineCallError",
+    "EngineUnavailable", "GROUP_LABEL", "INSTALL_LABEL", "ImageError", "ImageInfo", "LABEL",
+    "Mount", "RunSpec", "RunningContainer", "STDERR", "STDOUT", "Stream", "create_runtime",
     "engine_errors", "find_socket", "install_id", "install_labels", "wait_for_engine",
 ]

@@ -27,12 +27,12 @@ from mdclaw.runtime.base import (
     STDOUT,
     ContainerInfo,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageError,
     ImageInfo,
     RunningContainer,
     RunSpec,
-    RuntimeError_,
     Stream,
 )
 
@@ -157,7 +157,7 @@ class AppleContainerRuntime(ContainerRuntime):
             raise EngineUnavailable(f"`{self.binary}` is not installed (Apple container CLI)")
         p = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=timeout)
         if check and p.returncode != 0:
-            raise RuntimeError_(f"`{self.binary} {' '.join(args)}` failed: "
+            raise EngineCallError(f"`{self.binary} {' '.join(args)}` failed: "
                                 f"{(p.stderr or p.stdout).strip()[:500]}")
         return p
 

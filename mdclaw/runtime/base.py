@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from mdclaw.errors import EngineError
+
 log = logging.getLogger("mdclaw.runtime")
 
 LABEL = "mdclaw"  # every container mdclaw starts has mdclaw=true
@@ -29,15 +31,16 @@ STDOUT: Literal[1] = 1
 STDERR: Literal[2] = 2
 Stream = Literal[1, 2]
 
-class RuntimeError_(Exception):
-    """Base of the errors a runtime raises; the message is for a person."""
+class EngineCallError(EngineError):
+    """Base of the errors a runtime raises (a call to the container engine failed); the
+    message is for a person."""
 
 
-class EngineUnavailable(RuntimeError_):
+class EngineUnavailable(EngineCallError):
     """The engine's API cannot be reached (not installed, not started, wrong socket)."""
 
 
-class ImageError(RuntimeError_):
+class ImageError(EngineCallError):
     """An image could not be built, loaded or found. Retrying a run does not help."""
 
     permanent = True
@@ -46,7 +49,7 @@ class ImageError(RuntimeError_):
 @functools.cache
 def engine_errors() -> tuple[type[Exception], ...]:
     """What a ContainerRuntime call raises when the engine fails, for `except
-    engine_errors():` around one: the runtimes' own RuntimeError_ (EngineUnavailable,
+    engine_errors():` around one: the runtimes' own EngineCallError (EngineUnavailable,
     ImageError...), the Docker SDK's errors that DockerRuntime passes on (an API answer other
     than "not connected"), and OSError / SubprocessError from the Apple CLI. Anything else
     is a bug."""
@@ -54,7 +57,7 @@ def engine_errors() -> tuple[type[Exception], ...]:
     # Docker SDK takes ~0.2 s to import, and most commands never talk to the engine.
     import docker.errors
 
-    return (RuntimeError_, docker.errors.DockerException, OSError, subprocess.SubprocessError)
+    return (EngineCallError, docker.errors.DockerException, OSError, subprocess.SubprocessError)
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,6 @@ class ContainerRuntime(ABC):
             try:
                 self.remove(info.id)
                 removed.append(info.name)
-            except RuntimeError_ as e:
+            except EngineCallError as e:
                 log.warning("could not remove container %s: %s", info.name, e)
         return removed

@@ -28,12 +28,12 @@ from mdclaw.runtime.base import (
     STDOUT,
     ContainerInfo,
     ContainerRuntime,
+    EngineCallError,
     EngineUnavailable,
     ImageError,
     ImageInfo,
     RunningContainer,
     RunSpec,
-    RuntimeError_,
     Stream,
 )
 
@@ -206,7 +206,7 @@ class DockerRuntime(ContainerRuntime):
         except docker.errors.APIError as e:
             if e.status_code == 404:
                 raise ImageError(f"image {spec.image} not found: {e.explanation}") from None
-            raise RuntimeError_(f"cannot create container {spec.name}: "
+            raise EngineCallError(f"cannot create container {spec.name}: "
                                 f"{e.explanation or e}") from None
         cid = str(created["Id"])
         # Attach now: on Podman the attach takes longer than the start itself (100-400 ms
@@ -217,7 +217,7 @@ class DockerRuntime(ContainerRuntime):
         except Exception as e:  # whatever stopped the attach: no container is left behind
             self._quiet(api.remove_container, cid, force=True)
             if isinstance(e, docker.errors.APIError):
-                raise RuntimeError_(f"cannot attach to container {spec.name}: "
+                raise EngineCallError(f"cannot attach to container {spec.name}: "
                                     f"{e.explanation or e}") from None
             raise
         with self._lock:
@@ -263,7 +263,7 @@ class DockerRuntime(ContainerRuntime):
                 self._close_attached(kept)
             self._quiet(api.remove_container, cid, force=True)
             if isinstance(e, docker.errors.APIError):
-                raise RuntimeError_(f"cannot start container {spec.name}: "
+                raise EngineCallError(f"cannot start container {spec.name}: "
                                     f"{e.explanation or e}") from None
             raise
         return _DockerRun(self, cid, spec.name, sock, sock_io, spec.stdin)
@@ -315,7 +315,7 @@ class DockerRuntime(ContainerRuntime):
         except docker.errors.APIError as e:
             if e.status_code in (304, 404, 409):
                 return
-            raise RuntimeError_(str(e.explanation or e)) from None
+            raise EngineCallError(str(e.explanation or e)) from None
 
 
 class _DockerRun(RunningContainer):
@@ -403,8 +403,8 @@ class _DockerRun(RunningContainer):
             res = self.rt._call(api.wait, self.id, timeout=timeout or API_TIMEOUT)
         except docker.errors.NotFound:
             return -1
-        except docker.errors.APIError as e:  # the runner reports RuntimeError_ as the error
-            raise RuntimeError_(str(e.explanation or e)) from None
+        except docker.errors.APIError as e:  # the runner reports EngineCallError as the error
+            raise EngineCallError(str(e.explanation or e)) from None
         return int(res.get("StatusCode", -1))
 
     def close(self) -> None:

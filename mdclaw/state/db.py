@@ -13,11 +13,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from mdclaw.errors import StateError
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
 
-class DatabaseError(RuntimeError):
+class DatabaseError(StateError, RuntimeError):
     """The database cannot be used (newer schema than this program, corrupt file...)."""
 
 

@@ -6,6 +6,7 @@ import sqlite3
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mdclaw.errors import StateError
 from mdclaw.state.db import Database, now_iso
 
 OUTBOX_KINDS = ("text", "file", "reaction")
@@ -72,7 +73,7 @@ def list_outbox(db: Database, status: str | None = None, limit: int = 1000) -> l
     return [OutboxRow(**dict(r)) for r in db.query(sql, (*params, limit))]
 
 
-class OutboxError(ValueError):
+class OutboxError(StateError, ValueError):
     """An operator's change to an outbox row that cannot be made (no such row, not failed).
     The message is safe to show."""
 

@@ -14,12 +14,13 @@ from datetime import datetime
 from typing import Any
 
 from mdclaw import schedule
+from mdclaw.errors import StateError
 from mdclaw.state.db import Database, now_iso
 
 TASK_STATUSES = ("active", "paused", "completed", "running")
 
 
-class TaskError(ValueError):
+class TaskError(StateError, ValueError):
     """A task operation that cannot be done (unknown id, duplicate id, bad schedule...)."""
 
 

@@ -84,9 +84,11 @@ HA_TOOLS: tuple[Tool, ...] = (
           "card its index. dryRun shows the result without writing.",
           _schema(["operations"], dashboardFile=_s(_FILE), operations=_OPS, dryRun=_BOOL)),
     _tool("ha_apply_dashboard", "Make the staging dashboard live: copy it over the target "
-          "(default ui-lovelace.yaml) after a timestamped backup.",
+          "(default ui-lovelace.yaml) after a timestamped backup. Refused unless it passes "
+          "the check ha_dashboard_validate makes.",
           _schema([], stagingFile=_s(_FILE), targetFile=_s("Default ui-lovelace.yaml."),
-                  backup={"type": "boolean", "description": "Default true."})),
+                  backup={"type": "boolean", "description": "Default true."},
+                  checkEntities={"type": "boolean", "description": "Default true."})),
     _tool("ha_canvas_get_spec", "Read the canvas spec (JSON) in the dashboards folder.",
           _schema([], specFile=_s("Default canvas-spec.json."))),
     _tool("ha_canvas_set_spec", "Replace the canvas spec: an object whose cards each have a "

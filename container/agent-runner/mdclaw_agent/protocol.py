@@ -1,5 +1,12 @@
 """The runner's contract with the host: ContainerInput on stdin, marked results on stdout.
 
+The contract is defined once, on the host (mdclaw/wire.py), and generated into
+wire_schema.json beside this module (`python -m mdclaw wire-schema > ...`; a host test fails
+while the committed file is stale). This module reads that schema: the markers, the
+backends, the causes, the input's fields and defaults; stdin is checked against it
+(schema_check) and so is every block `emit` writes. A key the schema does not have is
+ignored when read (a newer host) and never written; a null is read as the key left out.
+
 Only the standard library is used here so the host can import this module too (the host's
 tests and the container runner parse the same markers).
 """
@@ -7,56 +14,63 @@ tests and the container runner parse the same markers).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-OUTPUT_START = "---NANOCLAW_OUTPUT_START---"
-OUTPUT_END = "---NANOCLAW_OUTPUT_END---"
-BACKENDS = ("claude", "openai")
+from mdclaw_agent.schema_check import errors
+
+log = logging.getLogger("mdclaw_agent")
+
+WIRE_SCHEMA_FILE = Path(__file__).with_name("wire_schema.json")
+WIRE: dict[str, Any] = json.loads(WIRE_SCHEMA_FILE.read_text(encoding="utf-8"))
+_INPUT: dict[str, Any] = WIRE["$defs"]["ContainerInput"]
+_BLOCK: dict[str, Any] = WIRE["$defs"]["OutputBlock"]
+
+OUTPUT_START: str = WIRE["x-output-start"]
+OUTPUT_END: str = WIRE["x-output-end"]
+BACKENDS: tuple[str, ...] = tuple(WIRE["$defs"]["Backend"]["enum"])
+# Why a turn failed, as an error block's `cause` says it (the host maps each to what happens
+# next and to the chat message; their meaning: mdclaw/wire.py and docs/agent.md).
+CAUSES: tuple[str, ...] = tuple(WIRE["$defs"]["Cause"]["enum"])
 PLACEHOLDER_KEY = "mdclaw-placeholder-key"
-# Why a turn failed, as the runner reports it in an error block's `cause` (the host maps each
-# to what happens next and to the chat message: mdclaw/failures.py). A fixed set: the host
-# treats anything else as "agent_crash".
-CAUSES = (
-    "model_unreachable",   # nothing answers at the model's address (connection refused...)
-    "model_disconnected",  # the model server closed the connection without a full answer
-    "model_server_error",  # HTTP 5xx from the model server
-    "rate_limited",        # HTTP 429 (retryAfter: seconds, when the API said)
-    "over_budget",         # the account is out of credit/quota (HTTP 402, insufficient_quota)
-    "context_too_long",    # the request is over the model's context (limit: what the API said)
-    "model_refused",       # any other HTTP 4xx (httpStatus, apiMessage)
-    "model_malformed",     # the answer was not the API's JSON (twice in a row)
-    "turn_timeout",        # no answer from the model in time
-    "tool_crash",          # a tool raised an unexpected error
-    "agent_crash",         # the runner itself failed (a bug)
-    "backend_missing",     # the backend the group needs is not in this image
-    "key_missing",         # the host cannot read the model's key file (said by the proxy)
-    "proxy_missing",       # the credential proxy's socket is not there
-    "invalid_input",       # the ContainerInput on stdin was wrong (a host bug)
-)
 
 
 class InputError(ValueError):
     """The ContainerInput on stdin is missing a field or has a field of the wrong type."""
 
 
+def _snake(key: str) -> str:
+    """The Python name of a wire key (groupFolder -> group_folder)."""
+    return re.sub(r"[A-Z]", lambda m: "_" + m.group().lower(), key)
+
+
+def _default(key: str) -> Any:
+    """The default the host's schema gives input field `key`."""
+    return _INPUT["properties"][key]["default"]
+
+
 @dataclass(frozen=True)
 class ContainerInput:
-    """What the host tells the runner about this run. It never carries a secret."""
+    """What the host tells the runner about this run. It never carries a secret.
+
+    One field per property of the schema's ContainerInput (a test holds them equal), with
+    the schema's defaults."""
 
     prompt: str
     group_folder: str
     chat_jid: str
-    is_main: bool = False
-    is_scheduled_task: bool = False
-    assistant_name: str = "Andy"
-    session_id: str | None = None
-    backend: str = "claude"
-    model: str | None = None
+    is_main: bool = _default("isMain")
+    is_scheduled_task: bool = _default("isScheduledTask")
+    assistant_name: str = _default("assistantName")
+    session_id: str | None = _default("sessionId")
+    backend: str = _default("backend")
+    model: str | None = _default("model")
 
     @classmethod
     def from_json(cls, text: str) -> ContainerInput:
@@ -67,43 +81,26 @@ class ContainerInput:
             raise InputError(f"stdin is not JSON: {e}") from None
         if not isinstance(data, dict):
             raise InputError("stdin must hold a JSON object (the ContainerInput)")
+        data = {k: v for k, v in data.items() if v is not None}
         # Older hosts passed secrets in the input; they are ignored, never used or echoed.
         data.pop("secrets", None)
-
-        def get(key: str, kind: type | tuple[type, ...], default: Any = ..., *,
-                required: bool = False) -> Any:
-            if key not in data or data[key] is None:
-                if required:
-                    raise InputError(f"ContainerInput field {key!r} is required")
-                return None if default is ... else default
-            value = data[key]
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise InputError(f"ContainerInput field {key!r} has the wrong type "
-                                 f"({type(value).__name__})")
-            return value
-
-        model = data.get("model")
-        backend = data.get("backend")
-        if isinstance(model, dict):  # {"backend": ..., "model": ...} form
-            backend = backend or model.get("backend")
-            model = model.get("model")
-        backend = backend or "claude"
-        if backend not in BACKENDS:
-            raise InputError(f"ContainerInput field 'backend' must be one of {BACKENDS}, "
-                             f"got {backend!r}")
-        if model is not None and not isinstance(model, str):
-            raise InputError("ContainerInput field 'model' must be a string")
-        return cls(
-            prompt=get("prompt", str, required=True),
-            group_folder=get("groupFolder", str, required=True),
-            chat_jid=get("chatJid", str, ""),
-            is_main=get("isMain", bool, False),
-            is_scheduled_task=get("isScheduledTask", bool, False),
-            assistant_name=get("assistantName", str, "Andy"),
-            session_id=get("sessionId", str, None) or None,
-            backend=backend,
-            model=model,
-        )
+        nested = data.get("model")
+        if isinstance(nested, dict):  # older hosts: "model": {"backend": ..., "model": ...}
+            del data["model"]
+            if nested.get("model") is not None:
+                data["model"] = nested["model"]
+            if not data.get("backend") and nested.get("backend") is not None:
+                data["backend"] = nested["backend"]
+        unknown = sorted(set(data) - set(_INPUT["properties"]))
+        if unknown:
+            log.info("ContainerInput field(s) this runner does not know, ignored: %s",
+                     ", ".join(unknown))
+            for key in unknown:
+                del data[key]
+        problems = errors(_INPUT, data, root=WIRE)
+        if problems:
+            raise InputError(f"ContainerInput: {'; '.join(problems)}")
+        return cls(**{_snake(k): v for k, v in data.items()})
 
 
 @dataclass(frozen=True)
@@ -151,10 +148,11 @@ class Settings:
 _out_lock = threading.Lock()
 
 
-def emit(status: str, result: str | None, *, new_session_id: str | None = None,
-         error: str | None = None, info: dict[str, Any] | None = None,
-         notice: dict[str, Any] | None = None, stream: TextIO | None = None) -> None:
-    """Print one result between the output markers as a single JSON line, and flush.
+def block(status: str, result: str | None, *, new_session_id: str | None = None,
+          error: str | None = None, info: dict[str, Any] | None = None,
+          notice: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One result as the schema's OutputBlock, checked against it. A block the host would
+    not read (a bug here) becomes an agent_crash error block saying what was wrong.
 
     An error carries `info`: its `cause` (one of CAUSES) and the details for the host
     (httpStatus, apiMessage, retryAfter, limit). A success may carry a `notice` for the chat.
@@ -168,6 +166,22 @@ def emit(status: str, result: str | None, *, new_session_id: str | None = None,
         body.update(info)
     if notice:
         body["notice"] = notice
+    problems = errors(_BLOCK, body, root=WIRE)
+    if problems:
+        log.error("output block breaks the wire schema (%s): %r", "; ".join(problems), body)
+        return {"status": "error", "result": None,
+                "error": f"the agent runner wrote a malformed result: {'; '.join(problems)}",
+                "cause": "agent_crash"}
+    return body
+
+
+def emit(status: str, result: str | None, *, new_session_id: str | None = None,
+         error: str | None = None, info: dict[str, Any] | None = None,
+         notice: dict[str, Any] | None = None, stream: TextIO | None = None) -> None:
+    """Print one result (`block`) between the output markers as a single JSON line, and
+    flush."""
+    body = block(status, result, new_session_id=new_session_id, error=error, info=info,
+                 notice=notice)
     line = json.dumps(body, ensure_ascii=False)
     out = stream or sys.stdout
     with _out_lock:

@@ -1,13 +1,15 @@
-"""A complete check of a value against the JSON Schema subset the tools' parameters use.
+"""A complete check of a value against the JSON Schema subset mdclaw's schemas use: the
+tools' parameters, the IPC commands and the host<->container wire contract.
 
 Keywords: `type` (string, integer, number, boolean, object, array, null, or a list of them),
 `enum`, `const`, `properties`, `required`, `additionalProperties` (true, false or a schema),
-`items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `minimum`, `maximum`. Any other
-keyword in a schema is a programming error (`SchemaError`), so a schema can never promise
-more than is checked. Booleans are not integers or numbers; integers are numbers; a float
-with no fraction is an integer, as JSON Schema says.
+`items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `minimum`, `maximum`, `anyOf`, and
+`$ref` to a schema of the document's `$defs` (`#/$defs/Name`, resolved in `root`). `title`,
+`description`, `default` and `x-...` keys are notes. Any other keyword in a schema is a
+programming error (`SchemaError`), so a schema can never promise more than is checked.
+Booleans are not integers or numbers; integers are numbers; a float with no fraction is an
+integer, as JSON Schema says.
 """
-
 from __future__ import annotations
 
 import math
@@ -15,7 +17,7 @@ from typing import Any
 
 KNOWN = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties",
                    "items", "minItems", "maxItems", "minLength", "maxLength", "minimum",
-                   "maximum", "description", "title", "default"})
+                   "maximum", "anyOf", "$ref", "$defs", "description", "title", "default"})
 
 
 class SchemaError(Exception):
@@ -61,17 +63,38 @@ def _where(path: str) -> str:
     return path or "the arguments"
 
 
-def errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """Every way `value` breaks `schema`, as readable lines naming where; [] when it fits."""
-    unknown = set(schema) - KNOWN
+def _resolve(ref: str, root: dict[str, Any]) -> dict[str, Any]:
+    prefix = "#/$defs/"
+    if not ref.startswith(prefix) or ref[len(prefix):] not in root.get("$defs", {}):
+        raise SchemaError(f"cannot resolve $ref {ref!r}")
+    target: dict[str, Any] = root["$defs"][ref[len(prefix):]]
+    return target
+
+
+def errors(schema: dict[str, Any], value: Any, path: str = "", *,
+           root: dict[str, Any] | None = None) -> list[str]:
+    """Every way `value` breaks `schema`, as readable lines naming where; [] when it fits.
+    `root` is the document a `$ref` points into (`schema` itself unless given)."""
+    unknown = {k for k in schema if not k.startswith("x-")} - KNOWN
     if unknown:
         raise SchemaError(f"schema keyword(s) not checked: {', '.join(sorted(unknown))}")
+    root = schema if root is None else root
     out: list[str] = []
+    if "$ref" in schema:
+        out += errors(_resolve(schema["$ref"], root), value, path, root=root)
+    if "anyOf" in schema:
+        if not schema["anyOf"]:
+            raise SchemaError("anyOf needs at least one schema")
+        found: list[list[str]] = [errors(alt, value, path, root=root)
+                                  for alt in schema["anyOf"]]
+        if all(found):  # none fits: say what the closest one misses
+            closest: list[str] = min(found, key=len)
+            out += closest
     kinds = schema.get("type")
     if kinds is not None:
         wanted = [kinds] if isinstance(kinds, str) else list(kinds)
         if not any(_is(k, value) for k in wanted):
-            return [f"{_where(path)} must be {' or '.join(wanted)}"]
+            return [*out, f"{_where(path)} must be {' or '.join(wanted)}"]
     if "enum" in schema and not any(_equal(value, e) for e in schema["enum"]):
         out.append(f"{_where(path)} must be one of "
                    f"{', '.join(str(e) for e in schema['enum'])}")
@@ -94,7 +117,7 @@ def errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
             out.append(f"{_where(path)} must have at most {schema['maxItems']} items")
         if "items" in schema:
             for i, item in enumerate(value):
-                out += errors(schema["items"], item, f"{path}[{i}]")
+                out += errors(schema["items"], item, f"{path}[{i}]", root=root)
     if isinstance(value, dict):
         props = schema.get("properties", {})
         for key in schema.get("required", []):
@@ -103,12 +126,12 @@ def errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
         extra = schema.get("additionalProperties", True)
         for key, item in value.items():
             if key in props:
-                out += errors(props[key], item, _join(path, key))
+                out += errors(props[key], item, _join(path, key), root=root)
             elif extra is False:
                 out.append(f"unknown argument '{_join(path, key)}'"
                            + (f"; expected {', '.join(props)}" if props else ""))
             elif isinstance(extra, dict):
-                out += errors(extra, item, _join(path, key))
+                out += errors(extra, item, _join(path, key), root=root)
     return out
 
 
@@ -116,5 +139,5 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def is_valid(schema: dict[str, Any], value: Any) -> bool:
-    return not errors(schema, value)
+def is_valid(schema: dict[str, Any], value: Any, *, root: dict[str, Any] | None = None) -> bool:
+    return not errors(schema, value, root=root)
