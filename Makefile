@@ -1,6 +1,6 @@
 # Two commands for a fresh Linux machine with Python 3.11+:
 #   make run    run mdclaw on embedded defaults (SQLite, local HTTP channel) with config.example.yaml
-#   make test   run the test suite
+#   make test   lint (ruff, mypy, the import contract), then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,6 +21,7 @@ test: lint $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mdclaw container tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 e2e: $(VENV)/.installed
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)

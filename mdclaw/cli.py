@@ -1,4 +1,5 @@
-"""The `mdclaw` command line. Each area registers its subcommands from mdclaw/commands/.
+"""The `mdclaw` command line. Each area registers its subcommands from mdclaw/commands/, and
+the daemon its `run` (mdclaw/daemon/command.py).
 
 Exit status: 0 success, 1 failure (invalid config, failed check...), 2 usage error; the
 read-only commands exit 3 (database not ready), 4 (newer) or 5 (locked): see
@@ -8,24 +9,28 @@ mdclaw/commands/common.py and README's "Exit status".
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
+from types import ModuleType
 
 from mdclaw import __version__
+from mdclaw.commands import (
+    agent,
+    channels,
+    containers,
+    core,
+    ipc,
+    schema,
+    status,
+    tasks,
+    whatsapp,
+)
+from mdclaw.daemon import command as run_command
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
-COMMAND_MODULES = [
-    "mdclaw.commands.core",
-    "mdclaw.commands.tasks",
-    "mdclaw.commands.channels",
-    "mdclaw.commands.whatsapp",
-    "mdclaw.commands.containers",
-    "mdclaw.commands.ipc",
-    "mdclaw.commands.schema",
-    "mdclaw.commands.agent",
-    "mdclaw.commands.daemon",
+COMMAND_MODULES: list[ModuleType] = [
+    core, run_command, tasks, channels, whatsapp, containers, ipc, schema, agent, status,
 ]
 
 
@@ -59,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mdclaw {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub, common)
+    for module in COMMAND_MODULES:
+        module.register(sub, common)
     return parser
 
 

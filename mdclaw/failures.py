@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from mdclaw.budget import BUDGET_PREFIX
 from mdclaw.retry import NO_JITTER, Backoff
+from mdclaw.runtime import EngineCallError, EngineUnavailable, ImageError
 from mdclaw.wire import OutputBlock
 
 TRANSIENT = "transient"
@@ -228,8 +229,6 @@ def from_result(result: Any) -> TurnFailure:
 
 def from_exception(e: BaseException) -> TurnFailure:
     """A run that could not start: the engine, the image, the credential proxy."""
-    from mdclaw.runtime import EngineCallError, EngineUnavailable, ImageError
-
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, EngineUnavailable):
         return TurnFailure("engine_down", detail=text)

@@ -719,11 +719,3 @@ def describe_failures(rows: Iterable[OutboxRow], limit: int = 10,
     if len(rows) > limit:
         lines.insert(0, f"({len(rows) - limit} older failure(s) not shown)")
     return "\n".join(lines)
-
-
-def outbox_counts(db: Database) -> dict[str, int]:
-    """Number of rows per status (every status present, zero when none)."""
-    counts = {s: 0 for s in ("pending", "sending", "sent", "failed")}
-    for r in db.query("SELECT status, COUNT(*) FROM outbox GROUP BY status"):
-        counts[r[0]] = int(r[1])
-    return counts

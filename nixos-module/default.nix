@@ -189,19 +189,40 @@ let
   usesClaude = claudeModels != [ ];
   imageBackends = if cfg.image == null then [ ] else cfg.image.mdclawBackends or [ "openai" "claude" ];
 
+  # The daemon's web server (settings.server: the operator page, /metrics, the local chat).
+  # Its keys' old names under settings.channels.http are read as them when server leaves them
+  # unset, as mdclaw does (a null here is "unset": mdclaw's default applies).
   http = cfg.settings.channels.http;
-  httpEnabled = http != null && http.enabled != false;
-  httpListen = if http == null || http.listen == null then "127.0.0.1:3000" else http.listen;
-  httpMatch = builtins.match "(.*):([0-9]+)" httpListen;
-  httpHost = if httpMatch == null then "" else builtins.head httpMatch;
-  httpPort = if httpMatch == null then 0 else lib.toInt (lib.last httpMatch);
-  httpLoopback = builtins.elem httpHost [
+  server = cfg.settings.server;
+  oldServerKey = k: if http == null then null else http.${k};
+  serverKey =
+    k: default:
+    if server != null && server.${k} != null then
+      server.${k}
+    else if oldServerKey k != null then
+      oldServerKey k
+    else
+      default;
+  # Whether settings set the web server's token under its old names (the module's default of
+  # server.generate_secret would then be a second, different value).
+  oldTokenKeysSet = oldServerKey "secret_file" != null || oldServerKey "generate_secret" != null;
+  webListen = serverKey "listen" "127.0.0.1:3000";
+  webMatch = builtins.match "(.*):([0-9]+)" webListen;
+  webHost = if webMatch == null then "" else builtins.head webMatch;
+  webPort = if webMatch == null then 0 else lib.toInt (lib.last webMatch);
+  webLoopback = builtins.elem webHost [
     "127.0.0.1"
     "localhost"
     "::1"
     "[::1]"
-  ] || lib.hasPrefix "127." httpHost;
-  httpHasToken = http != null && (http.secret_file != null || http.generate_secret == true);
+  ] || lib.hasPrefix "127." webHost;
+  webHasToken = serverKey "secret_file" null != null || serverKey "generate_secret" false == true;
+  # Where the listen address was set, for the messages.
+  listenKey =
+    if oldServerKey "listen" != null && !(server != null && server.listen != null) then
+      "settings.channels.http.listen"
+    else
+      "settings.server.listen";
 
   podmanCfg = config.virtualisation.podman;
   dockerCfg = config.virtualisation.docker;
@@ -329,9 +350,10 @@ in
       type = types.bool;
       default = false;
       description = ''
-        Open the local HTTP channel's port (`settings.channels.http.listen`) in the firewall.
-        Needs a listen address other than loopback, and a token (the module generates one by
-        default: `settings.channels.http.generate_secret`).
+        Open the daemon's web server's port (`settings.server.listen`: the operator page,
+        /metrics and the local HTTP chat) in the firewall. Needs a listen address other than
+        loopback, and a token (the module generates one by default:
+        `settings.server.generate_secret`).
       '';
     };
 
@@ -462,14 +484,12 @@ in
         message = "services.mdclaw.image is the Claude image from your nixpkgs (the overlay's mdclaw-agent-image-claude), which needs claude-code, an unfree package your nixpkgs does not allow. Accept its licence for that one package: nixpkgs.config.allowUnfreePredicate = pkg: builtins.elem (lib.getName pkg) [ \"claude-code\" ]; or use the flake's own mdclaw.packages.\${system}.container-image-claude.";
       }
       {
-        assertion = !cfg.openFirewall || (httpEnabled && httpPort != 0 && !httpLoopback);
-        message = "services.mdclaw.openFirewall opens the local HTTP channel's port, but settings.channels.http${
-          if httpEnabled then ".listen = \"${httpListen}\" listens on loopback only" else " is disabled"
-        }. Set settings.channels.http.listen = \"0.0.0.0:${toString (if httpPort == 0 then 3000 else httpPort)}\", or leave openFirewall off.";
+        assertion = !cfg.openFirewall || (webPort != 0 && !webLoopback);
+        message = "services.mdclaw.openFirewall opens the web server's port, but ${listenKey} = \"${webListen}\" listens on loopback only. Set settings.server.listen = \"0.0.0.0:${toString (if webPort == 0 then 3000 else webPort)}\", or leave openFirewall off.";
       }
       {
-        assertion = !cfg.openFirewall || httpHasToken;
-        message = "services.mdclaw.openFirewall would let the network post to the local HTTP channel without a token: keep settings.channels.http.generate_secret = true (the default) or set settings.channels.http.secret_file.";
+        assertion = !cfg.openFirewall || webHasToken;
+        message = "services.mdclaw.openFirewall would let the network use the operator page and post to the local HTTP channel without a token: keep settings.server.generate_secret = true (the default) or set settings.server.secret_file.";
       }
       {
         assertion = lib.all folderOk (lib.attrNames groups);
@@ -513,9 +533,11 @@ in
 
     services.mdclaw.settings = {
       data_dir = mkDefault "/var/lib/mdclaw";
-      # No other local user may post to the loopback channel as the main group: a token is
-      # made on first start (data_dir/http-secret, 0600); `sudo mdclaw http-token` shows it.
-      channels.http.generate_secret = mkDefault true;
+      # No other local user may post to the loopback chat as the main group, or use the
+      # operator page: a token is made on first start (data_dir/http-secret, 0600);
+      # `sudo mdclaw http-token` shows it. (A secret_file wins over it; with the token's old
+      # names under channels.http the user's choice stands alone.)
+      server.generate_secret = mkIf (!oldTokenKeysSet) (mkDefault true);
       runtime = {
         engine = mkDefault cfg.containerEngine;
         socket = mkDefault "unix://${eng.socket}";
@@ -527,7 +549,7 @@ in
     virtualisation.podman.enable = mkIf (cfg.containerEngine == "podman") true;
     virtualisation.docker.enable = mkIf (cfg.containerEngine == "docker") true;
 
-    networking.firewall.allowedTCPPorts = lib.optional (cfg.openFirewall && httpPort != 0) httpPort;
+    networking.firewall.allowedTCPPorts = lib.optional (cfg.openFirewall && webPort != 0) webPort;
 
     users.users.mdclaw = {
       isSystemUser = true;

@@ -11,10 +11,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from mdclaw.channels.base import InboundMessage
-from mdclaw.channels.http import HttpChannel, normalize_jid, parse_listen
+from http_helpers import chat_on_server, start_chat, stop_chat
+from mdclaw.channels.base import ChannelError, InboundMessage
+from mdclaw.channels.http import HttpChannel, normalize_jid
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
+from mdclaw.webserver import parse_listen, token_matches
 
 
 def make_db(tmp_path: Path) -> Database:
@@ -27,8 +29,8 @@ def make_db(tmp_path: Path) -> Database:
 
 async def started(db: Database, **kw) -> tuple[HttpChannel, list[InboundMessage]]:
     got: list[InboundMessage] = []
-    ch = HttpChannel(db, listen="127.0.0.1:0", on_inbound=got.append, **kw)
-    await ch.connect()
+    ch = chat_on_server(db, on_inbound=got.append, **kw)
+    await start_chat(ch)
     return ch, got
 
 
@@ -127,7 +129,7 @@ def test_post_message_reaches_callback_and_reply_is_readable(tmp_path: Path) -> 
                     assert "Content-Security-Policy" in r.headers
                     assert "<form" in await r.text()
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -168,7 +170,7 @@ def test_bad_requests_get_400_413(tmp_path: Path) -> None:
                     assert r.status == 400
             assert got == []
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -216,7 +218,7 @@ def test_bearer_secret_and_cross_site_requests(tmp_path: Path) -> None:
                     assert r.status == 202
             assert [m.content for m in got] == ["x", "page"]
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -266,7 +268,7 @@ def test_the_page_runs_only_its_own_script_and_style(tmp_path: Path) -> None:
                 async with http.get("/chat.js", headers={"Host": "evil.example"}) as r:
                     assert r.status == 403
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -275,8 +277,8 @@ def test_the_page_runs_only_its_own_script_and_style(tmp_path: Path) -> None:
 def test_not_ready_and_failing_host(tmp_path: Path) -> None:
     async def main() -> None:
         db = make_db(tmp_path)
-        ch = HttpChannel(db, listen="127.0.0.1:0")
-        await ch.connect()
+        ch = chat_on_server(db)
+        await start_chat(ch)
         try:
             async with aiohttp.ClientSession(ch.url) as http:
                 async with http.post("/message", json={"text": "early"}) as r:
@@ -297,7 +299,7 @@ def test_not_ready_and_failing_host(tmp_path: Path) -> None:
                     assert "database" not in await r.text()
                 assert ch.transcript("hl:family") == []  # the upload's row is taken back
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
         assert not ch.is_connected()
         db.close()
 
@@ -308,13 +310,17 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     async def main() -> None:
         db = make_db(tmp_path)
         a, _ = await started(db)
-        b = HttpChannel(db, listen=f"127.0.0.1:{a.port}")
+        b = chat_on_server(db, listen=f"127.0.0.1:{a.port}")
         try:
-            with pytest.raises(Exception) as ei:
-                await b.connect()
+            with pytest.raises(OSError) as ei:
+                await b.server.start()
             assert f"127.0.0.1:{a.port}" in str(ei.value)
+            # the chat cannot answer without its server: it says so, naming the key
+            with pytest.raises(ChannelError, match="server.listen"):
+                await b.connect()
+            assert not b.is_connected()
         finally:
-            await a.disconnect()
+            await stop_chat(a)
             db.close()
 
     asyncio.run(main())
@@ -332,23 +338,30 @@ def test_transcript_keeps_newest_rows(tmp_path: Path) -> None:
             assert [r["content"] for r in rows] == [f"m{i}" for i in range(7, 12)]
             assert len(ch.transcript("hl:family")) == 1
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
 
 
-def test_from_config_reads_secret_file(tmp_path: Path) -> None:
-    from mdclaw.config import HttpChannel as HttpSection
+def test_the_server_token_is_read_from_its_file_under_either_name(tmp_path: Path) -> None:
+    from mdclaw.config import load_config
+    from mdclaw.daemon.web import WebServerSetupError, server_gate
 
     secret = tmp_path / "secret"
     secret.write_text("tok-123\n")
     os.chmod(secret, 0o600)
-    section = HttpSection(listen="127.0.0.1:0", secret_file=str(secret))
-    db = make_db(tmp_path)
-    ch = HttpChannel.from_config(section, db, assistant_name="Bob")
-    assert ch._secret == b"tok-123" and ch.assistant_name == "Bob"
-    db.close()
+    for section in (f"server: {{secret_file: {secret}}}\n",
+                    f"channels: {{http: {{secret_file: {secret}}}}}\n"):  # the old name
+        cfg = load_config(tmp_path / "c.yaml", text=f"data_dir: {tmp_path}\n{section}")
+        gate = server_gate(cfg)
+        assert gate.has_secret
+        assert token_matches(gate._secret, "tok-123") and not token_matches(gate._secret, "x")
+    secret.write_text("\n")
+    cfg = load_config(tmp_path / "c.yaml", text=f"data_dir: {tmp_path}\nserver: "
+                                                 f"{{secret_file: {secret}}}\n")
+    with pytest.raises(WebServerSetupError, match="is empty"):
+        server_gate(cfg)
 
 
 def upload_form(data: bytes | object, name: str = "notes.txt", *, jid: str = "hl:family",
@@ -414,7 +427,7 @@ def test_uploads_arrive_as_attachments_capped_while_streaming(tmp_path: Path) ->
                     assert r.status == 400
             assert len(got) == 1
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -469,7 +482,7 @@ def test_files_the_assistant_sends_are_served_only_in_their_chat(tmp_path: Path)
                 await ch.send_message("hl:family", f"m{i}")
             assert sorted(p.name for p in files.iterdir()) == []
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -504,7 +517,7 @@ def test_history_before_a_cursor_and_html_of_the_assistants_markdown(tmp_path: P
                 assert (await http.get(f"{ch.url}/messages", params={
                     "jid": "hl:main", "before": "x"})).status == 400
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import InboundMessage
-from mdclaw.channels.http import HttpChannel
 from mdclaw.outbox import OutboxWorker, RetryPolicy
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
@@ -154,9 +154,9 @@ def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> 
                         source_group="main")
             worker.wake()
 
-        ch = HttpChannel(db, listen="127.0.0.1:0", secret="page-token", on_inbound=host,
+        ch = chat_on_server(db, secret="page-token", on_inbound=host,
                          assistant_name="Andy")
-        await ch.connect()
+        await start_chat(ch)
         worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
         await worker.start()
         try:
@@ -199,7 +199,7 @@ def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> 
                 await page.wait_for("document.getElementById('typing').textContent === ''")
         finally:
             await worker.stop()
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -302,9 +302,9 @@ def test_a_person_uploads_a_file_and_sees_the_image_the_agent_sends(tmp_path: Pa
                         source_group="main")
             worker.wake()
 
-        ch = HttpChannel(db, listen="127.0.0.1:0", secret="page-token", on_inbound=host,
+        ch = chat_on_server(db, secret="page-token", on_inbound=host,
                          files_dir=tmp_path / "http-files")
-        await ch.connect()
+        await start_chat(ch)
         worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
         await worker.start()
         try:
@@ -352,7 +352,7 @@ def test_a_person_uploads_a_file_and_sees_the_image_the_agent_sends(tmp_path: Pa
                 assert r > 180 and g < 70 and b < 80, (r, g, b)  # the agent's red image
         finally:
             await worker.stop()
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -369,7 +369,7 @@ def test_injected_inline_script_and_style_do_not_run_under_the_pages_csp(
         db = Database(tmp_path / "state.db")
         upsert_group(db, GroupRow("main", "Admin chat", "hl:main", "@Andy", False, True,
                                   "config"))
-        ch = HttpChannel(db, listen="127.0.0.1:0", on_inbound=lambda m: None)
+        ch = chat_on_server(db, on_inbound=lambda m: None)
 
         async def injected(request: web.Request) -> web.Response:
             # the real page with the real headers, plus inline code an attacker wants to run
@@ -384,8 +384,8 @@ def test_injected_inline_script_and_style_do_not_run_under_the_pages_csp(
             return web.Response(text=html.replace("</head>", evil + "</head>"),
                                         content_type="text/html", headers=headers)
 
-        ch.add_get("/injected", injected)
-        await ch.connect()
+        ch.server.add_route("GET", "/injected", injected)
+        await start_chat(ch)
         try:
             async with browse(f"{ch.url}/injected", tmp_path / "chromium-profile") as page:
                 # the page's own script runs (it loads the chats) and its style sheet applies
@@ -409,7 +409,7 @@ def test_injected_inline_script_and_style_do_not_run_under_the_pages_csp(
                 await page.wait_for("window.errorSeen === true")
                 assert await page.js("window.handlerRan === undefined")
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())

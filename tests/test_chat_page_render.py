@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import InboundMessage
 from mdclaw.channels.http import HttpChannel
 from mdclaw.state import Database
@@ -55,8 +56,8 @@ XSS = """<img src=x onerror="window.__xss = 'img'">
 async def _session(tmp_path: Path, got: list[InboundMessage]) -> tuple[Database, HttpChannel]:
     db = Database(tmp_path / "state.db")
     upsert_group(db, GroupRow("main", "Admin chat", "hl:main", "@Andy", False, True, "config"))
-    ch = HttpChannel(db, listen="127.0.0.1:0", on_inbound=got.append, assistant_name="Andy")
-    await ch.connect()
+    ch = chat_on_server(db, on_inbound=got.append, assistant_name="Andy")
+    await start_chat(ch)
     return db, ch
 
 
@@ -161,7 +162,7 @@ def test_markdown_renders_unsafe_markup_stays_inert_and_newlines_arrive(tmp_path
                 assert await page.js("document.getElementById('text').value") == ""
                 assert await page.js("window.__xss === undefined")
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -233,7 +234,7 @@ def test_layout_fits_a_phone_and_a_desktop_and_older_messages_load(tmp_path: Pat
                 lay = await _layout(page, 390, 844, True)
                 assert lay["scroll"] <= 390, lay
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())

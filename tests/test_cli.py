@@ -11,7 +11,7 @@ import time
 
 from conftest import REPO
 from mdclaw.config import load_config
-from mdclaw.daemon import status_path
+from mdclaw.ops.status import status_path
 
 
 def test_check_config_valid_invalid_usage(cli, write_config) -> None:

@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import InboundMessage
 from mdclaw.channels.http import HttpChannel
 from mdclaw.state import Database
@@ -77,9 +78,9 @@ def test_send_reaches_the_daemon_and_prints_the_reply(tmp_path: Path) -> None:
 
             asyncio.get_running_loop().create_task(later())
 
-        ch = HttpChannel(db, listen=f"127.0.0.1:{port}", secret="cli-secret-1",
-                         on_inbound=answer)
-        await ch.connect()
+        ch = chat_on_server(db, listen=f"127.0.0.1:{port}", secret="cli-secret-1",
+                            on_inbound=answer)
+        await start_chat(ch)
         try:
             code, out, err = await mdclaw("send", "-c", str(cfg), "--group", "main",
                                           "--sender", "tester", "--wait", "10", "hello", "bot")
@@ -93,18 +94,18 @@ def test_send_reaches_the_daemon_and_prints_the_reply(tmp_path: Path) -> None:
             code, out, err = await mdclaw("send", "-c", str(cfg), "-g", "nope", "x")
             assert code == 1 and "no group 'nope'" in err
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
         # a wrong token is refused, and says which file to check
         cfg2 = write_config(tmp_path, port, secret="other")
-        ch2 = HttpChannel(Database(tmp_path / "state2.db"), listen=f"127.0.0.1:{port}",
-                          secret="cli-secret-1", on_inbound=got.append)
-        await ch2.connect()
+        ch2 = chat_on_server(Database(tmp_path / "state2.db"), listen=f"127.0.0.1:{port}",
+                             secret="cli-secret-1", on_inbound=got.append)
+        await start_chat(ch2)
         try:
             code, out, err = await mdclaw("send", "-c", str(cfg2), "-g", "main", "x")
             assert code == 1 and "secret_file" in err and "other" not in err
         finally:
-            await ch2.disconnect()
+            await stop_chat(ch2)
 
     asyncio.run(main())
 

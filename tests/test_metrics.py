@@ -192,9 +192,12 @@ def test_separate_listener_without_the_http_channel(tmp_path: Path) -> None:
         assert value(got, "mdclaw_budget_tokens_per_day", group="side") == 50000
         assert not any(k[0] == "mdclaw_channel_connected" and dict(k[1]).get("channel") == "http"
                        for k in got)
-        # the HTTP channel is not there
-        with pytest.raises(OSError):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        # the chat is not there; the web server (channels.http.listen, the old name of
+        # server.listen) is, with /metrics behind the same token
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert get(f"http://127.0.0.1:{port}/health", bearer)[0] == 404
+        assert get(f"http://127.0.0.1:{port}/metrics")[0] == 401
+        assert get(f"http://127.0.0.1:{port}/metrics", bearer)[0] == 200
 
 
 # --------------------------------------------------------------------------- dashboard
@@ -212,11 +215,15 @@ def exported_names(tmp_path: Path) -> set[str]:
         async def run_job(job: object) -> None:
             return None
 
+        async def tokens_today(folder: str) -> int:
+            return 0
+
         with Database(tmp_path / "state.db") as db:
-            d = SimpleNamespace(db=db, orch=SimpleNamespace(queue=GroupQueue(
-                run_job, max_concurrent=2)), channels=[], proxy=None,
-                cfg=Config(data_dir=tmp_path, groups={"main": {"name": "A", "jid": "hl:a",
-                                                               "main": True}}))
+            # the daemon as /metrics sees it (mdclaw.ops.view.DaemonView)
+            d = SimpleNamespace(db=db, queue=GroupQueue(run_job, max_concurrent=2), channels=[],
+                                tokens_today=tokens_today,
+                                cfg=Config(data_dir=tmp_path, groups={"main": {
+                                    "name": "A", "jid": "hl:a", "main": True}}))
             return (await render(d)).decode()
 
     text = asyncio.run(scrape())

@@ -37,7 +37,7 @@ BASIC = """
       groups.main = { name = "Admin"; jid = "hl:main"; main = true; requires_trigger = false; };
       groups.family = { name = "Family"; jid = "tg:-1001234"; trigger = "@Andy"; timeout = "10m"; model = "local"; };
       limits = { max_concurrent_containers = 3; container_timeout = "1h"; cpus = 1.5; };
-      channels.http.listen = "127.0.0.1:3000";
+      server.listen = "127.0.0.1:3000";
       tasks = [ { id = "morning"; group = "main"; prompt = "Good morning"; cron = "0 8 * * *"; } ];
     };
   };
@@ -222,7 +222,9 @@ BAD = [
      "max_concurrent_containers' is not of type"),
     ("bad enum", MAIN + ' settings.models.m = { backend = "gpt"; model = "x"; };',
      "backend' is not of type `one of \"claude\", \"openai\"'"),
-    ("pattern", MAIN + ' settings.channels.http.listen = "everywhere";', "listen' is not of type"),
+    ("pattern", MAIN + ' settings.server.listen = "everywhere";', "listen' is not of type"),
+    ("old name's pattern", MAIN + ' settings.channels.http.listen = "everywhere";',
+     "listen' is not of type"),
     ("url pattern", MAIN + ' settings.models.m = { backend = "openai"; model = "x"; base_url = "ftp://x"; };',
      "base_url' is not of type"),
     ("bad duration", MAIN + ' settings.limits.idle_timeout = "ten minutes";', "idle_timeout' is not of type"),

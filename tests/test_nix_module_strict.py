@@ -144,26 +144,42 @@ def test_claude_model_with_the_free_image_fails(lib: Path, tmp_path: Path) -> No
           "container-image-claude")
 
 
-# --------------------------------------------------------------------------- HTTP channel
+# --------------------------------------------------------------------------- web server
 
-def test_http_channel_gets_a_token_by_default(lib: Path, tmp_path: Path) -> None:
+def test_the_web_server_gets_a_token_by_default(lib: Path, tmp_path: Path) -> None:
     r = eval_module(lib, tmp_path, module(MAIN))
-    assert r["settings"]["channels"]["http"] == {"generate_secret": True}
-    r = eval_module(lib, tmp_path, module(
-        MAIN + " settings.channels.http.generate_secret = false;"))
-    assert r["settings"]["channels"]["http"] == {"generate_secret": False}  # laptop-like
+    assert r["settings"]["server"] == {"generate_secret": True}
+    assert "channels" not in r["settings"]
+    r = eval_module(lib, tmp_path, module(MAIN + " settings.server.generate_secret = false;"))
+    assert r["settings"]["server"] == {"generate_secret": False}  # laptop-like
+    # the token's old names stand alone: the module adds no second, different value
+    for old in ("generate_secret = false;", 'secret_file = "/run/secrets/web";'):
+        r = eval_module(lib, tmp_path, module(MAIN + f" settings.channels.http.{old}"))
+        assert "server" not in r["settings"], r["settings"]
 
 
 def test_open_firewall(lib: Path, tmp_path: Path) -> None:
     r = eval_module(lib, tmp_path, module(
-        MAIN + ' openFirewall = true; settings.channels.http.listen = "0.0.0.0:8080";'))
+        MAIN + ' openFirewall = true; settings.server.listen = "0.0.0.0:8080";'))
+    assert r["firewall"] == [8080]
+    # the old name of server.listen opens the same port
+    r = eval_module(lib, tmp_path, module(
+        MAIN + ' openFirewall = true; settings.channels.http.listen = "0.0.0.0:8081";'))
+    assert r["firewall"] == [8081]
+    # the chat off, the page and /metrics still are served: the port opens
+    r = eval_module(lib, tmp_path, module(
+        MAIN + ' openFirewall = true; settings.server.listen = "0.0.0.0:8080"; '
+               "settings.channels.http.enabled = false;"))
     assert r["firewall"] == [8080]
     assert eval_module(lib, tmp_path, module(MAIN))["firewall"] == []
     fails(lib, tmp_path, module(MAIN + " openFirewall = true;"),
           "services.mdclaw.openFirewall", 'listen = "127.0.0.1:3000" listens on loopback only',
-          'settings.channels.http.listen = "0.0.0.0:3000"')
+          'settings.server.listen = "0.0.0.0:3000"')
     fails(lib, tmp_path, module(
-        MAIN + ' openFirewall = true; settings.channels.http = { listen = "0.0.0.0:8080"; '
+        MAIN + ' openFirewall = true; settings.channels.http.listen = "127.0.0.1:8080";'),
+          'settings.channels.http.listen = "127.0.0.1:8080" listens on loopback only')
+    fails(lib, tmp_path, module(
+        MAIN + ' openFirewall = true; settings.server = { listen = "0.0.0.0:8080"; '
                "generate_secret = false; };"),
           "without a token", "generate_secret = true")
 

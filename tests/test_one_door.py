@@ -30,8 +30,10 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/config/secrets.py": "looks at and reads the secret files config.yaml names; "
                                 "writes the generated HTTP token in data_dir",
     "mdclaw/state/db.py": "the state database file and its folder",
-    "mdclaw/daemon.py": "the daemon's status file in data_dir",
-    "mdclaw/commands/daemon.py": "the CLI reads the status file and the database path",
+    "mdclaw/daemon/core.py": "the daemon's status file in data_dir",
+    "mdclaw/ops/status.py": "reads the daemon's status file in data_dir",
+    "mdclaw/ops/doctor.py": "doctor's checks: data_dir writable (a temp file, removed), the "
+                            "WhatsApp session file's mode",
     "mdclaw/commands/channels.py": "the CLI checks the database path exists",
     "mdclaw/commands/core.py": "check-config reads the config file it checks (for line numbers)",
     "mdclaw/commands/containers.py": "the CLI checks files the operator names (image tarballs)",
@@ -155,7 +157,7 @@ def test_the_host_only_list_names_real_modules() -> None:
     ("mdclaw/queue.py", "os.unlink(name, dir_fd=fd)\n", "os.unlink outside"),
     ("mdclaw/reconcile.py", "st = path.lstat()\n", ".lstat() outside"),
     # Listed host-only modules still may not reach into a container's tree.
-    ("mdclaw/daemon.py", "self.layout.group_dir(f).mkdir()\n", "container-writable"),
+    ("mdclaw/daemon/core.py", "self.layout.group_dir(f).mkdir()\n", "container-writable"),
     ("mdclaw/config/secrets.py", "open(layout.ipc_dir / f / 'x')\n", "container-writable"),
     ("mdclaw/outbox.py", "os.chmod(layout.sessions_dir / f, 0o777)\n", "container-writable"),
 ])

@@ -1,5 +1,5 @@
 """Wrong tokens are throttled per client address, on a real server: the operator page's login
-and the chat's bearer header are one door (mdclaw.channels.http.TokenGate), so guesses made at
+and the chat's bearer header are one door (mdclaw.webserver.TokenGate), so guesses made at
 either count together and a lockout holds at both. The window's clock is injected: nothing
 waits for it to pass."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.http import HttpChannel
 from mdclaw.operator.access import COOKIE, Access
 from mdclaw.operator.web import PREFIX, build_app
@@ -34,11 +35,10 @@ class Clock:
 async def serve(tmp_path: Path, throttle: TokenThrottle) -> tuple[HttpChannel, Database]:
     db = Database(tmp_path / "state.db")
     upsert_group(db, GroupRow("main", "Admin", "hl:main", "@Andy", False, True, "config"))
-    ch = HttpChannel(db, listen="127.0.0.1:0", secret=SECRET, on_inbound=lambda m: None,
-                     throttle=throttle)
+    ch = chat_on_server(db, secret=SECRET, on_inbound=lambda m: None, throttle=throttle)
     # the login, session and static routes need nothing of the daemon
-    ch.mount(PREFIX, build_app(None, Access(ch.gate)))
-    await ch.connect()
+    ch.server.mount(PREFIX, build_app(None, Access(ch.gate)))
+    await start_chat(ch)
     return ch, db
 
 
@@ -100,7 +100,7 @@ def test_wrong_logins_lock_the_address_out_until_the_window_passes(
                 for i in range(4):
                     assert (await login(http, f"again-{i}"))[0] == 401
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())
@@ -142,7 +142,7 @@ def test_guesses_at_the_chat_and_at_the_login_count_together(tmp_path: Path) -> 
                                     headers={"Authorization": f"Bearer {SECRET}"}) as r:
                     assert r.status == 200
         finally:
-            await ch.disconnect()
+            await stop_chat(ch)
             db.close()
 
     asyncio.run(main())

@@ -137,8 +137,8 @@ def test_one_rule_decides_which_task_changes_are_offered_and_made(
     """`mdclaw.state.tasks.change_refusal` is the one rule: the operator page's buttons
     (`changes_allowed`) are exactly the changes `mdclaw tasks <action>` makes; each one it
     leaves out is refused with the rule's own reason, or does nothing."""
-    from mdclaw.commands.tasks import TASK_ACTIONS, change_task
     from mdclaw.operator.views import tasks as task_rows
+    from mdclaw.ops.tasks import TASK_ACTIONS, change_task
     from mdclaw.schedule import utc_now
     from mdclaw.state.tasks import (
         TASK_CHANGES,

@@ -101,12 +101,13 @@ def test_a_typing_indicator_that_fails_never_fails_the_run_and_is_logged(
 
     from mdclaw.channels.base import ChannelError
     from mdclaw.channels.http import HttpChannel
+    from mdclaw.webserver import WebServer
 
     cfg, db = setup(write_config)
 
     class Flaky(HttpChannel):
         def __init__(self, error: Exception) -> None:
-            super().__init__(db, listen="127.0.0.1:0")
+            super().__init__(db, WebServer("127.0.0.1:0"))
             self.error = error
 
         async def set_typing(self, jid: str, typing: bool) -> None:

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import Channel, ChannelError
-from mdclaw.channels.http import HttpChannel
 from mdclaw.outbox import (
     OutboxWorker,
     RetryPolicy,
     describe_failures,
     failed_since,
     get_row,
-    outbox_counts,
 )
 from mdclaw.state import Database
-from mdclaw.state.outbox import enqueue
+from mdclaw.state.outbox import enqueue, outbox_counts
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = RetryPolicy(max_attempts=3, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0)
@@ -276,8 +275,8 @@ def test_order_within_a_chat_and_independence_across_chats(tmp_path: Path) -> No
 def test_delivery_to_the_local_http_channel(tmp_path: Path) -> None:
     async def main() -> None:
         db = Database(tmp_path / "s.db")
-        http = HttpChannel(db, listen="127.0.0.1:0")
-        await http.connect()
+        http = chat_on_server(db)
+        await start_chat(http)
         w = OutboxWorker(db, [http], policy=FAST)
         try:
             rid = put(db, jid="hl:main", text="reply", sender="Andy")
@@ -285,7 +284,7 @@ def test_delivery_to_the_local_http_channel(tmp_path: Path) -> None:
             assert status(db, rid) == "sent"
             assert [r["content"] for r in http.transcript("hl:main")] == ["reply"]
         finally:
-            await http.disconnect()
+            await stop_chat(http)
             db.close()
 
     asyncio.run(main())

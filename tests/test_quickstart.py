@@ -48,7 +48,7 @@ def test_readme_quick_start_without_a_model(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
     env.update(PYTHONPATH=str(clone), MDCLAW_CONFIG=str(clone / "config.example.yaml"),
                MDCLAW_DATA_DIR=str(tmp_path / "data"),
-               MDCLAW_CHANNELS__HTTP__LISTEN=f"127.0.0.1:{port}",
+               MDCLAW_SERVER__LISTEN=f"127.0.0.1:{port}",
                # Wherever an engine is or is not, the answer must not depend on it.
                MDCLAW_RUNTIME__SOCKET=f"unix://{tmp_path}/no-engine.sock")
     log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115

@@ -30,7 +30,7 @@ from mdclaw.config import (
     load_config,
     reload_config,
 )
-from mdclaw.daemon import Daemon
+from mdclaw.daemon.core import Daemon
 from mdclaw.diskguard import GROUP_FULL, TOO_MANY_FILES
 from mdclaw.runner import ContainerInput
 
@@ -40,7 +40,8 @@ assistant: {{name: Andy, timezone: UTC}}
 groups:
   main: {{name: Admin, jid: "hl:main", main: true}}
 runtime: {{socket: "unix://{tmp}/no-engine.sock", image: "mdclaw-agent:reload-test"}}
-channels: {{http: {{listen: "127.0.0.1:0"}}}}
+server: {{listen: "127.0.0.1:0"}}
+channels: {{http: {{enabled: true}}}}
 metrics: {{enabled: false}}
 limits:
 {limits}"""
@@ -331,8 +332,8 @@ def test_a_reload_reaches_every_limit(tmp_path: Path, caplog: pytest.LogCaptureF
 def test_restart_only_sections_keep_their_running_value(tmp_path: Path,
                                                         caplog: pytest.LogCaptureFixture
                                                         ) -> None:
-    """channels, runtime, data_dir and metrics: the running daemon keeps them and says to
-    restart; the other sections of the same file are applied (here the assistant's name,
+    """server, channels, runtime, data_dir and metrics: the running daemon keeps them and
+    says to restart; the other sections of the same file are applied (here the assistant's name,
     which the local chat shows, and transcription, which gets a transcriber)."""
     path = tmp_path / "config.yaml"
     write(path, tmp_path)
@@ -346,6 +347,7 @@ def test_restart_only_sections_keep_their_running_value(tmp_path: Path,
             assert d.orch.transcriber is None and http.assistant_name == "Andy"  # type: ignore[attr-defined]
             text = path.read_text().replace(
                 '"127.0.0.1:0"', '"127.0.0.1:1"').replace(
+                "{http: {enabled: true}}", "{http: null}").replace(
                 "reload-test", "other").replace(
                 "enabled: false", "enabled: true").replace(
                 f"data_dir: {tmp_path / 'data'}", f"data_dir: {tmp_path / 'elsewhere'}").replace(

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from mdclaw.config import iter_secret_files, load_config, secret_file_issues
-from mdclaw.daemon import Daemon
+from mdclaw.daemon.core import Daemon
 
 
 def secret(path: Path, mode: int = 0o600) -> Path:

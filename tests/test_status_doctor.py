@@ -154,12 +154,11 @@ class _FakeRuntime:
 
 
 def _doctor(write_config, monkeypatch, text: str, labels: dict[str, str] | None = None):
-    import mdclaw.runtime
-    from mdclaw.commands.daemon import run_checks
+    from mdclaw.ops import doctor
 
-    monkeypatch.setattr(mdclaw.runtime, "create_runtime", lambda rt: _FakeRuntime(labels))
+    monkeypatch.setattr(doctor, "create_runtime", lambda rt: _FakeRuntime(labels))
     checks: dict[str, dict[str, str]] = {}
-    for c in run_checks(str(write_config(text))):
+    for c in doctor.run_checks(str(write_config(text))):
         checks[c["check"]] = c
     return checks
 
@@ -223,7 +222,7 @@ def test_doctor_models_backends_endpoint_and_port(write_config, monkeypatch, tmp
             s.bind(("127.0.0.1", port))
             s.listen()
             c = _doctor(write_config, monkeypatch, text, {"mdclaw.backends": "openai,claude"})
-        assert c["http port"]["level"] == "fail" and "channels.http.listen" in c["http port"][
+        assert c["http port"]["level"] == "fail" and "server.listen" in c["http port"][
             "fix"]
         # Requests through the doctor carried the real key's header form, nothing else.
         assert all(r.path == "/v1/models" for r in server.requests)

@@ -16,7 +16,7 @@ import pytest
 
 from mdclaw import schedule
 from mdclaw.config import load_config
-from mdclaw.daemon import status_path
+from mdclaw.ops.status import status_path
 from mdclaw.reconcile import reconcile
 from mdclaw.scheduler import Scheduler
 from mdclaw.state import Database

@@ -11,6 +11,7 @@ import pytest
 
 from mdclaw.channels.registry import build_channels, connect_all, disconnect_all
 from mdclaw.config import load_config
+from mdclaw.daemon.web import build_web_server, server_gate
 from mdclaw.state import Database
 
 
@@ -23,13 +24,16 @@ def test_whatsapp_without_neonize_does_not_stop_the_other_channels(
     cfg_file.write_text(
         f"data_dir: {tmp_path / 'data'}\n"
         "groups: {main: {name: Main, jid: 'hl:main', main: true}}\n"
-        "channels: {http: {enabled: true, listen: '127.0.0.1:0'},"
-        " whatsapp: {enabled: true}}\n")
+        "server: {listen: '127.0.0.1:0'}\n"
+        "channels: {http: {enabled: true}, whatsapp: {enabled: true}}\n")
     cfg = load_config(cfg_file)
     db = Database(tmp_path / "s.db")
 
     async def main() -> dict[str, str]:
-        chans = build_channels(cfg, db)  # builds: nothing raised at start-up
+        server = build_web_server(cfg, server_gate(cfg))
+        assert server is not None
+        chans = build_channels(cfg, db, server)  # builds: nothing raised at start-up
+        await server.start()
         try:
             problems = await connect_all(chans)
             assert {c.name: c.is_connected() for c in chans} == {"http": True,
@@ -37,6 +41,7 @@ def test_whatsapp_without_neonize_does_not_stop_the_other_channels(
             return problems
         finally:
             await disconnect_all(chans)
+            await server.stop()
 
     try:
         problems = asyncio.run(main())

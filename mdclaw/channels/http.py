@@ -26,10 +26,11 @@ Endpoints (JSON unless noted):
 - `GET /` — a single-page chat (HTML, `GET /chat.js` and `GET /chat.css` beside it; no build
   step). The page's CSP runs only those files, never inline script or style.
 
-Other parts of mdclaw (the operator page) add their own sub-application with `mount()`, or
-one GET route with `add_get()` (`/metrics`): its requests pass the same host and origin
-checks, and it decides on access itself with the channel's `gate` (`TokenGate`: the same
-secret, compared the same way, wrong tokens counted against the same lockout).
+The channel owns no listener: it adds these routes to the daemon's web server
+(mdclaw.webserver.WebServer, on `server.listen`), beside the operator page and /metrics, and
+answers while it is connected. The server's host and origin checks come first; the bearer
+check of the endpoints below is the server's `gate` (`TokenGate`: the one secret, compared
+the same way, wrong tokens counted against the one lockout).
 
 The transcript lives in the `http_messages` table (its `seq` is the cursor), apart from the
 `messages` table the orchestrator keeps, so replies never show up as prompt context. Each
@@ -38,22 +39,20 @@ chat keeps its newest `keep_per_chat` rows.
 Files the assistant sends are copied into `files_dir` (host-owned, under data_dir) and removed
 with their transcript rows.
 
-Security: bound to 127.0.0.1 by default; with a secret every endpoint but `/health` and the
-page's files (`/`, `/chat.js`, `/chat.css`: they hold no data) needs
-`Authorization: Bearer <secret>` (compared in constant time; after 10 wrong tokens within 5
-minutes an address gets 429 for 5 minutes, mdclaw.throttle). Cross-site requests are refused:
-a request with an `Origin` other than its own `Host` gets 403, and on a loopback address only
-loopback host names are answered (no DNS rebinding).
+Security: the server binds 127.0.0.1 by default; with a secret (`server.secret_file` or the
+generated one) every endpoint but `/health` and the page's files (`/`, `/chat.js`,
+`/chat.css`: they hold no data) needs `Authorization: Bearer <secret>` (compared in constant
+time; after 10 wrong tokens within 5 minutes an address gets 429 for 5 minutes,
+mdclaw.throttle). Cross-site requests are refused by the server: a request with an `Origin`
+other than its own `Host` gets 403, and on a loopback address only loopback host names are
+answered (no DNS rebinding).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import logging
-import math
 import mimetypes
 import re
 import shutil
@@ -61,7 +60,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 from aiohttp import BodyPartReader, web
 
@@ -73,12 +72,11 @@ from mdclaw.channels.base import (
     InboundMessage,
     kind_for_mime,
 )
-from mdclaw.config import read_secret
 from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
-from mdclaw.throttle import TokenThrottle, client_key
 from mdclaw.webassets import PageAssets
+from mdclaw.webserver import SECURITY_HEADERS, Handler, WebServer, is_loopback, json_error
 
 log = logging.getLogger("mdclaw.channels.http")
 
@@ -86,13 +84,6 @@ JID_RE = re.compile(r"^hl:[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}\Z")
 MAX_WAIT_SECONDS = 30.0
 MAX_FIELD = 200
 TYPING_SECONDS = 30.0
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-_SECURITY_HEADERS = {
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
 # The page runs only its own script and style sheet (chat.js, chat.css), never inline code:
 # what the assistant writes is sanitised HTML, and even markup that slipped through could
 # run nothing.
@@ -107,23 +98,6 @@ INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"}
 FILE_KEY_RE = re.compile(r"^[0-9a-f]{32}\Z")
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """"host:port" as (host, port); an empty host means 127.0.0.1. Raises ValueError."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"listen address {listen!r} is not host:port")
-    return host or "127.0.0.1", int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def normalize_jid(value: str) -> str:
     """`hl:x` or a bare channel id `x` as `hl:x`. Raises ValueError for anything else."""
     jid = value if value.startswith("hl:") else f"hl:{value}"
@@ -134,93 +108,42 @@ def normalize_jid(value: str) -> str:
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.json_response({"error": message}, status=status,
-                             headers={**_SECURITY_HEADERS, **headers})
+    return json_error(status, message, **headers)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(data, status=status, headers=_SECURITY_HEADERS)
+    return web.json_response(data, status=status, headers=SECURITY_HEADERS)
 
 
-def token_matches(secret: bytes | None, token: str) -> bool:
-    """`token` is `secret` (constant-time); False when there is no secret. The one
-    comparison of the local HTTP channel's token; requests go through `TokenGate`."""
-    return secret is not None and hmac.compare_digest(token.strip().encode(), secret)
-
-
-def bearer_token(request: web.BaseRequest) -> str | None:
-    """The token of the request's `Authorization: Bearer <token>` header, if it has one."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token if scheme.lower() == "bearer" else None
-
-
-class TokenGate:
-    """The local HTTP channel's token as a door: compared in constant time
-    (`token_matches`), and wrong tokens throttled per client address
-    (`mdclaw.throttle.TokenThrottle`). The one check for the chat's bearer header, the
-    operator page's login and bearer header, and /metrics, so a guess counts wherever it is
-    made and a lockout holds everywhere."""
-
-    def __init__(self, secret: bytes | None, throttle: TokenThrottle | None = None) -> None:
-        self._secret = secret
-        self.throttle = throttle if throttle is not None else TokenThrottle()
-
-    @property
-    def has_secret(self) -> bool:
-        return self._secret is not None
-
-    def token_refusal(self, request: web.BaseRequest, token: str | None, *,
-                      wrong: str = "missing or wrong bearer token") -> web.Response | None:
-        """None when `token` is the secret; else the answer that refuses it: 429 with
-        `Retry-After` while the client's address is locked out (the right token too), else
-        401 (`wrong` as the message). Only a presented token counts as a guess (None: no
-        token was sent)."""
-        client = client_key(request.remote)
-        left = self.throttle.locked(client)
-        if left is not None:
-            return _locked_out(left)
-        if token is None:
-            return _error(401, wrong, **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
-        if token_matches(self._secret, token):
-            self.throttle.succeeded(client)
+async def _read_at_most(request: web.Request, limit: int) -> bytes | None:
+    """The request's body, or None when it is longer than `limit` bytes (reading stops
+    there: nothing more is held)."""
+    buf = bytearray()
+    while chunk := await request.content.read(64 * 1024):
+        buf += chunk
+        if len(buf) > limit:
             return None
-        started = self.throttle.failed(client)
-        if started is not None:
-            log.warning("%d wrong tokens from %s within %.0f s: its tokens are refused for "
-                        "%.0f s", self.throttle.max_failures, client, self.throttle.window,
-                        started)
-            return _locked_out(started)
-        return _error(401, wrong, **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
-
-    def bearer_refusal(self, request: web.BaseRequest) -> web.Response | None:
-        """`token_refusal` of the request's bearer header."""
-        return self.token_refusal(request, bearer_token(request))
-
-
-def _locked_out(seconds: float) -> web.Response:
-    return _error(429, "too many wrong tokens from this address; try again later",
-                  **{"Retry-After": str(max(1, math.ceil(seconds)))})
+    return bytes(buf)
 
 
 class HttpChannel(Channel):
-    """The local HTTP channel; serves `hl:` chats on `listen` (port 0: any free port)."""
+    """The local HTTP channel: serves `hl:` chats on the daemon's web server `server`, adding
+    its routes now (before the server starts); they answer while the channel is connected."""
 
     name = "http"
     jid_prefix = "hl:"
     max_message_length = 32_000
 
-    def __init__(self, db: Database, *, listen: str = "127.0.0.1:3000",
-                 secret: str | None = None, on_inbound: InboundCallback | None = None,
-                 assistant_name: str = "Andy", max_body_bytes: int = 64 * 1024,
-                 keep_per_chat: int = 1000, max_upload_bytes: int = 20 * 1024 * 1024,
-                 files_dir: Path | None = None,
-                 throttle: TokenThrottle | None = None) -> None:
+    def __init__(self, db: Database, server: WebServer, *,
+                 on_inbound: InboundCallback | None = None, assistant_name: str = "Andy",
+                 max_body_bytes: int = 64 * 1024, keep_per_chat: int = 1000,
+                 max_upload_bytes: int = 20 * 1024 * 1024,
+                 files_dir: Path | None = None) -> None:
         super().__init__(on_inbound)
         self.db = db
-        self.host, self.port = parse_listen(listen)
-        self._secret = secret.encode() if secret else None
-        # The token as a door, shared with the operator page and /metrics (mdclaw.operator).
-        self.gate = TokenGate(self._secret, throttle)
+        self.server = server
+        # The server's token as a door, shared with the operator page and /metrics.
+        self.gate = server.gate
         self.assistant_name = assistant_name
         self.max_body_bytes = max_body_bytes
         self.keep_per_chat = keep_per_chat
@@ -228,117 +151,71 @@ class HttpChannel(Channel):
         # Where copies of files the assistant sends are kept for the page (None: not kept,
         # the transcript names them only).
         self.files_dir = files_dir
-        self._runner: web.AppRunner | None = None
         self._connected = False
         self._closing = False
         self._new = asyncio.Event()
         self._typing: dict[str, float] = {}
-        self._mounts: list[tuple[str, web.Application]] = []
-        self._routes: dict[str, Any] = {}  # GET path -> handler that decides access itself
-        self._page = PageAssets("mdclaw.channels", PAGE_FILES, headers=_SECURITY_HEADERS,
+        self._page = PageAssets("mdclaw.channels", PAGE_FILES, headers=SECURITY_HEADERS,
                                 page_csp=PAGE_CSP)
-        self._public = frozenset({"/health", *(f"/{name}" for name in self._page.routes)})
-
-    @classmethod
-    def from_config(cls, section: Any, db: Database, *, assistant_name: str = "Andy",
-                    on_inbound: InboundCallback | None = None,
-                    max_upload_bytes: int = 20 * 1024 * 1024,
-                    files_dir: Path | None = None) -> HttpChannel:
-        """Build from the `channels.http` config section; the secret file is read now.
-
-        Raises ChannelError naming the file (never its content) if it cannot be read.
-        """
-        secret = None
-        if section.secret_file is not None:
-            try:
-                secret = read_secret(section.secret_file)
-            except OSError as e:
-                raise ChannelError(f"cannot read channels.http.secret_file "
-                                   f"{section.secret_file}: {e.strerror}") from None
-            if not secret:
-                raise ChannelError(f"channels.http.secret_file {section.secret_file} is empty")
-        return cls(db, listen=section.listen, secret=secret, on_inbound=on_inbound,
-                   assistant_name=assistant_name, max_upload_bytes=max_upload_bytes,
-                   files_dir=files_dir)
+        for name in self._page.routes:
+            server.add_route("GET", f"/{name}", self._serving(self._page_handler))
+        server.add_route("GET", "/health", self._health)
+        for method, path, handler in (
+                ("GET", "/groups", self._groups), ("POST", "/message", self._post_message),
+                ("POST", "/upload", self._upload), ("GET", "/file", self._get_file),
+                ("GET", "/messages", self._get_messages)):
+            server.add_route(method, path, self._serving(self._private(handler)))
 
     @property
     def url(self) -> str:
-        # Comparing with the any-address (S104: nothing binds here).
-        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return self.server.url
 
-    # ------------------------------------------------------------------ mounts and access
-    def mount(self, prefix: str, app: web.Application) -> None:
-        """Serve `app` under `prefix` (e.g. "/operator"), from the next `connect()` on. Its
-        requests get this channel's host and origin checks but not its bearer check: the
-        sub-application applies its own access rule (with `gate`)."""
-        if not prefix.startswith("/") or prefix.endswith("/") or prefix == "":
-            raise ValueError(f"mount prefix {prefix!r} must be like /name")
-        self._mounts.append((prefix, app))
-
-    def add_get(self, path: str, handler: Any) -> None:
-        """Serve GET `path` (e.g. "/metrics") with `handler` from the next `connect()` on;
-        like a mount, it gets the host and origin checks but decides on access itself."""
-        if not path.startswith("/") or path.endswith("/"):
-            raise ValueError(f"route {path!r} must be like /name")
-        self._routes[path] = handler
+    @property
+    def port(self) -> int:
+        return self.server.port
 
     @property
     def has_secret(self) -> bool:
-        """True when the channel has a bearer token (channels.http.secret_file)."""
-        return self._secret is not None
+        """True when the web server has a bearer token (server.secret_file, or generated)."""
+        return self.gate.has_secret
 
-    def _mounted(self, path: str) -> bool:
-        return path in self._routes or any(path == p or path.startswith(p + "/")
-                                           for p, _ in self._mounts)
+    # ------------------------------------------------------------------ access
+    def _serving(self, handler: Handler) -> Handler:
+        """`handler` while the channel is connected; 503 before it connects and after."""
+        async def serve(request: web.Request) -> web.StreamResponse:
+            if not self._connected:
+                return _error(503, "the local HTTP channel is not running")
+            return await handler(request)
+        return serve
+
+    def _private(self, handler: Handler) -> Handler:
+        """`handler` behind the bearer token, when the server has one."""
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if self.gate.has_secret:
+                refused = self.gate.bearer_refusal(request)
+                if refused is not None:
+                    return refused
+            return await handler(request)
+        return guarded
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> None:
-        if self._runner is not None:
-            return
-        app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[self._guard])
-        for name in self._page.routes:
-            app.router.add_get(f"/{name}", self._page_handler)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/groups", self._groups)
-        app.router.add_post("/message", self._post_message)
-        app.router.add_post("/upload", self._upload)
-        app.router.add_get("/file", self._get_file)
-        app.router.add_get("/messages", self._get_messages)
-        for path, handler in self._routes.items():
-            app.router.add_get(path, handler)
-        for prefix, sub in self._mounts:
-            app.add_subapp(prefix, sub)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                               shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as e:
-            await runner.cleanup()
-            raise ChannelError(f"local HTTP channel cannot listen on {self.host}:{self.port}: "
-                               f"{e.strerror or e}") from None
-        if self.port == 0:
-            self.port = int(runner.addresses[0][1])
-        self._runner = runner
+        """Answer on the web server, which must be listening already."""
+        if not self.server.running:
+            raise ChannelError(f"the web server does not listen on {self.server.host}:"
+                               f"{self.server.port} (server.listen), so the local HTTP chat "
+                               "cannot answer")
         self._closing = False
         self._connected = True
-        if not _is_loopback(self.host) and self._secret is None:
+        if not is_loopback(self.server.host) and not self.gate.has_secret:
             log.warning("local HTTP channel listens on %s without a secret_file: anyone who "
-                        "can reach it can write to the assistant", self.host)
-        log.info("local HTTP channel listening on %s", self.url)
+                        "can reach it can write to the assistant", self.server.host)
+        log.info("local HTTP channel answering on %s", self.url)
 
     async def disconnect(self) -> None:
-        runner, self._runner = self._runner, None
         self._connected = False
         self._closing = True
         self._notify()
-        if runner is not None:
-            await runner.cleanup()
 
     def is_connected(self) -> bool:
         return self._connected
@@ -487,25 +364,6 @@ class HttpChannel(Channel):
         return "/file?" + urlencode({"jid": row["chat_jid"], "id": row["message_id"]})
 
     # ------------------------------------------------------------------ HTTP
-    @web.middleware
-    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        host_header = request.headers.get("Host", "")
-        req_host = urlsplit(f"//{host_header}").hostname or ""
-        if _is_loopback(self.host) and not _is_loopback(req_host):
-            return _error(403, "this channel answers only on loopback host names")
-        origin = request.headers.get("Origin")
-        if origin is not None and origin != "null":
-            if urlsplit(origin).netloc.lower() != host_header.lower():
-                return _error(403, "cross-origin requests are not allowed")
-        elif origin == "null" and request.method != "GET":
-            return _error(403, "cross-origin requests are not allowed")
-        if (request.path not in self._public and not self._mounted(request.path)
-                and self._secret is not None):
-            refused = self.gate.bearer_refusal(request)
-            if refused is not None:
-                return refused
-        return await handler(request)
-
     async def _page_handler(self, request: web.Request) -> web.Response:
         return self._page.response(request.path[1:])
 
@@ -540,9 +398,8 @@ class HttpChannel(Channel):
     async def _post_message(self, request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             return _error(413, f"body over {self.max_body_bytes} bytes")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        raw = await _read_at_most(request, self.max_body_bytes)
+        if raw is None:
             return _error(413, f"body over {self.max_body_bytes} bytes")
         try:
             data = json.loads(raw)
@@ -731,7 +588,7 @@ class HttpChannel(Channel):
         inline = mime in INLINE_IMAGES
         disposition = "inline" if inline else "attachment"
         return web.FileResponse(path, headers={
-            **_SECURITY_HEADERS,
+            **SECURITY_HEADERS,
             "Content-Type": mime if inline and mime else "application/octet-stream",
             "Content-Disposition": f"{disposition}; filename*=UTF-8''{quote(name, safe='')}",
             "Content-Security-Policy": _FILE_CSP,

@@ -9,41 +9,39 @@ from typing import Any, cast
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.telegram import TelegramChannel
-from mdclaw.config import Config, ensure_http_secret
+from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
+from mdclaw.config import Config
 from mdclaw.state import Database
+from mdclaw.webserver import WebServer
 
 log = logging.getLogger("mdclaw.channels")
 
 
-def build_channels(cfg: Config, db: Database,
+def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
                    on_inbound: InboundCallback | None = None) -> list[Channel]:
-    """The enabled channels of `cfg`, not yet connected (local HTTP first).
+    """The enabled channels of `cfg`, not yet connected (local HTTP first). The local HTTP
+    chat adds its routes to the daemon's web server `server` (it must not be listening yet;
+    None: there is none, and the chat does not run).
 
     Raises ChannelError if a channel's secret file cannot be read (the message names the
-    file, never its content), or WhatsApp is enabled without neonize installed.
+    file, never its content).
     """
     channels: list[Channel] = []
     http = cfg.channels.http
     if http is not None and http.enabled:
-        if http.secret_file is None and http.generate_secret:
-            try:
-                http = http.model_copy(update={"secret_file": ensure_http_secret(cfg)})
-            except OSError as e:
-                raise ChannelError(f"cannot generate the local HTTP channel's token in "
-                                   f"{cfg.data_dir} (channels.http.generate_secret): "
-                                   f"{e.strerror or e}") from None
-        channels.append(HttpChannel.from_config(
-            http, db, assistant_name=cfg.assistant.name, on_inbound=on_inbound,
-            max_upload_bytes=cfg.media.limit,
-            files_dir=cfg.data_dir / "http" / "files"))
+        if server is None:
+            log.error("the local HTTP chat is enabled but there is no web server (server: "
+                      "null): it does not run")
+        else:
+            channels.append(HttpChannel(
+                db, server, assistant_name=cfg.assistant.name, on_inbound=on_inbound,
+                max_upload_bytes=cfg.media.limit, files_dir=cfg.data_dir / "http" / "files"))
     tg = cfg.channels.telegram
     if tg is not None and tg.enabled:
         channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,
                                                     trigger=f"@{cfg.assistant.name}", db=db))
     wa = cfg.channels.whatsapp
     if wa is not None and wa.enabled:
-        from mdclaw.channels.whatsapp import WhatsAppChannel  # neonize is optional
-
         channels.append(WhatsAppChannel.from_config(
             wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
             trigger=f"@{cfg.assistant.name}", db=db))

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
-from mdclaw.commands.common import load_or_exit, read_db_or_exit
+from mdclaw.commands.common import read_db_or_exit
 from mdclaw.commands.output import print_rows
-from mdclaw.schedule import utc_now
-
-if TYPE_CHECKING:
-    from mdclaw.config import Config
-    from mdclaw.state import Database
+from mdclaw.ops.budgets import budget_rows, since_day
+from mdclaw.ops.console import load_or_exit
+from mdclaw.usage import daily_usage, usage_rows
 
 USAGE_FIELDS = ("group_folder", "model", "requests", "errors", "input_tokens", "output_tokens",
                 "first_day", "last_day")
@@ -35,31 +31,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(func=cmd_usage)
 
 
-def budget_rows(cfg: Config, db: Database, group: str | None = None) -> list[dict[str, Any]]:
-    """Per configured group with a daily token budget: the tokens it used today (UTC, as
-    written by the proxy, which flushes every few seconds) against the budget."""
-    from mdclaw.budget import over_budget
-    from mdclaw.usage import tokens_on_day
-
-    day = utc_now().strftime("%Y-%m-%d")
-    out = []
-    for folder in sorted(cfg.groups):
-        budget = cfg.token_budget(folder)
-        if budget is None or (group and folder != group):
-            continue
-        used = tokens_on_day(db, folder, day)
-        out.append({"group_folder": folder, "day": day, "tokens_today": used,
-                    "tokens_per_day": budget, "over": over_budget(used, budget)})
-    return out
-
-
-def since_day(days: int) -> str:
-    """The first UTC day of the last `days` days, today included."""
-    return (utc_now() - timedelta(days=days - 1)).strftime("%Y-%m-%d")
-
-
 def cmd_usage(args: argparse.Namespace) -> int:
-    from mdclaw.usage import daily_usage, usage_rows
 
     cfg = load_or_exit(args)
     since = None

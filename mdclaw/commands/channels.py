@@ -1,10 +1,13 @@
-"""`mdclaw send`: write into a group's chat through the running daemon's local HTTP channel."""
+"""`mdclaw send`: write into a group's chat through the running daemon's local HTTP channel;
+`mdclaw http-token`: the daemon's web server's token (for the chat page and the operator
+page)."""
 
 from __future__ import annotations
 
 import argparse
 import getpass
 import json
+import sqlite3
 import sys
 import time
 import urllib.error
@@ -12,9 +15,11 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from mdclaw.commands.common import fail, load_or_exit
 from mdclaw.commands.output import print_json
 from mdclaw.config import Config, http_secret_path, read_secret
+from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.state import Database, DatabaseError
+from mdclaw.state.groups import get_group
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -52,11 +57,6 @@ def _registered_jid(cfg: Config, folder: str) -> str | None:
     """A group registered at run time (by the main group's agent) lives only in state.db."""
     if not cfg.db_path.exists():
         return None
-    import sqlite3
-
-    from mdclaw.state import Database, DatabaseError
-    from mdclaw.state.groups import get_group
-
     try:
         with Database(cfg.db_path, migrate=False) as db:
             g = get_group(db, folder)
@@ -91,21 +91,22 @@ def _request(url: str, token: str | None, listen: str, data: bytes | None = None
         except (ValueError, AttributeError):
             reason = ""
         if e.code == 401:
-            fail("the daemon refused the token: check channels.http.secret_file")
+            fail("the daemon refused the token: check server.secret_file")
         fail(f"the daemon answered {e.code}{': ' + reason if reason else ''}")
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         why = getattr(e, "reason", e)
         fail(f"the daemon is not running or not reachable: nothing answers on {listen} "
-             f"(channels.http.listen; {why}); start it with `mdclaw run`")
+             f"(server.listen; {why}); start it with `mdclaw run`")
 
 
 def _token(cfg: Config) -> str | None:
-    """The local HTTP channel's token (secret_file, or the generated one), or None."""
+    """The web server's token (server.secret_file, or the generated one), or None."""
     path = http_secret_path(cfg)
-    if path is None:
+    server = cfg.web_server
+    if path is None or server is None:
         return None
-    key = ("channels.http.secret_file" if cfg.channels.http and cfg.channels.http.secret_file
-           else "the generated token (channels.http.generate_secret)")
+    key = ("server.secret_file" if server.secret_file is not None
+           else "the generated token (server.generate_secret)")
     try:
         return read_secret(path)
     except FileNotFoundError:
@@ -119,29 +120,28 @@ def _token(cfg: Config) -> str | None:
 
 def cmd_http_token(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
-    http = cfg.channels.http
-    if http is None or not http.enabled:
-        fail("the local HTTP channel is disabled (channels.http)")
+    if cfg.web_server is None:
+        fail("the daemon has no web server (server: null)")
     token = _token(cfg)
     if token is None:
-        fail("the local HTTP channel has no token: set channels.http.secret_file or "
-             "channels.http.generate_secret")
+        fail("the web server has no token: set server.secret_file or server.generate_secret")
     print(token)
     return 0
 
 
 def cmd_send(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
-    http = cfg.channels.http
-    if http is None or not http.enabled:
+    http, server = cfg.channels.http, cfg.web_server
+    if http is None or not http.enabled or server is None:
         fail("the local HTTP channel is disabled (channels.http); `mdclaw send` needs it")
+    listen = server.listen
     jid = _group_jid(cfg, args.group)
     token = _token(cfg)
-    base = _base_url(http.listen)
+    base = _base_url(listen)
     sender = args.sender or getpass.getuser()
     body = json.dumps({"text": " ".join(args.text), "jid": jid, "sender": sender,
                        "sender_name": sender}).encode()
-    accepted = _request(f"{base}/message", token, http.listen, body)
+    accepted = _request(f"{base}/message", token, listen, body)
     replies: list[dict[str, Any]] = []
     if args.wait > 0:
         cursor = int(accepted.get("seq", 0))
@@ -149,7 +149,7 @@ def cmd_send(args: argparse.Namespace) -> int:
         while not replies and (left := deadline - time.monotonic()) > 0:
             q = urllib.parse.urlencode({"jid": jid, "after": cursor,
                                         "wait": f"{min(left, 25):.1f}"})
-            page = _request(f"{base}/messages?{q}", token, http.listen, timeout=left + 10)
+            page = _request(f"{base}/messages?{q}", token, listen, timeout=left + 10)
             cursor = int(page.get("cursor", cursor))
             replies = [m for m in page.get("messages", []) if m.get("direction") == "out"]
     if args.json:

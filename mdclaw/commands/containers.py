@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mdclaw import mounts
-from mdclaw.commands.common import fail, load_or_exit
 from mdclaw.commands.core import CONFIG_CHECKS
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import Config
+from mdclaw.ops.console import fail, load_or_exit
 from mdclaw.runtime import (
     LABEL,
     ContainerRuntime,

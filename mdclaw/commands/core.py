@@ -1,4 +1,4 @@
-"""check-config, reconcile, groups, run."""
+"""check-config, reconcile, groups list."""
 
 from __future__ import annotations
 
@@ -8,38 +8,32 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from mdclaw.commands.common import (
-    exit_invalid,
-    fail,
-    load_or_exit,
-    open_db_or_exit,
-    read_db_or_exit,
-)
+from mdclaw.commands.common import open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import (
     Config,
     ConfigError,
     ConfigIssue,
-    check_secret_files,
     file_key_lines,
     find_config_path,
     issue_at,
     iter_secret_files,
     load_config,
+    old_server_key_warnings,
     secret_file_issues,
-    service_credential_secrets,
     sorted_issues,
 )
+from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.ops.groups import GROUP_FIELDS, group_listing
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.senders import jid_is_group_chat, main_group_warning
-from mdclaw.state.groups import GroupRow, Refusals, list_groups, refusals
+from mdclaw.state.groups import Refusals, list_groups, refusals
 
 # Checks beyond the schema; areas add theirs here. Each yields problems, as ConfigIssue or as
 # "key.path: message" lines (reported at that key's line). They may look at this machine
 # (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
 CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = []
 
-GROUP_FIELDS = ("folder", "name", "jid", "trigger", "requires_trigger", "is_main", "source")
 GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
 
 
@@ -57,7 +51,8 @@ def open_main_group(cfg: Config) -> Iterable[str]:
 
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
-CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [open_main_group]
+CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [
+    open_main_group, old_server_key_warnings]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -88,9 +83,6 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = gsub.add_parser("list", parents=[common], help="list registered groups")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_groups_list)
-
-    p = sub.add_parser("run", parents=[common], help="run the daemon (systemd Type=notify)")
-    p.set_defaults(func=cmd_run)
 
 
 _KEY_PATH = re.compile(r"^([A-Za-z0-9_<>-]+(?:\.[A-Za-z0-9_<>-]+)*): (.*)$", re.DOTALL)
@@ -176,18 +168,6 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     return 1 if plan.conflicts else 0
 
 
-def group_listing(g: GroupRow, refused: Refusals) -> dict[str, object]:
-    """One row of `mdclaw groups list --json`: the group, its allow-list (mode and how many
-    ids; null: everyone may drive it) and the messages that allow-list refused."""
-    row: dict[str, object] = {k: getattr(g, k) for k in GROUP_FIELDS}
-    policy = g.allow_senders
-    row["allow_senders"] = ({"mode": policy.mode, "ids": len(policy.ids)}
-                            if policy is not None else None)
-    row["refused"] = refused.count
-    row["last_refused_at"] = refused.last_at
-    return row
-
-
 def _senders_cell(row: dict[str, object]) -> str:
     policy = row["allow_senders"]
     if not isinstance(policy, dict):
@@ -206,18 +186,3 @@ def cmd_groups_list(args: argparse.Namespace) -> int:
     print_rows(rows, GROUP_COLUMNS, as_json=args.json, empty="no groups registered")
     return 0
 
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from mdclaw.daemon import run_daemon
-
-    cfg = load_or_exit(args)
-    unreadable = service_credential_secrets(cfg)
-    if unreadable:
-        fail("cannot run here: " + ", ".join(f"{k} ({p})" for k, p in unreadable)
-             + " is set in the service's credentials, which exist only inside the mdclaw "
-             "service: start it with `systemctl start mdclaw`")
-    try:  # the daemon refuses a bad secret file as it refuses an invalid config
-        check_secret_files(cfg, args.config)
-    except ConfigError as e:
-        exit_invalid(e)
-    return run_daemon(cfg, config_path=args.config)

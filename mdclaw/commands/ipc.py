@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import asyncio
 
-from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit, read_db_or_exit
+from mdclaw.commands.common import open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
+from mdclaw.config import Config
+from mdclaw.ipc.quarantine import QuarantineError, list_errors
+from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.ops.outbox import change_outbox_row
+from mdclaw.ops.quarantine import delete_quarantined
 from mdclaw.paths import Layout
-
-if TYPE_CHECKING:
-    from mdclaw.config import Config
-    from mdclaw.state import Database
-    from mdclaw.state.outbox import OutboxRow
+from mdclaw.state.outbox import OutboxError, list_outbox
 
 ERROR_FIELDS = ("name", "source_group", "original_file", "error", "processed_at")
 OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "status", "source_group", "attempts",
@@ -59,6 +60,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    # Imported here for the CLI's start-up: the engine and the integrations bring in
+    # aiohttp and prometheus_client (over half a second), which only `ipc drain` needs.
     from mdclaw.integrations import load_all
     from mdclaw.ipc.apply import IpcEngine
 
@@ -91,8 +94,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def _run_actions(cfg: Config) -> int:
     """Run the queued off-loop actions (memory searches, fetches...) here and now, as the
     daemon's action worker does; safe beside a running daemon (a job is claimed once)."""
-    import asyncio
-
+    # Imported here for the CLI's start-up: the worker and its metrics (~0.1 s), which only
+    # --run-actions needs.
     from mdclaw.ipc.actions import ACTIONS
     from mdclaw.ipc.worker import ActionWorker
 
@@ -107,8 +110,6 @@ def _run_actions(cfg: Config) -> int:
 
 
 def cmd_errors(args: argparse.Namespace) -> int:
-    from mdclaw.ipc.quarantine import list_errors
-
     cfg = load_or_exit(args)  # (the quarantine is files: no database needed)
     rows = [e.as_dict() for e in list_errors(Layout(cfg.data_dir).errors_dir)]
     print_rows(rows, ERROR_FIELDS, as_json=args.json, empty="no quarantined files")
@@ -116,8 +117,6 @@ def cmd_errors(args: argparse.Namespace) -> int:
 
 
 def cmd_outbox_list(args: argparse.Namespace) -> int:
-    from mdclaw.state.outbox import list_outbox
-
     cfg = load_or_exit(args)
     with read_db_or_exit(cfg, as_json=args.json) as db:
         rows = [{k: getattr(r, k) for k in OUTBOX_FIELDS}
@@ -126,17 +125,7 @@ def cmd_outbox_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def delete_quarantined(cfg: Config, name: str) -> bool:
-    """Delete quarantine entry `name` (`mdclaw ipc delete-error`, the operator page).
-    Raises QuarantineError for a bad name."""
-    from mdclaw.ipc.quarantine import delete_error
-
-    return delete_error(Layout(cfg.data_dir).errors_dir, name)
-
-
 def cmd_delete_error(args: argparse.Namespace) -> int:
-    from mdclaw.ipc.quarantine import QuarantineError
-
     cfg = load_or_exit(args)
     try:
         found = delete_quarantined(cfg, args.name)
@@ -148,19 +137,7 @@ def cmd_delete_error(args: argparse.Namespace) -> int:
     return 0
 
 
-def change_outbox_row(db: Database, row_id: int, action: str) -> OutboxRow:
-    """`retry` or `drop` failed outbox row `row_id` (`mdclaw outbox retry|drop`, the operator
-    page). Raises OutboxError."""
-    from mdclaw.state.outbox import drop_failed, retry_failed
-
-    op = {"retry": retry_failed, "drop": drop_failed}[action]
-    with db.transaction() as conn:
-        return op(conn, row_id)
-
-
 def _outbox_change(args: argparse.Namespace, action: str, verb: str) -> int:
-    from mdclaw.state.outbox import OutboxError
-
     cfg = load_or_exit(args)
     db = open_db_or_exit(cfg)
     try:

@@ -13,28 +13,24 @@ from collections.abc import Callable
 from typing import Any
 
 from mdclaw import schedule
-from mdclaw.commands.common import fail, load_or_exit, open_db_or_exit, read_db_or_exit
+from mdclaw.commands.common import open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_table
 from mdclaw.config import Config
-from mdclaw.state import Database
-from mdclaw.state.tasks import (
-    TaskError,
-    TaskRow,
-    cancel_task,
-    get_task,
-    list_runs,
-    list_tasks,
-    pause_task,
-    resume_task,
-    run_now,
+from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.ops.tasks import (
+    CONFIG_CANCEL_NOTE,
+    change_summary,
+    change_task,
+    local_time,
+    log_row,
+    task_json,
+    zone_for,
 )
+from mdclaw.state import Database
+from mdclaw.state.tasks import TaskError, TaskRow, get_task, list_runs, list_tasks
 
-JSON_FIELDS = ("id", "group_folder", "chat_jid", "prompt", "schedule_type", "schedule_value",
-               "context_mode", "status", "next_run", "last_run", "last_result", "source",
-               "timezone", "catch_up", "created_at", "updated_at")
 TABLE_COLUMNS = ("id", "group", "schedule", "status", "next_run", "source", "prompt")
 LOG_COLUMNS = ("id", "due", "started", "status", "duration", "missed", "outcome", "delay")
-LATE_CLAIM_S = 2.0  # a claim later than this after the slot is explained in `delay`
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -75,26 +71,6 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 # ------------------------------------------------------------------ formatting
-
-def task_json(t: TaskRow) -> dict[str, Any]:
-    d = t.as_dict()
-    return {k: d[k] for k in JSON_FIELDS}
-
-
-def local_time(iso: str | None, tz: str) -> str | None:
-    """A stored UTC time as 'YYYY-MM-DD HH:MM:SS ZONE' in `tz` (e.g. CET)."""
-    if not iso:
-        return None
-    try:
-        dt = schedule.from_iso(iso).astimezone(schedule.get_zone(tz))
-    except (ValueError, schedule.ScheduleError):
-        return iso
-    return dt.strftime("%Y-%m-%d %H:%M:%S %Z")
-
-
-def zone_for(t: TaskRow, cfg: Config) -> str:
-    return t.timezone or cfg.assistant.timezone
-
 
 def table_row(t: TaskRow, cfg: Config) -> dict[str, Any]:
     return {"id": t.id, "group": t.group_folder,
@@ -174,43 +150,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     return _reading(args, body)
 
 
-# The state layer's TASK_CHANGES, each with its operation and what it did (for people).
-# Which change is allowed for which task is mdclaw.state.tasks.change_refusal, nothing here.
-TASK_ACTIONS: dict[str, tuple[Callable[..., TaskRow], str]] = {
-    "pause": (pause_task, "paused"),
-    "resume": (resume_task, "resumed"),
-    "cancel": (cancel_task, "cancelled"),
-    "run-now": (run_now, "is due now; the running daemon starts it within a second"),
-}
-
-
-def change_task(cfg: Config, db: Database, task_id: str, action: str) -> tuple[TaskRow, TaskRow]:
-    """Pause, resume, cancel or run-now (`action`, a key of TASK_ACTIONS) task `task_id`, as
-    `mdclaw tasks <action>` and the operator page do; returns (before, after). Raises
-    TaskError (no such task, or the change is not allowed) or ScheduleError."""
-    op = TASK_ACTIONS[action][0]
-    before = get_task(db, task_id)
-    if before is None:
-        raise TaskError(f"no task with id {task_id!r}; see: mdclaw tasks list")
-    with db.transaction() as conn:
-        after = (op(conn, task_id, cfg.assistant.timezone) if op is resume_task
-                 else op(conn, task_id))
-    return before, after
-
-
-def change_summary(before: TaskRow, after: TaskRow, action: str, cfg: Config) -> str:
-    """What a change did, in one line for people."""
-    same = before.status == after.status and before.next_run == after.next_run
-    when = local_time(after.next_run, zone_for(after, cfg))
-    verb = TASK_ACTIONS[action][1]
-    return (f"task {after.id} {'was already ' + after.status if same else verb}"
-            + (f"; next run {when}" if when and after.status == "active" else ""))
-
-
-CONFIG_CANCEL_NOTE = ("note: this task comes from the config; remove it there too, or it stays "
-                      "cancelled until its schedule changes")
-
-
 def _change(args: argparse.Namespace, action: str) -> int:
     def body(cfg: Config, db: Database) -> int:
         _get_or_fail(db, args.task_id)
@@ -242,38 +181,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_run_now(args: argparse.Namespace) -> int:
     return _change(args, "run-now")
-
-
-def _seconds(later: str | None, earlier: str | None) -> float | None:
-    if not later or not earlier:
-        return None
-    try:
-        return (schedule.from_iso(later) - schedule.from_iso(earlier)).total_seconds()
-    except ValueError:
-        return None
-
-
-def _delay(r) -> str:  # noqa: ANN001 - RunLog
-    """Why the run started when it did: a late claim (mdclaw was down or busy), and what
-    the run then waited for (the run log's start_note)."""
-    why = []
-    late_claim = _seconds(r.run_at, r.due_at)
-    if late_claim is not None and late_claim > LATE_CLAIM_S:
-        why.append(f"claimed {late_claim:.1f} s after due (mdclaw was not running then)")
-    if r.start_note:
-        why.append(r.start_note)
-    return "; ".join(why) or "-"
-
-
-def log_row(r, tz: str) -> dict[str, Any]:  # noqa: ANN001 - RunLog
-    outcome = r.result if r.status == "success" else r.error
-    after = _seconds(r.started_at, r.due_at or r.run_at)
-    started = (f"+{after:.1f}s" if after is not None
-               else "not yet" if r.status == "running" else "-")
-    return {"id": r.id, "due": local_time(r.due_at or r.run_at, tz), "started": started,
-            "status": r.status,
-            "duration": "-" if r.status == "running" else f"{r.duration_ms / 1000:.1f}s",
-            "missed": r.missed, "outcome": outcome, "delay": _delay(r)}
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """`mdclaw whatsapp link`: pair mdclaw with a WhatsApp account (scan a QR code, or type a
-pairing code into the phone), and the one description of the link state that `status` and
-`doctor` print."""
+pairing code into the phone). The link state `status` and `doctor` print is
+mdclaw.ops.whatsapp."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from mdclaw.commands.common import fail, load_or_exit
-from mdclaw.config import Config
+import segno
+
+from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.ops.status import daemon_running
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -28,23 +30,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     link.set_defaults(func=cmd_link)
 
 
-def whatsapp_status(cfg: Config) -> dict[str, Any] | None:
-    """{link_state, account, session, fix} of the configured WhatsApp channel (None when it is
-    not enabled), read from the session files: what `status` and `doctor` say."""
-    wa = cfg.channels.whatsapp
-    if wa is None or not wa.enabled:
-        return None
-    from mdclaw.channels.whatsapp import LINK_FIX, link_state
-
-    state, account = link_state(cfg.whatsapp_session_path)
-    return {"link_state": state, "account": account,
-            "session": str(cfg.whatsapp_session_path), "fix": LINK_FIX.get(state)}
-
-
 def print_qr(code: str, out: TextIO = sys.stdout) -> None:
     """`code` as a QR code drawn in the terminal (segno), with how to scan it."""
-    import segno
-
     print("\nScan with WhatsApp on your phone: Settings → Linked devices → Link a device",
           file=out)
     segno.make_qr(code, error="l").terminal(out=out, compact=True)
@@ -56,6 +43,8 @@ async def run_link(channel: Any, *, phone: str | None, timeout: float,
                    out: TextIO = sys.stdout,
                    show_qr: Callable[[str, TextIO], None] = print_qr) -> int:
     """Run `channel` in the foreground until it is linked (0) or `timeout` passes (1)."""
+    # Imported here (and in cmd_link) for the CLI's start-up: the channel modules bring in
+    # the chat formatter (markdown-it, nh3: ~60 ms on every command).
     from mdclaw.channels.base import ChannelError
     from mdclaw.channels.whatsapp import LINKED
 
@@ -111,9 +100,7 @@ def cmd_link(args: argparse.Namespace) -> int:
     if wa is None:
         fail("WhatsApp is not configured: add `channels: {whatsapp: {enabled: true}}` to the "
              "config first")
-    from mdclaw.commands.daemon import gather_status
-
-    if gather_status(cfg).get("daemon") == "running":
+    if daemon_running(cfg):
         fail("the daemon is running and holds the WhatsApp session: stop it first (or scan "
              "the code on the operator page)")
     from mdclaw.channels.base import ChannelError

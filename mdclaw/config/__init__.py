@@ -33,6 +33,7 @@ from mdclaw.config.load import (
     sorted_issues,
 )
 from mdclaw.config.schema import (
+    SERVER_KEYS,
     AllowedRoot,
     AllowSenders,
     Assistant,
@@ -50,6 +51,7 @@ from mdclaw.config.schema import (
     ModelSpec,
     MountPolicy,
     Runtime,
+    Server,
     TaskSpec,
     TelegramChannel,
     Transcription,
@@ -58,6 +60,9 @@ from mdclaw.config.schema import (
     WhatsAppChannel,
     cross_key_problems,
     network_problem,
+    old_server_key_warnings,
+    old_server_keys,
+    server_key_problems,
 )
 from mdclaw.config.secrets import (
     HTTP_SECRET_NAME,
@@ -99,17 +104,19 @@ from mdclaw.config.types import (
 
 __all__ = [
     "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "FLOOR_PATTERN", "FOLDER_RE", "HTTP_SECRET_NAME",
-    "RESERVED_FOLDERS", "RESTART_ONLY", "SIZE_PATTERN", "AllowSenders", "AllowedRoot",
-    "Assistant", "Channels", "Config", "ConfigError", "ConfigIssue", "CrossKeyError",
+    "RESERVED_FOLDERS", "RESTART_ONLY", "SERVER_KEYS", "SIZE_PATTERN", "AllowSenders",
+    "AllowedRoot", "Assistant", "Channels", "Config", "ConfigError", "ConfigIssue", "CrossKeyError",
     "Duration", "Folder", "Frozen", "Group", "GroupMount", "HomeAssistant",
     "HomeAssistantAllow", "HttpChannel", "Integrations", "Limits", "LiveConfig", "Media",
-    "Metrics", "ModelSpec", "MountPolicy", "Problem", "Runtime", "SecretFile",
+    "Metrics", "ModelSpec", "MountPolicy", "Problem", "Runtime", "SecretFile", "Server",
     "ServiceCredential", "Size", "SizeOrPercent", "TaskSpec", "TelegramChannel", "TimeZone",
     "Transcription", "Web", "WebSearch", "WhatsAppChannel", "check_secret_files",
     "config_for_display", "cross_key_problems", "ensure_http_secret", "file_key_lines",
     "find_config_path", "floor_bytes", "format_duration", "format_size", "http_secret_path",
     "in_service_credentials", "issue_at", "iter_secret_files", "key_lines", "line_of",
-    "load_config", "network_problem", "parse_duration", "parse_size", "read_secret",
+    "load_config", "network_problem", "old_server_key_warnings", "old_server_keys",
+    "parse_duration", "parse_size", "read_secret",
     "reload_config", "restart_only_changes", "secret_file_issues", "secret_file_problem",
-    "secret_state", "service_credential_secrets", "sorted_issues", "validate_folder",
+    "secret_state", "server_key_problems", "service_credential_secrets", "sorted_issues",
+    "validate_folder",
 ]

@@ -28,9 +28,10 @@ from mdclaw.config.schema import Config
 log = logging.getLogger("mdclaw.config")
 
 # What a reload cannot change in a running daemon: the channels' connections and listeners,
-# the container engine and its install labels, the data folder, the metrics listener. A dotted
+# the container engine and its install labels, the data folder, the metrics listener, the
+# web server's listener and token. A dotted
 # key names one key of a section (e.g. "limits.x"); none of `limits` is restart-only.
-RESTART_ONLY: tuple[str, ...] = ("channels", "runtime", "data_dir", "metrics")
+RESTART_ONLY: tuple[str, ...] = ("channels", "runtime", "data_dir", "metrics", "server")
 
 Subscriber = Callable[[Config, Config], None]
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -34,6 +34,7 @@ from mdclaw.config.schema_services import (
     Media,
     Metrics,
     ModelSpec,
+    Server,
     TelegramChannel,
     Transcription,
     Web,
@@ -50,6 +51,7 @@ from mdclaw.config.types import (
     SizeOrPercent,
     format_duration,
     parse_size,
+    short_repr,
 )
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -220,6 +222,11 @@ class Config(_Settings):
                                       description="Which host folders groups may mount.")
     models: dict[str, ModelSpec] = Field(default_factory=dict,
                                          description="Model backends by name; groups pick one.")
+    server: Server | None = Field(
+        default_factory=Server,
+        description="The daemon's web server: the operator page, /metrics and, when "
+        "`channels.http` is enabled, the local chat (docs/web.md). null: no web server "
+        "(restart to apply).")
     channels: Channels = Field(default_factory=Channels,
                                description="Chat channels mdclaw listens on (restart to "
                                "apply).")
@@ -260,6 +267,17 @@ class Config(_Settings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "state.db"
+
+    @property
+    def web_server(self) -> Server | None:
+        """The daemon's web server as configured: `server`, each key it leaves unset taken
+        from its old name under `channels.http` when that is set (see old_server_keys);
+        None for `server: null` (no web server)."""
+        if self.server is None:
+            return None
+        old = old_server_keys(self)
+        taken = {k: v for k, v in old.items() if k not in self.server.model_fields_set}
+        return self.server.model_copy(update=taken) if taken else self.server
 
     @property
     def whatsapp_session_path(self) -> Path:
@@ -406,6 +424,8 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 f"{str(ha.dashboards_dir)!r} {why}: the dashboards folder is the host's "
                 "alone; put it outside data_dir's groups/, ipc/, sessions/ and every "
                 "group mount", ("groups",))
+    for path, msg in server_key_problems(cfg):
+        add(path, msg, ("server",))
     wa = cfg.channels.whatsapp
     if wa is not None and wa.session_file is not None:
         # The session file holds the linked device's keys: never where an agent can reach.
@@ -465,3 +485,49 @@ __all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "Gr
            "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Runtime", "TaskSpec",
            "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
+
+
+# ------------------------------------------------------------------ the web server's keys
+# `server.listen`, `server.secret_file` and `server.generate_secret` were once
+# `channels.http.*` (the chat owned the web server). The old names still work: each is read as
+# the new one (Config.web_server), check-config warns, and setting both to different values
+# (or the old one beside `server: null`) is an error naming both keys.
+SERVER_KEYS = ("listen", "secret_file", "generate_secret")
+
+
+def old_server_keys(cfg: Config) -> dict[str, Any]:
+    """The web server's keys set under their old names (`channels.http.<key>`)."""
+    http = cfg.channels.http
+    if http is None:
+        return {}
+    return {k: getattr(http, k) for k in SERVER_KEYS if getattr(http, k) is not None}
+
+
+def server_key_problems(cfg: Config) -> list[Problem]:
+    """An old name set beside `server: null`, or beside its new name with another value; and
+    the chat enabled without a web server to serve it."""
+    problems: list[Problem] = []
+    for key, value in old_server_keys(cfg).items():
+        if cfg.server is None:
+            problems.append((("channels", "http", key),
+                             f"channels.http.{key} is the old name of server.{key}, but "
+                             "server is null (no web server): remove one of the two"))
+        elif key in cfg.server.model_fields_set and getattr(cfg.server, key) != value:
+            problems.append((("channels", "http", key),
+                             f"channels.http.{key} ({short_repr(value)}) and server.{key} "
+                             f"({short_repr(getattr(cfg.server, key))}) differ: "
+                             f"channels.http.{key} is the old name of server.{key}; keep "
+                             f"server.{key} only"))
+    http = cfg.channels.http
+    if cfg.server is None and http is not None and http.enabled:
+        problems.append((("channels", "http"),
+                         "the local HTTP chat is served by the daemon's web server, but server "
+                         "is null: remove `server: null`, or turn the chat off "
+                         "(channels.http.enabled: false)"))
+    return problems
+
+
+def old_server_key_warnings(cfg: Config) -> list[str]:
+    """One warning per web server key set under its old name (check-config, start-up)."""
+    return [f"channels.http.{key}: the old name of server.{key}, read as it; move it to "
+            f"server.{key}" for key in old_server_keys(cfg)]

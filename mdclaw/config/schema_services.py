@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from mdclaw.config.types import (
+    LISTEN_PATTERN,
     Cidr,
     CrossKeyError,
     Domain,
@@ -37,16 +38,32 @@ class ModelSpec(Frozen):
         "side tasks, e.g. `claude-haiku-4-5`).")
 
 
-class HttpChannel(Frozen):
-    enabled: bool = Field(True, description="Serve the local HTTP channel and its chat page.")
-    listen: str = Field("127.0.0.1:3000", pattern=r"^[^:\s]*:\d{1,5}$",
-                        description="host:port to listen on.")
-    secret_file: SecretFile | None = Field(None, description="Bearer token file (optional).")
+class Server(Frozen):
+    listen: str = Field("127.0.0.1:3000", pattern=LISTEN_PATTERN,
+                        description="host:port the daemon's web server listens on.")
+    secret_file: SecretFile | None = Field(
+        None, description="Bearer token file (optional): required by the chat's endpoints, "
+        "the operator page and /metrics.")
     generate_secret: bool = Field(
         False, description="When `secret_file` is unset: generate a random token into "
         "`<data_dir>/http-secret` (mode 0600) on the daemon's first start and require it, so "
         "no other local user can post as the main group. `mdclaw send` and `mdclaw "
         "http-token` (for the chat page) read it. The NixOS module turns this on.")
+
+
+class HttpChannel(Frozen):
+    enabled: bool = Field(True, description="Serve the local HTTP chat and its page on the "
+                          "daemon's web server (`server`).")
+    # The old names of the web server's keys, from when the chat owned the server: read as
+    # `server.<key>` (Config.web_server); check-config warns (old_server_keys).
+    listen: str | None = Field(
+        None, pattern=LISTEN_PATTERN, description="Deprecated: the old name of "
+        "`server.listen`, read as it (check-config warns; a different `server.listen` is an "
+        "error).")
+    secret_file: SecretFile | None = Field(
+        None, description="Deprecated: the old name of `server.secret_file`, read as it.")
+    generate_secret: bool | None = Field(
+        None, description="Deprecated: the old name of `server.generate_secret`, read as it.")
 
 
 class TelegramChannel(Frozen):
@@ -71,7 +88,8 @@ class WhatsAppChannel(Frozen):
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
-        description="Local HTTP channel (jids hl:<id>), on by default on 127.0.0.1:3000.")
+        description="Local HTTP chat (jids hl:<id>), on by default, served by the daemon's "
+        "web server (`server`).")
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
     whatsapp: WhatsAppChannel | None = Field(
         None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
@@ -197,14 +215,14 @@ class WebSearch(Frozen):
 
 class Metrics(Frozen):
     enabled: bool = Field(
-        True, description="Serve Prometheus metrics at `/metrics` on the local HTTP channel's "
-        "listener (and on `listen`, when set), behind the operator page's access rule: the "
-        "channel's bearer token when it has one, else loopback clients only (docs/metrics.md).")
+        True, description="Serve Prometheus metrics at `/metrics` on the daemon's web server "
+        "(`server`; and on `listen`, when set), behind the operator page's access rule: the "
+        "server's bearer token when it has one, else loopback clients only (docs/metrics.md).")
     listen: str | None = Field(
-        None, pattern=r"^[^:\s]*:\d{1,5}$",
+        None, pattern=LISTEN_PATTERN,
         description="host:port of a listener of its own that serves only `/metrics` (e.g. "
-        "`127.0.0.1:9464`), for scraping without the HTTP channel. Same access rule; the "
-        "token is the HTTP channel's (`channels.http.secret_file` or the generated one).")
+        "`127.0.0.1:9464`), for scraping apart from the web server. Same access rule; the "
+        "token is the web server's (`server.secret_file` or the generated one).")
 
 
 class Web(Frozen):

@@ -162,22 +162,22 @@ HTTP_SECRET_NAME = "http-secret"  # noqa: S105 - a file name, not a secret
 
 
 def http_secret_path(cfg: Config) -> Path | None:
-    """The local HTTP channel's token file: `secret_file`, else the generated one in
-    data_dir when `generate_secret` is on, else None (no token)."""
-    http = cfg.channels.http
-    if http is None:
+    """The web server's token file: `server.secret_file`, else the generated one in data_dir
+    when `server.generate_secret` is on, else None (no token, or no web server)."""
+    server = cfg.web_server
+    if server is None:
         return None
-    if http.secret_file is not None:
-        return http.secret_file
-    return cfg.data_dir / HTTP_SECRET_NAME if http.generate_secret else None
+    if server.secret_file is not None:
+        return server.secret_file
+    return cfg.data_dir / HTTP_SECRET_NAME if server.generate_secret else None
 
 
 def ensure_http_secret(cfg: Config) -> Path | None:
     """http_secret_path(), generating the token first when it is to be generated and does
     not exist yet (a new random token, mode 0600, never replaced once written)."""
     path = http_secret_path(cfg)
-    http = cfg.channels.http
-    if path is None or http is None or http.secret_file is not None:
+    server = cfg.web_server
+    if path is None or server is None or server.secret_file is not None:
         return path
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -261,6 +261,11 @@ SecretFile = Annotated[Path, BeforeValidator(_secret_path)]
 
 # --------------------------------------------------------------------------- model base
 
+# host:port (an empty host is 127.0.0.1). A pydantic pattern (Rust regex: `$` is the end of the
+# text) that the JSON Schema and so the NixOS options carry as it is.
+LISTEN_PATTERN = r"^[^:\s]*:\d{1,5}$"
+
+
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

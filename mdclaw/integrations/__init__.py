@@ -1,15 +1,17 @@
-"""Host-side capabilities for agents (web access, ...), each a module registering actions
-with `mdclaw/ipc/actions.py`. `load_all()` imports them all, so their actions exist; the
-daemon and `mdclaw ipc drain` call it."""
+"""Host-side capabilities for agents (web access, Home Assistant...), each a module
+registering actions with `mdclaw/ipc/actions.py` when it is imported. This package imports
+them all, so whoever imports it (the daemon, the runner, `mdclaw ipc drain`) has their actions;
+`load_all()` says so where they are needed."""
 
 from __future__ import annotations
 
-import importlib
+from types import ModuleType
 
-MODULES: tuple[str, ...] = ("web", "home_assistant")
+from mdclaw.integrations import home_assistant, web
+
+MODULES: tuple[ModuleType, ...] = (web, home_assistant)
 
 
-def load_all() -> None:
-    """Import every integration module (registering its actions). Idempotent."""
-    for name in MODULES:
-        importlib.import_module(f"mdclaw.integrations.{name}")
+def load_all() -> tuple[ModuleType, ...]:
+    """The integration modules, their actions registered (they came with this package)."""
+    return MODULES

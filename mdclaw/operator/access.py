@@ -1,11 +1,11 @@
 """Who may use the operator page (and whatever else mdclaw serves for the operator, such as
 metrics): one rule, one place.
 
-- With a bearer token (`channels.http.secret_file`): every request needs
+- With a bearer token (`server.secret_file`, or the generated one): every request needs
   `Authorization: Bearer <token>` or the session cookie a login with that token set
   (`HttpOnly`, `SameSite=Strict`, `Secure` over https; kept in memory, so a restart logs
-  everyone out). Wrong tokens (login or header) count against the channel's lockout per
-  client address (`mdclaw.throttle`): too many, and that address gets 429 for a while.
+  everyone out). Wrong tokens (login or header) count against the web server's one lockout
+  per client address (`mdclaw.throttle`): too many, and that address gets 429 for a while.
 - Without a token: only loopback clients, judged by the connection's peer address (never a
   header), and only under a loopback host name (no DNS rebinding).
 - A request that changes something must be a POST, say where it comes from (`Origin`, else
@@ -39,8 +39,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class TokenHolder(Protocol):
-    """What access needs of the local HTTP channel: its token as a door
-    (`mdclaw.channels.http.TokenGate`: compared its way, wrong tokens throttled)."""
+    """What access needs of the web server: its token as a door
+    (`mdclaw.webserver.TokenGate`: compared its way, wrong tokens throttled)."""
 
     @property
     def has_secret(self) -> bool: ...
@@ -110,7 +110,7 @@ def same_origin(request: web.BaseRequest) -> bool:
 
 
 class Access:
-    """The operator's access rule over the local HTTP channel's token."""
+    """The operator's access rule over the web server's token."""
 
     def __init__(self, tokens: TokenHolder) -> None:
         self.tokens = tokens
@@ -135,8 +135,8 @@ class Access:
     def login(self, request: web.Request, token: str) -> web.Response:
         """Check `token`; on success a JSON answer that sets the session cookie."""
         if not self.tokens.has_secret:
-            return _json_error(400, "this mdclaw has no token (channels.http.secret_file): "
-                                    "the page is open to loopback clients without logging in")
+            return _json_error(400, "this mdclaw has no token (server.secret_file): the page "
+                                    "is open to loopback clients without logging in")
         if not same_origin(request):
             return _json_error(403, "cross-origin requests are not allowed")
         refused = self.tokens.token_refusal(request, token, wrong="wrong token")
@@ -168,9 +168,8 @@ class Access:
         """The grant a request has to read, or the error response that refuses it."""
         if not self.tokens.has_secret:
             if not is_loopback_address(peer_host(request)):
-                return _json_error(403, "this mdclaw has no token (channels.http."
-                                        "secret_file): the operator page is served to "
-                                        "loopback clients only")
+                return _json_error(403, "this mdclaw has no token (server.secret_file): the "
+                                        "operator page is served to loopback clients only")
             host = urlsplit(f"//{request.headers.get('Host', '')}").hostname or ""
             if not is_loopback_name(host):
                 return _json_error(403, "without a token the operator page answers only on "
@@ -184,7 +183,7 @@ class Access:
         session = self._session(request)
         if session is not None:
             return Grant("cookie", session.csrf)
-        return _json_error(401, "log in with the token of channels.http.secret_file",
+        return _json_error(401, "log in with the token of server.secret_file",
                            **{"WWW-Authenticate": 'Bearer realm="mdclaw"'})
 
     def check(self, request: web.BaseRequest) -> Grant | web.Response:

@@ -1,15 +1,15 @@
 """`/metrics`: the daemon's Prometheus series for the operator.
 
-Served on the local HTTP channel's listener (beside the operator page) and, with
-`metrics.listen`, on a listener of its own that serves nothing else; both behind the
-operator page's access rule (`mdclaw.operator.access`): the channel's bearer token when it
-has one, else loopback clients under a loopback host name only.
+Served on the daemon's web server (beside the operator page) and, with `metrics.listen`, on
+a listener of its own that serves nothing else; both behind the operator page's access rule
+(`mdclaw.operator.access`): the web server's bearer token when it has one, else loopback
+clients under a loopback host name only.
 
 A scrape renders mdclaw's own registry (`mdclaw.metrics.REGISTRY`: counters and histograms
 the hot paths bump) and then the gauges of a collector built for that scrape from the
-daemon's state: queue depth and channels from memory, outbox rows and action jobs from
-indexed counts in the database (on a thread, off the loop), budget use per group as the
-credential proxy counts it. Nothing is computed per event for them.
+daemon's state (mdclaw.ops.view.DaemonView): queue depth and channels from memory, outbox rows
+and action jobs from indexed counts in the database (on a thread, off the loop), budget use
+per group as the credential proxy counts it. Nothing is computed per event for them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -25,10 +24,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mdclaw import metrics
-from mdclaw.channels.http import TokenGate
-from mdclaw.config import http_secret_path, read_secret
-from mdclaw.operator.access import Access, TokenHolder
-from mdclaw.state import Database, now_iso
+from mdclaw.operator.access import Access, Handler
+from mdclaw.ops.view import DaemonView
+from mdclaw.state import Database
+from mdclaw.webserver import TokenGate, WebServer, parse_listen
 
 log = logging.getLogger("mdclaw.metrics")
 
@@ -57,25 +56,22 @@ def database_counts(db: Database) -> tuple[dict[str, int], list[tuple[str, str, 
     return outbox, jobs
 
 
-async def scrape_gauges(d: Any) -> list[GaugeMetricFamily]:
+async def scrape_gauges(d: DaemonView) -> list[GaugeMetricFamily]:
     """The gauges computed at scrape time from daemon `d`'s state."""
-    from mdclaw.usage import tokens_on_day
 
     out: list[GaugeMetricFamily] = []
-    db: Database | None = d.db
-    if db is not None:
-        outbox, jobs = await asyncio.to_thread(database_counts, db)
-        g = GaugeMetricFamily("mdclaw_outbox_rows", "Outbox rows by status (pending, sending, "
-                              "failed).", labels=["status"])
-        for status, n in outbox.items():
-            g.add_metric([status], n)
-        out.append(g)
-        g = GaugeMetricFamily("mdclaw_action_jobs", "Off-loop action jobs by action and status "
-                              "(queued, running, failed).", labels=["action", "status"])
-        for action, status, n in jobs:
-            g.add_metric([action, status], n)
-        out.append(g)
-    queue = d.orch.queue if d.orch is not None else None
+    outbox, jobs = await asyncio.to_thread(database_counts, d.db)
+    g = GaugeMetricFamily("mdclaw_outbox_rows", "Outbox rows by status (pending, sending, "
+                          "failed).", labels=["status"])
+    for status, n in outbox.items():
+        g.add_metric([status], n)
+    out.append(g)
+    g = GaugeMetricFamily("mdclaw_action_jobs", "Off-loop action jobs by action and status "
+                          "(queued, running, failed).", labels=["action", "status"])
+    for action, status, n in jobs:
+        g.add_metric([action, status], n)
+    out.append(g)
+    queue = d.queue
     if queue is not None:
         st = queue.status()
         g = GaugeMetricFamily("mdclaw_queue_jobs", "Container jobs by state (pending, running, "
@@ -97,15 +93,8 @@ async def scrape_gauges(d: Any) -> list[GaugeMetricFamily]:
                              "(UTC day), as its budget counts them.", labels=["group"])
     limit = GaugeMetricFamily("mdclaw_budget_tokens_per_day", "The group's daily token budget "
                               "(only groups that have one).", labels=["group"])
-    day = now_iso()[:10]
     for folder in cfg.groups:
-        if d.proxy is not None:
-            n = await d.proxy.ledger.tokens_today(folder)
-        elif db is not None:
-            n = await asyncio.to_thread(tokens_on_day, db, folder, day)
-        else:
-            continue
-        used.add_metric([folder], n)
+        used.add_metric([folder], await d.tokens_today(folder))
         budget = cfg.token_budget(folder)
         if budget:
             limit.add_metric([folder], budget)
@@ -113,14 +102,14 @@ async def scrape_gauges(d: Any) -> list[GaugeMetricFamily]:
     return out
 
 
-async def render(d: Any) -> bytes:
+async def render(d: DaemonView) -> bytes:
     """The exposition text of one scrape."""
     own = CollectorRegistry(auto_describe=False)
     own.register(_Snapshot(await scrape_gauges(d)))
     return generate_latest(metrics.REGISTRY) + generate_latest(own)
 
 
-def handler(d: Any) -> Any:
+def handler(d: DaemonView) -> Handler:
     async def serve(request: web.Request) -> web.Response:
         body = await render(d)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST,
@@ -128,47 +117,23 @@ def handler(d: Any) -> Any:
     return serve
 
 
-def _token_holder(d: Any) -> TokenHolder:
-    from mdclaw.channels.http import HttpChannel
-
-    http = next((ch for ch in d.channels if isinstance(ch, HttpChannel)), None)
-    if http is not None:
-        return http.gate
-    # The channel does not run: its token file, if there is one (else none: loopback only).
-    path = http_secret_path(d.cfg)
-    if path is not None:
-        try:
-            secret = read_secret(path)
-        except FileNotFoundError:  # generate_secret, but the channel never made it
-            secret = None
-        if secret:
-            return TokenGate(secret.encode())
-    return TokenGate(None)
-
-
-def mount_metrics(d: Any) -> bool:
-    """Serve `/metrics` on the local HTTP channel (before it connects), behind the operator
-    page's access rule. False when metrics are off or the channel does not run."""
-    from mdclaw.channels.http import HttpChannel
-
-    http = next((ch for ch in d.channels if isinstance(ch, HttpChannel)), None)
-    if not d.cfg.metrics.enabled or http is None:
+def mount_metrics(server: WebServer, d: DaemonView, access: Access) -> bool:
+    """Serve `/metrics` on the daemon's web server (before it starts), behind the operator
+    page's `access` rule. False when metrics are off."""
+    if not d.cfg.metrics.enabled:
         return False
-    access = d.operator_access if d.operator_access is not None else Access(http.gate)
-    http.add_get(PATH, access.protect(handler(d)))
+    server.add_route("GET", PATH, access.protect(handler(d)))
     return True
 
 
-async def start_listener(d: Any) -> web.AppRunner | None:
-    """The listener of `metrics.listen` (None when unset or metrics are off). Raises
-    OSError when it cannot listen."""
-    from mdclaw.channels.http import parse_listen
-
+async def start_listener(d: DaemonView, gate: TokenGate) -> web.AppRunner | None:
+    """The listener of `metrics.listen` (None when unset or metrics are off), guarded by the
+    web server's token `gate` (its lockout shared). Raises OSError when it cannot listen."""
     section = d.cfg.metrics
     if not section.enabled or not section.listen:
         return None
     host, port = parse_listen(section.listen)
-    access = Access(_token_holder(d))
+    access = Access(gate)
     app = web.Application()
     app.router.add_get(PATH, access.protect(handler(d)))
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
@@ -178,8 +143,8 @@ async def start_listener(d: Any) -> web.AppRunner | None:
     except OSError:
         await runner.cleanup()
         raise
-    if not access.tokens.has_secret and host not in ("127.0.0.1", "::1", "localhost"):
+    if not gate.has_secret and host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("metrics listen on %s without a token: only loopback clients are "
-                    "answered (set channels.http.secret_file to scrape from elsewhere)", host)
+                    "answered (set server.secret_file to scrape from elsewhere)", host)
     log.info("metrics: listening on %s:%d%s", host, int(runner.addresses[0][1]), PATH)
     return runner

@@ -1,8 +1,9 @@
 """What each view of the operator page shows, as JSON, from what the running daemon knows.
 
-Every read and every change goes through the functions the CLI uses (mdclaw.commands.*,
-mdclaw.state.*, mdclaw.ipc.quarantine, mdclaw.usage...): no rule is defined twice. `d` is the
-running daemon (mdclaw.daemon.Daemon): its config, database, channels, queue and status.
+Every read and every change goes through the functions the CLI uses (mdclaw.ops.*,
+mdclaw.state.*, mdclaw.ipc.quarantine, mdclaw.usage...): no rule is defined twice. `d` is
+the running daemon as mdclaw.ops.view.DaemonView shows it: its config, database, channels,
+queue and status.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ import logging
 import time
 from typing import Any
 
+import segno
+
 from mdclaw import __version__
 from mdclaw.budget import over_budget
-from mdclaw.commands.agent import budget_rows, since_day
-from mdclaw.commands.core import group_listing
-from mdclaw.commands.ipc import change_outbox_row, delete_quarantined
-from mdclaw.commands.tasks import (
+from mdclaw.channels.base import Channel
+from mdclaw.config import config_for_display, find_config_path
+from mdclaw.ipc.quarantine import list_errors, read_error_payload
+from mdclaw.models import container_model_fields
+from mdclaw.ops.budgets import budget_rows, since_day
+from mdclaw.ops.groups import group_listing
+from mdclaw.ops.outbox import change_outbox_row
+from mdclaw.ops.quarantine import delete_quarantined
+from mdclaw.ops.tasks import (
     CONFIG_CANCEL_NOTE,
     TASK_ACTIONS,
     change_summary,
@@ -28,14 +36,11 @@ from mdclaw.commands.tasks import (
     task_json,
     zone_for,
 )
-from mdclaw.config import config_for_display, find_config_path
-from mdclaw.ipc.quarantine import list_errors, read_error_payload
-from mdclaw.models import container_model_fields
-from mdclaw.outbox import outbox_counts
+from mdclaw.ops.view import DaemonView
 from mdclaw.paths import Layout
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import Refusals, list_groups, refusals
-from mdclaw.state.outbox import list_outbox
+from mdclaw.state.outbox import list_outbox, outbox_counts
 from mdclaw.state.tasks import changes_allowed, get_task, list_runs, list_tasks, running_run_id
 from mdclaw.usage import daily_usage
 
@@ -46,18 +51,14 @@ OUTBOX_FIELDS = ("id", "chat_jid", "kind", "text", "file_name", "emoji", "status
                  "updated_at")
 
 
-def qr_svg(text: str) -> str | None:
+def qr_svg(text: str) -> str:
     """`text` as a QR code: an SVG data URL (for an <img>, where no script runs)."""
-    try:
-        import segno
-    except ImportError:  # pragma: no cover - a dependency; the page then shows the text
-        return None
     buf = io.BytesIO()
     segno.make(text, error="m").save(buf, kind="svg", scale=6, border=2, xmldecl=False)
     return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def channel_info(ch: Any) -> dict[str, Any]:
+def channel_info(ch: Channel) -> dict[str, Any]:
     """A channel's status_info for the page, with its QR drawn while it waits to be linked."""
     try:
         info = dict(ch.status_info())
@@ -70,11 +71,11 @@ def channel_info(ch: Any) -> dict[str, Any]:
     return info
 
 
-def containers(d: Any) -> list[dict[str, Any]]:
+def containers(d: DaemonView) -> list[dict[str, Any]]:
     """Running containers: the group, the job it runs and for how long."""
-    if d.orch is None:
+    q = d.queue
+    if q is None:
         return []
-    q = d.orch.queue
     now = time.perf_counter()
     out = []
     for group in q.running_groups():
@@ -84,7 +85,7 @@ def containers(d: Any) -> list[dict[str, Any]]:
     return out
 
 
-def overview(d: Any) -> dict[str, Any]:
+def overview(d: DaemonView) -> dict[str, Any]:
     status = d.status()
     return {
         "daemon": {"pid": status["pid"], "version": __version__,
@@ -101,15 +102,16 @@ def overview(d: Any) -> dict[str, Any]:
     }
 
 
-def groups(d: Any) -> list[dict[str, Any]]:
+def groups(d: DaemonView) -> list[dict[str, Any]]:
     counts = refusals(d.db)
     activity = {c["jid"]: c["last_activity"] for c in list_chats(d.db)}
-    running = set(d.orch.queue.running_groups()) if d.orch else set()
-    queued = {j.group for j in d.orch.queue.pending()} if d.orch else set()
+    q = d.queue
+    running = set(q.running_groups()) if q is not None else set()
+    queued = {j.group for j in q.pending()} if q is not None else set()
     out = []
     for g in list_groups(d.db):
         row = group_listing(g, counts.get(g.folder, Refusals()))
-        blocked = d.diskguard.blocked(g.folder) if d.diskguard else None
+        blocked = d.disk_blocked(g.folder)
         row["container"] = ("running" if g.folder in running else "refused (disk)" if blocked
                             else "queued" if g.folder in queued else "idle")
         row["model"] = container_model_fields(d.cfg, g.folder)["model"] \
@@ -121,7 +123,7 @@ def groups(d: Any) -> list[dict[str, Any]]:
     return out
 
 
-def tasks(d: Any) -> list[dict[str, Any]]:
+def tasks(d: DaemonView) -> list[dict[str, Any]]:
     out = []
     for t in list_tasks(d.db):
         row = task_json(t)
@@ -135,7 +137,7 @@ def tasks(d: Any) -> list[dict[str, Any]]:
     return out
 
 
-def task_runs(d: Any, task_id: str, limit: int = 20) -> dict[str, Any] | None:
+def task_runs(d: DaemonView, task_id: str, limit: int = 20) -> dict[str, Any] | None:
     t = get_task(d.db, task_id)
     if t is None:
         return None
@@ -144,34 +146,33 @@ def task_runs(d: Any, task_id: str, limit: int = 20) -> dict[str, Any] | None:
             "runs": [log_row(r, tz) for r in list_runs(d.db, t.id, limit=limit)]}
 
 
-def change(d: Any, task_id: str, action: str) -> dict[str, Any]:
+def change(d: DaemonView, task_id: str, action: str) -> dict[str, Any]:
     """Pause/resume/cancel/run-now, as `mdclaw tasks <action>`. Raises KeyError for an unknown
     action, TaskError/ScheduleError as the CLI."""
     if action not in TASK_ACTIONS:
         raise KeyError(action)
     before, after = change_task(d.cfg, d.db, task_id, action)
-    if d.scheduler is not None:
-        d.scheduler.wake()
+    d.wake_scheduler()
     note = CONFIG_CANCEL_NOTE if after.source == "config" and action == "cancel" else None
     return {"task": task_json(after), "message": change_summary(before, after, action, d.cfg),
             "note": note}
 
 
-def outbox(d: Any) -> dict[str, Any]:
+def outbox(d: DaemonView) -> dict[str, Any]:
     rows = [{k: getattr(r, k) for k in OUTBOX_FIELDS}
             for r in list_outbox(d.db, status="failed", limit=500)]
     return {"counts": outbox_counts(d.db), "failed": rows}
 
 
-def outbox_change(d: Any, row_id: int, action: str) -> dict[str, Any]:
+def outbox_change(d: DaemonView, row_id: int, action: str) -> dict[str, Any]:
     """Retry or drop a failed row, as `mdclaw outbox retry|drop`. Raises OutboxError."""
     row = change_outbox_row(d.db, row_id, action)
-    if action == "retry" and d.outbox is not None:
-        d.outbox.wake()
+    if action == "retry":
+        d.wake_outbox()
     return {"id": row.id, "status": "pending" if action == "retry" else "dropped"}
 
 
-def quarantine(d: Any) -> list[dict[str, Any]]:
+def quarantine(d: DaemonView) -> list[dict[str, Any]]:
     """Quarantined command files with reasons and (as text) their content. Blocking: run it
     off the event loop."""
     errors_dir = Layout(d.cfg.data_dir).errors_dir
@@ -186,12 +187,12 @@ def quarantine(d: Any) -> list[dict[str, Any]]:
     return out
 
 
-def quarantine_delete(d: Any, name: str) -> bool:
+def quarantine_delete(d: DaemonView, name: str) -> bool:
     """As `mdclaw ipc delete-error`. Raises QuarantineError. Blocking."""
     return delete_quarantined(d.cfg, name)
 
 
-def usage(d: Any, days: int = 14) -> dict[str, Any]:
+def usage(d: DaemonView, days: int = 14) -> dict[str, Any]:
     since = since_day(days)
     today = budget_rows(d.cfg, d.db)
     budgets = {b["group_folder"]: b["tokens_per_day"] for b in today}
@@ -202,7 +203,8 @@ def usage(d: Any, days: int = 14) -> dict[str, Any]:
     return {"since": since, "days": days, "rows": rows, "budgets": budgets, "today": today}
 
 
-def config(d: Any) -> dict[str, Any]:
+def config(d: DaemonView) -> dict[str, Any]:
+    path: str | None
     try:
         path = str(find_config_path(d.config_path))
     except Exception:  # noqa: BLE001 - only shown; the daemon runs on whatever it loaded

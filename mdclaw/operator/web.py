@@ -1,4 +1,4 @@
-"""The operator page's HTTP side: a sub-application of the local HTTP channel at /operator.
+"""The operator page's HTTP side: a sub-application of the daemon's web server at /operator.
 
 Routes (JSON unless noted; every `/api/...` route behind mdclaw.operator.access):
 
@@ -25,7 +25,8 @@ from aiohttp import web
 from mdclaw import schedule
 from mdclaw.ipc.quarantine import QuarantineError
 from mdclaw.operator import views
-from mdclaw.operator.access import GRANT, Access
+from mdclaw.operator.access import GRANT, Access, Handler
+from mdclaw.ops.view import DaemonView
 from mdclaw.state.outbox import OutboxError
 from mdclaw.state.tasks import TaskError
 from mdclaw.webassets import PageAssets
@@ -63,7 +64,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return data
 
 
-def build_app(d: Any, access: Access) -> web.Application:
+def build_app(d: DaemonView, access: Access) -> web.Application:
     """The operator sub-application over daemon `d`, guarded by `access`."""
     assets = PageAssets("mdclaw.operator", STATIC, headers=_HEADERS, page_csp=PAGE_CSP)
 
@@ -93,7 +94,7 @@ def build_app(d: Any, access: Access) -> web.Application:
         grant = request[GRANT]
         return _json({"auth": grant.how, "csrf": grant.csrf})
 
-    def view(fn: Callable[[Any], Any], *, blocking: bool = False) -> Any:
+    def view(fn: Callable[[DaemonView], Any], *, blocking: bool = False) -> Handler:
         async def handler(request: web.Request) -> web.Response:
             data = await asyncio.to_thread(fn, d) if blocking else fn(d)
             return _json(data)

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mdclaw.runtime import (
+from mdclaw.runtime.base import (
     STDERR,
     STDOUT,
     ContainerInfo,

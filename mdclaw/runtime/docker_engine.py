@@ -23,7 +23,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import Mount as DockerMount
 
-from mdclaw.runtime import (
+from mdclaw.runtime.base import (
     STDERR,
     STDOUT,
     ContainerInfo,

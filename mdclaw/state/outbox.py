@@ -105,3 +105,11 @@ def drop_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
     r = _failed_row(conn, row_id)
     conn.execute("DELETE FROM outbox WHERE id = ?", (row_id,))
     return OutboxRow(**dict(r))
+
+
+def outbox_counts(db: Database) -> dict[str, int]:
+    """Number of rows per status (every status present, zero when none)."""
+    counts = {s: 0 for s in ("pending", "sending", "sent", "failed")}
+    for r in db.query("SELECT status, COUNT(*) FROM outbox GROUP BY status"):
+        counts[r[0]] = int(r[1])
+    return counts

@@ -1,8 +1,9 @@
 """The daemon behind `mdclaw run`: one asyncio loop, systemd notify, reload and drain.
 
-Start-up: open the database, reconcile, start the IPC loop, the scheduler, the outbox worker,
-the channels and the container runner (an engine that is down is retried with backoff and
-shown in STATUS=, not a crash loop), then READY=1.
+Start-up: open the database, reconcile, read the web server's token, start the IPC loop, the
+scheduler, the outbox worker, the web server (mdclaw.daemon.web: the local HTTP chat's routes,
+the operator page, /metrics), the channels and the container runner (an engine that is down
+is retried with backoff and shown in STATUS=, not a crash loop), then READY=1.
 
 SIGHUP: RELOADING=1, re-read and validate the config and its secret files, reconcile, make it
 the config in force (mdclaw.config.live: every component reads it at use time, those that
@@ -25,33 +26,50 @@ import os
 import signal
 import sqlite3
 import time
-from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
+from mdclaw.channels.base import Channel
 from mdclaw.channels.registry import apply_config as apply_channel_config
+from mdclaw.channels.registry import build_channels, connect_all, disconnect_all
 from mdclaw.config import (
     Config,
     ConfigError,
     LiveConfig,
     check_secret_files,
     load_config,
+    old_server_key_warnings,
     reload_config,
 )
+from mdclaw.daemon.web import WebServerSetupError, build_web_server, server_gate
+from mdclaw.diskguard import DiskGuard
+from mdclaw.integrations import load_all
+from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.operator import mount_operator
+from mdclaw.operator.metrics import mount_metrics, start_listener
+from mdclaw.ops.status import status_path
+from mdclaw.ops.view import DaemonView
+from mdclaw.orchestrator import Orchestrator
+from mdclaw.outbox import OutboxWorker, service_replier, spool_cleaner
+from mdclaw.paths import Layout
+from mdclaw.proxy import CredentialProxy
+from mdclaw.queue import GroupQueue
 from mdclaw.reconcile import ReconcileError, reconcile
+from mdclaw.runner import ContainerRunner
+from mdclaw.runtime import ContainerRuntime, create_runtime, engine_errors, wait_for_engine
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
-from mdclaw.state import Database
+from mdclaw.state import Database, now_iso
+from mdclaw.state.outbox import outbox_counts
 from mdclaw.systemd import Notifier
+from mdclaw.usage import tokens_on_day
+from mdclaw.webserver import TokenGate, WebServer
 
 log = logging.getLogger("mdclaw.daemon")
 
-STATUS_FILE = "daemon-status.json"
 DRAIN_TIMEOUT = 30.0
 CLOCK_JUMP = 0.5  # seconds the wall clock may drift against the monotonic one between polls
-
-
-def status_path(cfg: Config) -> Path:
-    return cfg.data_dir / STATUS_FILE
 
 
 class Daemon:
@@ -65,7 +83,7 @@ class Daemon:
         self.stop_event = asyncio.Event()
         # The IPC loop outlives the drain: agents still write their last replies.
         self.ipc_stop = asyncio.Event()
-        self.db: Database | None = None
+        self._db: Database | None = None  # open while run() runs
         self.failed: list[str] = []
         self.engine_status = "checking"
         self.reload_error: str | None = None
@@ -75,17 +93,19 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._sigterms = 0
         self._reloading = asyncio.Lock()
-        self.watcher: Any = None
+        self.watcher: IpcWatcher | None = None
         self.scheduler: Scheduler | None = None
-        self.outbox: Any = None
-        self.channels: list[Any] = []
-        self.runtime: Any = None
-        self.runner: Any = None
-        self.proxy: Any = None
-        self.orch: Any = None
-        self.diskguard: Any = None
-        self.operator_access: Any = None  # mdclaw.operator.access.Access, once mounted
-        self.metrics_runner: Any = None  # the metrics.listen listener (aiohttp AppRunner)
+        self.outbox: OutboxWorker | None = None
+        self.channels: list[Channel] = []
+        self.runtime: ContainerRuntime | None = None
+        self.runner: ContainerRunner | None = None
+        self.proxy: CredentialProxy | None = None
+        self.orch: Orchestrator | None = None
+        self.diskguard: DiskGuard | None = None
+        # The web server (server:) and its token, which the metrics.listen listener shares.
+        self.gate = TokenGate(None)
+        self.web: WebServer | None = None
+        self.metrics_runner: web.AppRunner | None = None  # the metrics.listen listener
         self._clock_offset = time.time() - time.monotonic()
 
     @property
@@ -111,15 +131,23 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_sigterm)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
-        self.db = Database(self.cfg.db_path)
+        for warning in old_server_key_warnings(self.cfg):
+            log.warning("config: %s", warning)
+        self._db = db = Database(self.cfg.db_path)
         try:
-            plan = reconcile(self.cfg, self.db)
+            plan = reconcile(self.cfg, db)
         except ReconcileError as e:
             log.error("reconcile failed: %s", e)
-            self.db.close()
+            db.close()
             return 1
         log.info("reconciled: %d change(s); %d group(s) configured", len(plan.actions),
                  len(self.cfg.groups))
+        try:
+            self.gate = server_gate(self.cfg)
+        except WebServerSetupError as e:
+            log.error("%s", e)
+            db.close()
+            return 1
         try:
             await self.start_services()
             self.notifier.ready(self.status_line())
@@ -129,7 +157,7 @@ class Daemon:
             self.notifier.stopping()
             log.info("stopping: draining for up to %.0f s", self.drain_timeout)
             await self.stop_services()
-            self.db.close()
+            db.close()
         return 1 if self.failed else 0
 
     def _watch(self, task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
@@ -145,18 +173,6 @@ class Daemon:
         return task
 
     async def start_services(self) -> None:
-        from mdclaw.channels.registry import build_channels, connect_all
-        from mdclaw.diskguard import DiskGuard
-        from mdclaw.integrations import load_all
-        from mdclaw.ipc.watcher import IpcWatcher
-        from mdclaw.orchestrator import Orchestrator
-        from mdclaw.outbox import OutboxWorker, service_replier, spool_cleaner
-        from mdclaw.paths import Layout
-        from mdclaw.proxy import CredentialProxy
-        from mdclaw.runner import ContainerRunner
-        from mdclaw.runtime import create_runtime, engine_errors
-
-        assert self.db is not None
         cfg, db, live = self.cfg, self.db, self.live
         load_all()  # host actions of the integrations (web...) register themselves
         # Containers: the runtime is lazy; the engine is waited for in the background.
@@ -169,16 +185,20 @@ class Daemon:
         self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
         clean = spool_cleaner(cfg.data_dir / "spool" / "outbox")
         # Failed deliveries are retried by the limits.delivery_* in force.
-        self.outbox = OutboxWorker(db, cfg=live, on_sent=clean, on_failed=clean)
+        self.outbox = outbox = OutboxWorker(db, cfg=live, on_sent=clean, on_failed=clean)
         # Disk limits: groups past theirs are stopped and refused (mdclaw.diskguard).
         self.diskguard = DiskGuard(live, self.runner)
-        self.orch = Orchestrator(live, db, runner=self.runner, proxy=self.proxy,
-                                 wake_outbox=self.outbox.wake, diskguard=self.diskguard)
+        self.orch = orch = Orchestrator(live, db, runner=self.runner, proxy=self.proxy,
+                                        wake_outbox=outbox.wake, diskguard=self.diskguard)
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(live, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
         loop = asyncio.get_running_loop()
-        self.watcher.on_files_ready = lambda: loop.call_soon_threadsafe(self.outbox.wake)
+
+        def files_ready() -> None:  # from the watcher's thread
+            loop.call_soon_threadsafe(outbox.wake)
+
+        self.watcher.on_files_ready = files_ready
         self.watcher.on_poll = self._after_ipc_poll
         self._watch(asyncio.create_task(self.watcher.run(self.ipc_stop), name="ipc"), "ipc")
         self.notifier.add_probe("ipc", self._ipc_progress)
@@ -189,8 +209,11 @@ class Daemon:
                                    max_sleep=DAEMON_MAX_SLEEP)
         self._watch(asyncio.create_task(self.scheduler.run(), name="scheduler"), "scheduler")
         self.notifier.add_probe("scheduler", self._scheduler_progress)
+        # The web server: the local HTTP chat adds its routes as it is built, then the
+        # operator page and /metrics join; it listens before the channels connect.
+        self.web = build_web_server(cfg, self.gate)
         # Channels and delivery.
-        self.channels = build_channels(cfg, db, on_inbound=self.orch.on_inbound)
+        self.channels = build_channels(cfg, db, self.web, on_inbound=self.orch.on_inbound)
         # A channel's own answers (/chatid) go through the outbox like any reply.
         for ch in self.channels:
             ch.on_service_reply(service_replier(db, self.outbox.wake))
@@ -198,37 +221,67 @@ class Daemon:
         self.outbox.set_channels(self.channels)
         # A reload reaches the parts wired here (the rest read `live` themselves).
         live.subscribe(self._config_changed)
-        self._mount_operator()
-        await self._start_metrics()
+        await self._start_web(self)
         await self.outbox.start()
         problems = await connect_all(self.channels)
         for name, reason in problems.items():
             log.error("channel %s is down: %s", name, reason)
-        if self.runner is not None:
-            self._watch(asyncio.create_task(self._engine_up(), name="engine"), "engine")
+        if self.runtime is not None and self.runner is not None:
+            self._watch(asyncio.create_task(
+                self._engine_up(self.runtime, self.runner, orch), name="engine"), "engine")
         self._watch(asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
                     "watchdog")
         self._watch(asyncio.create_task(self._status_loop(), name="status"), "status")
         self._watch(asyncio.create_task(self.diskguard.run(self.stop_event), name="disk"),
                     "disk")
 
-    def _mount_operator(self) -> None:
-        """The operator page beside the local HTTP chat (mdclaw.operator), if that runs."""
-        from mdclaw.operator import mount_operator
-
-        mount_operator(self)
-
-    async def _start_metrics(self) -> None:
-        """`/metrics` beside the operator page, and on `metrics.listen` (mdclaw.operator.metrics);
-        a listener that cannot bind is logged, not fatal."""
-        from mdclaw.operator.metrics import mount_metrics, start_listener
-
-        mount_metrics(self)
+    async def _start_web(self, view: DaemonView) -> None:
+        """The operator page and `/metrics` on the web server (mdclaw.operator), which then
+        listens; `/metrics` also on `metrics.listen`. `view` is this daemon as the page sees
+        it (passing `self` makes mypy check that the Daemon is a DaemonView). A listener that
+        cannot bind is logged, not fatal: the daemon runs on without it."""
+        if self.web is not None:
+            access = mount_operator(self.web, view)
+            mount_metrics(self.web, view, access)
+            try:
+                await self.web.start()
+            except OSError as e:
+                log.error("web server: %s; the operator page, /metrics and the local HTTP "
+                          "chat are not served (server.listen)", e)
         try:
-            self.metrics_runner = await start_listener(self)
+            self.metrics_runner = await start_listener(view, self.gate)
         except OSError as e:
             log.error("metrics: cannot listen on %s: %s", self.cfg.metrics.listen,
                       e.strerror or e)
+
+    # ---------------------------------------------------------------- the operator's view
+    @property
+    def db(self) -> Database:
+        """The state database, open while the daemon runs."""
+        assert self._db is not None, "the database is open only while the daemon runs"
+        return self._db
+
+    @property
+    def queue(self) -> GroupQueue | None:
+        return self.orch.queue if self.orch is not None else None
+
+    def wake_scheduler(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.wake()
+
+    def wake_outbox(self) -> None:
+        if self.outbox is not None:
+            self.outbox.wake()
+
+    def disk_blocked(self, folder: str) -> bool:
+        return self.diskguard is not None and self.diskguard.blocked(folder) is not None
+
+    async def tokens_today(self, folder: str) -> int:
+        """As the credential proxy counts them (in memory, ahead of its flush), else as the
+        database has them."""
+        if self.proxy is not None:
+            return await self.proxy.ledger.tokens_today(folder)
+        return await asyncio.to_thread(tokens_on_day, self.db, folder, now_iso()[:10])
 
     def _after_ipc_commit(self, items: list[Any]) -> None:
         if self.outbox is not None:
@@ -258,6 +311,7 @@ class Daemon:
 
     def _ipc_progress(self) -> float:
         # The IPC loop goes round at least once per poll interval.
+        assert self.watcher is not None
         return self.watcher.last_progress
 
     def _scheduler_progress(self) -> float:
@@ -265,31 +319,27 @@ class Daemon:
         assert self.scheduler is not None
         return self.scheduler.alive_at()
 
-    async def _engine_up(self) -> None:
-        from mdclaw.runtime import engine_errors, wait_for_engine
-
+    async def _engine_up(self, runtime: ContainerRuntime, runner: ContainerRunner,
+                         orch: Orchestrator) -> None:
         def status(line: str) -> None:
             self.engine_status = line
             self._publish()
 
-        desc = await wait_for_engine(self.runtime, status=status, stop=self.stop_event)
+        desc = await wait_for_engine(runtime, status=status, stop=self.stop_event)
         if desc is None:
             return
         try:
-            await self.runner.cleanup_orphans()
+            await runner.cleanup_orphans()
         except engine_errors() as e:  # the engine went away again: runs will say so
             log.warning("could not remove orphaned containers: %s", e)
         self.engine_status = f"ok ({desc})"
-        self.orch.engine_ready.set()
-        self.orch.recover_pending()
+        orch.engine_ready.set()
+        orch.recover_pending()
         self._publish()
         log.info("container engine: %s", desc)
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
-        from mdclaw.outbox import outbox_counts
-
-        assert self.db is not None
         nxt = self.scheduler.next_wakeup() if self.scheduler else None
         return {
             "pid": os.getpid(), "started_at": self.started_at, "updated_at": to_iso(utc_now()),
@@ -351,7 +401,6 @@ class Daemon:
             try:
                 new = await asyncio.to_thread(load_config, self.config_path)
                 await asyncio.to_thread(check_secret_files, new, self.config_path)
-                assert self.db is not None
                 plan = await asyncio.to_thread(reconcile, new, self.db)
             except ConfigError as e:
                 error: str | None = "; ".join(i.render(e.file) for i in e.issues)[:500]
@@ -395,8 +444,6 @@ class Daemon:
 
     # ---------------------------------------------------------------- stop
     async def stop_services(self) -> None:
-        from mdclaw.channels.registry import disconnect_all
-
         if self.orch is not None:
             self.orch.accepting = False
             closed = self.orch.close_conversations()
@@ -421,6 +468,8 @@ class Daemon:
         if self.outbox is not None:
             await self.outbox.stop()  # before the channels go, so a send under way finishes
         await disconnect_all(self.channels)
+        if self.web is not None:
+            await self.web.stop()
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
         for t in self._tasks:

@@ -1,229 +1,40 @@
-"""`mdclaw status` and `mdclaw doctor`: how things are, and what to fix."""
+"""`mdclaw doctor`'s checks: is everything there for the assistant to answer? Each check is
+{check, level: ok|warn|fail, detail, fix}; the command prints them and picks the exit status
+(mdclaw/commands/status.py)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
+import socket
 import sqlite3
 import tempfile
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
 
-from mdclaw.commands.common import load_or_exit
-from mdclaw.commands.output import print_json
+import aiohttp
+
 from mdclaw.config import (
     Config,
     ConfigError,
     ServiceCredential,
+    format_size,
     in_service_credentials,
     iter_secret_files,
     load_config,
     read_secret,
     secret_file_issues,
 )
-from mdclaw.schedule import from_iso, get_zone, to_iso, utc_now
+from mdclaw.diskguard import GROUP_FULL, OK, TOO_MANY_FILES, UNREADABLE
+from mdclaw.failures import redact, server_name
+from mdclaw.integrations.home_assistant import probe
+from mdclaw.models import Upstream, model_for_group, probe_upstream
+from mdclaw.ops.database import READ_TIMEOUT, database_line
+from mdclaw.ops.status import daemon_running, disk_status
+from mdclaw.ops.whatsapp import whatsapp_status
+from mdclaw.runtime import create_runtime, engine_errors
+from mdclaw.schedule import get_zone, to_iso, utc_now
 from mdclaw.senders import jid_is_group_chat, main_group_warning
-
-STALE_AFTER = 30.0  # seconds without a status update: the daemon is not running
-
-
-def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("status", parents=[common],
-                       help="what the daemon is doing (works whether it runs or not)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_status)
-    p = sub.add_parser("failures", parents=[common],
-                       help="failed agent turns: when, which group, the cause, what happened")
-    p.add_argument("--group", "-g", metavar="FOLDER", help="only this group")
-    p.add_argument("--days", type=float, default=7.0, help="this many days back (default 7)")
-    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_failures)
-    p = sub.add_parser("doctor", parents=[common],
-                       help="check config, data dir, engine, image, channels, clock")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_doctor)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-DB_KEYS = ("groups", "outbox", "tasks_active", "next_task", "failed_messages", "failed_turns")
-
-
-def gather_status(cfg: Config) -> dict[str, Any]:
-    """The daemon's last published status merged with what the database says now.
-
-    `database` is the database's state (see mdclaw/commands/common.py); when it is not
-    `ready` the keys read from it (DB_KEYS) are null and `database_detail` says why."""
-    from mdclaw.commands.common import database_fields, recheck
-    from mdclaw.daemon import status_path
-    from mdclaw.state import inspect_database
-
-    out: dict[str, Any] = {"daemon": "stopped", "config_data_dir": str(cfg.data_dir)}
-    try:
-        live = json.loads(status_path(cfg).read_text())
-        age = (utc_now() - from_iso(live["updated_at"])).total_seconds()
-        if _pid_alive(int(live["pid"])) and age < STALE_AFTER:
-            out["daemon"] = "running"
-            out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
-                                             "queue", "channels", "reload_error")
-                        if k in live})
-    except (OSError, ValueError, KeyError):
-        pass
-    out["disk"] = _disk(cfg)
-    from mdclaw.commands.whatsapp import whatsapp_status
-
-    wa = whatsapp_status(cfg)
-    if wa is not None:
-        out["whatsapp"] = wa
-    info = inspect_database(cfg.db_path)
-    if info.state == "ready":
-        try:
-            out.update(_db_status(cfg))
-        except sqlite3.Error as e:  # locked or migrated between the look and the queries
-            info = recheck(cfg, e)
-    out.update(database_fields(info, cfg.db_path))
-    if info.state != "ready":
-        out.update(dict.fromkeys(DB_KEYS))
-    return out
-
-
-def _db_status(cfg: Config) -> dict[str, Any]:
-    from mdclaw.commands.common import READ_TIMEOUT
-    from mdclaw.outbox import outbox_counts
-    from mdclaw.state import Database
-
-    out: dict[str, Any] = {}
-    with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
-        out["groups"] = db.scalar("SELECT COUNT(*) FROM registered_groups")
-        out["outbox"] = outbox_counts(db)
-        out["tasks_active"] = db.scalar(
-            "SELECT COUNT(*) FROM scheduled_tasks WHERE status = 'active'")
-        r = db.query_one("SELECT id, next_run FROM scheduled_tasks WHERE status = 'active' "
-                         "AND next_run IS NOT NULL ORDER BY next_run LIMIT 1")
-        out["next_task"] = {"id": r[0], "next_run": r[1]} if r else None
-        out["failed_messages"] = [
-            {"id": x["id"], "chat_jid": x["chat_jid"], "error": x["last_error"]}
-            for x in db.query("SELECT id, chat_jid, last_error FROM outbox WHERE "
-                              "status = 'failed' ORDER BY id DESC LIMIT 5")]
-        out["failed_turns"] = _recent_failed_turns(db)
-    return out
-
-
-def _recent_failed_turns(db: Any, days: float = 1.0, limit: int = 5) -> list[dict[str, Any]]:
-    """The latest failed agent turns (the database is ready: the table is there)."""
-    from datetime import timedelta
-
-    from mdclaw.state.failed_turns import list_failed_turns
-
-    rows = list_failed_turns(db, since=to_iso(utc_now() - timedelta(days=days)), limit=limit)
-    return [{k: r[k] for k in ("created_at", "group_folder", "cause", "outcome", "attempts",
-                               "detail")} for r in rows]
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    """Exit status 0, or DB_EXIT[state] when the database is not ready (everything else
-    is still printed)."""
-    from mdclaw.commands.common import DB_EXIT
-
-    cfg = load_or_exit(args)
-    s = gather_status(cfg)
-    code = DB_EXIT[s["database"]]
-    if args.json:
-        print_json(s)
-        return code
-    if s["daemon"] == "running":
-        print(f"daemon: running (pid {s.get('pid')}, since {s.get('started_at')})")
-        print(f"engine: {s.get('engine')}")
-        print(f"containers running: {', '.join(s.get('containers') or []) or 'none'}")
-        q = s.get("queue") or {}
-        print(f"queue: {q.get('pending', 0)} pending, retrying: "
-              f"{', '.join(q.get('retrying') or []) or 'none'}")
-        ch = s.get("channels") or {}
-        print("channels: " + (", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in ch.items())
-                              or "none"))
-        if s.get("reload_error"):
-            print(f"last reload failed: {s['reload_error']}")
-    else:
-        print("daemon: not running")
-    wa = s.get("whatsapp")
-    if wa:
-        print(f"whatsapp: {wa['link_state']}"
-              + (f" ({wa['account']})" if wa.get("account") else "")
-              + (f" — fix: {wa['fix']}" if wa.get("fix") else ""))
-    if s["database"] != "ready":
-        print(s["database_detail"])
-        _print_disk(s.get("disk") or {})
-        return code
-    print(f"groups: {s['groups']}")
-    ob = s.get("outbox") or {}
-    print(f"outbox: {ob.get('pending', 0)} pending, {ob.get('sent', 0)} sent, "
-          f"{ob.get('failed', 0)} failed")
-    for f in s.get("failed_messages") or []:
-        print(f"  failed #{f['id']} to {f['chat_jid']}: {f['error']}")
-    turns = s.get("failed_turns") or []
-    print(f"failed turns (24 h): {len(turns) if len(turns) < 5 else '5 or more'}"
-          + (" — `mdclaw failures` lists them" if turns else ""))
-    for t in turns:
-        print(f"  {t['created_at']} {t['group_folder']}: {t['cause']} ({t['outcome']}, "
-              f"try {t['attempts']})")
-    nt = s.get("next_task")
-    print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
-    _print_disk(s.get("disk") or {})
-    return code
-
-
-def _disk(cfg: Config) -> dict[str, Any]:
-    """Free space and each group's files, measured now with the daemon's own rule."""
-    from mdclaw.diskguard import check_all
-
-    return check_all(cfg)
-
-
-def _print_disk(disk: dict[str, Any]) -> None:
-    from mdclaw.config import format_size
-
-    if disk.get("free") is None:
-        print("disk: free space unknown (data_dir cannot be read)")
-    else:
-        state = "ok" if disk["host_ok"] else "BELOW the floor: runs are refused"
-        print(f"disk: {format_size(disk['free'])} free of {format_size(disk['total'])} "
-              f"(keeps {format_size(disk['floor'])} free: {state})")
-    for folder, v in (disk.get("groups") or {}).items():
-        print(f"  {folder}: {v['summary']}")
-
-
-FAILURE_FIELDS = ("created_at", "group_folder", "cause", "outcome", "attempts", "messages",
-                  "detail")
-
-
-def cmd_failures(args: argparse.Namespace) -> int:
-    from datetime import timedelta
-
-    from mdclaw.commands.common import read_db_or_exit
-    from mdclaw.commands.output import print_rows
-    from mdclaw.state.failed_turns import list_failed_turns
-
-    cfg = load_or_exit(args)
-    since = to_iso(utc_now() - timedelta(days=args.days))
-    with read_db_or_exit(cfg, as_json=args.json) as db:
-        rows = list_failed_turns(db, group=args.group, since=since, limit=args.limit)
-    print_rows(rows, FAILURE_FIELDS, as_json=args.json,
-               empty=f"no failed turns in the last {args.days:g} day(s)")
-    return 0
-
-
-# --------------------------------------------------------------------------- doctor
+from mdclaw.state import Database, DatabaseError, inspect_database
+from mdclaw.state.failed_turns import failures_per_group, list_failed_turns
 
 
 def _check(results: list[dict[str, str]], name: str, level: str, detail: str,
@@ -259,8 +70,6 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                f"create {cfg.data_dir} and give this user write access to it")
     used = _check_models(results, cfg)
     # engine and image
-    from mdclaw.runtime import create_runtime, engine_errors
-
     try:
         rt = create_runtime(cfg.runtime)
         desc = rt.ping()
@@ -322,9 +131,6 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
 def _check_database(results: list[dict[str, str]], cfg: Config) -> bool:
     """The database's state (read-only; see mdclaw/commands/common.py); True when ready.
     The check carries `state`, and `mdclaw doctor` exits with its status when not ready."""
-    from mdclaw.commands.common import database_line
-    from mdclaw.state import inspect_database
-
     info = inspect_database(cfg.db_path)
     level = {"ready": "ok", "newer": "fail", "unreadable": "fail"}.get(info.state, "warn")
     fix = {"newer": "upgrade mdclaw, or restore a backup made by this version",
@@ -339,9 +145,6 @@ def _check_database(results: list[dict[str, str]], cfg: Config) -> bool:
 def known_group_chat(cfg: Config, jid: str) -> bool | None:
     """What the `chats` table of the (ready) database says about `jid` (channels set
     is_group as messages arrive): None when the chat is not known yet, or on a lock."""
-    from mdclaw.commands.common import READ_TIMEOUT
-    from mdclaw.state import Database
-
     try:
         with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
             r = db.query_one("SELECT is_group FROM chats WHERE jid = ?", (jid,))
@@ -375,10 +178,7 @@ def _check_main_senders(results: list[dict[str, str]], cfg: Config, db_ready: bo
 
 def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
     """Free space on data_dir's disk and every group's files against its limits."""
-    from mdclaw.config import format_size
-    from mdclaw.diskguard import GROUP_FULL, OK, TOO_MANY_FILES, UNREADABLE
-
-    disk = _disk(cfg)
+    disk = disk_status(cfg)
     if disk["free"] is None:
         _check(results, "disk", "warn", f"cannot read the free space of {cfg.data_dir}")
     elif not disk["host_ok"]:
@@ -415,7 +215,6 @@ def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:
 
 def _check_models(results: list[dict[str, str]], cfg: Config) -> dict[str, list[str]]:
     """A model resolves for every group; returns {model key: [groups using it]}."""
-    from mdclaw.models import model_for_group
 
     used: dict[str, list[str]] = {}
     missing = []
@@ -469,8 +268,6 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                            used: dict[str, list[str]]) -> None:
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
     Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token."""
-    from mdclaw.failures import redact, server_name
-    from mdclaw.models import Upstream, probe_upstream
 
     async def one(key: str) -> None:
         up = Upstream.from_spec(cfg.models[key])
@@ -505,8 +302,6 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
             return  # the secret file check says so
         if not token:
             return
-        import aiohttp
-
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
                                              trust_env=True) as session:
@@ -531,8 +326,6 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         ha = cfg.integrations.home_assistant
         if ha is None:
             return
-        from mdclaw.integrations.home_assistant import probe
-
         level, detail, fix = await probe(ha)
         _check(results, "home assistant", level, detail, fix)
 
@@ -541,13 +334,11 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
 
 def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
     """WhatsApp: neonize installed, the device linked, the session file private."""
-    from mdclaw.commands.whatsapp import whatsapp_status
-
     wa = whatsapp_status(cfg)
     if wa is None:
         return
     try:
-        import neonize  # noqa: F401 - is it there?
+        import neonize  # noqa: F401 - an optional dependency: is it installed?
     except ImportError:
         _check(results, "whatsapp", "fail", "neonize is not installed",
                "install mdclaw with the whatsapp extra: pip install 'mdclaw[whatsapp]'")
@@ -569,37 +360,32 @@ def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
 
 
 def _check_http_port(results: list[dict[str, str]], cfg: Config) -> None:
-    """The local HTTP channel's port is free (or held by this install's running daemon)."""
-    import socket
-
-    http = cfg.channels.http
-    if http is None or not http.enabled:
+    """The web server's port (the operator page, /metrics, the local HTTP chat) is free, or
+    held by this install's running daemon."""
+    server = cfg.web_server
+    if server is None:
         return
-    host, _, port = http.listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - the port check binds what the channel would
+    listen = server.listen
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - the port check binds what the server would
     try:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
-        _check(results, "http port", "ok", f"{http.listen} is free")
+        _check(results, "http port", "ok", f"{listen} is free")
     except OSError as e:
-        if gather_status(cfg).get("daemon") == "running":
-            _check(results, "http port", "ok", f"{http.listen} is served by the running daemon")
+        if daemon_running(cfg):
+            _check(results, "http port", "ok", f"{listen} is served by the running daemon")
         else:
-            _check(results, "http port", "fail", f"{http.listen}: {e.strerror or e}",
-                   "stop the program using it, or set channels.http.listen to a free port")
+            _check(results, "http port", "fail", f"{listen}: {e.strerror or e}",
+                   "stop the program using it, or set server.listen to a free port")
 
 
 def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float = 1.0,
                     threshold: int = 3) -> None:
     """Repeated failed turns of one group are a warning."""
-    from datetime import timedelta
-
-    from mdclaw.commands.common import READ_TIMEOUT
-    from mdclaw.state import Database, DatabaseError
-    from mdclaw.state.failed_turns import failures_per_group, list_failed_turns
 
     since = to_iso(utc_now() - timedelta(days=days))
     try:
@@ -620,25 +406,3 @@ def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float =
     else:
         total = sum(counts.values())
         _check(results, "failed turns", "ok", f"{total} failed turn(s) in the last 24 h")
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    """Exit status: DB_EXIT[state] when the database is not ready (every check is still
-    printed), else 1 when a check failed, else 0."""
-    from mdclaw.commands.common import DB_EXIT
-
-    results = run_checks(args.config)
-    state = next((r["state"] for r in results if r["check"] == "database"), "ready")
-    if state != "ready":
-        code = DB_EXIT[state]
-    else:
-        code = 1 if any(r["level"] == "fail" for r in results) else 0
-    if args.json:
-        print_json(results)
-    else:
-        for r in results:
-            line = f"{r['level'].upper():4}  {r['check']}: {r['detail']}"
-            if r["fix"] and r["level"] != "ok":
-                line += f"\n      fix: {r['fix']}"
-            print(line)
-    return code

@@ -1,0 +1,110 @@
+"""How things are: the daemon's last published status merged with what the database and the
+disk say now (`mdclaw status`, doctor's port check, `mdclaw whatsapp link`), whether the
+daemon runs or not. The running daemon publishes its status to `status_path(cfg)`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from mdclaw.config import Config
+from mdclaw.diskguard import check_all
+from mdclaw.ops.database import READ_TIMEOUT, database_fields, recheck
+from mdclaw.ops.whatsapp import whatsapp_status
+from mdclaw.schedule import from_iso, to_iso, utc_now
+from mdclaw.state import Database, inspect_database
+from mdclaw.state.failed_turns import list_failed_turns
+from mdclaw.state.outbox import outbox_counts
+
+STATUS_FILE = "daemon-status.json"
+STALE_AFTER = 30.0  # seconds without a status update: the daemon is not running
+
+DB_KEYS = ("groups", "outbox", "tasks_active", "next_task", "failed_messages", "failed_turns")
+
+
+def status_path(cfg: Config) -> Path:
+    """Where the running daemon publishes its status (every few seconds, and at once on a
+    change of the engine or a reload)."""
+    return cfg.data_dir / STATUS_FILE
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def gather_status(cfg: Config) -> dict[str, Any]:
+    """The daemon's last published status merged with what the database says now.
+
+    `database` is the database's state (see mdclaw/commands/common.py); when it is not
+    `ready` the keys read from it (DB_KEYS) are null and `database_detail` says why."""
+    out: dict[str, Any] = {"daemon": "stopped", "config_data_dir": str(cfg.data_dir)}
+    try:
+        live = json.loads(status_path(cfg).read_text())
+        age = (utc_now() - from_iso(live["updated_at"])).total_seconds()
+        if _pid_alive(int(live["pid"])) and age < STALE_AFTER:
+            out["daemon"] = "running"
+            out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
+                                             "queue", "channels", "reload_error")
+                        if k in live})
+    except (OSError, ValueError, KeyError):
+        pass
+    out["disk"] = disk_status(cfg)
+    wa = whatsapp_status(cfg)
+    if wa is not None:
+        out["whatsapp"] = wa
+    info = inspect_database(cfg.db_path)
+    if info.state == "ready":
+        try:
+            out.update(_db_status(cfg))
+        except sqlite3.Error as e:  # locked or migrated between the look and the queries
+            info = recheck(cfg, e)
+    out.update(database_fields(info, cfg.db_path))
+    if info.state != "ready":
+        out.update(dict.fromkeys(DB_KEYS))
+    return out
+
+
+def daemon_running(cfg: Config) -> bool:
+    """Whether this install's daemon runs now (it published its status lately)."""
+    return gather_status(cfg).get("daemon") == "running"
+
+
+def _db_status(cfg: Config) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
+        out["groups"] = db.scalar("SELECT COUNT(*) FROM registered_groups")
+        out["outbox"] = outbox_counts(db)
+        out["tasks_active"] = db.scalar(
+            "SELECT COUNT(*) FROM scheduled_tasks WHERE status = 'active'")
+        r = db.query_one("SELECT id, next_run FROM scheduled_tasks WHERE status = 'active' "
+                         "AND next_run IS NOT NULL ORDER BY next_run LIMIT 1")
+        out["next_task"] = {"id": r[0], "next_run": r[1]} if r else None
+        out["failed_messages"] = [
+            {"id": x["id"], "chat_jid": x["chat_jid"], "error": x["last_error"]}
+            for x in db.query("SELECT id, chat_jid, last_error FROM outbox WHERE "
+                              "status = 'failed' ORDER BY id DESC LIMIT 5")]
+        out["failed_turns"] = _recent_failed_turns(db)
+    return out
+
+
+def _recent_failed_turns(db: Database, days: float = 1.0,
+                         limit: int = 5) -> list[dict[str, Any]]:
+    """The latest failed agent turns (the database is ready: the table is there)."""
+    rows = list_failed_turns(db, since=to_iso(utc_now() - timedelta(days=days)), limit=limit)
+    return [{k: r[k] for k in ("created_at", "group_folder", "cause", "outcome", "attempts",
+                               "detail")} for r in rows]
+
+
+def disk_status(cfg: Config) -> dict[str, Any]:
+    """Free space and each group's files, measured now with the daemon's own rule."""
+    return check_all(cfg)
