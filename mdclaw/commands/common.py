@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from mdclaw.config import Config, ConfigError, load_config
 from mdclaw.state import Database, DatabaseError, DatabaseInfo, inspect_database
+from mdclaw.state.db import read_timeout
 from mdclaw.state.migrations import LATEST_VERSION
 
 EXIT_OK = 0
@@ -38,7 +39,9 @@ DB_EXIT: dict[str, int] = {
     "locked": EXIT_LOCKED, "unreadable": EXIT_FAILED,
 }
 
-READ_TIMEOUT = 2.0  # seconds a read-only command's query waits for another process's lock
+# Seconds a read-only command's query waits for another process's lock (the probe before it
+# waits PROBE_TIMEOUT); MDCLAW_DB_READ_TIMEOUT=SECONDS sets both (state.db.read_timeout).
+READ_TIMEOUT = read_timeout(2.0)
 
 
 class CommandFailed(SystemExit):
