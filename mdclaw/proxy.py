@@ -126,6 +126,7 @@ DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_REQUESTS_PER_MINUTE = 300
 ACCEPT_BATCH = 64  # connections accepted per readiness event, before other work runs
 ACCEPT_PAUSE = 1.0  # seconds not accepting after the process ran out of descriptors
+CLOSE_GRACE = 0.05  # seconds a connection may finish what it does when its group stops
 _BUSY_BODY = json.dumps({"type": "error", "error": {
     "type": "mdclaw_proxy_busy",
     "message": "too many open connections to mdclaw's model proxy from this group; close "
@@ -478,6 +479,14 @@ class CredentialProxy:
         for task in self._inflight.pop(folder, set()):
             task.cancel()
         await site.listener.close()
+        # Nor are its connections: one whose request was refused before its body was read
+        # (a 413) is read from for up to aiohttp's lingering time (10 s) after the answer,
+        # and the server's own shutdown waited for that. Each connection's shutdown with a
+        # short grace cancels what still runs on it and closes it.
+        server = site.runner.server
+        if server is not None:
+            server.pre_shutdown()  # idle connections end at once
+            await asyncio.gather(*(conn.shutdown(CLOSE_GRACE) for conn in server.connections))
         await site.runner.cleanup()
         if site.caps.over_budget:
             log.warning("group %s: the model proxy refused %d request(s) over the daily "
