@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.http import HttpChannel
+from mdclaw.channels.matrix import MatrixChannel  # imports matrix-nio only when it connects
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config
@@ -45,7 +46,23 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
         channels.append(WhatsAppChannel.from_config(
             wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
             trigger=f"@{cfg.assistant.name}", db=db))
+    mx = cfg.channels.matrix
+    if mx is not None and mx.enabled:
+        channels.append(MatrixChannel.from_config(
+            mx, cfg.data_dir, invite_allowed=matrix_inviters(cfg), on_inbound=on_inbound,
+            trigger=f"@{cfg.assistant.name}", db=db))
     return channels
+
+
+def matrix_inviters(cfg: Config) -> Callable[[str], bool]:
+    """Whose invites the Matrix bot accepts: the user ids of channels.matrix.allow_invites_from,
+    and the Matrix identities of the config's people where it has them (`people.<p>.identities
+    .matrix`, the channel's name as the identity key)."""
+    allowed = set(cfg.channels.matrix.allow_invites_from if cfg.channels.matrix else ())
+    for person in (getattr(cfg, "people", None) or {}).values():
+        identities = getattr(person, "identities", None) or {}
+        allowed.update(identities.get(MatrixChannel.name, ()))
+    return frozenset(allowed).__contains__
 
 
 def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
@@ -56,7 +73,7 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
         if isinstance(ch, HttpChannel):
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
-        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional)
+        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp, Matrix
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sqlite3
 import tempfile
@@ -28,6 +29,7 @@ from mdclaw.failures import redact, server_name
 from mdclaw.integrations.home_assistant import probe
 from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
+from mdclaw.ops.matrix import matrix_checks, matrix_status
 from mdclaw.ops.status import daemon_running, disk_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.runtime import create_runtime, engine_errors
@@ -267,7 +269,9 @@ def _check_backends(results: list[dict[str, str]], cfg: Config,
 async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                            used: dict[str, list[str]]) -> None:
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
-    Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token."""
+    Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token; the
+    Matrix homeserver accepts the bot's token, and each group's room is one it is in and not
+    encrypted."""
 
     async def one(key: str) -> None:
         up = Upstream.from_spec(cfg.models[key])
@@ -329,7 +333,25 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         level, detail, fix = await probe(ha)
         _check(results, "home assistant", level, detail, fix)
 
-    await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant())
+    async def matrix() -> None:
+        for name, level, detail, fix in await matrix_checks(cfg):
+            _check(results, name, level, detail, fix)
+        mx = matrix_status(cfg)
+        if mx and mx.get("session"):
+            _private_file(results, "matrix_session", mx["session"], "the bot's access token")
+
+    await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant(), matrix())
+
+
+def _private_file(results: list[dict[str, str]], name: str, path: str, holds: str) -> None:
+    """Warn when `path` (a file of secrets mdclaw keeps) can be read by other users."""
+    try:
+        mode = os.stat(path).st_mode & 0o077
+    except OSError:
+        return
+    if mode:
+        _check(results, name, "warn", f"{path} can be read by other users (it holds {holds})",
+               f"chmod 600 {path}")
 
 
 def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:

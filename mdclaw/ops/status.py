@@ -14,6 +14,7 @@ from typing import Any
 from mdclaw.config import Config
 from mdclaw.diskguard import check_all
 from mdclaw.ops.database import READ_TIMEOUT, database_fields, recheck
+from mdclaw.ops.matrix import matrix_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.schedule import from_iso, to_iso, utc_now
 from mdclaw.state import Database, inspect_database
@@ -62,6 +63,9 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     wa = whatsapp_status(cfg)
     if wa is not None:
         out["whatsapp"] = wa
+    mx = matrix_status(cfg)
+    if mx is not None:
+        out["matrix"] = mx
     info = inspect_database(cfg.db_path)
     if info.state == "ready":
         try:

@@ -1,0 +1,708 @@
+"""The Matrix channel against a real Synapse on loopback (tests/matrix_server.py), driven
+through the daemon: a person (a second Matrix account, spoken for by this test over the
+client API) writes in a room, the real Daemon (orchestrator, queue, outbox, IPC watcher,
+runner) hands it to an agent played by the tests' fake engine, and the answer comes back into
+the room. One Synapse serves the whole module; each test makes its own bot and person
+accounts, so rate limits and rooms never carry over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import stat
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import pytest
+
+from fake_engine import FakeContainer, FakeEngine
+from matrix_server import SERVER_NAME, Synapse, synapse_python
+from mdclaw.channels.matrix import ENCRYPTED_NOTICE, MatrixChannel, read_session, session_path
+from mdclaw.config import load_config
+from mdclaw.daemon import core
+from mdclaw.daemon.core import Daemon
+from mdclaw.ops.doctor import run_checks
+from mdclaw.retry import Backoff
+from waiting import wait_until_async
+
+HOMESERVER_DOWN = 60.0  # seconds the outage test keeps the homeserver away
+PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00"
+       b"\x00\x1f\x15\xc4\x89\x00\x00\x00\rIDATx\x9cc\xf8\x0f\x00\x00\x01\x01\x00\x05\x18\xd8N"
+       b"\x00\x00\x00\x00IEND\xaeB`\x82")
+
+
+@pytest.fixture(scope="module")
+def synapse(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    hs = Synapse(tmp_path_factory.mktemp("synapse"), synapse_python())
+    t0 = time.monotonic()
+    hs.start()
+    print(f"\nSynapse answered after {time.monotonic() - t0:.1f} s")
+    yield hs
+    hs.stop()
+
+
+# --------------------------------------------------------------------------- the person
+
+
+class Person:
+    """A Matrix account the test speaks for, over the client API."""
+
+    def __init__(self, hs: Synapse, account: dict[str, str]) -> None:
+        self.hs = hs
+        self.user_id = account["user_id"]
+        self.token = account["access_token"]
+        self.session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.token}"})
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def call(self, method: str, path: str, body: Any = None, *,
+                   ok: tuple[int, ...] = (200,)) -> Any:
+        async with self.session.request(method, f"{self.hs.base}/_matrix/client/v3{path}",
+                                        json=body) as r:
+            data = await r.json(content_type=None)
+            assert r.status in ok, (method, path, r.status, data)
+            return data
+
+    async def create_room(self, invite: list[str], *, encrypted: bool = False,
+                          name: str = "Family") -> str:
+        body: dict[str, Any] = {"invite": invite, "name": name, "preset": "private_chat"}
+        if encrypted:
+            body["initial_state"] = [{"type": "m.room.encryption", "state_key": "",
+                                      "content": {"algorithm": "m.megolm.v1.aes-sha2"}}]
+        return str((await self.call("POST", "/createRoom", body))["room_id"])
+
+    async def send(self, room: str, content: dict[str, Any],
+                   etype: str = "m.room.message") -> str:
+        path = f"/rooms/{quote(room, safe='')}/send/{etype}/{uuid.uuid4().hex}"
+        return str((await self.call("PUT", path, content))["event_id"])
+
+    async def text(self, room: str, body: str, **extra: Any) -> str:
+        return await self.send(room, {"msgtype": "m.text", "body": body, **extra})
+
+    async def upload(self, data: bytes, name: str, mime: str) -> str:
+        async with self.session.post(f"{self.hs.base}/_matrix/media/v3/upload",
+                                     params={"filename": name}, data=data,
+                                     headers={"Content-Type": mime}) as r:
+            body = await r.json()
+            assert r.status == 200, body
+            return str(body["content_uri"])
+
+    async def download(self, mxc: str) -> bytes:
+        server, media = mxc[len("mxc://"):].split("/", 1)
+        async with self.session.get(f"{self.hs.base}/_matrix/client/v1/media/download/"
+                                    f"{server}/{media}") as r:
+            assert r.status == 200, await r.text()
+            return await r.read()
+
+    async def events(self, room: str) -> list[dict[str, Any]]:
+        """The room's events, oldest first (the last 500)."""
+        data = await self.call("GET", f"/rooms/{quote(room, safe='')}/messages?dir=b&limit=500")
+        return list(reversed(data["chunk"]))
+
+    async def from_(self, room: str, sender: str, etype: str = "m.room.message"
+                    ) -> list[dict[str, Any]]:
+        return [e for e in await self.events(room)
+                if e["sender"] == sender and e["type"] == etype]
+
+    async def membership(self, room: str, user: str) -> str | None:
+        path = f"/rooms/{quote(room, safe='')}/state/m.room.member/{quote(user, safe='')}"
+        data = await self.call("GET", path, ok=(200, 404))
+        return data.get("membership")
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+def ok(text: str) -> str:
+    return json.dumps({"status": "success", "result": text, "newSessionId": "s-1"})
+
+
+MESSAGE_RE = re.compile(r"<message sender=\"[^\"]*\" time=\"[^\"]*\">(.*?)</message>", re.S)
+
+
+class Agent:
+    """The fake engine's agent. It answers every turn (and follow-up) with
+    `**Echo:** <each message's text, | between>`; a message that says FILE makes it send a
+    file first, REACT a reaction to that message, HOLD waits for `release`, BURST answers
+    in `burst` messages."""
+
+    def __init__(self, db_path: Path) -> None:
+        self.db_path = db_path
+        self.engine = FakeEngine(default=self.script)
+        self.release = threading.Event()
+        self.holding = threading.Event()
+        self.prompts: list[str] = []
+        self.burst = 8
+
+    def script(self, c: FakeContainer) -> int:
+        self.turn(c, c.prompt)
+        while (follow := c.next_input(timeout=120)) is not None:
+            self.turn(c, str(follow.get("content", "")))
+        return 0
+
+    def turn(self, c: FakeContainer, prompt: str) -> None:
+        self.prompts.append(prompt)
+        texts = [re.sub(r"<attachment[^>]*/>|<attachment.*?</attachment>", "", t, flags=re.S)
+                 .strip() for t in MESSAGE_RE.findall(prompt)] or [prompt.strip()]
+        last = texts[-1]
+        if "HOLD" in last:
+            self.holding.set()
+            c.wait_for(self.release.is_set, 150, what="the test to release the answer")
+        if "FILE" in last:
+            assert c.group_dir is not None
+            (c.group_dir / "out").mkdir(exist_ok=True)
+            (c.group_dir / "out" / "report.txt").write_bytes(b"the report\n" * 100)
+            self.command(c, {"type": "send_file", "chat_jid": c.input["chatJid"],
+                             "file_path": "/workspace/group/out/report.txt",
+                             "caption": "the **report**"})
+        if "REACT" in last:
+            self.command(c, {"type": "react", "chat_jid": c.input["chatJid"],
+                             "message_id": self.latest_id(c.input["chatJid"]), "emoji": "👍"})
+        if "BURST" in last:
+            for i in range(self.burst):
+                c.say(ok(f"part {i}"))
+            return
+        c.say(ok("**Echo:** " + " | ".join(texts)))
+
+    @staticmethod
+    def command(c: FakeContainer, body: dict[str, Any]) -> None:
+        assert c.ipc_dir is not None
+        folder = c.ipc_dir / "messages"
+        name = f"{time.time_ns()}-{secrets.token_hex(3)}"
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(json.dumps(body))
+        tmp.rename(folder / f"{name}.json")
+
+    def latest_id(self, jid: str) -> str:
+        with sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True) as db:
+            row = db.execute("SELECT id FROM messages WHERE chat_jid = ? AND is_from_me = 0 "
+                             "ORDER BY timestamp DESC, rowid DESC LIMIT 1", (jid,)).fetchone()
+        assert row, f"no message of {jid} stored"
+        return str(row[0])
+
+
+# --------------------------------------------------------------------------- the setup
+
+
+class Setup:
+    """A bot account and a person on the module's homeserver, a config for the daemon, and
+    the agent its fake engine plays."""
+
+    def __init__(self, hs: Synapse, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.hs = hs
+        self.tmp = tmp
+        tag = secrets.token_hex(3)
+        self.bot_account = hs.register(f"bot{tag}")
+        self.bot = self.bot_account["user_id"]
+        self.person_account = hs.register(f"alice{tag}")
+        hs.unlimited(self.person_account["user_id"])
+        self.stranger_account = hs.register(f"mallory{tag}")
+        hs.unlimited(self.stranger_account["user_id"])
+        self.token_file = tmp / "matrix-token"
+        self.token_file.write_text(self.bot_account["access_token"] + "\n")
+        self.token_file.chmod(0o600)
+        self.config = tmp / "config.yaml"
+        self.data = tmp / "data"
+        self.agent = Agent(self.data / "state.db")
+        monkeypatch.setattr(core, "create_runtime", lambda rt: self.agent.engine)
+        # Reconnects within seconds of the homeserver's return (production waits up to 60 s).
+        monkeypatch.setattr(MatrixChannel, "sync_backoff", Backoff(base=0.2, cap=2.0))
+
+    def write(self, rooms: dict[str, str] | None = None, *, requires_trigger: bool = False,
+              credentials: str | None = None, media: str = "1M") -> None:
+        groups = "".join(
+            f"  {folder}: {{name: {folder}, jid: \"mx:{room}\", "
+            f"requires_trigger: {str(requires_trigger).lower()}}}\n"
+            for folder, room in (rooms or {}).items())
+        cred = credentials or f"access_token_file: {self.token_file}"
+        self.config.write_text(f"""\
+data_dir: {self.data}
+assistant: {{name: Andy, timezone: UTC, model: local}}
+models:
+  local: {{backend: openai, model: m, base_url: "http://127.0.0.1:9/v1"}}
+groups:
+  main: {{name: Admin, jid: "hl:main", main: true}}
+{groups}server: {{listen: "127.0.0.1:0"}}
+metrics: {{enabled: false}}
+media: {{max_bytes: {media}}}
+runtime: {{socket: "unix://{self.tmp}/no-engine.sock"}}
+limits: {{idle_timeout: 2s, delivery_attempts: 10}}
+channels:
+  http: null
+  matrix:
+    homeserver: {self.hs.base}
+    user_id: "{self.bot}"
+    {cred}
+    allow_invites_from: ["{self.person_account['user_id']}"]
+""")
+
+    def person(self) -> Person:
+        return Person(self.hs, self.person_account)
+
+    def stranger(self) -> Person:
+        return Person(self.hs, self.stranger_account)
+
+
+@pytest.fixture
+def setup(synapse: Synapse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Setup:
+    return Setup(synapse, tmp_path, monkeypatch)
+
+
+class Running:
+    def __init__(self, d: Daemon, task: asyncio.Task[int]) -> None:
+        self.d = d
+        self.task = task
+
+    @property
+    def channel(self) -> MatrixChannel:
+        return next(ch for ch in self.d.channels if isinstance(ch, MatrixChannel))
+
+    async def stop(self) -> None:
+        self.d.stop_event.set()
+        assert await asyncio.wait_for(self.task, 60) == 0
+
+
+async def start(setup: Setup) -> Running:
+    d = Daemon(load_config(setup.config), str(setup.config), drain_timeout=1)
+    ready = asyncio.Event()
+    d.notifier.ready = lambda status=None: ready.set()  # type: ignore[method-assign]
+    task = asyncio.create_task(d.run())
+    await asyncio.wait_for(ready.wait(), 30)
+    run = Running(d, task)
+    # The first sync takes no history: wait for it before the person writes.
+    await wait_until_async(lambda: run.channel.syncs >= 1, 30, what="the first sync")
+    return run
+
+
+@pytest.fixture
+def go() -> Callable[[Any], Any]:
+    def _go(coro: Any) -> Any:
+        return asyncio.run(asyncio.wait_for(coro, 280))
+    return _go
+
+
+async def answers(p: Person, room: str, bot: str, n: int, timeout: float = 30) -> list[dict]:
+    """Wait until the bot has written at least `n` messages in `room`; return them."""
+    got: list[dict[str, Any]] = []
+
+    async def enough() -> bool:
+        got[:] = [e for e in await p.from_(room, bot)
+                  if e["content"].get("msgtype") != "m.notice"]
+        return len(got) >= n
+
+    deadline = time.monotonic() + timeout
+    while not await enough():
+        assert time.monotonic() < deadline, f"the bot wrote {len(got)} of {n} messages: {got}"
+        await asyncio.sleep(0.1)
+    return got
+
+
+async def joined_room(setup: Setup, p: Person, run: Running | None = None) -> str:
+    """A room the person made and the bot joined on the person's invite."""
+    room = await p.create_room([setup.bot])
+    deadline = time.monotonic() + 30
+    while await p.membership(room, setup.bot) != "join":
+        assert time.monotonic() < deadline, "the bot did not join"
+        await asyncio.sleep(0.1)
+    return room
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_a_message_in_gets_a_formatted_answer_out(setup: Setup, go: Any) -> None:
+    """An invite from an allowed person is joined (and the room told its jid); a message in
+    a registered room reaches the agent; the answer comes back with HTML formatted_body and
+    the Markdown as plain body; typing is shown while the agent works."""
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        try:
+            room = await joined_room(setup, p)
+            notices = await answers(p, room, setup.bot, 1)
+            assert f"mx:{room}" in notices[0]["content"]["body"]
+            assert ":" not in room, "Synapse's default rooms (version 12) have no :server"
+        finally:
+            await run.stop()
+        setup.write({"family": room})
+        run = await start(setup)
+        try:
+            await p.text(room, "hello there")
+            got = await answers(p, room, setup.bot, 2)
+            content = got[-1]["content"]
+            assert content["body"] == "**Echo:** hello there"
+            assert content["format"] == "org.matrix.custom.html"
+            assert content["formatted_body"] == "<p><strong>Echo:</strong> hello there</p>"
+            assert "alice" in setup.agent.prompts[-1] and "hello there" in setup.agent.prompts[-1]
+        finally:
+            await run.stop()
+            await p.close()
+
+    go(main())
+
+
+def test_files_both_ways_through_the_content_repository(setup: Setup, go: Any) -> None:
+    """An image the person sends lands in the group's inbox (the bytes as sent, the caption
+    as text); one over media.max_bytes is named, not saved; a file the agent sends arrives as
+    an m.file the person can download, with its caption formatted."""
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        room = await joined_room(setup, p)
+        await run.stop()
+        setup.write({"family": room}, media="4K")
+        run = await start(setup)
+        try:
+            mxc = await p.upload(PNG, "cat.png", "image/png")
+            await p.send(room, {"msgtype": "m.image", "body": "my cat", "filename": "cat.png",
+                                "url": mxc, "info": {"mimetype": "image/png",
+                                                     "size": len(PNG)}})
+            await answers(p, room, setup.bot, 2)
+            inbox = setup.data / "groups" / "family" / "inbox"
+            saved = list(inbox.rglob("cat.png"))
+            assert len(saved) == 1 and saved[0].read_bytes() == PNG
+            prompt = setup.agent.prompts[-1]
+            assert "my cat" in prompt and 'kind="image"' in prompt and "cat.png" in prompt
+            big = os.urandom(6000)
+            mxc = await p.upload(big, "big.bin", "application/octet-stream")
+            await p.send(room, {"msgtype": "m.file", "body": "big.bin", "url": mxc,
+                                "info": {"size": len(big)}})
+            await answers(p, room, setup.bot, 3)
+            assert not list(inbox.rglob("big.bin"))
+            assert 'name="big.bin"' in setup.agent.prompts[-1] and \
+                "not_saved" in setup.agent.prompts[-1]
+            # Out: the agent sends a file.
+            await p.text(room, "FILE please")
+            got = await answers(p, room, setup.bot, 5)
+            files = [e["content"] for e in got if e["content"]["msgtype"] == "m.file"]
+            assert len(files) == 1
+            f = files[0]
+            assert f["filename"] == "report.txt" and f["body"] == "the **report**"
+            assert f["formatted_body"] == "<p>the <strong>report</strong></p>"
+            assert f["info"]["size"] == 1100
+            assert await p.download(f["url"]) == b"the report\n" * 100
+        finally:
+            await run.stop()
+            await p.close()
+
+    go(main())
+
+
+def test_a_reaction_and_an_answer_in_the_thread_it_was_asked_in(setup: Setup,
+                                                                 go: Any) -> None:
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        room = await joined_room(setup, p)
+        await run.stop()
+        setup.write({"family": room})
+        run = await start(setup)
+        try:
+            react = await p.text(room, "REACT to this")
+            await answers(p, room, setup.bot, 2)
+            reactions = await p.from_(room, setup.bot, "m.reaction")
+            assert [r["content"]["m.relates_to"] for r in reactions] == [
+                {"rel_type": "m.annotation", "event_id": react, "key": "👍"}]
+            # A thread: its root, then a question inside it.
+            root = await p.text(room, "a topic of its own")
+            await answers(p, room, setup.bot, 3)
+            asked = await p.text(room, "in the thread", **{"m.relates_to": {
+                "rel_type": "m.thread", "event_id": root, "is_falling_back": True,
+                "m.in_reply_to": {"event_id": root}}})
+            got = await answers(p, room, setup.bot, 4)
+            rel = got[-1]["content"]["m.relates_to"]
+            assert rel["rel_type"] == "m.thread" and rel["event_id"] == root
+            assert rel["m.in_reply_to"]["event_id"] == asked
+            assert got[-1]["content"]["body"] == "**Echo:** in the thread"
+            # Back in the main timeline: so is the answer.
+            await p.text(room, "out of it")
+            got = await answers(p, room, setup.bot, 5)
+            assert "m.relates_to" not in got[-1]["content"]
+        finally:
+            await run.stop()
+            await p.close()
+
+    go(main())
+
+
+def test_mentions_and_replies_to_the_bot_address_the_assistant(setup: Setup,
+                                                               go: Any) -> None:
+    """In a room that needs the trigger, a plain message is context only; a mention of the
+    bot (m.mentions) and a reply to one of its messages each start a turn."""
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        room = await joined_room(setup, p)
+        await run.stop()
+        setup.write({"family": room}, requires_trigger=True)
+        run = await start(setup)
+        try:
+            await p.text(room, "just chatting")
+            await p.text(room, "bot, what do you say?",
+                         **{"m.mentions": {"user_ids": [setup.bot]}})
+            got = await answers(p, room, setup.bot, 2)
+            assert "just chatting" in got[-1]["content"]["body"]  # context, then the ask
+            assert "@Andy bot, what do you say?" in got[-1]["content"]["body"]
+            await p.text(room, "nobody asked you")
+            await p.text(room, "and this?", **{"m.relates_to": {
+                "m.in_reply_to": {"event_id": got[-1]["event_id"]}}})
+            got = await answers(p, room, setup.bot, 3)
+            assert got[-1]["content"]["body"].endswith("@Andy and this?")
+            assert len(setup.agent.engine.containers) >= 1
+        finally:
+            await run.stop()
+            await p.close()
+
+    go(main())
+
+
+def test_a_restart_in_the_middle_loses_and_doubles_nothing(setup: Setup, go: Any) -> None:
+    """The daemon stops while the agent works on a message and while more are written; after
+    the restart every message is answered exactly once and none is read twice."""
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        room = await joined_room(setup, p)
+        await run.stop()
+        setup.write({"family": room})
+        run = await start(setup)
+        await p.text(room, "one")
+        await answers(p, room, setup.bot, 2)
+        await p.text(room, "two HOLD")
+        await wait_until_async(setup.agent.holding.is_set, 30)
+        await run.stop()  # the agent is still at "two"
+        await p.text(room, "three")
+        await p.text(room, "four")
+        setup.agent.release.set()
+        run = await start(setup)
+        try:
+            echoed: list[str] = []
+
+            async def all_answered() -> bool:
+                echoed.clear()
+                for e in await p.from_(room, setup.bot):
+                    body = e["content"]["body"]
+                    if body.startswith("**Echo:** "):
+                        echoed.extend(body[len("**Echo:** "):].split(" | "))
+                return {"two HOLD", "three", "four"} <= set(echoed)
+
+            deadline = time.monotonic() + 60
+            while not await all_answered():
+                assert time.monotonic() < deadline, echoed
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1)  # a doubled answer would come now
+            await all_answered()
+            assert sorted(echoed) == sorted(["one", "two HOLD", "three", "four"]), echoed
+            with sqlite3.connect(setup.data / "state.db") as db:
+                stored = [r[0] for r in db.execute(
+                    "SELECT content FROM messages WHERE chat_jid = ? AND is_from_me = 0 "
+                    "ORDER BY timestamp", (f"mx:{room}",))]
+            assert stored == ["one", "two HOLD", "three", "four"]
+            with sqlite3.connect(setup.data / "state.db") as db:
+                token = db.execute("SELECT value FROM router_state WHERE key = ?",
+                                   (f"matrix_since:{setup.bot}",)).fetchone()
+            assert token and token[0]
+        finally:
+            await run.stop()
+            await p.close()
+
+    go(main())
+
+
+def test_the_homeserver_down_for_a_minute_loses_nothing(setup: Setup, go: Any,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    """Synapse stops while an answer is being written and stays away for a minute: the
+    channel says it is down, the answer waits in the outbox, and once Synapse is back the
+    channel reconnects by itself and delivers it; the next message works as before."""
+    caplog.set_level(logging.INFO, logger="mdclaw")
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        room = await joined_room(setup, p)
+        await run.stop()
+        setup.write({"family": room})
+        run = await start(setup)
+        try:
+            await p.text(room, "before HOLD")
+            await wait_until_async(setup.agent.holding.is_set, 30)
+            await asyncio.to_thread(setup.hs.stop)
+            await wait_until_async(lambda: not run.channel.is_connected(), 60,
+                                   what="the channel to see the homeserver gone")
+            setup.agent.release.set()
+            await wait_until_async(lambda: run.d.status()["outbox"]["pending"] >= 1, 30,
+                                   what="the answer to wait in the outbox")
+            await asyncio.sleep(HOMESERVER_DOWN)
+            assert not run.channel.is_connected()
+            assert run.d.status()["channels"]["matrix"] is False
+            await asyncio.to_thread(setup.hs.start)
+            await wait_until_async(run.channel.is_connected, 60, what="the reconnect")
+            got = await answers(p, room, setup.bot, 2, timeout=60)
+            assert got[-1]["content"]["body"] == "**Echo:** before HOLD"
+            await p.text(room, "after")
+            got = await answers(p, room, setup.bot, 3)
+            assert got[-1]["content"]["body"] == "**Echo:** after"
+            bodies = [e["content"]["body"] for e in got]
+            assert len(bodies) == len(set(bodies)), bodies
+        finally:
+            if setup.hs.proc is None:
+                await asyncio.to_thread(setup.hs.start)
+            await run.stop()
+            await p.close()
+        assert "the homeserver answers again" in caplog.text
+
+    go(main())
+
+
+def test_invites_from_allowed_people_are_joined_and_from_strangers_ignored(
+        setup: Setup, go: Any) -> None:
+    async def main() -> None:
+        setup.write()
+        p, s = setup.person(), setup.stranger()
+        run = await start(setup)
+        try:
+            theirs = await s.create_room([setup.bot], name="Strangers")
+            ours = await joined_room(setup, p)
+            await answers(p, ours, setup.bot, 1)  # the joined notice: the invites were read
+            assert await s.membership(theirs, setup.bot) == "invite"
+            with sqlite3.connect(setup.data / "state.db") as db:
+                chats = {r[0]: r[1] for r in db.execute("SELECT jid, name FROM chats")}
+            assert chats.get(f"mx:{ours}") == "Family" and f"mx:{theirs}" not in chats
+        finally:
+            await run.stop()
+            await p.close()
+            await s.close()
+
+    go(main())
+
+
+def test_an_encrypted_room_is_refused_in_the_room_and_in_doctor(setup: Setup, go: Any) -> None:
+    """An invite to an end-to-end encrypted room: the bot says in the room, in plain text,
+    that it does not take part, and leaves; `doctor` fails a group configured with that
+    room, with the fix."""
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        try:
+            room = await p.create_room([setup.bot], encrypted=True, name="Secret")
+            notice: list[dict[str, Any]] = []
+
+            async def told_and_left() -> bool:
+                events = await p.events(room)
+                notice[:] = [e for e in events if e["sender"] == setup.bot
+                             and e["type"] == "m.room.message"]
+                return bool(notice) and await p.membership(room, setup.bot) == "leave"
+
+            deadline = time.monotonic() + 30
+            while not await told_and_left():
+                assert time.monotonic() < deadline, notice
+                await asyncio.sleep(0.1)
+            assert notice[0]["content"]["msgtype"] == "m.notice"
+            assert notice[0]["content"]["body"] == ENCRYPTED_NOTICE.format(bot=setup.bot)
+            plain = await p.text(room, "hello?")  # not encrypted by this test: still unread
+            await asyncio.sleep(1)
+            assert plain and not setup.agent.prompts
+        finally:
+            await run.stop()
+            await p.close()
+        setup.write({"secret": room})
+        checks = {c["check"]: c for c in await asyncio.to_thread(run_checks,
+                                                                 str(setup.config))}
+        assert checks["matrix"]["level"] == "ok", checks["matrix"]
+        bad = checks["matrix room secret"]
+        assert bad["level"] == "fail" and "end-to-end encrypted" in bad["detail"]
+        assert "encryption off" in bad["fix"] and setup.bot in bad["fix"]
+
+    go(main())
+
+
+def test_the_homeservers_rate_limit_makes_the_outbox_wait(setup: Setup, go: Any,
+                                                          caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    """Eight answers at once: Synapse refuses some with M_LIMIT_EXCEEDED; each waits the
+    time it says and all arrive, in order, once."""
+    caplog.set_level(logging.INFO, logger="mdclaw.outbox")
+
+    async def main() -> None:
+        setup.write()
+        p = setup.person()
+        run = await start(setup)
+        room = await joined_room(setup, p)
+        await run.stop()
+        setup.write({"family": room})
+        run = await start(setup)
+        try:
+            await p.text(room, "BURST")
+            got = await answers(p, room, setup.bot, 1 + setup.agent.burst, timeout=60)
+            assert [e["content"]["body"] for e in got[1:]] == [
+                f"part {i}" for i in range(setup.agent.burst)]
+        finally:
+            await run.stop()
+            await p.close()
+        assert "M_LIMIT_EXCEEDED" in caplog.text and "rate limited: retry in" in caplog.text
+
+    go(main())
+
+
+def test_a_password_login_is_kept_and_a_bad_password_named(setup: Setup, go: Any) -> None:
+    """With password_file the daemon logs in once and keeps the token (0600); the next start
+    takes it up (same device); a wrong password stops the channel with the key to fix."""
+
+    async def main() -> None:
+        password = "correct horse battery"
+        account = setup.hs.register(f"pwbot{secrets.token_hex(3)}", password)
+        setup.bot = account["user_id"]
+        pw = setup.tmp / "matrix-password"
+        pw.write_text(password)
+        pw.chmod(0o600)
+        setup.write(credentials=f"password_file: {pw}")
+        run = await start(setup)
+        device = run.channel.device_id
+        await run.stop()
+        stored = read_session(session_path(setup.data))
+        assert stored and stored["user_id"] == setup.bot and stored["device_id"] == device
+        assert stat.S_IMODE(session_path(setup.data).stat().st_mode) == 0o600
+        run = await start(setup)
+        assert run.channel.device_id == device
+        await run.stop()
+        session_path(setup.data).unlink()
+        pw.write_text("wrong")
+        d = Daemon(load_config(setup.config), str(setup.config), drain_timeout=1)
+        ready = asyncio.Event()
+        d.notifier.ready = lambda status=None: ready.set()  # type: ignore[method-assign]
+        task = asyncio.create_task(d.run())
+        await asyncio.wait_for(ready.wait(), 30)
+        ch = next(c for c in d.channels if isinstance(c, MatrixChannel))
+        assert not ch.is_connected()
+        d.stop_event.set()
+        assert await task == 0
+
+    go(main())
+    assert SERVER_NAME in setup.bot
