@@ -19,7 +19,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -51,6 +51,74 @@ def synapse(tmp_path_factory: pytest.TempPathFactory) -> Any:
     print(f"\nSynapse answered after {time.monotonic() - t0:.1f} s")
     yield hs
     hs.stop()
+
+
+# --------------------------------------------------------------------------- no server
+
+
+def test_the_config_takes_one_credential_and_matrix_user_ids(write_config) -> None:
+    from mdclaw.config import ConfigError
+
+    base = """\
+data_dir: {data_dir}
+groups: {main: {name: A, jid: "hl:main", main: true}}
+channels:
+  matrix:
+    homeserver: https://matrix.example.org
+    user_id: "@mdclaw:example.org"
+"""
+    with pytest.raises(ConfigError, match="exactly one of access_token_file, password_file"):
+        load_config(write_config(base))
+    with pytest.raises(ConfigError, match="exactly one of"):
+        load_config(write_config(base + "    access_token_file: /t\n    password_file: /p\n"))
+    with pytest.raises(ConfigError, match="not a Matrix user id"):
+        load_config(write_config(base + "    access_token_file: /t\n"
+                                 "    allow_invites_from: [alice]\n"))
+    cfg = load_config(write_config(base + "    access_token_file: /t\n"
+                                   "    allow_invites_from: ['@alice:example.org']\n"))
+    assert cfg.channels.matrix is not None
+    assert cfg.channels.matrix.allow_invites_from == ("@alice:example.org",)
+
+
+def test_room_ids_are_never_split_on_a_colon() -> None:
+    ch = MatrixChannel("https://hs", "@bot:hs", access_token="t")
+    for room in ("!opaqueRoomIdOfVersion12abcdefghijklmnopqrs", "!old:example.org",
+                 "!old:example.org:8448"):
+        jid = f"mx:{room}"
+        assert ch._room_id(jid) == room
+        assert ch._event_id(jid, f"{jid}:$ev_1-x") == "$ev_1-x"
+    with pytest.raises(Exception, match="not a message of"):
+        ch._event_id("mx:!a:example.org", "mx:!a:$ev")  # another room's message
+    with pytest.raises(Exception, match="not a Matrix room"):
+        ch._room_id("tg:123")
+
+
+def test_answers_are_cut_keeping_code_blocks_and_rendered_once_per_piece() -> None:
+    ch = MatrixChannel("https://hs", "@bot:hs", access_token="t")
+    code = "```python\n" + "\n".join(f"print({i})" for i in range(1500)) + "\n```"
+    parts = ch.message_parts("intro **bold**\n\n" + code + "\n\nplain end")
+    assert len(parts) >= 3 and all(len(body) <= ch.max_message_length for body, _ in parts)
+    assert parts[0][1] is not None and "<strong>bold</strong>" in parts[0][1]
+    for body, html in parts[1:]:
+        assert body.startswith("```") and body.count("```") == 2  # each block closed
+        assert html is not None and html.startswith("<pre><code")
+    assert parts[-1][0].endswith("```\n\nplain end")
+    assert ch.message_parts("just text") == [("just text", None)]  # no formatted_body
+
+
+def test_status_names_the_login_and_its_fix(write_config, cli, tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("secret")
+    pw.chmod(0o600)
+    path = write_config(f"""\
+data_dir: {{data_dir}}
+groups: {{main: {{name: A, jid: "hl:main", main: true}}}}
+channels:
+  matrix: {{homeserver: "http://127.0.0.1:9", user_id: "@bot:hs", password_file: {pw}}}
+""")
+    r = cli("status", "--config", str(path))
+    assert "matrix: @bot:hs on http://127.0.0.1:9 (not logged in) — fix: start the daemon" \
+        in r.stdout, r.stdout
 
 
 # --------------------------------------------------------------------------- the person
@@ -311,7 +379,7 @@ async def answers(p: Person, room: str, bot: str, n: int, timeout: float = 30) -
     return got
 
 
-async def joined_room(setup: Setup, p: Person, run: Running | None = None) -> str:
+async def joined_room(setup: Setup, p: Person) -> str:
     """A room the person made and the bot joined on the person's invite."""
     room = await p.create_room([setup.bot])
     deadline = time.monotonic() + 30
@@ -671,7 +739,9 @@ def test_the_homeservers_rate_limit_makes_the_outbox_wait(setup: Setup, go: Any,
     go(main())
 
 
-def test_a_password_login_is_kept_and_a_bad_password_named(setup: Setup, go: Any) -> None:
+def test_a_password_login_is_kept_and_a_bad_password_named(setup: Setup, go: Any,
+                                                           caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
     """With password_file the daemon logs in once and keeps the token (0600); the next start
     takes it up (same device); a wrong password stops the channel with the key to fix."""
 
@@ -700,9 +770,13 @@ def test_a_password_login_is_kept_and_a_bad_password_named(setup: Setup, go: Any
         task = asyncio.create_task(d.run())
         await asyncio.wait_for(ready.wait(), 30)
         ch = next(c for c in d.channels if isinstance(c, MatrixChannel))
-        assert not ch.is_connected()
+        assert not ch.is_connected() and ch.client is None  # not started, not retrying
         d.stop_event.set()
         assert await task == 0
+        assert "channel matrix did not start: the homeserver refused the password of " \
+            f"{setup.bot} (M_FORBIDDEN" in caplog.text
+        assert "check channels.matrix.password_file" in caplog.text and "wrong" not in \
+            caplog.text
 
     go(main())
     assert SERVER_NAME in setup.bot

@@ -412,8 +412,11 @@ class MatrixChannel(Channel):
             # backlog through after a restart.
             self._logged_in = False
             self._connected = False
+            fix = ("put a new one into channels.matrix.access_token_file"
+                   if self._access_token is not None
+                   else "logging in again with channels.matrix.password_file")
             return ChannelError(f"{text}; the homeserver no longer accepts the bot's access "
-                                "token", code=401)
+                                f"token ({fix})", code=401)
         permanent = code in PERMANENT_ERRORS or status in (400, 403, 404, 413)
         return ChannelError(text, permanent=permanent,
                             code=status if isinstance(status, int) else None)
@@ -612,12 +615,13 @@ class MatrixChannel(Channel):
                 if not self._logged_in:
                     await self._login()
                     await self._media_limit()
-                # The first sync of a start does not wait: what came meanwhile is read at
-                # once (and the channel is up as soon as the homeserver answers).
-                timeout = self.sync_timeout_ms if self.syncs else 0
-                resp = await self._call("sync", lambda: self.client.sync(
-                    timeout=timeout, sync_filter=SYNC_FILTER, since=self._since,
-                    full_state=False))
+                # The first sync of a start, and the first after a failure, do not wait:
+                # what came meanwhile is read at once, and the channel is up (the outbox
+                # sends) as soon as the homeserver answers.
+                timeout = self.sync_timeout_ms if self.syncs and not failures else 0
+                resp = await self._call("sync", partial(
+                    self.client.sync, timeout=timeout, sync_filter=SYNC_FILTER,
+                    since=self._since, full_state=False))
             except ChannelError as e:
                 failures += 1
                 self.last_error = str(e)
@@ -665,6 +669,10 @@ class MatrixChannel(Channel):
                 continue
             events = [e.source for e in info.timeline.events
                       if isinstance(getattr(e, "source", None), dict)]
+            if self._joined_in(events):
+                # Said here rather than when joining: a stop between the two means this
+                # batch comes again, so the room is told all the same.
+                await self._welcome(room_id, room)
             if info.timeline.limited and info.timeline.prev_batch and self._since and \
                     not self._joined_in(events):
                 events = await self._gap(room_id, info.timeline.prev_batch,
@@ -918,7 +926,6 @@ class MatrixChannel(Channel):
             return
         inviter = None
         encrypted = False
-        name = None
         for ev in state:
             etype = ev.get("type")
             content = _dict(ev.get("content"))
@@ -927,8 +934,6 @@ class MatrixChannel(Channel):
                 inviter = ev.get("sender")
             elif etype == "m.room.encryption":
                 encrypted = True
-            elif etype == "m.room.name" and isinstance(content.get("name"), str):
-                name = content["name"] or None
         if not isinstance(inviter, str) or not self.invite_allowed(inviter):
             log.info("matrix: invite to %s from %s ignored (not in channels.matrix."
                      "allow_invites_from)", room_id, inviter or "?")
@@ -943,8 +948,12 @@ class MatrixChannel(Channel):
         log.info("matrix: joined %s on %s's invite", room_id, inviter)
         if encrypted or await self._is_encrypted(room_id):
             await self._refuse_encrypted(room_id)
-            return
+
+    async def _welcome(self, room_id: str, room: Any) -> None:
+        """A room the bot has just joined: into the chats table (the main agent sees it),
+        and told its jid."""
         jid = self._jid(room_id)
+        name = (room.name or room.canonical_alias) if room is not None else None
         if self.db is not None:
             await asyncio.to_thread(self._record_chat, jid, name)
         await self.service_reply(jid, JOINED_NOTICE.format(jid=jid))
@@ -973,9 +982,11 @@ class MatrixChannel(Channel):
         log.warning("matrix: %s is end-to-end encrypted: telling the room and leaving it "
                     "(encrypted rooms are not supported)", room_id)
         text = ENCRYPTED_NOTICE.format(bot=self.user_id)
-        with contextlib.suppress(ChannelError):
+        try:
             await self._send_event(room_id, "m.room.message",
                                    {"msgtype": "m.notice", "body": text, "m.mentions": {}})
+        except ChannelError as e:
+            log.warning("matrix: could not tell %s why the bot leaves: %s", room_id, e)
         try:
             await self._call("leave", lambda: self.client.room_leave(room_id))
         except ChannelError as e:

@@ -198,6 +198,7 @@ Sender ids are what the channel reports as the sender:
 - Telegram (`tg:`): the user id, a number (`123456789`, without `tg:`). To find yours, write
   `/chatid` in a private chat with the bot: it answers `tg:<your user id>`. A message sent on
   behalf of a chat (an anonymous group admin, a linked channel) carries that chat's id.
+- Matrix (`mx:`): the user id (`@alice:example.org`), as the homeserver vouches for it.
 - Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
   `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
   is decided by the channel's `secret_file` and `listen` address.
