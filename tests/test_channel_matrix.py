@@ -121,6 +121,28 @@ channels:
         in r.stdout, r.stdout
 
 
+def test_check_config_names_the_extra_when_matrix_nio_is_missing(write_config, cli,
+                                                                  tmp_path: Path) -> None:
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "nio.py").write_text("raise ImportError('not installed here')\n")
+    path = write_config("""\
+data_dir: {data_dir}
+groups: {main: {name: A, jid: "hl:main", main: true}}
+channels:
+  matrix: {homeserver: "http://127.0.0.1:9", user_id: "@bot:hs", access_token_file: /t}
+""")
+    from conftest import REPO
+
+    env = {"PYTHONPATH": f"{hide}{os.pathsep}{REPO}"}
+    r = cli("check-config", "--skip-secrets", "--config", str(path), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "channels.matrix: matrix-nio is not installed" in r.stdout + r.stderr
+    assert "pip install 'mdclaw[matrix]'" in r.stdout + r.stderr
+    r = cli("check-config", "--skip-secrets", "--config", str(path))  # installed: quiet
+    assert "matrix-nio" not in r.stdout + r.stderr
+
+
 # --------------------------------------------------------------------------- the person
 
 
