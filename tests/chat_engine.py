@@ -3,8 +3,9 @@ orchestrator and the real ContainerRunner without a container engine.
 
 Each started container is a thread: it reads the `ContainerInput` the runner wrote on stdin,
 answers its prompt with one output block, then reads the follow-up files the host writes
-into the group's `input/` folder (oldest name first, as the agent runner does), answers each
-with a block of its own, and exits with 0 when `_close` appears (or when the engine stops it).
+into the group's `input/` folder (oldest name first, as the agent runner does; woken by
+inotify, so an idle container costs no CPU), answers each with a block of its own, and exits
+with 0 when `_close` appears (or when the engine stops it).
 Every input it was given (the prompt, each follow-up's content) is recorded in `inputs`, so a
 test can tell which messages reached the agent, and how often.
 """
@@ -17,6 +18,9 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from inotify_simple import INotify
+from inotify_simple import flags as F
 
 from mdclaw.runner import CLOSE_SENTINEL, OUTPUT_END, OUTPUT_START
 from mdclaw.runtime import (
@@ -68,9 +72,9 @@ class ChatEngine(ContainerRuntime):
     description = "a fake engine whose containers answer like the agent runner"
 
     def __init__(self, answer: Callable[[str], str] | None = None, *,
-                 poll: float = 0.005) -> None:
+                 poll: float = 0.1) -> None:
         self.answer = answer or (lambda text: "re: " + text)
-        self.poll = poll
+        self.poll = poll  # seconds between looks at whether the container was stopped
         self.inputs: list[str] = []
         self.runs = 0
         self._lock = threading.Lock()
@@ -78,23 +82,21 @@ class ChatEngine(ContainerRuntime):
 
     # ------------------------------------------------------------------ the agent
     def _agent(self, c: ChatContainer, prompt: str, input_dir: Path) -> None:
-        self._said(c, prompt)
-        while not c.ended.is_set():
-            try:
-                names = sorted(os.listdir(input_dir))
-            except FileNotFoundError:
-                names = []
-            for name in names:
-                if name == CLOSE_SENTINEL:
-                    c.end(0)
-                    return
-                if not name.endswith(".json") or name.startswith("."):
-                    continue
-                path = input_dir / name
-                body = json.loads(path.read_text())
-                path.unlink()
-                self._said(c, str(body.get("content", "")))
-            c.ended.wait(self.poll)
+        with INotify() as ino:
+            ino.add_watch(input_dir, F.CREATE | F.MOVED_TO | F.CLOSE_WRITE)
+            self._said(c, prompt)
+            while not c.ended.is_set():
+                for name in sorted(os.listdir(input_dir)):
+                    if name == CLOSE_SENTINEL:
+                        c.end(0)
+                        return
+                    if not name.endswith(".json") or name.startswith("."):
+                        continue
+                    path = input_dir / name
+                    body = json.loads(path.read_text())
+                    path.unlink()
+                    self._said(c, str(body.get("content", "")))
+                ino.read(timeout=int(self.poll * 1000))
 
     def _said(self, c: ChatContainer, text: str) -> None:
         with self._lock:
