@@ -472,6 +472,18 @@ def test_follow_up_and_close_sentinel(env: Env, tmp_path: Path) -> None:
     assert list(target.iterdir()) == []
 
 
+def test_follow_ups_are_named_in_the_order_they_were_written(env: Env) -> None:
+    """The agent reads input/ in name order: follow-ups written within one millisecond (the
+    orchestrator writes one per waiting message in a loop) keep their order."""
+    names = [write_follow_up(env.engine.layout, "family", sender="tg:42", sender_name="A",
+                             content=f"message {i}") for i in range(200)]
+    assert sorted(names) == names
+    assert len({n.split("-")[0] for n in names}) < len(names)  # some shared a millisecond
+    listed = sorted(p.name for p in (env.ipc / "family" / "input").iterdir())
+    assert [json.loads((env.ipc / "family" / "input" / n).read_text())["content"]
+            for n in listed] == [f"message {i}" for i in range(200)]
+
+
 # --------------------------------------------------------------------------- actions
 
 def _result(env: Env, group: str, rid: str) -> dict:
