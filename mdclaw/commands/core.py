@@ -165,6 +165,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             print(f"{verb}: {a.describe()}")
         for c in plan.conflicts:
             print(f"conflict: {c}")
+        for w in plan.warnings:
+            print(f"warning: {w}")
     return 1 if plan.conflicts else 0
 
 
