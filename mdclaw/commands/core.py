@@ -14,6 +14,7 @@ from mdclaw.config import (
     Config,
     ConfigError,
     ConfigIssue,
+    check_extras,
     file_key_lines,
     find_config_path,
     issue_at,
@@ -31,8 +32,9 @@ from mdclaw.state.groups import Refusals, list_groups, refusals
 
 # Checks beyond the schema; areas add theirs here. Each yields problems, as ConfigIssue or as
 # "key.path: message" lines (reported at that key's line). They may look at this machine
-# (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
-CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = []
+# (paths exist, ...), so `check-config --skip-host-checks` leaves them out. Here: a setting
+# whose optional dependency (an extra) this install lacks.
+CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [check_extras]
 
 GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
 

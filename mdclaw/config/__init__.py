@@ -19,6 +19,15 @@ a file that holds the secret; it is read only when needed and never logged.
 `from mdclaw.config import X` works for every public name of these modules.
 """
 
+from mdclaw.config.extras import (
+    EXTRAS,
+    Extra,
+    ExtraMissing,
+    MissingExtra,
+    check_extras,
+    missing_extras,
+    require_extra,
+)
 from mdclaw.config.live import RESTART_ONLY, LiveConfig, reload_config, restart_only_changes
 from mdclaw.config.load import (
     DEFAULT_CONFIG_PATHS,
@@ -106,8 +115,9 @@ from mdclaw.config.types import (
 )
 
 __all__ = [
-    "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "FLOOR_PATTERN", "FOLDER_CASE_RULE", "FOLDER_RE",
-    "HTTP_SECRET_NAME",
+    "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "EXTRAS", "Extra", "ExtraMissing", "MissingExtra",
+    "check_extras", "missing_extras", "require_extra", "FLOOR_PATTERN", "FOLDER_CASE_RULE",
+    "FOLDER_RE", "HTTP_SECRET_NAME",
     "RESERVED_FOLDERS", "RESTART_ONLY", "SERVER_KEYS", "SIZE_PATTERN", "AllowSenders",
     "AllowedRoot", "Assistant", "Channels", "Config", "ConfigError", "ConfigIssue", "CrossKeyError",
     "Duration", "Folder", "Frozen", "Group", "GroupMount", "HomeAssistant",

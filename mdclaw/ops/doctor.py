@@ -20,6 +20,7 @@ from mdclaw.config import (
     in_service_credentials,
     iter_secret_files,
     load_config,
+    missing_extras,
     read_secret,
     secret_file_issues,
 )
@@ -113,7 +114,9 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                    f"make {path} readable by this user (and by no one else)")
     asyncio.run(_check_endpoints(results, cfg, used))
     _check_http_port(results, cfg)
-    _check_whatsapp(results, cfg)
+    missing = _check_extras(results, cfg)
+    if "whatsapp" not in missing:
+        _check_whatsapp(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
     # clock and timezone
@@ -332,16 +335,25 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
     await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant())
 
 
+# The check each extra's failure is reported under.
+EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription"}
+
+
+def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:
+    """Every setting whose optional dependency is missing or does not load (imported, so a
+    broken native library shows): a failure with the extra to install. Returns the names of
+    the missing extras."""
+    missing = missing_extras(cfg, load=True)
+    for m in missing:
+        _check(results, EXTRA_CHECKS.get(m.extra.name, m.extra.name), "fail",
+               f"{m.problem} ({m.key})", m.fix)
+    return {m.extra.name for m in missing}
+
+
 def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
-    """WhatsApp: neonize installed, the device linked, the session file private."""
+    """WhatsApp (its extra installed): the device linked, the session file private."""
     wa = whatsapp_status(cfg)
     if wa is None:
-        return
-    try:
-        import neonize  # noqa: F401 - an optional dependency: is it installed?
-    except ImportError:
-        _check(results, "whatsapp", "fail", "neonize is not installed",
-               "install mdclaw with the whatsapp extra: pip install 'mdclaw[whatsapp]'")
         return
     if wa["link_state"] == "linked":
         _check(results, "whatsapp", "ok", f"linked to {wa['account']}")
