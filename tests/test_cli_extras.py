@@ -182,3 +182,45 @@ def test_which_settings_need_which_extra(tmp_path: Path, monkeypatch: pytest.Mon
     assert "pip install 'mdclaw[whatsapp]'" in fix_for(EXTRAS["whatsapp"], nix=False)
     assert "Telegram or the local chat" in fix_for(EXTRAS["whatsapp"], nix=True)
     assert "provider: openai" in fix_for(EXTRAS["transcribe"], nix=True)
+
+
+def test_the_chromium_a_setting_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      cli) -> None:  # noqa: ANN001
+    """ha_capture_screenshot's browser is a program, not an extra: check-config refuses a
+    `chromium:` that is not there; doctor warns when none is found (fails a named one)."""
+    from mdclaw.ops import doctor
+
+    token = tmp_path / "ha.token"
+    token.write_text("t\n")
+    token.chmod(0o600)
+    fake = tmp_path / "bin" / "chromium"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+
+    def config(chromium: str | None) -> Path:
+        path = tmp_path / "config.yaml"
+        path.write_text(f"data_dir: {tmp_path / 'data'}\n"
+                        "groups: {main: {name: Main, jid: 'hl:main', main: true}}\n"
+                        "integrations:\n  home_assistant:\n    url: http://127.0.0.1:9\n"
+                        f"    token_file: {token}\n"
+                        + (f"    chromium: {chromium}\n" if chromium else ""))
+        return path
+
+    monkeypatch.setenv("PATH", str(fake.parent))
+    r = cli("check-config", "--config", str(config("/nonexistent/chromium")))
+    assert r.returncode == 1
+    assert ("integrations.home_assistant.chromium: '/nonexistent/chromium' is not a program "
+            "on PATH") in r.stderr
+    assert cli("check-config", "--config", str(config(str(fake)))).returncode == 0
+
+    def chromium_check(path: Path) -> dict[str, str]:
+        (c,) = [c for c in doctor.run_checks(str(path)) if c["check"] == "chromium"]
+        return c
+
+    assert chromium_check(config(None))["level"] == "ok"  # found on PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    c = chromium_check(config(None))
+    assert c["level"] == "warn" and "no Chromium found" in c["detail"]
+    assert "pkgs.chromium" in c["fix"]
+    assert chromium_check(config("/nonexistent/chromium"))["level"] == "fail"

@@ -15,6 +15,7 @@ from mdclaw.config import (
     ConfigError,
     ConfigIssue,
     check_extras,
+    check_programs,
     file_key_lines,
     find_config_path,
     issue_at,
@@ -33,8 +34,9 @@ from mdclaw.state.groups import Refusals, list_groups, refusals
 # Checks beyond the schema; areas add theirs here. Each yields problems, as ConfigIssue or as
 # "key.path: message" lines (reported at that key's line). They may look at this machine
 # (paths exist, ...), so `check-config --skip-host-checks` leaves them out. Here: a setting
-# whose optional dependency (an extra) this install lacks.
-CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [check_extras]
+# whose optional dependency (an extra) this install lacks, a program a setting names.
+CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [check_extras,
+                                                                       check_programs]
 
 GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
 

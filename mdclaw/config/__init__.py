@@ -25,6 +25,7 @@ from mdclaw.config.extras import (
     ExtraMissing,
     MissingExtra,
     check_extras,
+    check_programs,
     missing_extras,
     require_extra,
 )
@@ -116,8 +117,8 @@ from mdclaw.config.types import (
 
 __all__ = [
     "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "EXTRAS", "Extra", "ExtraMissing", "MissingExtra",
-    "check_extras", "missing_extras", "require_extra", "FLOOR_PATTERN", "FOLDER_CASE_RULE",
-    "FOLDER_RE", "HTTP_SECRET_NAME",
+    "check_extras", "check_programs", "missing_extras", "require_extra", "FLOOR_PATTERN",
+    "FOLDER_CASE_RULE", "FOLDER_RE", "HTTP_SECRET_NAME",
     "RESERVED_FOLDERS", "RESTART_ONLY", "SERVER_KEYS", "SIZE_PATTERN", "AllowSenders",
     "AllowedRoot", "Assistant", "Channels", "Config", "ConfigError", "ConfigIssue", "CrossKeyError",
     "Duration", "Folder", "Frozen", "Group", "GroupMount", "HomeAssistant",

@@ -9,14 +9,16 @@ needs it (`mdclaw whatsapp link`) stops with the same line, and the daemon's cha
 transcriber that finds it missing says the same. The claude extra is the agent image's (its
 agent runner), never imported by the host.
 
-Imported here only to be found (`importlib.util.find_spec`); `load=True` (doctor) also
-imports it, which catches a wheel whose native library does not load.
+A program a setting names (`integrations.home_assistant.chromium`) is checked the same way
+(`check_programs`). A module is looked for only (`importlib.util.find_spec`); `load=True`
+(doctor) also imports it, which catches a wheel whose native library does not load.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -139,6 +141,17 @@ def missing_extras(cfg: Config, *, load: bool = False) -> list[MissingExtra]:
 def check_extras(cfg: Config) -> list[str]:
     """check-config's check: a line per setting whose extra is missing, at the setting."""
     return [m.line() for m in missing_extras(cfg)]
+
+
+def check_programs(cfg: Config) -> list[str]:
+    """check-config's check of the programs a setting names: `integrations.home_assistant.
+    chromium` (ha_capture_screenshot's browser) must be found. Left unset, the browser is
+    looked for when a screenshot is asked for, and doctor warns when there is none."""
+    ha = cfg.integrations.home_assistant
+    if ha is None or ha.chromium is None or shutil.which(ha.chromium):
+        return []
+    return [f"integrations.home_assistant.chromium: {ha.chromium!r} is not a program on PATH "
+            "(ha_capture_screenshot runs it): install Chromium, or give its path"]
 
 
 def require_extra(name: str, key: str) -> None:

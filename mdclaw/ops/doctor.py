@@ -26,6 +26,7 @@ from mdclaw.config import (
 )
 from mdclaw.diskguard import GROUP_FULL, OK, TOO_MANY_FILES, UNREADABLE
 from mdclaw.failures import redact, server_name
+from mdclaw.integrations.ha_screenshot import ScreenshotError, find_chromium
 from mdclaw.integrations.home_assistant import probe
 from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
@@ -117,6 +118,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
     missing = _check_extras(results, cfg)
     if "whatsapp" not in missing:
         _check_whatsapp(results, cfg)
+    _check_chromium(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
     # clock and timezone
@@ -348,6 +350,21 @@ def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:
         _check(results, EXTRA_CHECKS.get(m.extra.name, m.extra.name), "fail",
                f"{m.problem} ({m.key})", m.fix)
     return {m.extra.name for m in missing}
+
+
+def _check_chromium(results: list[dict[str, str]], cfg: Config) -> None:
+    """Home Assistant: the Chromium that ha_capture_screenshot runs on the host (a program,
+    not a Python extra: a warning, the other HA actions work without it)."""
+    ha = cfg.integrations.home_assistant
+    if ha is None:
+        return
+    try:
+        _check(results, "chromium", "ok", find_chromium(ha.chromium))
+    except ScreenshotError as e:
+        _check(results, "chromium", "fail" if ha.chromium else "warn",
+               f"{e} (ha_capture_screenshot cannot take screenshots)",
+               "install Chromium on the host (NixOS: environment.systemPackages = "
+               "[ pkgs.chromium ]) or set integrations.home_assistant.chromium to its path")
 
 
 def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
