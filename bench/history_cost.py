@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
 from chat_engine import ChatEngine  # noqa: E402
+
 from mdclaw.channels.base import Channel, InboundMessage  # noqa: E402
 from mdclaw.config import load_config  # noqa: E402
 from mdclaw.ipc.watcher import IpcWatcher  # noqa: E402

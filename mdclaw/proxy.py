@@ -39,7 +39,8 @@ as soon as they are accepted, so the daemon's file descriptors stay bounded what
 container does; further attempts wait in the kernel's listen queue, not in the daemon), and
 send at most `limits.proxy_requests_per_minute` requests (a token bucket: bursts up to that
 many, then that many per minute; more get HTTP 429 with `Retry-After`). Both can be set per
-group.
+group. A connection that sends its request's headers or body too slowly, sends nothing, or
+stops reading its answer is closed (mdclaw.listener, with the web server's default limits).
 
 The group comes from which socket the request arrived on, never from anything the client says.
 """
@@ -73,6 +74,7 @@ from mdclaw.budget import (
 )
 from mdclaw.config import Config
 from mdclaw.errors import EngineError
+from mdclaw.listener import ConnectionGuard, ConnectionLimits
 from mdclaw.models import BadRequestBody, Upstream, container_model_fields, model_for_group
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.redact import MIN_SECRET, Redactor, all_forms
@@ -216,11 +218,12 @@ class _Listener:
     descriptors for the group however many connections the container attempts."""
 
     def __init__(self, folder: str, sock: socket.socket, server: web.Server,
-                 caps: _Caps) -> None:
+                 caps: _Caps, guard: ConnectionGuard) -> None:
         self.folder = folder
         self.sock = sock
         self.server = server
         self.caps = caps
+        self.guard = guard  # header, body and idle deadlines (mdclaw.listener)
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._paused: asyncio.TimerHandle | None = None
@@ -282,7 +285,7 @@ class _Listener:
 
         def factory() -> _Counted:
             nonlocal counted
-            counted = _Counted(self.server(), self.caps)
+            counted = _Counted(self.guard.protocol(self.server()), self.caps)
             return counted
 
         try:
@@ -424,12 +427,16 @@ class CredentialProxy:
         caps = _Caps(max_connections or self.max_connections,
                      requests_per_minute or self.requests_per_minute,
                      tokens_per_day, timezone, answer_estimate)
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        # Slow clients: the web server's deadlines; the connection cap is the group's own.
+        guard = ConnectionGuard(ConnectionLimits(max_per_client=None), name="proxy")
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES,
+                              middlewares=[guard.middleware])
         app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream, caps))
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                               keepalive_timeout=guard.keepalive_timeout)
         await runner.setup()
         assert runner.server is not None
-        listener = _Listener(folder, sock, runner.server, caps)
+        listener = _Listener(folder, sock, runner.server, caps, guard)
         try:
             listener.start()
         except OSError as e:

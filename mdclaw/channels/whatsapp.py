@@ -56,6 +56,7 @@ from mdclaw.channels.base import (
     InboundMessage,
     read_upload,
 )
+from mdclaw.config import EXTRAS, MissingExtra
 from mdclaw.markup import split_message, to_whatsapp
 from mdclaw.retry import Backoff
 from mdclaw.retry import wait as backoff_wait
@@ -215,9 +216,9 @@ def _neonize() -> Any:
         from neonize.proto.waE2E import WAWebProtobufsE2E_pb2 as e2e
         from neonize.utils import enum
     except ImportError as e:
-        raise ChannelError("the WhatsApp channel needs neonize: install mdclaw with the "
-                           f"`whatsapp` extra (pip install 'mdclaw[whatsapp]'); {e}",
-                           permanent=True) from None
+        missing = MissingExtra("channels.whatsapp", EXTRAS["whatsapp"],
+                               f"cannot be imported ({e})")
+        raise ChannelError(missing.message, permanent=True) from None
 
     return SimpleNamespace(client=aclient, events=events, types=types, common=common, e2e=e2e,
                            enum=enum)
