@@ -104,6 +104,10 @@ class Synapse:
             "suppress_key_server_warning": True,
             "federation_domain_whitelist": [],
             "enable_registration": False,
+            # Each sync the tests make asks the server anew (by default an identical one is
+            # answered from a cache for two minutes: a person's "who is typing" would not
+            # change).
+            "caches": {"sync_response_cache_duration": 0},
             "rc_message": RC_MESSAGE,
             "rc_login": {k: {"per_second": 100, "burst_count": 100}
                          for k in ("address", "account", "failed_attempts")},

@@ -73,7 +73,7 @@ from mdclaw.channels.base import (
     kind_for_mime,
     read_upload,
 )
-from mdclaw.config import read_secret
+from mdclaw.config import EXTRAS, MissingExtra, read_secret
 from mdclaw.markup import is_plain_html, split_message, to_matrix_html
 from mdclaw.retry import Backoff
 from mdclaw.retry import wait as backoff_wait
@@ -169,9 +169,8 @@ def nio_module() -> Any:
     try:
         import nio
     except ImportError as e:
-        raise ChannelError("the Matrix channel needs matrix-nio: install mdclaw with the "
-                           f"`matrix` extra (pip install 'mdclaw[matrix]'); {e}",
-                           permanent=True) from None
+        missing = MissingExtra("channels.matrix", EXTRAS["matrix"], f"cannot be imported ({e})")
+        raise ChannelError(missing.message, permanent=True) from None
     return nio
 
 
@@ -669,23 +668,31 @@ class MatrixChannel(Channel):
                 continue
             events = [e.source for e in info.timeline.events
                       if isinstance(getattr(e, "source", None), dict)]
-            if self._joined_in(events):
+            joined = self._joined_in(events)
+            if joined is not None:
                 # Said here rather than when joining: a stop between the two means this
-                # batch comes again, so the room is told all the same.
-                await self._welcome(room_id, room)
+                # batch comes again, so the room is told all the same (once: _welcome).
+                await self._welcome(room_id, room, joined)
             if info.timeline.limited and info.timeline.prev_batch and self._since and \
-                    not self._joined_in(events):
+                    joined is None:
                 events = await self._gap(room_id, info.timeline.prev_batch,
                                          self._since) + events
             for ev in events:
                 if await self._event(room_id, ev):
                     break  # the room is refused: the rest is not read
 
-    def _joined_in(self, events: list[dict[str, Any]]) -> bool:
-        """True if the bot joined the room within `events` (what came before is not for it:
-        no gap to fill)."""
-        return any(e.get("type") == "m.room.member" and e.get("state_key") == self.user_id
-                   and _dict(e.get("content")).get("membership") == "join" for e in events)
+    def _joined_in(self, events: list[dict[str, Any]]) -> str | None:
+        """The event id of the bot's join if it joined the room within `events` (what came
+        before is not for it: no gap to fill), else None. A change of its own name or avatar
+        (a join after a join) is no join."""
+        for e in events:
+            content = _dict(e.get("content"))
+            before = _dict(_dict(e.get("unsigned")).get("prev_content")).get("membership")
+            if e.get("type") == "m.room.member" and e.get("state_key") == self.user_id and \
+                    content.get("membership") == "join" and before != "join":
+                event_id = e.get("event_id")
+                return event_id if isinstance(event_id, str) else ""
+        return None
 
     async def _gap(self, room_id: str, prev_batch: str, since: str) -> list[dict[str, Any]]:
         """The events of `room_id` between the previous sync (`since`) and the timeline this
@@ -949,14 +956,22 @@ class MatrixChannel(Channel):
         if encrypted or await self._is_encrypted(room_id):
             await self._refuse_encrypted(room_id)
 
-    async def _welcome(self, room_id: str, room: Any) -> None:
+    async def _welcome(self, room_id: str, room: Any, join_event: str) -> None:
         """A room the bot has just joined: into the chats table (the main agent sees it),
-        and told its jid."""
+        and told its jid, once per join: the join's event id is kept (router_state) once
+        the notice is queued, so a batch that comes again after a stop does not say it
+        twice."""
         jid = self._jid(room_id)
         name = (room.name or room.canonical_alias) if room is not None else None
+        key = f"matrix_welcomed:{self.user_id}:{room_id}"
         if self.db is not None:
             await asyncio.to_thread(self._record_chat, jid, name)
+            if join_event and await asyncio.to_thread(get_router_value, self.db,
+                                                      key) == join_event:
+                return
         await self.service_reply(jid, JOINED_NOTICE.format(jid=jid))
+        if self.db is not None and join_event:
+            await asyncio.to_thread(set_router_value, self.db, key, join_event)
 
     async def _is_encrypted(self, room_id: str) -> bool:
         """Whether the room has end-to-end encryption on (its m.room.encryption state)."""
@@ -1051,7 +1066,7 @@ class MatrixChannel(Channel):
                         sender: str | None = None) -> str | None:
         """Send one (body, formatted_body) piece as `m.text`."""
         room_id = self._room_id(jid)
-        self._stop_typing(jid)
+        await self._typing_done(jid, room_id)
         body, html = part if isinstance(part, tuple) else (str(part), None)
         content: dict[str, Any] = {"msgtype": "m.text", "body": body, "m.mentions": {}}
         if html:
@@ -1099,7 +1114,7 @@ class MatrixChannel(Channel):
         rel = await self._relates(room_id, jid, None)
         if rel:
             content["m.relates_to"] = rel
-        self._stop_typing(jid)
+        await self._typing_done(jid, room_id)
         event_id = await self._send_event(room_id, "m.room.message", content)
         if follow:
             await self.send_message(jid, follow)
@@ -1111,10 +1126,18 @@ class MatrixChannel(Channel):
         await self._send_event(room_id, "m.reaction", {"m.relates_to": {
             "rel_type": "m.annotation", "event_id": event_id, "key": emoji}})
 
-    def _stop_typing(self, jid: str) -> None:
+    def _stop_typing(self, jid: str) -> bool:
+        """Stop repeating the typing notice in `jid`; True if it was being repeated."""
         t = self._typing.pop(jid, None)
         if t is not None:
             t.cancel()
+        return t is not None
+
+    async def _typing_done(self, jid: str, room_id: str) -> None:
+        """A message goes out: the typing notice ends with it (Matrix clients keep showing
+        it until told, or until its timeout runs out, while the agent may be idle)."""
+        if self._stop_typing(jid):
+            await self._typing_call(room_id, False)
 
     async def set_typing(self, jid: str, typing: bool) -> None:
         try:

@@ -53,22 +53,6 @@ def open_main_group(cfg: Config) -> Iterable[str]:
     return [warning] if warning else []
 
 
-def missing_extras(cfg: Config) -> Iterable[str]:
-    """A channel the config enables whose optional dependency is not installed here: the
-    daemon runs, but that channel does not start."""
-    mx = cfg.channels.matrix
-    if mx is not None and mx.enabled:
-        try:
-            import nio  # noqa: F401 - an optional dependency: is it installed?
-        except ImportError:
-            yield ("channels.matrix: matrix-nio is not installed, so the Matrix channel "
-                   "cannot start: install mdclaw with the matrix extra (pip install "
-                   "'mdclaw[matrix]')")
-
-
-# Warnings that look at this machine: --skip-host-checks leaves them out.
-HOST_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [missing_extras]
-
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
 CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [
@@ -132,8 +116,7 @@ def config_issues(args: argparse.Namespace) -> tuple[str, Config | None, list[Co
     issues = [] if args.skip_secrets else secret_file_issues(cfg, lines)
     checks = [] if args.skip_host_checks else CONFIG_CHECKS
     issues += [as_issue(f, lines, "error") for check in checks for f in check(cfg)]
-    warnings = CONFIG_WARNINGS + ([] if args.skip_host_checks else HOST_WARNINGS)
-    issues += [as_issue(f, lines, "warning") for check in warnings for f in check(cfg)]
+    issues += [as_issue(f, lines, "warning") for check in CONFIG_WARNINGS for f in check(cfg)]
     return str(path), cfg, sorted_issues(issues)
 
 

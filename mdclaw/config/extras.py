@@ -50,6 +50,10 @@ EXTRAS: dict[str, Extra] = {
         "transcribe", "faster_whisper", "faster-whisper", "local transcription",
         "the NixOS package has no faster-whisper: use transcription.provider: openai with an "
         "OpenAI-compatible endpoint"),
+    "matrix": Extra(
+        "matrix", "nio", "matrix-nio", "the Matrix channel",
+        "the NixOS package built by mdclaw's flake includes matrix-nio: use it (the "
+        "services.mdclaw.package default), or remove channels.matrix (or set enabled: false)"),
 }
 
 
@@ -106,6 +110,9 @@ def settings_needing(cfg: Config) -> list[tuple[str, Extra]]:
     wa = cfg.channels.whatsapp
     if wa is not None and wa.enabled:
         out.append(("channels.whatsapp", EXTRAS["whatsapp"]))
+    mx = cfg.channels.matrix
+    if mx is not None and mx.enabled:
+        out.append(("channels.matrix", EXTRAS["matrix"]))
     if cfg.transcription is not None and cfg.transcription.provider == "local":
         out.append(("transcription.provider", EXTRAS["transcribe"]))
     return out

@@ -10,6 +10,7 @@ from urllib.parse import quote
 import aiohttp
 
 from mdclaw.config import Config, read_secret
+from mdclaw.config.extras import EXTRAS, unavailable
 
 ENCRYPTED_FIX = ("create a room with encryption off (it cannot be turned off later), invite "
                  "{bot} to it and put its mx: id as groups.{folder}.jid (mdclaw does not take "
@@ -59,18 +60,14 @@ def _token(cfg: Config) -> str | None:
 
 
 async def matrix_checks(cfg: Config) -> list[tuple[str, str, str, str]]:
-    """doctor's Matrix checks as (check, level, detail, fix): matrix-nio installed, the token
-    accepted, and each group's room one the bot is in and not end-to-end encrypted."""
+    """doctor's Matrix checks as (check, level, detail, fix) when matrix-nio is installed: the
+    token accepted, and each group's room one the bot is in and not end-to-end encrypted."""
     mx = cfg.channels.matrix
     if mx is None or not mx.enabled:
         return []
     out: list[tuple[str, str, str, str]] = []
-    try:
-        import nio  # noqa: F401 - an optional dependency: is it installed?
-    except ImportError:
-        out.append(("matrix", "fail", "matrix-nio is not installed",
-                    "install mdclaw with the matrix extra: pip install 'mdclaw[matrix]'"))
-        return out
+    if unavailable(EXTRAS["matrix"]):
+        return out  # doctor's check of the extras names it, with the fix
     token = _token(cfg)
     if token is None:
         status = matrix_status(cfg) or {}
