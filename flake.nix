@@ -205,6 +205,7 @@
       lib = {
         inherit parseRequirements imageRequirements claudeRequirements;
         hostRequirements = map requirementName pyproject.project.dependencies;
+        packagedExtras = map requirementName (pyproject.project.optional-dependencies.matrix or [ ]);
       };
 
       overlays.default = final: prev: {
@@ -223,7 +224,9 @@
             dependencies =
               map (pythonPackage final.python3Packages) self.lib.hostRequirements
               # zoneinfo's data where the system has none (build sandbox, minimal images).
-              ++ [ final.python3Packages.tzdata ];
+              ++ [ final.python3Packages.tzdata ]
+              # The extras nixpkgs has: the Matrix channel's matrix-nio.
+              ++ map (pythonPackage final.python3Packages) self.lib.packagedExtras;
             nativeCheckInputs = map (pythonPackage final.python3Packages) (
               map requirementName (pyproject.project.optional-dependencies.test or [ ])
             );

@@ -59,7 +59,9 @@ def test_package_is_the_pyproject(flake: dict) -> None:
     assert flake["lib"]["hostRequirements"] == [
         _name(d) for d in pyproject["project"]["dependencies"]]
     assert pkg["dependencies"] == [f"python3.12-{n}" for n in flake["lib"]["hostRequirements"]] \
-        + ["python3.12-tzdata"]
+        + ["python3.12-tzdata"] + ["python3.12-matrix-nio"]  # the extras nixpkgs has
+    assert flake["lib"]["packagedExtras"] == [
+        _name(d) for d in pyproject["project"]["optional-dependencies"]["matrix"]]
     assert "python3.12-pytestCheckHook" in pkg["checkInputs"]
     # tests run in checkPhase, except the ones that need an engine (the VM test has one)
     assert pkg["disabledTestMarks"] == ["e2e"]
