@@ -516,9 +516,11 @@ def test_a_message_in_gets_a_formatted_answer_out(setup: Setup, go: Any) -> None
     go(main())
 
 
-def test_a_join_is_welcomed_once_when_its_sync_comes_again(setup: Setup, go: Any) -> None:
-    """The daemon stops after telling a room its jid but before keeping the sync token: the
-    join comes again after the restart (nothing is lost), and the room is not told twice."""
+def test_a_join_and_chatid_are_answered_once_when_their_sync_comes_again(setup: Setup,
+                                                                          go: Any) -> None:
+    """The daemon stops after telling a room its jid (and answering !chatid) but before
+    keeping the sync token: the join and the question come again after the restart (nothing
+    is lost), and neither is answered twice."""
 
     async def main() -> None:
         setup.write()
@@ -529,7 +531,8 @@ def test_a_join_is_welcomed_once_when_its_sync_comes_again(setup: Setup, go: Any
         try:
             room = await joined_room(setup, p)
             await answers(p, room, setup.bot, 1)
-            await wait_until_async(lambda: run.d.status()["outbox"]["pending"] == 0, 30)
+            await p.text(room, "!chatid")
+            await answers(p, room, setup.bot, 2)
         finally:
             await run.stop()
         with sqlite3.connect(setup.data / "state.db") as db:  # as if never kept
@@ -545,10 +548,10 @@ def test_a_join_is_welcomed_once_when_its_sync_comes_again(setup: Setup, go: Any
                         "SELECT status FROM outbox WHERE chat_jid = ?", (f"mx:{room}",))]
 
             await wait_until_async(lambda: set(queued()) == {"sent"}, 30)
-            assert len(queued()) == 1
-            told = [e for e in await p.from_(room, setup.bot) if "Hello!" in
-                    e["content"].get("body", "")]
-            assert len(told) == 1, told
+            assert len(queued()) == 2
+            told = [e["content"]["body"] for e in await p.from_(room, setup.bot)]
+            assert len(told) == 2 and told[0].startswith("Hello!"), told
+            assert told[1] == f"This chat is `mx:{room}`"
         finally:
             await run.stop()
             await p.close()

@@ -12,14 +12,15 @@ stops accepting that token.
 In: `/sync` long polls. The sync token (what was handed over to the host) is kept in the state
 database (`router_state`, per account), written on a thread after every batch, in the order
 asked, so a restart goes on after it; a crash before it was written means the batch comes
-again and the host's dedupe by message id drops the copies. A timeline the homeserver cut
-short (`limited`, many events since the last sync) is filled from `/messages` back to the
-previous token, so nothing in between is skipped. The first start takes no history. Text,
-emotes, images, files, audio, voice notes and videos become InboundMessages (files as
-Attachments fetched from the content repository, authenticated, streamed and capped);
-replies, threads, mentions of the bot (`m.mentions`, or its user id in the text) and replies
-to its messages (`addressed`). Notices (`m.notice`, what other bots send) are not handed on.
-`!chatid` (or `/chatid`) is answered with the room's jid.
+again and the host's dedupe by message id drops the copies (the channel's own notices, the
+welcome and `!chatid`'s answer, keep the event they answer, so they are said once too). A
+timeline the homeserver cut short (`limited`, many events since the last sync) is filled from
+`/messages` back to the previous token, so nothing in between is skipped. The first start
+takes no history. Text, emotes, images, files, audio, voice notes and videos become
+InboundMessages (files as Attachments fetched from the content repository, authenticated,
+streamed and capped); replies, threads, mentions of the bot (`m.mentions`, or its user id in
+the text) and replies to its messages (`addressed`). Notices (`m.notice`, what other bots
+send) are not handed on. `!chatid` (or `/chatid`) is answered with the room's jid.
 
 Invites: from the people `invite_allowed` accepts (channels.matrix.allow_invites_from), joined;
 from anyone else, ignored (the invite stays pending; nothing is said to a stranger).
@@ -780,8 +781,21 @@ class MatrixChannel(Channel):
                 body.strip().lower() not in ("!chatid", "/chatid"):
             return False
         jid = self._jid(room_id)
-        await self.service_reply(jid, f"This chat is `{jid}`", reply_to=f"{jid}:{event_id}")
+        await self._say_once(f"matrix_chatid:{self.user_id}:{room_id}", event_id, jid,
+                             f"This chat is `{jid}`", reply_to=f"{jid}:{event_id}")
         return True
+
+    async def _say_once(self, key: str, event_id: str, jid: str, text: str, *,
+                        reply_to: str | None = None) -> None:
+        """The channel's own answer to the event `event_id`, queued once: the event id is
+        kept under `key` (router_state) once the answer is queued, so a batch that comes
+        again after a stop (its sync token not yet kept) does not say it twice."""
+        if self.db is not None and event_id and await asyncio.to_thread(
+                get_router_value, self.db, key) == event_id:
+            return
+        await self.service_reply(jid, text, reply_to=reply_to)
+        if self.db is not None and event_id:
+            await asyncio.to_thread(set_router_value, self.db, key, event_id)
 
     async def _about(self, room_id: str, event_id: str) -> tuple[str, str | None] | None:
         """(sender, thread root) of an event of `room_id`: remembered, else asked."""
@@ -958,20 +972,13 @@ class MatrixChannel(Channel):
 
     async def _welcome(self, room_id: str, room: Any, join_event: str) -> None:
         """A room the bot has just joined: into the chats table (the main agent sees it),
-        and told its jid, once per join: the join's event id is kept (router_state) once
-        the notice is queued, so a batch that comes again after a stop does not say it
-        twice."""
+        and told its jid, once per join."""
         jid = self._jid(room_id)
         name = (room.name or room.canonical_alias) if room is not None else None
-        key = f"matrix_welcomed:{self.user_id}:{room_id}"
         if self.db is not None:
             await asyncio.to_thread(self._record_chat, jid, name)
-            if join_event and await asyncio.to_thread(get_router_value, self.db,
-                                                      key) == join_event:
-                return
-        await self.service_reply(jid, JOINED_NOTICE.format(jid=jid))
-        if self.db is not None and join_event:
-            await asyncio.to_thread(set_router_value, self.db, key, join_event)
+        await self._say_once(f"matrix_welcomed:{self.user_id}:{room_id}", join_event, jid,
+                             JOINED_NOTICE.format(jid=jid))
 
     async def _is_encrypted(self, room_id: str) -> bool:
         """Whether the room has end-to-end encryption on (its m.room.encryption state)."""
