@@ -629,9 +629,17 @@ def test_files_both_ways_through_the_content_repository(setup: Setup, go: Any) -
                 "not_saved" in setup.agent.prompts[-1]
             # Out: the agent sends a file.
             await p.text(room, "FILE please")
-            got = await answers(p, room, setup.bot, 5)
-            files = [e["content"] for e in got if e["content"]["msgtype"] == "m.file"]
-            assert len(files) == 1
+            files: list[dict[str, Any]] = []  # (the host also said it could not keep big.bin)
+            deadline = time.monotonic() + 30
+            while not files:
+                assert time.monotonic() < deadline, "no file came"
+                await asyncio.sleep(0.1)
+                files = [e["content"] for e in await p.from_(room, setup.bot)
+                         if e["content"]["msgtype"] == "m.file"]
+            await answers(p, room, setup.bot, 6)  # and the agent's answer after it
+            await asyncio.sleep(0.5)  # a second copy would come now
+            assert len([e for e in await p.from_(room, setup.bot)
+                        if e["content"]["msgtype"] == "m.file"]) == 1
             f = files[0]
             assert f["filename"] == "report.txt" and f["body"] == "the **report**"
             assert f["formatted_body"] == "<p>the <strong>report</strong></p>"
@@ -811,6 +819,68 @@ def test_more_messages_than_a_sync_holds_while_stopped_are_all_read(setup: Setup
         finally:
             await run.stop()
             await p.close()
+
+    go(main())
+
+
+def test_a_send_whose_answer_was_lost_is_not_doubled_when_tried_again(setup: Setup, go: Any,
+                                                                      tmp_path: Path) -> None:
+    """The homeserver takes a message but its answer never arrives (the connection drops):
+    the next try, after a restart too, goes with the same transaction id, and the room
+    shows the message once; the next message with the same text is a message of its own."""
+    from mdclaw.channels.matrix import nio_module
+    from mdclaw.state import Database
+
+    nio = nio_module()
+    lost: list[str] = []
+
+    class LosesAnAnswer(nio.AsyncClient):  # type: ignore[misc]
+        async def room_send(self, *args: Any, **kwargs: Any) -> Any:
+            resp = await super().room_send(*args, **kwargs)
+            if not lost:
+                lost.append(kwargs["tx_id"])
+                raise aiohttp.ClientConnectionError("the connection dropped")
+            return resp
+
+    def client(homeserver: str, user_id: str) -> Any:
+        return LosesAnAnswer(homeserver, user_id, config=nio.AsyncClientConfig(
+            max_limit_exceeded=0, max_timeouts=0, store_sync_tokens=False,
+            encryption_enabled=False))
+
+    async def main() -> None:
+        p = setup.person()
+        bot = Person(setup.hs, setup.bot_account)
+        room = await p.create_room([setup.bot])
+        await bot.join(room)
+        db = Database(tmp_path / "state.db")
+
+        async def connected() -> MatrixChannel:
+            ch = MatrixChannel(setup.hs.base, setup.bot, db=db, client_factory=client,
+                               access_token=setup.bot_account["access_token"])
+            await ch.connect()
+            await wait_until_async(ch.is_connected, 30, what="the channel to connect")
+            return ch
+
+        jid = f"mx:{room}"
+        ch = await connected()
+        try:
+            with pytest.raises(ChannelError) as e:
+                await ch.send_message(jid, "only once")
+            assert not e.value.permanent and lost
+        finally:
+            await ch.disconnect()
+        ch = await connected()  # a restart: the outbox tries again
+        try:
+            first = await ch.send_message(jid, "only once")
+            again = await ch.send_message(jid, "only once")
+            sent = [e["event_id"] for e in await p.from_(room, setup.bot)
+                    if e["content"].get("body") == "only once"]
+        finally:
+            await ch.disconnect()
+            await p.close()
+            await bot.close()
+            db.close()
+        assert len(sent) == 2 and first == f"{jid}:{sent[0]}" and again == f"{jid}:{sent[1]}"
 
     go(main())
 

@@ -31,14 +31,16 @@ fix. (The host keeps every message in plain text in its database and hands it to
 so the bot would end the encryption anyway; an unverified bot device with a key store that
 must never be lost would make messages silently unreadable instead.)
 
-Out: the assistant's Markdown as `formatted_body` (org.matrix.custom.html, mdclaw.markup)
-with the Markdown as the plain `body`, cut at 8000 characters without cutting a code
-block; an answer goes to the thread the latest message of the room was written in (a reply
-to a message in a thread stays in that thread); files through the content repository
-(`m.image`, `m.audio`, `m.video`, `m.file`, captions as Matrix 1.10 has them); reactions
-(`m.reaction`); typing. The homeserver's rate limit (`M_LIMIT_EXCEEDED`, `retry_after_ms`)
-becomes ChannelError(retry_after), for the outbox to wait. A failed sync is tried again with
-the shared backoff; meanwhile `is_connected()` is False and the outbox keeps messages.
+Out: the assistant's Markdown as `formatted_body` (org.matrix.custom.html, mdclaw.markup) with
+the Markdown as the plain `body`, cut at 8000 characters without cutting a code block; an
+answer goes to the thread the latest message of the room was written in (a reply to a message
+in a thread stays in that thread); files through the content repository (`m.image`, `m.audio`,
+`m.video`, `m.file`, captions as Matrix 1.10 has them); reactions (`m.reaction`); typing. The
+homeserver's rate limit (`M_LIMIT_EXCEEDED`, `retry_after_ms`) becomes
+ChannelError(retry_after), for the outbox to wait. A send whose outcome is unknown keeps its
+transaction id (router_state), so the outbox's next try cannot post it twice. A failed sync is
+tried again with the shared backoff; meanwhile `is_connected()` is False and the outbox keeps
+messages.
 
 The access token is never logged: it is masked wherever an error could show it.
 """
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -55,6 +58,8 @@ import os
 import re
 import sqlite3
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -95,6 +100,9 @@ GAP_MAX_EVENTS = 1000  # events fetched to fill one room's gap in one sync
 TYPING_REPEAT_SECONDS = 20.0
 TYPING_TIMEOUT_MS = 30_000
 TYPING_MAX_SECONDS = 300.0
+# A send of unknown outcome keeps its transaction id this long (homeserver's keep theirs for
+# at least as long: Synapse 30 minutes in memory, a day in its database).
+TXN_KEEP_SECONDS = 1800
 REMEMBERED_EVENTS = 4096  # events of recent messages: sender and thread, for replies
 MEDIA_KINDS = {"m.image": "image", "m.file": "document", "m.audio": "audio", "m.video": "video"}
 PERMANENT_ERRORS = frozenset({"M_FORBIDDEN", "M_NOT_FOUND", "M_TOO_LARGE", "M_BAD_JSON",
@@ -218,6 +226,14 @@ def _strip_reply_fallback(body: str) -> str:
     return "\n".join(lines[i:])
 
 
+def _event_digest(etype: str, content: dict[str, Any]) -> str:
+    """What identifies an event to send across tries: its type and content, without the
+    content address of a file (each try uploads the file anew)."""
+    same = {k: v for k, v in content.items() if k != "url"}
+    text = json.dumps([etype, same], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def _mxc_parts(mxc: str) -> tuple[str, str]:
     """(server name, media id) of an `mxc://server/media` URI. Raises a permanent
     ChannelError for anything else."""
@@ -291,6 +307,8 @@ class MatrixChannel(Channel):
         # latest message was written, so the answer goes there too.
         self._threads: dict[str, tuple[str, str] | None] = {}
         self._refused: set[str] = set()  # encrypted rooms told and left
+        # room id -> {event digest: [transaction id, time]}: sends of unknown outcome
+        self._pending_txns: dict[str, dict[str, list[Any]]] = {}
         self._typing: dict[str, asyncio.Task[None]] = {}
         self.max_upload = MAX_UPLOAD_DEFAULT
         self.syncs = 0  # successful syncs, for tests and the operator
@@ -1021,14 +1039,67 @@ class MatrixChannel(Channel):
         return self.client
 
     async def _send_event(self, room_id: str, etype: str, content: dict[str, Any]) -> str:
+        """Send an event; its id. A send whose outcome is unknown (the connection lost, a
+        timeout, a 5xx, a stop in the middle) keeps its transaction id in router_state, and
+        the same event tried again (the outbox's next try, also after a restart) goes with
+        the same id: a homeserver that took the first one answers with that event instead
+        of making a second (the client API's transaction ids)."""
         client = self._logged_in_client()
-        resp = await self._call("send", lambda: client.room_send(
-            room_id, etype, content, ignore_unverified_devices=True))
+        digest = _event_digest(etype, content)
+        txns = await self._txns(room_id)
+        txn = txns.get(digest, [None])[0] or f"mdclaw-{uuid.uuid4().hex}"
+        if digest not in txns:
+            txns[digest] = [txn, time.time()]
+            await self._save_txns(room_id, txns)
+        try:
+            resp = await self._call("send", lambda: client.room_send(
+                room_id, etype, content, tx_id=txn, ignore_unverified_devices=True))
+        except ChannelError as e:
+            if e.code is not None and e.code < 500:  # the homeserver said no: nothing made
+                txns.pop(digest, None)
+                await self._save_txns(room_id, txns)
+            raise
+        txns.pop(digest, None)
+        await self._save_txns(room_id, txns)
         event_id = str(resp.event_id)
         rel = _dict(content.get("m.relates_to"))
         root = rel.get("event_id") if rel.get("rel_type") == "m.thread" else None
         self._remember(event_id, room_id, self.user_id, root)
         return event_id
+
+    async def _txns(self, room_id: str) -> dict[str, list[Any]]:
+        """The transaction ids of `room_id`'s sends of unknown outcome: {event digest: [txn
+        id, time]}, those younger than TXN_KEEP_SECONDS."""
+        if room_id not in self._pending_txns:
+            value = None
+            if self.db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    value = await asyncio.to_thread(get_router_value, self.db,
+                                                    self._txn_key(room_id))
+            data: Any = None
+            with contextlib.suppress(ValueError, TypeError):
+                data = json.loads(value) if value else None
+            self._pending_txns[room_id] = {
+                k: v for k, v in (data.items() if isinstance(data, dict) else ())
+                if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                and isinstance(v[1], int | float)}
+        now = time.time()
+        txns = self._pending_txns[room_id]
+        for k in [k for k, v in txns.items() if now - v[1] > TXN_KEEP_SECONDS]:
+            del txns[k]
+        return txns
+
+    async def _save_txns(self, room_id: str, txns: dict[str, list[Any]]) -> None:
+        if self.db is None:
+            return
+        value = json.dumps(txns) if txns else None
+        try:
+            await asyncio.to_thread(set_router_value, self.db, self._txn_key(room_id), value)
+        except sqlite3.Error as e:  # kept in memory: a retry in this run still reuses it
+            log.warning("matrix: could not keep a transaction id for %s: %s", room_id, e)
+
+    def _txn_key(self, room_id: str) -> str:
+        return f"matrix_txn:{self.user_id}:{room_id}"
 
     def message_parts(self, text: str) -> list[tuple[str, str | None]]:
         """The Markdown `text` as (body, formatted_body or None) messages: the Markdown cut
