@@ -108,6 +108,25 @@ def test_answers_are_cut_keeping_code_blocks_and_rendered_once_per_piece() -> No
     assert ch.message_parts("just text") == [("just text", None)]  # no formatted_body
 
 
+def test_formatted_body_is_the_markdown_layers_html_for_matrix() -> None:
+    from mdclaw.markup import is_plain_html, to_matrix_html
+
+    assert to_matrix_html("~~gone~~ and **b**") == "<p><del>gone</del> and <strong>b</strong></p>"
+    # raw HTML is text; links only to http(s)/mailto; images become links (nothing loaded)
+    assert to_matrix_html("<script>x</script>") == "<p>&lt;script&gt;x&lt;/script&gt;</p>"
+    assert to_matrix_html("[x](javascript:alert(1)) [y](https://e.org)") == \
+        '<p>[x](javascript:alert(1)) <a href="https://e.org">y</a></p>'
+    assert to_matrix_html("![cat](https://e.org/c.png)") == \
+        '<p><a href="https://e.org/c.png">cat</a></p>'
+    assert to_matrix_html("```python\nprint(1)\n```") == \
+        '<pre><code class="language-python">print(1)\n</code></pre>'
+    assert "<table>" in to_matrix_html("| a | b |\n|---|---|\n| 1 | 2 |")
+    # plain text needs no formatted_body, even with characters HTML escapes
+    for text in ("a < b & c", "<b>not bold</b>"):
+        assert is_plain_html(text, to_matrix_html(text))
+    assert not is_plain_html("**b**", to_matrix_html("**b**"))
+
+
 def test_status_names_the_login_and_its_fix(write_config, cli, tmp_path: Path) -> None:
     pw = tmp_path / "pw"
     pw.write_text("secret")
@@ -1020,6 +1039,12 @@ def test_the_homeservers_rate_limit_makes_the_outbox_wait(setup: Setup, go: Any,
             await run.stop()
             await p.close()
         assert "M_LIMIT_EXCEEDED" in caplog.text and "rate limited: retry in" in caplog.text
+        with sqlite3.connect(setup.data / "state.db") as db:
+            rows = db.execute("SELECT status, attempts FROM outbox WHERE chat_jid = ?",
+                              (f"mx:{room}",)).fetchall()
+        # every answer sent; those the homeserver refused were tried again (not given up)
+        assert {status for status, _ in rows} == {"sent"}
+        assert max(attempts for _, attempts in rows) >= 2
 
     go(main())
 
