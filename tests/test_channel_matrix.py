@@ -904,6 +904,7 @@ def test_a_send_whose_answer_was_lost_is_not_doubled_when_tried_again(setup: Set
     go(main())
 
 
+@pytest.mark.slow  # the homeserver stays away for a minute
 def test_the_homeserver_down_for_a_minute_loses_nothing(setup: Setup, go: Any,
                                                         caplog: pytest.LogCaptureFixture
                                                         ) -> None:
