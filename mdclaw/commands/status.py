@@ -54,6 +54,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         ch = s.get("channels") or {}
         print("channels: " + (", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in ch.items())
                               or "none"))
+        for name, err in (s.get("channel_errors") or {}).items():
+            print(f"  {name}: {err}")
         if s.get("reload_error"):
             print(f"last reload failed: {s['reload_error']}")
     else:

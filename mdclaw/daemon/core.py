@@ -352,6 +352,9 @@ class Daemon:
             "outbox": outbox_counts(self.db),
             "next_task": to_iso(nxt) if nxt else None,
             "channels": {ch.name: ch.is_connected() for ch in self.channels},
+            # Why a channel cannot run (a refused token, an intent not granted), with the fix.
+            "channel_errors": {ch.name: str(err) for ch in self.channels
+                               if (err := ch.status_info().get("error"))},
             "reload_error": self.reload_error,
             "timings": self.orch.timings[-10:] if self.orch else [],
             "disk": self.diskguard.status() if self.diskguard else None,

@@ -54,7 +54,8 @@ def gather_status(cfg: Config) -> dict[str, Any]:
         if _pid_alive(int(live["pid"])) and age < STALE_AFTER:
             out["daemon"] = "running"
             out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
-                                             "queue", "channels", "reload_error")
+                                             "queue", "channels", "channel_errors",
+                                             "reload_error")
                         if k in live})
     except (OSError, ValueError, KeyError):
         pass
