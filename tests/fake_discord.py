@@ -78,7 +78,7 @@ class FakeDiscord:
         self.threads = {THREAD_ID: CHANNEL_ID}
 
     # ------------------------------------------------------------------ server
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         r = app.router
         r.add_get("/gateway", self.gateway)
@@ -96,7 +96,7 @@ class FakeDiscord:
         r.add_get("/attachments/{name}", self.attachment)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.base = f"http://127.0.0.1:{port}"

@@ -217,6 +217,11 @@ def test_reaction_and_typing() -> None:
         await fake.wait(lambda: fake.typing == [CHANNEL_ID])
         await ch.set_typing(JID, False)
         assert not ch._typing  # noqa: SLF001 - the repeat loop is stopped
+        await fake.post(THREAD_ID, "asked in the thread")
+        await wait_until_async(lambda: len(got) == 2)
+        await ch.set_typing(JID, True)  # shows where the question was asked
+        await fake.wait(lambda: fake.typing == [CHANNEL_ID, THREAD_ID])
+        await ch.set_typing(JID, False)
 
     run(body)
 
@@ -552,3 +557,32 @@ def test_without_discord_py_the_setting_is_refused_with_the_extra(
         f"data_dir: {tmp_path}\nchannels: {{discord: {{token_file: {token}, "
         "enabled: false}}\n"))
     assert missing_extras(disabled) == []
+
+
+def test_discord_unreachable_at_start_then_connects_with_the_backoff() -> None:
+    import socket
+
+    from mdclaw.retry import Backoff
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> None:
+        got: list[InboundMessage] = []
+        ch = DiscordChannel(TOKEN, api_base=f"http://127.0.0.1:{port}/api/v10",
+                            on_inbound=got.append, guild_ready_timeout=0.05)
+        ch.reconnect_backoff = Backoff(base=0.05, cap=0.2, jitter=0)
+        fake = FakeDiscord()
+        try:
+            await ch.connect()  # nobody listens: starts anyway, not connected
+            assert not ch.is_connected()
+            await fake.start(port)
+            await wait_until_async(ch.is_connected, what="connected once Discord answers")
+            await fake.post(CHANNEL_ID, "hello")
+            await wait_until_async(lambda: len(got) == 1)
+        finally:
+            await ch.disconnect()
+            await fake.stop()
+
+    asyncio.run(main())

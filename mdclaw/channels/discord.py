@@ -138,6 +138,7 @@ class DiscordChannel(Channel):
         # catches up from); a channel whose message the host refused is not moved on.
         self._cursors: dict[int, int] = {}
         self._parents: dict[int, int] = {}  # thread id -> its channel's id
+        self._last_where: dict[str, int] = {}  # jid -> where its last message was written
         # Channels whose message the host refused: their later messages wait for the next
         # catch-up (which reads them from the history, in order) instead of passing it.
         self._behind: set[int] = set()
@@ -297,7 +298,8 @@ class DiscordChannel(Channel):
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         await self._load_cursors()
         self._worker = asyncio.create_task(self._work(), name="discord-inbound")
-        client: discord.Client | None = self._make_client()
+        client = self._make_client()
+        logged_in: discord.Client | None = client
         try:
             await client.login(self._token)
         except discord.LoginFailure:
@@ -309,8 +311,8 @@ class DiscordChannel(Channel):
             await client.close()
             log.warning("discord: %s; will keep trying", self.redact(f"{type(e).__name__}: "
                                                                      f"{e}"))
-            client = None
-        self._runner = asyncio.create_task(self._run(client), name="discord-gateway")
+            logged_in = None
+        self._runner = asyncio.create_task(self._run(logged_in), name="discord-gateway")
 
     async def _run(self, client: discord.Client | None) -> None:
         """Keep a gateway session: discord.py resumes and reconnects by itself; when it
@@ -422,6 +424,8 @@ class DiscordChannel(Channel):
                               "again")
                 await asyncio.sleep(self.reconnect_backoff.delay(refused))
                 self._queue.put_nowait(("catch_up", None))
+            except Exception:  # noqa: BLE001 - a bug must not end the inbound worker
+                log.exception("discord: handling an inbound event failed")
             if self._queue.empty():
                 await self._save_cursors()
 
@@ -518,6 +522,7 @@ class DiscordChannel(Channel):
         channel_id = message.channel.id
         parent = await self._parent_of(message)
         jid = f"dc:{parent}"
+        self._last_where[jid] = channel_id  # typing shows where the question was asked
         author = message.author
         name = getattr(author, "display_name", None) or author.name or str(author.id)
         addressed = self._addresses_bot(message)
@@ -722,7 +727,7 @@ class DiscordChannel(Channel):
                                                     name=f"discord-typing-{jid}")
 
     async def _typing_loop(self, jid: str) -> None:
-        where = self._channel_id(jid)
+        where = self._last_where.get(jid, self._channel_id(jid))
         loop = asyncio.get_running_loop()
         until = loop.time() + TYPING_MAX_SECONDS
         try:
