@@ -73,6 +73,8 @@ class FakeDiscord:
         self.fail: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # "METHOD path-kind"
         self.invalidate_next_resume = False
         self.app_flags = 1 << 19  # GATEWAY_MESSAGE_CONTENT: the intent is on
+        # kind -> seconds: the next answer of that route says its bucket is empty for that long
+        self.exhaust: dict[str, float] = {}
         self.changed = asyncio.Event()
         self._seq = 0
         self.threads = {THREAD_ID: CHANNEL_ID}
@@ -150,6 +152,11 @@ class FakeDiscord:
 
     def _json(self, body: Any, kind: str, status: int = 200,
               headers: dict[str, str] | None = None) -> web.Response:
+        wait = self.exhaust.pop(kind, None)
+        if wait is not None and status < 400:
+            headers = {**(headers or {}), "X-RateLimit-Remaining": "0",
+                       "X-RateLimit-Reset-After": f"{wait:.3f}",
+                       "X-RateLimit-Reset": f"{time.time() + wait:.3f}"}
         # Discord's Content-Type is exactly application/json (no charset).
         return web.Response(body=json.dumps(body).encode(), status=status,
                             headers={**self._headers(kind), **(headers or {}),
@@ -261,6 +268,7 @@ class FakeDiscord:
                                request.match_info["emoji"]))
         self._bump()
         return web.Response(status=204, headers=self._headers("react"))
+
 
     async def typing_(self, request: web.Request) -> web.Response:
         fail = await self._gate(request, "typing")

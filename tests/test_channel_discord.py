@@ -586,3 +586,53 @@ def test_discord_unreachable_at_start_then_connects_with_the_backoff() -> None:
             await fake.stop()
 
     asyncio.run(main())
+
+
+def test_an_empty_bucket_holds_its_route_only() -> None:
+    """X-RateLimit-Remaining: 0 with Reset-After: the next request of that route (the same
+    channel's messages) waits for the reset; another route does not."""
+
+    async def body(fake: FakeDiscord, ch: DiscordChannel, got: list[InboundMessage]) -> None:
+        await connected(fake, ch)
+        m = await fake.post(CHANNEL_ID, "hi <@78>", mentions=[user(78, "bob")])
+        await wait_until_async(lambda: len(got) == 1)
+        assert got[0].content == "hi @bob"  # a mention reads as the name
+        fake.exhaust["create_message"] = 0.7
+        first = asyncio.create_task(ch.send_message(JID, "one"))  # its answer empties it
+        await fake.wait(lambda: any(k == "create_message" for _, k, _ in fake.requests))
+        await ch.react(JID, got[0].id, "\N{EYES}")  # another bucket: at once
+        second = asyncio.create_task(ch.send_message(JID, "two"))
+        await first
+        await second
+        posts = [t for _, k, t in fake.requests if k == "create_message"]
+        (t_react,) = [t for _, k, t in fake.requests if k == "react"]
+        assert posts[1] - posts[0] >= 0.6  # waited for the bucket's reset
+        assert t_react - posts[0] < 0.6
+        assert sent_texts(fake) == ["one", "two"]
+        assert fake.reactions == [(CHANNEL_ID, int(m["id"]), "\N{EYES}")]
+
+    run(body)
+
+
+def test_the_registry_builds_the_channel_from_config(tmp_path: Path, write_config: Any
+                                                     ) -> None:
+    from mdclaw.channels.registry import apply_config, build_channels
+
+    token = tmp_path / "dc-token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    cfg = load_config(write_config(CONFIG.replace(
+        "media:", "channels: {http: {enabled: false}, discord: {token_file: " + str(token)
+        + ", api_base: 'http://127.0.0.1:9/api/v10'}}\nmedia:")))
+    db = Database(tmp_path / "s.db")
+    try:
+        (ch,) = build_channels(cfg, db)
+        assert isinstance(ch, DiscordChannel)
+        assert ch.api_base == "http://127.0.0.1:9/api/v10" and ch.trigger == "@Andy"
+        assert ch.owns_jid("dc:600") and not ch.owns_jid("tg:600")
+        assert ch.redact(TOKEN) == "***"  # the file's newline is not part of the token
+        apply_config([ch], cfg.model_copy(update={
+            "assistant": cfg.assistant.model_copy(update={"name": "Bo"})}))
+        assert ch.trigger == "@Bo"
+    finally:
+        db.close()

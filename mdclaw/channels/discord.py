@@ -526,9 +526,12 @@ class DiscordChannel(Channel):
         author = message.author
         name = getattr(author, "display_name", None) or author.name or str(author.id)
         addressed = self._addresses_bot(message)
-        if self.bot_id is not None:  # "<@123>" reads as "@name" to the agent
-            for token in (f"<@{self.bot_id}>", f"<@!{self.bot_id}>"):
-                text = text.replace(token, f"@{self.bot_name or 'bot'}").strip()
+        for u in message.mentions:  # "<@123>" reads as "@name" to the agent
+            shown = (self.bot_name if u.id == self.bot_id and self.bot_name
+                     else getattr(u, "display_name", None) or u.name)
+            for token in (f"<@{u.id}>", f"<@!{u.id}>"):
+                text = text.replace(token, f"@{shown}")
+        text = text.strip()
         if addressed and self.trigger and not re.search(
                 rf"(?<!\w){re.escape(self.trigger)}(?!\w)", text, re.IGNORECASE):
             text = f"{self.trigger} {text}".strip()
