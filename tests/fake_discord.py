@@ -384,6 +384,9 @@ class FakeDiscord:
         if d.get("token") != self.token:
             await conn["ws"].close(code=4004, message=b"Authentication failed.")
             return
+        if d.get("intents", 0) & (1 << 15) and not self.app_flags & ((1 << 18) | (1 << 19)):
+            await conn["ws"].close(code=4014, message=b"Disallowed intent(s).")
+            return
         sid = f"session-{len(self.sessions) + 1}"
         s = Session(sid)
         self.sessions[sid] = s

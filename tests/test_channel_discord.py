@@ -636,3 +636,36 @@ def test_the_registry_builds_the_channel_from_config(tmp_path: Path, write_confi
         assert ch.trigger == "@Bo"
     finally:
         db.close()
+
+
+def test_the_message_content_intent_refused_stops_the_channel_and_status_says_the_fix(
+        tmp_path: Path, write_config: Any, cli: Any) -> None:
+    import os
+
+    from mdclaw.ops.status import status_path
+    from mdclaw.schedule import to_iso, utc_now
+
+    async def body(fake: FakeDiscord, ch: DiscordChannel, got: list[InboundMessage]) -> None:
+        fake.app_flags = 0  # the Developer Portal's switch is off: Discord closes with 4014
+        await ch.connect()
+        await wait_until_async(lambda: "error" in ch.status_info())
+        assert "Message Content Intent" in ch.status_info()["error"]
+        assert not ch.is_connected()
+        runner = ch._runner  # noqa: SLF001
+        await wait_until_async(lambda: runner is not None and runner.done(),
+                               what="no reconnect loop against a refusal")
+        assert len(fake.identifies) == 1
+
+    run(body)
+    # what `mdclaw status` prints from the daemon's published status
+    cfg_path = write_config(CONFIG)
+    cfg = load_config(cfg_path)
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    status_path(cfg).write_text(json.dumps({
+        "pid": os.getpid(), "started_at": to_iso(utc_now()), "updated_at": to_iso(utc_now()),
+        "engine": "ok", "containers": [], "queue": {}, "channels": {"discord": False},
+        "channel_errors": {"discord": "Discord refused the message content intent: turn on "
+                                      "\"Message Content Intent\" under Bot"}}))
+    out = cli("status", "--config", str(cfg_path)).stdout
+    assert "channels: discord DOWN" in out
+    assert "  discord: Discord refused the message content intent: turn on" in out
