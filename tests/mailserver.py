@@ -504,3 +504,45 @@ def channel_section(world: MailWorld, assistant: User, allow: list[User],
         "authserv_id": AUTHSERV}
     section.update(over)
     return section
+
+
+# --------------------------------------------------------------------------- the agent
+
+AGENT_DELAY_VAR = "MDCLAW_TEST_AGENT_DELAY"
+
+
+def answering_agent(c: Any) -> int:
+    """The fake engine's agent for the email tests (tests/fake_daemon.py runs it in the
+    daemon): it answers each turn in Markdown naming every `token-...` it read, the size of
+    every file the prompt shows it, and sends a file when asked to ("send me a file"); the
+    conversation goes on until the host closes it."""
+    delay = float(os.environ.get(AGENT_DELAY_VAR) or 0)
+    _answer(c, c.prompt, delay)
+    while (follow_up := c.next_input(timeout=600)) is not None:
+        _answer(c, str(follow_up.get("content", "")), delay)
+    return 0
+
+
+def _answer(c: Any, prompt: str, delay: float) -> None:
+    import json
+    import re
+
+    if delay:
+        c.sleep(delay)
+    tokens = list(dict.fromkeys(re.findall(r"token-[\w-]+", prompt)))
+    lines = [f"**Answer** to {' '.join(tokens) or 'nothing'}", "", "- one", "- two", "",
+             "```", "print('hi')", "```"]
+    for path in re.findall(r'<attachment [^>]*path="/workspace/group/([^"]+)"', prompt):
+        data = (c.group_dir / path).read_bytes()
+        lines.append(f"\nread {Path(path).name}: {len(data)} bytes")
+    if "send me a file" in prompt:
+        (c.group_dir / "report.txt").write_text(f"report for {' '.join(tokens)}\n")
+        command = {"type": "send_file", "chat_jid": c.input["chatJid"],
+                   "file_path": "/workspace/group/report.txt",
+                   "caption": "Here is **your report**"}
+        folder = c.ipc_dir / "messages"
+        folder.mkdir(exist_ok=True)
+        name = uuid.uuid4().hex
+        (folder / f".{name}.tmp").write_text(json.dumps(command))
+        os.rename(folder / f".{name}.tmp", folder / f"{name}.json")
+    c.say({"status": "success", "result": "\n".join(lines), "newSessionId": "s-1"})

@@ -402,7 +402,8 @@ def test_an_smtp_server_that_is_down_holds_mail_until_it_is_back(mail_world: Mai
 
 
 def test_a_wrong_password_or_an_untrusted_certificate_says_what_to_fix(
-        mail_world: MailWorld, tmp_path: Path) -> None:
+        mail_world: MailWorld, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     w = mail_world
     bot, alice = w.user(), w.user()
     wrong = tmp_path / "wrong"
@@ -438,6 +439,9 @@ def test_a_wrong_password_or_an_untrusted_certificate_says_what_to_fix(
                                                   imap_port=w.dovecot.imap_port))
     (imap, _smtp) = probe(tls_to_plain, bot.password, bot.password)
     assert imap[1] == "fail" and "TLS failed" in imap[2] and "imap_security" in imap[3]
+    for record in caplog.records:  # the passwords are never logged (imaplib's debug too)
+        assert bot.password not in record.getMessage()
+        assert "not-the-password" not in record.getMessage()
 
 
 def test_a_server_without_idle_is_polled(mail_world: MailWorld, tmp_path: Path) -> None:
@@ -495,3 +499,52 @@ def test_a_mail_too_large_is_named_not_read(mail_world: MailWorld, tmp_path: Pat
     assert asyncio.run(att.fetch(10)) == b"tiny"
     with pytest.raises(ChannelError):
         asyncio.run(att.fetch(3))
+
+
+def test_doctor_status_and_check_config_say_what_to_fix(
+        mail_world: MailWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import yaml
+
+    from conftest import run_cli
+    from mdclaw.config import load_config
+    from mdclaw.ops import email as ops_email
+
+    w = mail_world
+    bot, alice, bob = w.user(), w.user(), w.user()
+    section = channel_section(w, bot, [alice], authserv_id=None)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "data_dir": str(tmp_path / "data"), "server": None,
+        "runtime": {"socket": f"unix://{tmp_path}/no-engine.sock"},
+        "groups": {"main": {"name": "A", "jid": "hl:main", "main": True},
+                   "bob": {"name": "Bob", "jid": f"mail:{bob.address}"}},
+        "channels": {"http": None, "email": section}}))
+    checked = run_cli("check-config", "--config", str(path))
+    assert checked.returncode == 0, checked.stderr
+    assert f"{bob.address} is not in channels.email.allow_from" in checked.stderr
+
+    doctor = run_cli("doctor", "--json", "--config", str(path))
+    checks = {c["check"]: c for c in json.loads(doctor.stdout)}
+    assert checks["email imap"]["level"] == "ok" and "IDLE" in checks["email imap"]["detail"]
+    assert checks["email smtp"]["level"] == "ok"
+    assert checks["email senders"]["level"] == "warn"
+    assert "authserv_id" in checks["email senders"]["fix"]
+    assert checks["channels.email.password_file"]["level"] == "ok"
+
+    status = run_cli("status", "--config", str(path))
+    assert (f"email: {bot.address} (IMAP 127.0.0.1:{w.dovecot.imaps_port} tls, SMTP "
+            f"127.0.0.1:{w.relay.starttls_port} starttls); 1 allowed sender (From address "
+            "not verified)") in status.stdout
+
+    # Without the library: check-config fails naming the extra, doctor too.
+    def missing() -> None:
+        raise ChannelError("the email channel needs imapclient: pip install 'mdclaw[email]'")
+
+    monkeypatch.setattr("mdclaw.channels.email.imapclient_module", missing)
+    cfg = load_config(path)
+    assert ["pip install 'mdclaw[email]'" in p for p in ops_email.missing_library(cfg)] == [True]
+    (only,) = asyncio.run(ops_email.email_checks(cfg))
+    assert only[:3] == ("email", "fail", "imapclient is not installed")
+    assert "mdclaw[email]" in only[3]
