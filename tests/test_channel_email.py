@@ -259,6 +259,38 @@ def test_a_forged_sender_and_a_host_that_refuses(mail_world: MailWorld, tmp_path
     assert "not authenticated" in caplog.text or "did not authenticate" in caplog.text
 
 
+def test_a_mail_that_cannot_be_read_is_left_and_the_next_one_comes(
+        mail_world: MailWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mdclaw.channels.email as channel_module
+
+    read = channel_module.read_incoming
+
+    def poisoned(msg: EmailMessage) -> Any:
+        if "poison" in str(msg["Subject"]):
+            raise UnicodeError("a part no codec can read")
+        return read(msg)
+
+    monkeypatch.setattr(channel_module, "read_incoming", poisoned)
+    w = mail_world
+    bot, alice = w.user(), w.user()
+    h = Harness(w, tmp_path, bot, [alice])
+
+    async def go() -> None:
+        await h.ch.connect()
+        try:
+            w.send(make_mail(alice, bot, "poison", "token-bad"), as_user=alice)
+            w.send(make_mail(alice, bot, "fine", "token-good"), as_user=alice)
+            await wait_until_async(lambda: h.got, timeout=15)
+            await holds_for(lambda: len(h.got) == 1, 0.5)
+        finally:
+            await h.ch.disconnect()
+
+    run(go())
+    assert [m.content for m in h.got] == ["Subject: fine\n\ntoken-good"]
+    assert h.ch.status_info()["imap"] == "stopped" and "fix" not in h.ch.status_info()
+    assert sorted(w.seen_flags(bot).values()) == [False, True]  # left for its owner
+
+
 def test_answers_are_threaded_multipart_mail_with_files_and_reactions(
         mail_world: MailWorld, tmp_path: Path) -> None:
     w = mail_world
@@ -502,12 +534,12 @@ def test_a_mail_too_large_is_named_not_read(mail_world: MailWorld, tmp_path: Pat
 
 
 def test_doctor_status_and_check_config_say_what_to_fix(
-        mail_world: MailWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        mail_world: MailWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        cli: Any) -> None:
     import json
 
     import yaml
 
-    from conftest import run_cli
     from mdclaw.config import load_config
     from mdclaw.ops import email as ops_email
 
@@ -521,11 +553,11 @@ def test_doctor_status_and_check_config_say_what_to_fix(
         "groups": {"main": {"name": "A", "jid": "hl:main", "main": True},
                    "bob": {"name": "Bob", "jid": f"mail:{bob.address}"}},
         "channels": {"http": None, "email": section}}))
-    checked = run_cli("check-config", "--config", str(path))
+    checked = cli("check-config", "--config", str(path))
     assert checked.returncode == 0, checked.stderr
     assert f"{bob.address} is not in channels.email.allow_from" in checked.stderr
 
-    doctor = run_cli("doctor", "--json", "--config", str(path))
+    doctor = cli("doctor", "--json", "--config", str(path))
     checks = {c["check"]: c for c in json.loads(doctor.stdout)}
     assert checks["email imap"]["level"] == "ok" and "IDLE" in checks["email imap"]["detail"]
     assert checks["email smtp"]["level"] == "ok"
@@ -533,7 +565,7 @@ def test_doctor_status_and_check_config_say_what_to_fix(
     assert "authserv_id" in checks["email senders"]["fix"]
     assert checks["channels.email.password_file"]["level"] == "ok"
 
-    status = run_cli("status", "--config", str(path))
+    status = cli("status", "--config", str(path))
     assert (f"email: {bot.address} (IMAP 127.0.0.1:{w.dovecot.imaps_port} tls, SMTP "
             f"127.0.0.1:{w.relay.starttls_port} starttls); 1 allowed sender (From address "
             "not verified)") in status.stdout

@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import run_cli
 from mailserver import AGENT_DELAY_VAR, MailWorld, User, body, channel_section, make_mail
 from waiting import wait_until
 
@@ -318,7 +317,7 @@ def test_restarts_and_kill_9_lose_no_mail_and_double_none(
 
 
 def test_the_imap_server_down_for_a_minute_loses_nothing(
-        mail_world: MailWorld, tmp_path: Path, daemons: list[Daemon]) -> None:
+        mail_world: MailWorld, tmp_path: Path, daemons: list[Daemon], cli: Any) -> None:
     w = mail_world
     d, bot, alice = setup(w, tmp_path, daemons)
     d.start("--fast-reconnect")
@@ -334,7 +333,7 @@ def test_the_imap_server_down_for_a_minute_loses_nothing(
                              30, what="the status to say the email channel has a problem")
         assert details["detail"].startswith("IMAP 127.0.0.1:"), details
         assert "imap_host" in details["fix"], details
-        status = run_cli("status", "--config", str(d.config))
+        status = cli("status", "--config", str(d.config))
         assert "email: IMAP" in status.stdout and "fix: check channels.email.imap_host" in \
             status.stdout, status.stdout
         time.sleep(max(0.0, 60 - (time.monotonic() - t0)))

@@ -647,7 +647,8 @@ class EmailChannel(Channel):
             refused = 0
             while True:
                 try:
-                    await self.deliver_inbound(msg)
+                    if not await self.deliver_inbound(msg):
+                        raise ChannelError("no handler takes inbound messages yet")
                     break
                 except asyncio.CancelledError:
                     raise
@@ -677,8 +678,12 @@ class EmailChannel(Channel):
         raw = got.get(uid, {}).get(part)
         if not isinstance(raw, bytes):
             return _Read(None, None, "the server sent no content")
-        return self.read_mail(raw, uid=f"{box.uidvalidity}-{uid}",
-                              too_big=size if too_big else None)
+        try:
+            return self.read_mail(raw, uid=f"{box.uidvalidity}-{uid}",
+                                  too_big=size if too_big else None)
+        except Exception as e:  # noqa: BLE001 - one mail mdclaw cannot read must not stop the rest
+            log.exception("email: mail %d cannot be read; it is left in the mailbox", uid)
+            return _Read(None, None, f"it cannot be read ({type(e).__name__})")
 
     def read_mail(self, raw: bytes, *, uid: str, too_big: int | None = None) -> _Read:
         """What mail `raw` hands over: None (with why) for mail that must not reach an
@@ -694,6 +699,8 @@ class EmailChannel(Channel):
         address, name = sender
         if not self.is_allowed(address):
             if address not in self._refused_logged:
+                if len(self._refused_logged) >= 1000:  # bounded, whatever comes in
+                    self._refused_logged.clear()
                 self._refused_logged.add(address)
                 log.info("email: mail from %s is not answered: the address is not in "
                          "channels.email.allow_from", address)
