@@ -570,13 +570,20 @@ def test_doctor_status_and_check_config_say_what_to_fix(
             f"127.0.0.1:{w.relay.starttls_port} starttls); 1 allowed sender (From address "
             "not verified)") in status.stdout
 
-    # Without the library: check-config fails naming the extra, doctor too.
-    def missing() -> None:
-        raise ChannelError("the email channel needs imapclient: pip install 'mdclaw[email]'")
+    # Without the library: check-config fails naming the extra at channels.email
+    # (tests/test_cli_extras.py runs the commands so); the channel says the same line, and
+    # doctor's email checks ask no server (its extras check fails instead).
+    import sys
 
-    monkeypatch.setattr("mdclaw.channels.email.imapclient_module", missing)
+    from mdclaw.config import check_extras
+
+    monkeypatch.setitem(sys.modules, "imapclient", None)
     cfg = load_config(path)
-    assert ["pip install 'mdclaw[email]'" in p for p in ops_email.missing_library(cfg)] == [True]
-    (only,) = asyncio.run(ops_email.email_checks(cfg))
-    assert only[:3] == ("email", "fail", "imapclient is not installed")
-    assert "mdclaw[email]" in only[3]
+    (line,) = check_extras(cfg)
+    assert line.startswith("channels.email: the email channel needs imapclient")
+    assert "pip install 'mdclaw[email]'" in line
+    with pytest.raises(ChannelError, match=r"mdclaw\[email\]") as e:
+        asyncio.run(EmailChannel.from_config(cfg.channels.email).connect())
+    assert e.value.permanent
+    checks = asyncio.run(ops_email.email_checks(cfg))
+    assert [c[0] for c in checks] == ["email senders", "email"]  # no server asked

@@ -74,8 +74,8 @@ from mdclaw.channels.email_format import (
     reply_subject,
     sender_of,
 )
+from mdclaw.config import EXTRAS, MissingExtra, read_secret
 from mdclaw.config import EmailChannel as EmailSection
-from mdclaw.config import read_secret
 from mdclaw.retry import Backoff, wait
 from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import get_router_value, set_router_value
@@ -84,7 +84,6 @@ log = logging.getLogger("mdclaw.channels.email")
 
 T = TypeVar("T")
 
-EXTRA_HINT = "install mdclaw with the `email` extra: pip install 'mdclaw[email]'"
 JID_RE = re.compile(r"^mail:([^@\s:]+@[^@\s:]+)\Z")
 FIRST_LOOK_DAYS = 3
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # what Gmail and most providers take in one mail
@@ -93,11 +92,13 @@ QUOTA_RETRY = 3600.0  # 5.4.5: a sending quota (Gmail's daily limit) is exceeded
 
 
 def imapclient_module() -> Any:
-    """The imapclient package. Raises ChannelError naming the extra when it is missing."""
+    """The imapclient package. Raises ChannelError (permanent) naming the extra to install
+    when it is missing (mdclaw.config.extras: the same line check-config and doctor say)."""
     try:
         import imapclient  # the `email` extra: imported only where mail is used
-    except ImportError:
-        raise ChannelError(f"the email channel needs imapclient: {EXTRA_HINT}") from None
+    except ImportError as e:
+        missing = MissingExtra("channels.email", EXTRAS["email"], f"cannot be imported ({e})")
+        raise ChannelError(missing.message, permanent=True) from None
     return imapclient
 
 
@@ -974,6 +975,6 @@ def _attachment(f: MailFile) -> Attachment:
                       fetch=fetch)
 
 
-__all__ = ["EXTRA_HINT", "EmailChannel", "MailTrouble", "imapclient_module", "open_imap",
+__all__ = ["EmailChannel", "MailTrouble", "imapclient_module", "open_imap",
            "open_smtp", "probe", "ssl_context", "trouble"]
 

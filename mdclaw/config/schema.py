@@ -43,6 +43,7 @@ from mdclaw.config.schema_services import (
     WhatsAppChannel,
 )
 from mdclaw.config.types import (
+    FOLDER_CASE_RULE,
     CrossKeyError,
     Duration,
     Folder,
@@ -50,6 +51,7 @@ from mdclaw.config.types import (
     Problem,
     Size,
     SizeOrPercent,
+    folder_key,
     format_duration,
     parse_size,
     short_repr,
@@ -227,8 +229,10 @@ class Config(_Settings):
         "info", description="Least severe log level written to stderr.")
     assistant: Assistant = Field(default_factory=Assistant,
                                  description="Who the assistant is and where it lives.")
-    groups: dict[Folder, Group] = Field(default_factory=dict,
-                                        description="Key: the group's folder name.")
+    groups: dict[Folder, Group] = Field(
+        default_factory=dict, description="Key: the group's folder name (1-64 letters, digits, "
+        "'_' or '-'; not global or errors; unique without regard to case: `family` and "
+        "`FAMILY` would share one folder on a case-insensitive file system).")
     limits: Limits = Field(default_factory=Limits,
                            description="Resource limits and timeouts. A reload (SIGHUP) applies "
                            "every one; those of a container from its group's next run.")
@@ -391,7 +395,13 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
         add(("groups",), "exactly one group must have main: true; found 0: add main: true to "
             "the admin group", ("groups",))
     seen: dict[str, str] = {}
+    folders: dict[str, str] = {}  # folder_key -> the first group's folder
     for folder, g in cfg.groups.items():
+        first = folders.setdefault(folder_key(folder), folder)
+        if first != folder:
+            add(("groups", folder),
+                f"{folder!r} is the folder of group {first!r} but for case: "
+                f"{FOLDER_CASE_RULE}; rename one of the two")
         if g.jid in seen:
             add(("groups", folder, "jid"),
                 f"{g.jid!r} is also the jid of group {seen[g.jid]!r}: a chat belongs to one "

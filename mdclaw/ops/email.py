@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from mdclaw.config import Config, ServiceCredential, read_secret
+from mdclaw.config import Config, ServiceCredential, missing_extras, read_secret
 
 SENDERS_UNCHECKED = ("sender addresses are not verified: anyone can send mail with an allowed "
                      "address in From")
@@ -45,38 +45,15 @@ def unanswered_groups(cfg: Config) -> Iterable[str]:
     return out
 
 
-def missing_library(cfg: Config) -> Iterable[str]:
-    """check-config's error: the email channel is enabled, its library is not installed."""
-    em = cfg.channels.email
-    if em is None or not em.enabled:
-        return []
-    # Imported here: the channel module brings in the Markdown layer, which only an install
-    # with mail needs on the command line.
-    from mdclaw.channels.email import EXTRA_HINT, imapclient_module
-    from mdclaw.errors import ChannelError
-
-    try:
-        imapclient_module()
-    except ChannelError:
-        return [f"channels.email: the email channel needs imapclient: {EXTRA_HINT}"]
-    return []
-
-
 async def email_checks(cfg: Config) -> list[tuple[str, str, str, str]]:
-    """doctor's checks of the email channel as [(check, level, detail, fix)]: the library,
-    who may write and whether senders are verified, then both servers (TLS, login, the
-    mailbox), asked on a thread."""
+    """doctor's checks of the email channel as [(check, level, detail, fix)]: who may write
+    and whether senders are verified, then both servers (TLS, login, the mailbox), asked on
+    a thread. A missing imapclient is doctor's extras check (mdclaw.config.extras); the
+    servers are not asked then."""
     em = cfg.channels.email
     if em is None or not em.enabled:
         return []
-    from mdclaw.channels.email import EXTRA_HINT, imapclient_module, probe
-    from mdclaw.errors import ChannelError
-
     out: list[tuple[str, str, str, str]] = []
-    try:
-        imapclient_module()
-    except ChannelError:
-        return [("email", "fail", "imapclient is not installed", EXTRA_HINT)]
     if not em.allow_from:
         out.append(("email senders", "warn", "channels.email.allow_from is empty: no one's "
                     "mail reaches the assistant", "add the addresses that may write to it"))
@@ -92,7 +69,12 @@ async def email_checks(cfg: Config) -> list[tuple[str, str, str, str]]:
                          else password)
     except (OSError, ServiceCredential):
         return out  # the secret file checks say so
-    if not password or not smtp_password:
+    if not password or not smtp_password or any(
+            m.extra.name == "email" for m in missing_extras(cfg)):
         return out
+    # Imported here: the channel module brings in the Markdown layer, which only an install
+    # with mail needs on the command line.
+    from mdclaw.channels.email import probe
+
     out += await asyncio.to_thread(probe, em, password, smtp_password)
     return out
