@@ -88,8 +88,10 @@ class User:
 class Dovecot:
     """One Dovecot, run by an unprivileged user in a folder of its own."""
 
-    def __init__(self, root: Path, cert: Path, key: Path, *, idle: bool = True) -> None:
+    def __init__(self, root: Path, cert: Path, key: Path, *, idle: bool = True,
+                 user_prefix: str = "u") -> None:
         self.root = root
+        self.user_prefix = user_prefix  # users are <prefix><n>@DOMAIN
         self.cert, self.key = cert, key
         self.idle = idle
         self.imaps_port = free_port()
@@ -224,7 +226,7 @@ service stats {{
         with self._lock, self.passwd.open("a") as f:
             for _ in range(count):
                 n = len(self.users) + 1
-                address = f"u{n}@{DOMAIN}"
+                address = f"{self.user_prefix}{n}@{DOMAIN}"
                 home = self.root / "home" / address
                 password = f"pw-{uuid.uuid4().hex[:12]}"
                 self.users[address] = User(address, password, home / "Maildir")

@@ -119,6 +119,51 @@ def test_the_sender_is_one_address_and_the_receiving_server_vouches_for_it() -> 
                        "mx.example.org; dmarc=pass header.from=example.org")
 
 
+def test_no_mail_reaches_the_agent_unless_its_sender_is_verified_or_trusted(
+        tmp_path: Path) -> None:
+    """From is only what the sender typed: with allow_from, the config must say how senders
+    are verified (authserv_id) or that the From address is trusted (trust_from). A reaction
+    mail is no message to answer."""
+    from mdclaw.config import ConfigError, load_config
+
+    pw = tmp_path / "pw"
+    pw.write_text("secret\n")
+
+    def config(extra: str) -> None:
+        load_config(tmp_path / "c.yaml", text=(
+            f"data_dir: {tmp_path}\nchannels: {{email: {{address: {OWN}, imap_host: h, "
+            f"smtp_host: h, password_file: {pw}, allow_from: [alice@example.test]{extra}}}}}\n"))
+
+    with pytest.raises(ConfigError) as e:
+        config("")
+    assert "channels.email.authserv_id:" in str(e.value) and "trust_from" in str(e.value)
+    config(", authserv_id: mx.example.test")
+    config(", trust_from: true")
+
+    alice = make_mail("Alice <alice@example.test>", OWN, "hi", "token-x").as_bytes()
+    base = {"address": OWN, "imap_host": "h", "smtp_host": "h", "password_file": pw}
+
+    def read(raw: bytes, **section: Any) -> tuple[InboundMessage | None, str]:
+        # The host's own check of who may write (is_allowed) stands in for allow_from, so
+        # the section's own rule is what the channel applies, not the config's validation.
+        ch = EmailChannel(EmailSection(**base, **section), password="secret",
+                          is_allowed=lambda a: a == "alice@example.test")
+        got = ch.read_mail(raw, uid="1-1")
+        return got.message, got.why
+
+    msg, why = read(alice)
+    assert msg is None and "cannot be verified" in why
+    msg, _ = read(alice, trust_from=True)
+    assert msg is not None and msg.sender == "alice@example.test"
+    msg, why = read(alice, authserv_id="mx.example.test")
+    assert msg is None and "no Authentication-Results from mx.example.test" in why
+
+    reaction = make_mail("alice@example.test", OWN, "Re: hi", "")
+    reaction.set_content("\N{THUMBS UP SIGN}\r\n", disposition="reaction")
+    msg, why = read(reaction.as_bytes(), trust_from=True)
+    assert msg is None and "reaction" in why
+
+
 def test_a_reply_loses_the_history_it_quotes_and_keeps_one_re() -> None:
     text = ("Sounds good, see you then.\n\nOn Mon, 3 Mar 2026 at 09:00, Andy <bot@example.test>"
             "\nwrote:\n> Shall we meet at 7?\n>\n> -- \n> Andy\n")
@@ -478,7 +523,9 @@ def test_a_wrong_password_or_an_untrusted_certificate_says_what_to_fix(
 
 def test_a_server_without_idle_is_polled(mail_world: MailWorld, tmp_path: Path) -> None:
     w = mail_world
-    no_idle = Dovecot(w.root / "no-idle", w.cert, w.cert.with_name("key.pem"), idle=False)
+    # Users of its own (n1@...): the assistant is never a user of the world's Dovecot.
+    no_idle = Dovecot(w.root / "no-idle", w.cert, w.cert.with_name("key.pem"), idle=False,
+                      user_prefix="n")
     no_idle.root.mkdir()
     no_idle.write_config()
     no_idle.add_users(1)
@@ -487,7 +534,7 @@ def test_a_server_without_idle_is_polled(mail_world: MailWorld, tmp_path: Path) 
         bot = no_idle.take_user()
         alice = w.user()
         h = Harness(w, tmp_path, bot, [alice], imap_port=no_idle.imaps_port,
-                    poll_interval="1s", authserv_id=None)
+                    poll_interval="1s", authserv_id=None, trust_from=True)
 
         async def go() -> None:
             await h.ch.connect()
@@ -545,7 +592,7 @@ def test_doctor_status_and_check_config_say_what_to_fix(
 
     w = mail_world
     bot, alice, bob = w.user(), w.user(), w.user()
-    section = channel_section(w, bot, [alice], authserv_id=None)
+    section = channel_section(w, bot, [alice], authserv_id=None, trust_from=True)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({
         "data_dir": str(tmp_path / "data"), "server": None,

@@ -4,8 +4,9 @@ In: the mailbox (`channels.email.mailbox`, INBOX) is watched with IMAP IDLE, so 
 at once; a server without IDLE is looked at every `poll_interval`. Each new mail (by UID, in
 order) is read: mail that must never be answered is left alone (our own mail, auto-replies,
 bounces and reports, bulk and list mail: mdclaw.channels.email_format.loop_reason), and so is
-mail from anyone not allowed (`allow_from`, or a check the host gives: `is_allowed`) or, with
-`authserv_id` set, whose sender the receiving server did not authenticate. The rest becomes
+mail from anyone not allowed (`allow_from`, or a check the host gives: `is_allowed`) or whose
+sender the receiving server did not authenticate (its Authentication-Results, `authserv_id`;
+only `trust_from: true` believes the From address alone: docs/security.md). The rest becomes
 an InboundMessage with id `mail:<address>:<Message-ID>` (a redelivery is a duplicate the host
 drops), its files as Attachments. Only after the host stored it is the mail marked \\Seen, and
 then the UID is written, with the mailbox's UIDVALIDITY, to the state database (router_state,
@@ -66,6 +67,7 @@ from mdclaw.channels.email_format import (
     build_mail,
     domain_of,
     first_line_subject,
+    is_reaction,
     loop_reason,
     new_message_id,
     parse_mail,
@@ -711,6 +713,11 @@ class EmailChannel(Channel):
             if not ok:
                 log.warning("email: mail from %s is not answered: %s", address, how)
                 return _Read(None, None, f"its sender is not authenticated ({how})")
+        elif not self.section.trust_from:  # the config asks for one or the other
+            return _Read(None, None, "its sender cannot be verified (channels.email has "
+                         "neither authserv_id nor trust_from)")
+        if is_reaction(msg):
+            return _Read(None, None, "it is a reaction (RFC 9078), not a message to answer")
         mail = read_incoming(msg)
         text = mail.text
         files = mail.files

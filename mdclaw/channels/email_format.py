@@ -134,6 +134,14 @@ def loop_reason(msg: Message, own_address: str) -> str | None:
     return None
 
 
+def is_reaction(msg: Message) -> bool:
+    """True for a reaction (RFC 9078): a part marked `Content-Disposition: reaction`. Like a
+    reaction in a chat it is no message to answer."""
+    return any(not part.is_multipart()
+               and (part.get_content_disposition() or "").lower() == "reaction"
+               for part in msg.walk())
+
+
 # --------------------------------------------------------------------------- authentication
 
 def _without_comments(text: str) -> str:
@@ -493,7 +501,7 @@ def reaction_mail(*, sender: str, sender_name: str | None, to: str, emoji: str,
 
 
 __all__ = ["AuthResult", "Incoming", "MailFile", "Thread", "auth_verdict", "build_mail",
-           "domain_of", "first_line_subject", "header", "is_own_message_id", "loop_reason",
-           "message_ids", "new_message_id", "parse_auth_results", "parse_mail",
+           "domain_of", "first_line_subject", "header", "is_own_message_id", "is_reaction",
+           "loop_reason", "message_ids", "new_message_id", "parse_auth_results", "parse_mail",
            "reaction_mail", "read_incoming", "reply_subject", "sender_of", "strip_quoted",
            "to_email_html"]

@@ -192,8 +192,14 @@ class EmailChannel(Frozen):
         None, min_length=1, pattern=r"^[^\s;]+$",
         description="The name your mail server signs its Authentication-Results header with "
         "(Gmail: mx.google.com). Set: a mail reaches the assistant only when that header says "
-        "its sender passed DMARC, or DKIM or SPF for the From address's domain. Unset: the "
-        "From address alone is believed, and anyone can forge it (docs/security.md).")
+        "its sender passed DMARC, or DKIM or SPF for the From address's domain. Required "
+        "with `allow_from`, unless `trust_from` says the From address alone is believed "
+        "(docs/security.md).")
+    trust_from: bool = Field(
+        False, description="Believe a mail's From address without `authserv_id`'s check: "
+        "anyone who knows an allowed address can then write as that person. Only for a "
+        "mailbox that receives nothing but mail already authenticated (a server that takes "
+        "mail only from its own logged-in users); doctor warns while it is set.")
 
     @property
     def login(self) -> str:
@@ -220,6 +226,12 @@ class EmailChannel(Frozen):
                 bad.append(((f"{kind}_security",), f"`none` sends the password unencrypted: "
                             f"only for a server on this machine, and {kind}_host is {host!r}; "
                             "use tls or starttls"))
+        if self.allow_from and self.authserv_id is None and not self.trust_from:
+            bad.append((("authserv_id",), "mail from allow_from reaches the agent only when "
+                        "its sender is verified: set authserv_id to the name your mail "
+                        "server writes in its Authentication-Results header (Gmail: "
+                        "mx.google.com), or trust_from: true where the mailbox takes only "
+                        "authenticated mail (docs/security.md)"))
         if bad:
             raise CrossKeyError(bad)
         return self

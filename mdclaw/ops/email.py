@@ -11,7 +11,8 @@ from mdclaw.config import Config, ServiceCredential, missing_extras, read_secret
 SENDERS_UNCHECKED = ("sender addresses are not verified: anyone can send mail with an allowed "
                      "address in From")
 AUTHSERV_FIX = ("set channels.email.authserv_id to the name your mail server writes in its "
-                "Authentication-Results header (Gmail: mx.google.com); docs/security.md")
+                "Authentication-Results header (Gmail: mx.google.com) instead of trust_from; "
+                "docs/security.md")
 
 
 def email_status(cfg: Config) -> dict[str, Any] | None:
