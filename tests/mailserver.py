@@ -516,8 +516,9 @@ AGENT_DELAY_VAR = "MDCLAW_TEST_AGENT_DELAY"
 def answering_agent(c: Any) -> int:
     """The fake engine's agent for the email tests (tests/fake_daemon.py runs it in the
     daemon): it answers each turn in Markdown naming every `token-...` it read, the size of
-    every file the prompt shows it, and sends a file when asked to ("send me a file"); the
-    conversation goes on until the host closes it."""
+    every file the prompt shows it, sends a file when asked to ("send me a file") and reacts
+    to the message a prompt names ("react to mail:..."); the conversation goes on until the
+    host closes it."""
     delay = float(os.environ.get(AGENT_DELAY_VAR) or 0)
     _answer(c, c.prompt, delay)
     while (follow_up := c.next_input(timeout=600)) is not None:
@@ -526,7 +527,6 @@ def answering_agent(c: Any) -> int:
 
 
 def _answer(c: Any, prompt: str, delay: float) -> None:
-    import json
     import re
 
     if delay:
@@ -537,14 +537,23 @@ def _answer(c: Any, prompt: str, delay: float) -> None:
     for path in re.findall(r'<attachment [^>]*path="/workspace/group/([^"]+)"', prompt):
         data = (c.group_dir / path).read_bytes()
         lines.append(f"\nread {Path(path).name}: {len(data)} bytes")
+    for message_id in re.findall(r"react to (mail:[^\s<]+)", prompt):
+        _command(c, {"type": "react", "chat_jid": c.input["chatJid"],
+                     "message_id": message_id, "emoji": "\N{THUMBS UP SIGN}"})
     if "send me a file" in prompt:
         (c.group_dir / "report.txt").write_text(f"report for {' '.join(tokens)}\n")
-        command = {"type": "send_file", "chat_jid": c.input["chatJid"],
-                   "file_path": "/workspace/group/report.txt",
-                   "caption": "Here is **your report**"}
-        folder = c.ipc_dir / "messages"
-        folder.mkdir(exist_ok=True)
-        name = uuid.uuid4().hex
-        (folder / f".{name}.tmp").write_text(json.dumps(command))
-        os.rename(folder / f".{name}.tmp", folder / f"{name}.json")
+        _command(c, {"type": "send_file", "chat_jid": c.input["chatJid"],
+                     "file_path": "/workspace/group/report.txt",
+                     "caption": "Here is **your report**"})
     c.say({"status": "success", "result": "\n".join(lines), "newSessionId": "s-1"})
+
+
+def _command(c: Any, command: dict[str, Any]) -> None:
+    """An IPC command from the agent (written as the agent runner writes them)."""
+    import json
+
+    folder = c.ipc_dir / "messages"
+    folder.mkdir(exist_ok=True)
+    name = uuid.uuid4().hex
+    (folder / f".{name}.tmp").write_text(json.dumps(command))
+    os.rename(folder / f".{name}.tmp", folder / f"{name}.json")

@@ -354,6 +354,13 @@ def test_answers_are_threaded_multipart_mail_with_files_and_reactions(
             await h.ch.send_message(jid, "**Yes**: at `7`\n\n- soup\n- bread")
             await h.ch.send_file(jid, doc, caption="the *menu*")
             await h.ch.react(jid, h.got[0].id, "\N{THUMBS UP SIGN}")
+            # An id that is no Message-ID (an agent's typo) never reaches a header, nor does
+            # it fall back to another mail: nothing is sent.
+            for bad in (f"{h.got[0].id}</message>", f"{jid}:a b@x", f"{jid}:uid-1-1",
+                        f"mail:other@example.test:{h.got[0].id.split(':', 2)[2]}"):
+                with pytest.raises(ChannelError) as e:
+                    await h.ch.react(jid, bad, "\N{THUMBS UP SIGN}")
+                assert e.value.permanent, bad
             with pytest.raises(ChannelError) as e:
                 await h.ch.send_message("mail:" + bot.address, "to myself")
             assert e.value.permanent

@@ -198,6 +198,20 @@ def test_a_mail_is_answered_formatted_in_its_thread_and_the_thread_is_followed(
                           "@Andy Sounds good token-2"]
     wait_until(lambda: all(w.seen_flags(bot).values()), 10,
                what="both of Alice's mails marked seen")
+
+    # The agent reacts to Alice's first mail: a reaction mail (RFC 9078) in that mail's thread
+    # (the agent's `react` command, the outbox, the channel), besides its answer.
+    w.send(make_mail(alice, bot, "Re: Plans for Saturday",
+                     f"Thanks token-3, react to mail:{alice.address}:{root[1:-1]}",
+                     in_reply_to=str(second["Message-ID"]),
+                     references=[root, str(second["Message-ID"])]), as_user=alice)
+    mails = answers(w, alice, 4)
+    (reaction,) = [m for m in mails
+                   if any(p.get_content_disposition() == "reaction" for p in m.walk())]
+    assert body(reaction).strip() == "\N{THUMBS UP SIGN}"
+    assert str(reaction["In-Reply-To"]) == root
+    assert str(reaction["Subject"]) == "Re: Plans for Saturday"
+    assert tokens_answered(w, alice) == ["token-1", "token-2", "token-3"]
     assert d.stop() == 0
 
 

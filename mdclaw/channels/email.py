@@ -69,6 +69,7 @@ from mdclaw.channels.email_format import (
     first_line_subject,
     is_reaction,
     loop_reason,
+    message_ids,
     new_message_id,
     parse_mail,
     reaction_mail,
@@ -822,10 +823,12 @@ class EmailChannel(Channel):
             if found is not None:
                 return found
             prefix = f"mail:{address}:"
-            if reply_to.startswith(prefix) and not reply_to[len(prefix):].startswith("uid-"):
+            mid = f"<{reply_to[len(prefix):]}>"
+            # Only a Message-ID's shape goes into a header (an agent names the mail).
+            if (reply_to.startswith(prefix) and not mid.startswith("<uid-")
+                    and message_ids(mid) == [mid]):
                 latest = Thread.from_dict(data.get("latest"))
-                return Thread(f"<{reply_to[len(prefix):]}>", (),
-                              latest.subject if latest else "")
+                return Thread(mid, (), latest.subject if latest else "")
         return Thread.from_dict(data.get("latest"))
 
     # ------------------------------------------------------------------ mail out
@@ -885,7 +888,9 @@ class EmailChannel(Channel):
         """A reaction mail (RFC 9078) to the mail `message_id` names."""
         to = self._address(jid)
         thread = await self.thread_for(to, message_id)
-        if thread is None or not message_id.startswith(f"mail:{to}:"):
+        prefix = f"mail:{to}:"
+        if (thread is None or not message_id.startswith(prefix)
+                or thread.message_id != f"<{message_id[len(prefix):]}>"):
             raise ChannelError(f"no mail {message_id!r} of {to} to react to", permanent=True)
         msg = reaction_mail(sender=self.address, sender_name=self.display_name, to=to,
                             emoji=emoji, message_id=new_message_id(domain_of(self.address)),
