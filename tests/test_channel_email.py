@@ -267,6 +267,52 @@ def test_mail_in_is_handed_over_once_and_marked_seen_only_after(
     assert [m.content for m in again.got] == ["Subject: after restart\n\ntoken-e"]
 
 
+def test_a_renumbered_mailbox_is_looked_at_again_for_unread_mail(
+        mail_world: MailWorld, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The UID saved is only good with its UIDVALIDITY: when the server says another (it
+    renumbered the mailbox), the unread mail of the last days is taken again (a mail the host
+    has is a duplicate it drops) and read mail is not; then the new numbering is saved."""
+    caplog.set_level(logging.INFO)
+    w = mail_world
+    bot, alice = w.user(), w.user()
+    h = Harness(w, tmp_path, bot, [alice])
+
+    async def first() -> None:
+        await h.ch.connect()
+        try:
+            w.send(make_mail(alice, bot, "handled", "token-r1"), as_user=alice)
+            await wait_until_async(lambda: h.got)
+            await wait_until_async(lambda: any(w.seen_flags(bot).values()))
+        finally:
+            await h.ch.disconnect()
+
+    run(first())
+    (value,) = h.db.query_one("SELECT value FROM router_state WHERE key LIKE 'email_uid:%'")
+    validity, uid = value.split()
+    # While the channel is away: a mail comes, and the server's numbering changes (as
+    # Dovecot's does when its index is rebuilt, or a mailbox is restored).
+    w.send(make_mail(alice, bot, "while away", "token-r2"), as_user=alice)
+    with h.db.transaction() as c:
+        c.execute("UPDATE router_state SET value = ? WHERE key LIKE 'email_uid:%'",
+                  (f"{int(validity) + 7} 999",))
+    again = Harness(w, tmp_path, bot, [alice], db=h.db)
+
+    async def second() -> None:
+        await again.ch.connect()
+        try:
+            await wait_until_async(lambda: again.got)
+            await holds_for(lambda: len(again.got) == 1, 0.5)
+        finally:
+            await again.ch.disconnect()
+
+    run(second())
+    # UID 999 of the old numbering would have hidden the new mail; the read one is not taken.
+    assert [m.content for m in again.got] == ["Subject: while away\n\ntoken-r2"]
+    assert "renumbered" in caplog.text
+    (value,) = h.db.query_one("SELECT value FROM router_state WHERE key LIKE 'email_uid:%'")
+    assert value == f"{validity} {int(uid) + 1}"
+
+
 def test_a_forged_sender_and_a_host_that_refuses(mail_world: MailWorld, tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     """A mail with an allowed From that the server did not authenticate is left alone; a
