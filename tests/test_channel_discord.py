@@ -642,14 +642,20 @@ def test_the_message_content_intent_refused_stops_the_channel_and_status_says_th
         tmp_path: Path, write_config: Any, cli: Any) -> None:
     import os
 
+    from mdclaw.daemon.core import channel_details
     from mdclaw.ops.status import status_path
     from mdclaw.schedule import to_iso, utc_now
 
+    refused: list[DiscordChannel] = []
+
     async def body(fake: FakeDiscord, ch: DiscordChannel, got: list[InboundMessage]) -> None:
+        refused.append(ch)
         fake.app_flags = 0  # the Developer Portal's switch is off: Discord closes with 4014
         await ch.connect()
-        await wait_until_async(lambda: "error" in ch.status_info())
-        assert "Message Content Intent" in ch.status_info()["error"]
+        await wait_until_async(lambda: "fix" in ch.status_info())
+        info = ch.status_info()
+        assert "Message Content Intent" in info["detail"]
+        assert "turn on Message Content Intent" in info["fix"]
         assert not ch.is_connected()
         runner = ch._runner  # noqa: SLF001
         await wait_until_async(lambda: runner is not None and runner.done(),
@@ -657,6 +663,7 @@ def test_the_message_content_intent_refused_stops_the_channel_and_status_says_th
         assert len(fake.identifies) == 1
 
     run(body)
+    (ch_refused,) = refused
     # what `mdclaw status` prints from the daemon's published status
     cfg_path = write_config(CONFIG)
     cfg = load_config(cfg_path)
@@ -664,8 +671,9 @@ def test_the_message_content_intent_refused_stops_the_channel_and_status_says_th
     status_path(cfg).write_text(json.dumps({
         "pid": os.getpid(), "started_at": to_iso(utc_now()), "updated_at": to_iso(utc_now()),
         "engine": "ok", "containers": [], "queue": {}, "channels": {"discord": False},
-        "channel_errors": {"discord": "Discord refused the message content intent: turn on "
-                                      "\"Message Content Intent\" under Bot"}}))
+        "channel_details": channel_details([ch_refused])}))
     out = cli("status", "--config", str(cfg_path)).stdout
     assert "channels: discord DOWN" in out
-    assert "  discord: Discord refused the message content intent: turn on" in out
+    assert ("  discord: Discord refused the Message Content Intent (close code 4014): the "
+            "bot cannot read messages — fix: Developer Portal → your application → Bot → "
+            "Privileged Gateway Intents: turn on Message Content Intent") in out

@@ -129,7 +129,8 @@ class DiscordChannel(Channel):
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._running = False
         self._ready = False  # a gateway session is up
-        self._fatal: str | None = None  # why the bot cannot run (token, intents)
+        # (what is wrong, the fix) when the bot cannot run: a refused token or intent
+        self._fatal: tuple[str, str] | None = None
         self.bot_id: int | None = None
         self.bot_name: str | None = None
         self.sessions = 0  # READYs seen (new sessions), for status and tests
@@ -166,11 +167,17 @@ class DiscordChannel(Channel):
         return utf16_len(text)
 
     def status_info(self) -> dict[str, Any]:
+        """{"connected", "detail"} and, while the bot cannot run, "fix"."""
         info: dict[str, Any] = {"connected": self.is_connected()}
         if self.bot_name:
             info["bot"] = self.bot_name
         if self._fatal:
-            info["error"] = self._fatal
+            info["detail"], info["fix"] = self._fatal
+        elif self.is_connected():
+            info["detail"] = f"gateway session up as {self.bot_name or 'the bot'}"
+        elif self._running:
+            info["detail"] = "no gateway session: connecting (discord.py resumes or starts " \
+                             "one with backoff)"
         return info
 
     # ------------------------------------------------------------------ cursors
@@ -326,9 +333,10 @@ class DiscordChannel(Channel):
                 try:
                     await client.login(self._token)
                 except discord.LoginFailure:
-                    self._fatal = ("Discord rejected the bot token: check "
-                                   "channels.discord.token_file")
-                    log.error("discord: %s", self._fatal)
+                    self._fatal = ("Discord rejected the bot token",
+                                   "put the bot's token (Developer Portal → your application "
+                                   "→ Bot → Reset Token) into channels.discord.token_file")
+                    log.error("discord: %s; %s", *self._fatal)
                     await client.close()
                     return
                 except (discord.HTTPException, aiohttp.ClientError, OSError,
@@ -347,9 +355,12 @@ class DiscordChannel(Channel):
                 await client.connect(reconnect=True)
                 failures = 0
             except discord.PrivilegedIntentsRequired:
-                self._fatal = ("Discord refused the message content intent: turn on "
-                               "\"Message Content Intent\" under Bot in the Developer Portal")
-                log.error("discord: %s", self._fatal)
+                self._fatal = ("Discord refused the Message Content Intent (close code "
+                               "4014): the bot cannot read messages",
+                               "Developer Portal → your application → Bot → Privileged "
+                               "Gateway Intents: turn on Message Content Intent, then "
+                               "restart mdclaw")
+                log.error("discord: %s; %s", *self._fatal)
                 return
             except Exception as e:  # noqa: BLE001 - any end of the session: start again
                 failures += 1
