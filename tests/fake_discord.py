@@ -78,6 +78,7 @@ class FakeDiscord:
         self.changed = asyncio.Event()
         self._seq = 0
         self.threads = {THREAD_ID: CHANNEL_ID}
+        self.guild_lists_threads = True  # GUILD_CREATE's `threads` (active ones it shows)
 
     # ------------------------------------------------------------------ server
     async def start(self, port: int = 0) -> None:
@@ -249,7 +250,11 @@ class FakeDiscord:
         after = int(request.query.get("after", "0"))
         limit = int(request.query.get("limit", "50"))
         newer = [m for m in self.history.get(cid, []) if int(m["id"]) > after][:limit]
-        return self._json(list(reversed(newer)), "list_messages")  # newest first
+        # A message object of the REST API has no guild_id: only the gateway's
+        # MESSAGE_CREATE adds it (with member).
+        rest = [{k: v for k, v in m.items() if k not in ("guild_id", "member")}
+                for m in reversed(newer)]  # newest first
+        return self._json(rest, "list_messages")
 
     async def get_channel(self, request: web.Request) -> web.Response:
         fail = await self._gate(request, "get_channel")
@@ -400,7 +405,7 @@ class FakeDiscord:
             "resume_gateway_url": self.base.replace("http://", "ws://") + "/gateway",
             "application": {"id": str(APP_ID), "flags": 0}, "private_channels": [],
             "relationships": []})
-        await self._dispatch(s, "GUILD_CREATE", self.guild())
+        await self._dispatch(s, "GUILD_CREATE", self.guild(with_thread=self.guild_lists_threads))
 
     async def _resume(self, conn: dict[str, Any], d: dict[str, Any]) -> None:
         self.resumes.append(d)

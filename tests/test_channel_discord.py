@@ -412,6 +412,7 @@ def test_a_restart_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
             await fake.post(CHANNEL_ID, "m2", dispatch=False)
             await fake.post(THREAD_ID, "t2", dispatch=False)
             await fake.post(CHANNEL_ID, "m3", dispatch=False)
+            fake.guild_lists_threads = False  # the thread must be asked for (GET /channels)
             got: list[InboundMessage] = []
             ch2 = DiscordChannel(TOKEN, api_base=fake.api, on_inbound=got.append, db=db,
                                  guild_ready_timeout=0.05)
@@ -427,6 +428,7 @@ def test_a_restart_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
             assert sorted(by_channel) == ["m2", "m3", "m4", "t2"]
             assert [m.content for m in got if m.content.startswith("m")] == ["m2", "m3", "m4"]
             assert by_channel["t2"] == str(THREAD_ID)
+            assert all(m.chat_jid == JID and m.is_group for m in got)  # the thread's channel
             assert len(fake.identifies) == 2
         finally:
             await fake.stop()

@@ -280,8 +280,7 @@ class DiscordChannel(Channel):
         async def on_message(message: discord.Message) -> None:
             self._queue.put_nowait(("message", message))
 
-        for fn in (setup_hook,):
-            client.setup_hook = fn  # type: ignore[method-assign]
+        client.setup_hook = setup_hook  # type: ignore[method-assign]
         for ev in (on_ready, on_resumed, on_disconnect, on_message):
             client.event(ev)
         return client
@@ -445,8 +444,18 @@ class DiscordChannel(Channel):
         client = self._client
         if client is None or not self._cursors:
             return
+        import discord
+
         for channel_id in sorted(self._cursors):
             after = self._cursors[channel_id]
+            # A message read from the history does not say its server: the channel (from
+            # the cache, or asked of Discord) does, and a thread's its parent.
+            where: Any = client.get_channel(channel_id)
+            if where is None:
+                try:
+                    where = await client.fetch_channel(channel_id)
+                except (discord.HTTPException, aiohttp.ClientError, OSError):
+                    where = client.get_partial_messageable(channel_id)
             while True:
                 try:
                     page = await client.http.logs_from(channel_id, HISTORY_PAGE, after=after)
@@ -460,7 +469,7 @@ class DiscordChannel(Channel):
                 if not msgs:
                     break
                 for data in msgs:
-                    message = self._message_from(client, channel_id, data)
+                    message = self._message_from(client, where, data)
                     await self._take(message, live=False)
                 after = int(msgs[-1]["id"])
                 if len(msgs) < HISTORY_PAGE:
@@ -468,12 +477,11 @@ class DiscordChannel(Channel):
             self._behind.discard(channel_id)
 
     @staticmethod
-    def _message_from(client: discord.Client, channel_id: int,
+    def _message_from(client: discord.Client, channel: Any,
                       data: dict[str, Any]) -> discord.Message:
         import discord
 
         state = client._connection  # noqa: SLF001 - how discord.py builds its own messages
-        channel = client.get_channel(channel_id) or client.get_partial_messageable(channel_id)
         return discord.Message(state=state, channel=channel, data=data)  # type: ignore[arg-type]
 
     async def _take(self, message: discord.Message, *, live: bool) -> None:
