@@ -49,8 +49,8 @@ EXTRAS: dict[str, Extra] = {
         "channels.whatsapp (or set enabled: false) and use Telegram or the local chat"),
     "discord": Extra(
         "discord", "discord", "discord.py", "the Discord channel",
-        "the NixOS package has no discord.py: remove channels.discord (or set enabled: "
-        "false), or run mdclaw from a virtualenv with pip install 'mdclaw[discord]'"),
+        "the flake's package brings discord.py (nixpkgs' discordpy): run mdclaw from it, or "
+        "remove channels.discord (or set enabled: false)"),
     "transcribe": Extra(
         "transcribe", "faster_whisper", "faster-whisper", "local transcription",
         "the NixOS package has no faster-whisper: use transcription.provider: openai with an "
