@@ -679,3 +679,15 @@ def test_the_message_content_intent_refused_stops_the_channel_and_status_says_th
     assert ("  discord: Discord refused the Message Content Intent (close code 4014): the "
             "bot cannot read messages — fix: Developer Portal → your application → Bot → "
             "Privileged Gateway Intents: turn on Message Content Intent") in out
+
+
+def test_allow_senders_of_a_discord_group_are_user_ids(tmp_path: Path) -> None:
+    from mdclaw.config import ConfigError
+
+    base = (f"data_dir: {tmp_path}\ngroups:\n  main: {{name: A, jid: 'dc:600', main: true, "
+            "allow_senders: {ids: [IDS]}}\n")
+    cfg = load_config(tmp_path / "c.yaml", text=base.replace("IDS", "'123456789012345678'"))
+    assert cfg.groups["main"].allow_senders is not None
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "c.yaml", text=base.replace("IDS", "'alice'"))
+    assert "'alice' is not a Discord user id" in str(e.value)
