@@ -691,3 +691,110 @@ def test_allow_senders_of_a_discord_group_are_user_ids(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "c.yaml", text=base.replace("IDS", "'alice'"))
     assert "'alice' is not a Discord user id" in str(e.value)
+
+
+WHOLE_PATH_CONFIG = """\
+data_dir: {data_dir}
+assistant: {name: Andy, timezone: UTC}
+groups:
+  main: {name: Admin, jid: "dc:600", main: true}
+media: {max_bytes: 1k}
+limits: {run_attempts: 1, idle_timeout: 10m}
+"""
+
+
+def test_the_whole_path_from_a_thread_to_the_answer_in_it(write_config: Any) -> None:
+    """A question asked in a thread of the group's channel, with a file, goes through the
+    orchestrator (the file saved in the group's inbox by the intake) and the real container
+    runner (a fake engine whose agent answers like the agent runner) and comes back through
+    the outbox into the same thread, formatted."""
+    import re
+
+    from fake_engine import FakeEngine, chat_agent
+    from mdclaw.orchestrator import Orchestrator
+    from mdclaw.reconcile import reconcile
+    from mdclaw.runner import ContainerRunner
+
+    cfg = load_config(write_config(WHOLE_PATH_CONFIG))
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    heard: list[str] = []
+    engine = FakeEngine(default=chat_agent(
+        lambda text: "**answer** to " + " ".join(re.findall(r"tok\d+", text)), heard=heard))
+
+    async def main() -> None:
+        fake = FakeDiscord()
+        await fake.start()
+        runner = ContainerRunner(cfg, engine)
+        worker = OutboxWorker(db, policy=RetryPolicy(base_delay=0.05, jitter=0))
+        orch = Orchestrator(cfg, db, runner=runner, wake_outbox=worker.wake)
+        orch.engine_ready.set()
+        ch = DiscordChannel(TOKEN, api_base=fake.api, on_inbound=orch.on_inbound, db=db,
+                            trigger="@Andy", guild_ready_timeout=0.05)
+        orch.channels = [ch]
+        worker.set_channels([ch])
+        try:
+            await connected(fake, ch)
+            await worker.start()
+            notes = fake.add_attachment("notes.txt", b"the shopping list", "text/plain")
+            q = await fake.post(THREAD_ID, "tok1 what is in the file?", attachments=[notes])
+            await fake.wait(lambda: len(fake.sent) == 1, timeout=30)
+            (out,) = fake.sent
+            assert out["content"] == "**answer** to tok1"
+            assert out["channel_id"] == str(THREAD_ID)  # back into the thread
+            assert q["channel_id"] == str(THREAD_ID)
+            (saved,) = (cfg.data_dir / "groups" / "main" / "inbox").rglob("notes.txt")
+            assert saved.read_bytes() == b"the shopping list"
+            assert any("inbox" in h and "notes.txt" in h for h in heard)  # the agent is told
+        finally:
+            orch.accepting = False
+            orch.close_conversations()
+            await orch.queue.shutdown(grace=5)
+            await runner.aclose()
+            await worker.stop()
+            await ch.disconnect()
+            await fake.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        db.close()
+
+
+def test_an_answer_without_reply_to_goes_where_the_chat_last_spoke_even_after_a_restart(
+        tmp_path: Path) -> None:
+    db = Database(tmp_path / "s.db")
+
+    async def main() -> None:
+        fake = FakeDiscord()
+        await fake.start()
+        try:
+            got: list[InboundMessage] = []
+            ch = DiscordChannel(TOKEN, api_base=fake.api, on_inbound=got.append, db=db,
+                                guild_ready_timeout=0.05)
+            await connected(fake, ch)
+            await fake.post(CHANNEL_ID, "in the channel")
+            await fake.post(THREAD_ID, "then in the thread")
+            await wait_until_async(lambda: len(got) == 2)
+            await ch.send_message(JID, "into the thread")
+            await ch.disconnect()
+            ch2 = DiscordChannel(TOKEN, api_base=fake.api, on_inbound=got.append, db=db,
+                                 guild_ready_timeout=0.05)
+            try:
+                await connected(fake, ch2)
+                await ch2.send_message(JID, "still the thread")
+                await fake.post(CHANNEL_ID, "back in the channel")
+                await wait_until_async(lambda: len(got) == 3)
+                await ch2.send_message(JID, "the channel")
+            finally:
+                await ch2.disconnect()
+            assert [(m["content"], m["channel_id"]) for m in fake.sent] == [
+                ("into the thread", str(THREAD_ID)), ("still the thread", str(THREAD_ID)),
+                ("the channel", str(CHANNEL_ID))]
+        finally:
+            await fake.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        db.close()

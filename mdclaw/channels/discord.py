@@ -10,10 +10,12 @@ ChannelError(retry_after) and the outbox sends after that wait.
 
 In: a message (not the bot's own, not another bot's) becomes an InboundMessage with id
 `dc:<channel>:<message id>`, where <channel> is where it was written; its jid is the channel's,
-or for a thread its parent channel's (a thread belongs to the group of its channel, and the
-answer goes back into the thread: `reply_to` names it). Attachments are fetched on demand,
-capped. A @mention of the bot or a reply to one of its messages is `addressed`. `/chatid` (a
-slash command the bot registers, or the text) answers with the channel's jid.
+or for a thread its parent channel's (a thread belongs to the group of its channel). An answer
+goes back into the thread: the one `reply_to` names, or where the chat's last message was
+written (kept with the cursors, so an answer after a restart still finds its thread).
+Attachments are fetched on demand, capped. A @mention of the bot or a reply to one of its
+messages is `addressed`. `/chatid` (a slash command the bot registers, or the text) answers
+with the channel's jid.
 Messages are handed to the host one at a time, in order; after each, the channel's last
 message id is kept in the state database (`router_state`, per bot, written on a thread). A
 new session (a restart, an invalidated session) first asks each known channel for the
@@ -139,7 +141,9 @@ class DiscordChannel(Channel):
         # catches up from); a channel whose message the host refused is not moved on.
         self._cursors: dict[int, int] = {}
         self._parents: dict[int, int] = {}  # thread id -> its channel's id
-        self._last_where: dict[str, int] = {}  # jid -> where its last message was written
+        # jid -> where its last message was written (the channel, or one of its threads): an
+        # answer that names no message to reply to goes there, and so does typing.
+        self._last_where: dict[str, int] = {}
         # Channels whose message the host refused: their later messages wait for the next
         # catch-up (which reads them from the history, in order) instead of passing it.
         self._behind: set[int] = set()
@@ -199,17 +203,23 @@ class DiscordChannel(Channel):
             saved = json.loads(value) if value else {}
         except ValueError:
             saved = {}
-        if isinstance(saved, dict):
-            for k, v in saved.items():
-                if str(k).isdigit() and isinstance(v, int):
-                    self._cursors.setdefault(int(k), v)
+        if not isinstance(saved, dict):
+            return
+        cursors, where = saved.get("cursors"), saved.get("where")
+        for k, v in (cursors.items() if isinstance(cursors, dict) else ()):
+            if str(k).isdigit() and isinstance(v, int):
+                self._cursors.setdefault(int(k), v)
+        for k, v in (where.items() if isinstance(where, dict) else ()):
+            if JID_RE.match(str(k)) and isinstance(v, int):
+                self._last_where.setdefault(str(k), v)
 
     async def _save_cursors(self) -> None:
         if self.db is None:
             return
         self._saves += 1
         recent = sorted(self._cursors.items(), key=lambda kv: kv[1])[-REMEMBERED_CHANNELS:]
-        value = json.dumps({str(k): v for k, v in recent})
+        value = json.dumps({"cursors": {str(k): v for k, v in recent},
+                            "where": dict(list(self._last_where.items())[-REMEMBERED_CHANNELS:])})
         try:
             await asyncio.to_thread(self._write_cursors, self._saves, value)
         except sqlite3.Error as e:  # kept in memory; saved with the next message
@@ -541,7 +551,8 @@ class DiscordChannel(Channel):
         channel_id = message.channel.id
         parent = await self._parent_of(message)
         jid = f"dc:{parent}"
-        self._last_where[jid] = channel_id  # typing shows where the question was asked
+        self._last_where.pop(jid, None)  # the most recent last (what is saved is bounded)
+        self._last_where[jid] = channel_id
         author = message.author
         name = getattr(author, "display_name", None) or author.name or str(author.id)
         addressed = self._addresses_bot(message)
@@ -622,12 +633,13 @@ class DiscordChannel(Channel):
 
     async def _target(self, jid: str, reply_to: str | None) -> tuple[int, int | None]:
         """(channel to send to, message to reply to): the thread `reply_to` was written in
-        when it is one of `jid`'s (asked of Discord once when not known), else the channel
-        itself."""
+        when it is one of `jid`'s (asked of Discord once when not known); without a
+        `reply_to`, where the chat's last message was written (an answer goes back into the
+        thread the question came from); else the channel itself."""
         channel_id = self._channel_id(jid)
         m = MESSAGE_ID_RE.match(reply_to or "")
         if not m:
-            return channel_id, None
+            return self._last_where.get(jid, channel_id), None
         where, mid = int(m.group(1)), int(m.group(2))
         if where != channel_id and where not in self._parents and self._client is not None:
             import discord
@@ -703,7 +715,8 @@ class DiscordChannel(Channel):
 
         import discord
 
-        where = self._channel_id(jid)
+        self._channel_id(jid)
+        where = self._last_where.get(jid, self._channel_id(jid))
         path = Path(path)
         content = await asyncio.to_thread(read_upload, path, MAX_UPLOAD_BYTES,
                                           "bots may upload at most")
