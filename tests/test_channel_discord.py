@@ -362,7 +362,8 @@ def test_a_dropped_connection_is_resumed_without_loss() -> None:
         assert [m.content for m in got] == ["before", "while away 1", "while away 2"]
         assert len(fake.identifies) == 1 and len(fake.resumes) == 1  # the same session
         assert fake.resumes[0]["session_id"] == "session-1"
-        await wait_until_async(ch.is_connected)
+        await wait_until_async(lambda: ch.status_info()["resumes"] == 1)
+        assert ch.is_connected() and ch.status_info()["sessions"] == 1
         await fake.post(CHANNEL_ID, "after")
         await wait_until_async(lambda: len(got) == 4)
         assert len({m.id for m in got}) == 4

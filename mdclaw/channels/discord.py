@@ -135,7 +135,7 @@ class DiscordChannel(Channel):
         self._fatal: tuple[str, str] | None = None
         self.bot_id: int | None = None
         self.bot_name: str | None = None
-        self.sessions = 0  # READYs seen (new sessions), for status and tests
+        self.sessions = 0  # READYs seen (new sessions), for status_info
         self.resumes = 0  # RESUMEDs seen
         # channel id -> id of the last message handed over there (what a new session
         # catches up from); a channel whose message the host refused is not moved on.
@@ -172,7 +172,8 @@ class DiscordChannel(Channel):
 
     def status_info(self) -> dict[str, Any]:
         """{"connected", "detail"} and, while the bot cannot run, "fix"."""
-        info: dict[str, Any] = {"connected": self.is_connected()}
+        info: dict[str, Any] = {"connected": self.is_connected(), "sessions": self.sessions,
+                                "resumes": self.resumes}
         if self.bot_name:
             info["bot"] = self.bot_name
         if self._fatal:
