@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.http import HttpChannel
+from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when it connects
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config
@@ -45,6 +46,10 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
         channels.append(WhatsAppChannel.from_config(
             wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
             trigger=f"@{cfg.assistant.name}", db=db))
+    sl = cfg.channels.slack
+    if sl is not None and sl.enabled:
+        channels.append(SlackChannel.from_config(sl, on_inbound=on_inbound,
+                                                 trigger=f"@{cfg.assistant.name}", db=db))
     return channels
 
 
@@ -56,7 +61,7 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
         if isinstance(ch, HttpChannel):
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
-        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional)
+        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp, Slack
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 

@@ -111,6 +111,18 @@ class WhatsAppChannel(Frozen):
         "(WhatsApp bans accounts that send in bursts).")
 
 
+class SlackChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to Slack (Socket Mode: no public URL "
+                          "needed).")
+    bot_token_file: SecretFile = Field(
+        description="File holding the bot token (xoxb-...; OAuth & Permissions).")
+    app_token_file: SecretFile = Field(
+        description="File holding the app-level token (xapp-..., scope connections:write; "
+        "Basic Information → App-Level Tokens), for Socket Mode.")
+    api_base: str = Field("https://slack.com/api/", pattern=r"^https?://",
+                          description="Web API base URL (for tests).")
+
+
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
@@ -120,6 +132,9 @@ class Channels(Frozen):
     whatsapp: WhatsAppChannel | None = Field(
         None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
         "wa:120363012345678901@g.us for a group, wa:4915112345678@s.whatsapp.net for a person).")
+    slack: SlackChannel | None = Field(
+        None, description="Slack app in Socket Mode (jids slack:<channel id>, e.g. "
+        "slack:C0123456789; a direct message's channel id starts with D).")
 
 
 class Media(Frozen):
