@@ -290,7 +290,7 @@ class SlackChannel(Channel):
                                                self._stop):
                 break
             try:
-                await asyncio.wait_for(self.socket.connect_to_new_endpoint(force=True),
+                await asyncio.wait_for(self.socket.connect_to_new_endpoint(),
                                        CONNECT_TIMEOUT)
             except asyncio.CancelledError:
                 raise

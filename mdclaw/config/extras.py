@@ -48,8 +48,8 @@ EXTRAS: dict[str, Extra] = {
         "channels.whatsapp (or set enabled: false) and use Telegram or the local chat"),
     "slack": Extra(
         "slack", "slack_bolt", "slack-bolt and slack-sdk", "the Slack channel",
-        "the NixOS package has no Slack channel without slack-bolt: remove channels.slack "
-        "(or set enabled: false), or add slack-bolt to the package's Python"),
+        "the NixOS package does not bring slack-bolt yet: remove channels.slack (or set "
+        "enabled: false) and use Telegram or the local chat"),
     "transcribe": Extra(
         "transcribe", "faster_whisper", "faster-whisper", "local transcription",
         "the NixOS package has no faster-whisper: use transcription.provider: openai with an "
