@@ -43,6 +43,7 @@ class FakeSlack:
         self.shared: list[dict[str, Any]] = []  # completed uploads
         self.reactions: list[dict[str, Any]] = []
         self.posted: list[dict[str, Any]] = []
+        self.history: dict[str, list[dict[str, Any]]] = {}  # channel -> top-level messages
         self.envelopes: dict[str, dict[str, Any]] = {}  # envelope id -> envelope, in order
         self.acks: dict[str, dict[str, Any]] = {}  # envelope id -> the ack
         self.ack_event = asyncio.Event()
@@ -146,6 +147,23 @@ class FakeSlack:
         return {"channel": p["channel"], "ts": ts,
                 "message": {"text": p["text"], "user": BOT_USER, "ts": ts}}
 
+    def m_conversations_history(self, p: dict[str, Any]) -> dict[str, Any]:
+        """Newest first, after `oldest` (exclusive unless inclusive), pages of `limit` with a
+        cursor (the offset, here)."""
+        if p.get("channel") not in self.history and p.get("channel") not in self.channels:
+            return {"error": "channel_not_found"}
+        oldest = float(p.get("oldest") or 0)
+        inclusive = str(p.get("inclusive")).lower() in ("1", "true")
+        found = [m for m in self.history.get(p["channel"], [])
+                 if float(m["ts"]) > oldest or (inclusive and float(m["ts"]) == oldest)]
+        found.sort(key=lambda m: -float(m["ts"]))
+        start = int(p.get("cursor") or 0)
+        limit = int(p.get("limit") or 100)
+        page = found[start:start + limit]
+        more = start + limit < len(found)
+        return {"messages": page, "has_more": more,
+                "response_metadata": {"next_cursor": str(start + limit) if more else ""}}
+
     def m_reactions_add(self, p: dict[str, Any]) -> dict[str, Any]:
         if any(r["timestamp"] == p.get("timestamp") and r["name"] == p.get("name")
                for r in self.reactions):
@@ -228,8 +246,16 @@ class FakeSlack:
         if self.ws is not None and not self.ws.closed:
             await self.ws.send_json(env)
 
+    def record(self, event: dict[str, Any]) -> None:
+        """Keep a top-level message in its channel's history (what conversations.history
+        returns)."""
+        if event.get("type") == "message" and event.get("thread_ts", event["ts"]) == event["ts"]:
+            m = {k: v for k, v in event.items() if k not in ("channel", "channel_type")}
+            self.history.setdefault(event["channel"], []).append(m)
+
     async def push_event(self, event: dict[str, Any], *, event_id: str | None = None) -> str:
         """An events_api envelope carrying `event`; returns its envelope id."""
+        self.record(event)
         eid = uuid.uuid4().hex
         event_id = event_id or f"Ev{len(self.envelopes) + 1:04d}"
         self.envelopes[eid] = {

@@ -436,6 +436,11 @@ def test_a_restart_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
             await first.disconnect()  # the daemon stops; e2 was never acked
             crashed.clear()
             assert e2 not in fake.acks
+            # written while it was down for longer than Slack tries to deliver an event:
+            # only in the channel's history (and a reply in the thread, and an edit)
+            for text in ("while away", "and more"):
+                fake.record(fake.message(text))
+            fake.record({**fake.message("edited"), "subtype": "message_changed"})
             second = make_channel(fake, got, db=db, on_inbound=store)
             try:
                 await connected(fake, second)
@@ -449,7 +454,16 @@ def test_a_restart_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
                 await fake.redeliver()
                 await acked(fake, e1)
                 rows = db.query("SELECT id, content FROM messages ORDER BY seq")
-                assert [r["content"] for r in rows] == ["@Andy question", "then crash"]
+                assert sorted(r["content"] for r in rows) == [
+                    "@Andy question", "and more", "then crash", "while away"]
+                ids = [r["id"] for r in rows]
+                assert len(ids) == len(set(ids))
+                # what was fetched is in the order it was written
+                away = [r["content"] for r in rows if r["content"] in ("while away",
+                                                                       "and more")]
+                assert away == ["while away", "and more"]
+                # a later start finds nothing new
+                assert await second.catch_up() == 0
             finally:
                 await second.disconnect()
         finally:

@@ -28,12 +28,17 @@ sent twice behind the outbox's back.
 Reconnects: when the websocket closes or fails, a new URL is asked with
 `apps.connections.open` after the shared backoff (mdclaw.retry), the SDK's own reconnect loop
 being switched off; envelopes not acked on the old connection come again on the new one.
+Slack gives up on an envelope after a few minutes, so after every connect `catch_up` reads
+`conversations.history` of each chat seen before, after the newest message handed over (kept
+per chat in router_state, written off the loop): a daemon stopped for longer loses nothing
+written at a channel's top level, and the host's dedupe by id drops what came twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 from collections import OrderedDict
@@ -69,6 +74,8 @@ TS_RE = re.compile(r"^\d{1,12}\.\d{1,9}\Z")
 MAX_UPLOAD_BYTES = 1024 * 1024 * 1024  # Slack takes files up to 1 GB
 REMEMBERED = 4096  # event and message ids kept against copies; the bot's own message ts
 CONNECT_TIMEOUT = 60.0
+SEEN_KEY = "slack_seen:"  # router_state: the newest message ts handed over, per chat
+CATCH_UP_MAX = 1000  # messages fetched per chat when catching up
 AUTH_ERRORS = frozenset({"invalid_auth", "not_authed", "account_inactive", "token_revoked",
                          "token_expired", "not_allowed_token_type"})
 # Errors sending again cannot fix (the chat, the message or the text is wrong).
@@ -198,6 +205,7 @@ class SlackChannel(Channel):
         self._threads: dict[str, str | None] = {}
         self._asked: dict[str, bool] = {}
         self._inbound_lock = asyncio.Lock()
+        self._seen: dict[str, str] = {}  # chat -> newest message ts handed over
 
     @classmethod
     def from_config(cls, section: Any, *, on_inbound: InboundCallback | None = None,
@@ -302,6 +310,7 @@ class SlackChannel(Channel):
                 self.sessions_started += 1
                 failures = 0
                 log.info("slack: Socket Mode connected")
+                await self.catch_up()
             else:
                 failures += 1
 
@@ -376,18 +385,93 @@ class SlackChannel(Channel):
         """A message (or a mention of the bot): handed to the host once. Returns after the
         host took it (then Bolt acks); raises when it did not (no ack: Slack sends again)."""
         event_id = str(body.get("event_id") or "")
-        if event_id and event_id in self._events:
-            return
         async with self._inbound_lock:  # one message after the other, in arrival order
             if event_id and event_id in self._events:
                 return
-            msg = await self.parse_event(event)
-            if msg is not None and msg.id not in self._messages:
-                await self._note_thread(msg, event)
-                await self.deliver_inbound(msg)
-                _remember(self._messages, msg.id)
+            await self._take(event)
             if event_id:
                 _remember(self._events, event_id)
+
+    async def _take(self, event: dict[str, Any]) -> None:
+        """Hand the message of `event` to the host unless it was handed over already; then
+        note it as the chat's newest (call with the inbound lock held)."""
+        msg = await self.parse_event(event)
+        if msg is None or msg.id in self._messages:
+            return
+        await self._note_thread(msg, event)
+        await self.deliver_inbound(msg)
+        _remember(self._messages, msg.id)
+        await self._mark_seen(msg.chat_jid, split_id(msg.id)[2])
+
+    # ------------------------------------------------------------------ catching up
+    async def _mark_seen(self, jid: str, ts: str) -> None:
+        """Keep the newest message ts handed over per chat (in router_state, off the loop):
+        where catching up starts after a restart."""
+        if self.db is None or float(ts) <= float(self._seen.get(jid, "0")):
+            return
+        self._seen[jid] = ts
+        try:
+            await asyncio.to_thread(set_router_value, self.db, f"{SEEN_KEY}{jid}", ts)
+        except Exception as e:  # noqa: BLE001 - sqlite3.Error; the next message writes it
+            log.warning("slack: could not save the last message of %s: %s", jid, e)
+
+    def _seen_marks(self) -> dict[str, str]:
+        assert self.db is not None
+        rows = self.db.query("SELECT key, value FROM router_state WHERE substr(key, 1, ?) = ?",
+                             (len(SEEN_KEY), SEEN_KEY))
+        return {str(r[0])[len(SEEN_KEY):]: str(r[1]) for r in rows
+                if r[1] is not None and TS_RE.match(str(r[1]))}
+
+    async def catch_up(self) -> int:
+        """Hand over what was written in the chats seen before while no connection was
+        open (Slack sends an event it could not deliver again only for a few minutes):
+        `conversations.history` after each chat's newest handed-over message, oldest first.
+        Returns how many messages were new to the host. Thread replies are not fetched
+        (unless also sent to the channel)."""
+        if self.db is None or self.web is None:
+            return 0
+        try:
+            marks = await asyncio.to_thread(self._seen_marks)
+        except Exception as e:  # noqa: BLE001 - sqlite3.Error
+            log.warning("slack: could not read where to catch up: %s", e)
+            return 0
+        taken = 0
+        for jid, oldest in marks.items():
+            channel = jid[len(self.jid_prefix):]
+            if not JID_RE.match(jid):
+                continue
+            found: list[dict[str, Any]] = []
+            cursor = None
+            try:
+                while len(found) < CATCH_UP_MAX:
+                    kwargs: dict[str, Any] = {"channel": channel, "oldest": oldest,
+                                              "inclusive": False, "limit": 200}
+                    if cursor:
+                        kwargs["cursor"] = cursor
+                    resp = await self._call("conversations.history", functools.partial(
+                        self.web.conversations_history, **kwargs))
+                    found += [m for m in resp.get("messages") or [] if isinstance(m, dict)]
+                    cursor = (resp.get("response_metadata") or {}).get("next_cursor")
+                    if not cursor or not resp.get("has_more"):
+                        break
+            except ChannelError as e:
+                log.warning("slack: could not catch up in %s: %s", jid, e)
+                continue
+            found = [m for m in found if isinstance(m.get("ts"), str) and TS_RE.match(m["ts"])]
+            found.sort(key=lambda m: float(m["ts"]))
+            async with self._inbound_lock:
+                for m in found:
+                    before = len(self._messages)
+                    try:
+                        await self._take({**m, "type": "message", "channel": channel})
+                    except Exception:  # noqa: BLE001 - the host's callback; next time again
+                        log.exception("slack: the host did not take message %s of %s",
+                                      m["ts"], jid)
+                        break
+                    taken += len(self._messages) > before
+        if taken:
+            log.info("slack: %d message(s) written while disconnected handed over", taken)
+        return taken
 
     async def parse_event(self, event: dict[str, Any]) -> InboundMessage | None:
         """A `message` or `app_mention` event as an InboundMessage; None for edits,
