@@ -494,3 +494,14 @@ def test_message_parts_are_stable_and_escape_everything() -> None:
     assert ch.message_parts(text) == ch.message_parts(text)
     assert all("<" not in p and ">" not in p for p in ch.message_parts(text))
     assert re.fullmatch(r"(a &lt;b&gt; &amp; c ?)+", " ".join(ch.message_parts(text)))
+
+
+def test_slack_unreachable_at_the_start_is_no_reason_to_stop() -> None:
+    async def body(fake: FakeSlack, ch: SlackChannel, got: list[InboundMessage]) -> None:
+        fake.fail["auth.test"] = [(503, {"ok": False, "error": "service_unavailable"}, {})]
+        await connected(fake, ch)  # starts; learns who it is once Slack answers
+        assert ch.bot_user_id == BOT_USER
+        await acked(fake, await fake.push_event(fake.message(f"<@{BOT_USER}> there?")))
+        assert got[0].addressed and got[0].content == "@Andy there?"
+
+    run(body)

@@ -241,19 +241,13 @@ class SlackChannel(Channel):
         self.web = sl.Web(token=self._bot_token, base_url=self.api_base, session=self._session,
                           timeout=self.request_timeout, retry_handlers=[], logger=log)
         try:
-            me = await self.web.auth_test()
-            self.bot_user_id, self.bot_id = me.get("user_id"), me.get("bot_id")
-            self.team, self.bot_name = me.get("team"), me.get("user")
-            log.info("slack: connected to %s as @%s", self.team or "?", self.bot_name or "?")
-        except sl.ApiError as e:
-            if e.response.get("error") in AUTH_ERRORS:
+            await self._who_am_i()
+        except ChannelError as e:
+            if e.code == 401:
                 await self._close_session()
-                raise ChannelError(f"Slack rejected the bot token ({e.response.get('error')}); "
-                                   "check channels.slack.bot_token_file") from None
-            log.warning("slack: auth.test: %s; will keep trying", self._api_error(e))
-        except (aiohttp.ClientError, TimeoutError, sl.ClientError) as e:
-            log.warning("slack: cannot reach Slack (%s); will keep trying",
-                        self.redact(f"{type(e).__name__}: {e}"))
+                raise ChannelError(f"Slack rejected the bot token ({e}); check "
+                                   "channels.slack.bot_token_file") from None
+            log.warning("slack: %s; will keep trying", e)
         self.app = sl.App(client=self.web, process_before_response=True,
                           request_verification_enabled=False, logger=log)
         self.app.event("message")(self._on_event)
@@ -274,6 +268,24 @@ class SlackChannel(Channel):
         self._running = True
         self._stop.clear()
         self._supervisor = asyncio.create_task(self._supervise(), name="slack-socket")
+
+    async def _who_am_i(self) -> None:
+        """Learn the bot's own ids with auth.test (mentions of it, its own messages). Raises
+        ChannelError, with code 401 when Slack rejects the bot token."""
+        sl = _slack()
+        try:
+            me = await self.web.auth_test()
+        except sl.ApiError as e:
+            err = e.response.get("error")
+            if err in AUTH_ERRORS:
+                raise ChannelError(str(err), code=401) from None
+            raise ChannelError(f"auth.test: {self._api_error(e)}") from None
+        except (aiohttp.ClientError, TimeoutError, sl.ClientError) as e:
+            raise ChannelError(self.redact(f"cannot reach Slack ({type(e).__name__}: "
+                                           f"{e})")) from None
+        self.bot_user_id, self.bot_id = me.get("user_id"), me.get("bot_id")
+        self.team, self.bot_name = me.get("team"), me.get("user")
+        log.info("slack: connected to %s as @%s", self.team or "?", self.bot_name or "?")
 
     async def _socket_closed(self, message: Any) -> None:
         self._socket_up = False
@@ -304,23 +316,35 @@ class SlackChannel(Channel):
                 raise
             except Exception as e:  # noqa: BLE001 - SlackApiError, network errors, timeouts
                 failures += 1
-                log.warning("slack: Socket Mode did not connect: %s", self._describe(e))
+                log.warning("slack: Socket Mode did not connect: %s",
+                            self._describe(e, "app"))
                 continue
             if await self.socket.is_connected():
                 self.sessions_started += 1
                 failures = 0
                 log.info("slack: Socket Mode connected")
+                if self.bot_user_id is None:  # Slack was not reachable at the start
+                    try:
+                        await self._who_am_i()
+                    except ChannelError as e:
+                        log.warning("slack: auth.test: %s", e)
+                self._socket_up = True
                 await self.catch_up()
             else:
                 failures += 1
 
-    def _describe(self, e: BaseException) -> str:
+    def _describe(self, e: BaseException, which: str = "bot") -> str:
+        """An error of slack-sdk in a line, token-free; a rejected token (`which`: "bot" or "app")
+        with its fix."""
         resp = getattr(e, "response", None)
         if resp is not None and hasattr(resp, "get"):
             err = resp.get("error")
-            if err in AUTH_ERRORS:
+            if err in AUTH_ERRORS and which == "app":
                 return (f"Slack rejected the app token ({err}); check "
                         "channels.slack.app_token_file (an xapp- token with connections:write)")
+            if err in AUTH_ERRORS:
+                return (f"Slack rejected the bot token ({err}); check "
+                        "channels.slack.bot_token_file")
         return self.redact(f"{type(e).__name__}: {e}")[:300]
 
     async def disconnect(self) -> None:
@@ -339,7 +363,8 @@ class SlackChannel(Channel):
             try:
                 await socket.close()
             except Exception as e:  # noqa: BLE001 - shutting down
-                log.warning("slack: Socket Mode did not close cleanly: %s", self._describe(e))
+                log.warning("slack: Socket Mode did not close cleanly: %s",
+                            self._describe(e, "app"))
         self._handler = None
         await self._close_session()
 
