@@ -23,7 +23,14 @@ except ImportError:  # pragma: no cover - depends on the machine
                 allow_module_level=True)
 
 from mdclaw.channels.base import ChannelError, InboundMessage  # noqa: E402
+from mdclaw.channels.registry import (  # noqa: E402
+    apply_config,
+    build_channels,
+    connect_all,
+    disconnect_all,
+)
 from mdclaw.channels.slack import SlackChannel, split_id  # noqa: E402
+from mdclaw.config import load_config  # noqa: E402
 from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row  # noqa: E402
 from mdclaw.state import Database  # noqa: E402
 from mdclaw.state.conversations import StoredMessage, store_message  # noqa: E402
@@ -197,7 +204,6 @@ def test_an_answer_goes_to_the_thread_it_was_asked_in() -> None:
 
 
 def test_files_both_ways(tmp_path: Path, write_config) -> None:
-    from mdclaw.config import load_config
     from mdclaw.media import save_all
 
     cfg = load_config(write_config())
@@ -505,3 +511,43 @@ def test_slack_unreachable_at_the_start_is_no_reason_to_stop() -> None:
         assert got[0].addressed and got[0].content == "@Andy there?"
 
     run(body)
+
+
+def test_the_config_section_builds_the_channel(tmp_path: Path) -> None:
+    bot, app = tmp_path / "bot", tmp_path / "app"
+    bot.write_text(BOT_TOKEN + "\n")
+    app.write_text(APP_TOKEN + "\n")
+
+    async def main() -> None:
+        fake = FakeSlack()
+        await fake.start()
+        text = (f"data_dir: {tmp_path / 'data'}\nassistant: {{name: Bea}}\n"
+                "groups: {main: {name: Main, jid: 'slack:C1', main: true}}\n"
+                f"channels: {{http: {{enabled: false}}, slack: {{bot_token_file: {bot}, "
+                f"app_token_file: {app}, api_base: '{fake.api_base}'}}}}\n")
+        cfg = load_config(tmp_path / "config.yaml", text=text)
+        db = Database(tmp_path / "s.db")
+        got: list[InboundMessage] = []
+        (ch,) = build_channels(cfg, db, None, on_inbound=got.append)
+        try:
+            assert isinstance(ch, SlackChannel) and ch.owns_jid("slack:C1")
+            assert not ch.owns_jid("tg:1") and ch.trigger == "@Bea"
+            assert await connect_all([ch]) == {}
+            await wait_until_async(ch.is_connected, timeout=15)
+            apply_config([ch], cfg.model_copy(update={"assistant": cfg.assistant.model_copy(
+                update={"name": "Cy"})}))
+            assert ch.trigger == "@Cy"
+            await acked(fake, await fake.push_event(fake.message(f"<@{BOT_USER}> hi")))
+            assert got[0].content == "@Cy hi"
+        finally:
+            await disconnect_all([ch])
+            await fake.stop()
+            db.close()
+
+    asyncio.run(main())
+    missing = tmp_path / "missing"
+    cfg_text = (f"data_dir: {tmp_path / 'data'}\n"
+                f"channels: {{slack: {{bot_token_file: {missing}, app_token_file: {app}}}}}\n")
+    with Database(tmp_path / "t.db") as db, pytest.raises(
+            ChannelError, match="channels.slack.bot_token_file"):
+        build_channels(load_config(tmp_path / "c.yaml", text=cfg_text), db)
