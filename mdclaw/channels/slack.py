@@ -68,6 +68,7 @@ from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import get_router_value, set_router_value
 
 log = logging.getLogger("mdclaw.channels.slack")
+sdk_log = logging.getLogger("mdclaw.channels.slack.sdk")  # slack-bolt's and slack-sdk's own
 
 JID_RE = re.compile(r"^slack:([A-Z0-9]{2,32})\Z")
 TS_RE = re.compile(r"^\d{1,12}\.\d{1,9}\Z")
@@ -239,7 +240,7 @@ class SlackChannel(Channel):
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self.web = sl.Web(token=self._bot_token, base_url=self.api_base, session=self._session,
-                          timeout=self.request_timeout, retry_handlers=[], logger=log)
+                          timeout=self.request_timeout, retry_handlers=[], logger=sdk_log)
         try:
             await self._who_am_i()
         except ChannelError as e:
@@ -249,16 +250,16 @@ class SlackChannel(Channel):
                                    "channels.slack.bot_token_file") from None
             log.warning("slack: %s; will keep trying", e)
         self.app = sl.App(client=self.web, process_before_response=True,
-                          request_verification_enabled=False, logger=log)
+                          request_verification_enabled=False, logger=sdk_log)
         self.app.event("message")(self._on_event)
         self.app.event("app_mention")(self._on_event)
         self.app.event(re.compile(".*"))(self._on_other_event)
         self.app.command("/chatid")(self._on_chatid)
         self.app.error(self._on_error)
         self._handler = sl.Handler(
-            self.app, self._app_token, logger=log, ping_interval=self.ping_interval,
+            self.app, self._app_token, logger=sdk_log, ping_interval=self.ping_interval,
             web_client=sl.Web(base_url=self.api_base, session=self._session,
-                              timeout=self.request_timeout, retry_handlers=[], logger=log))
+                              timeout=self.request_timeout, retry_handlers=[], logger=sdk_log))
         self.socket = self._handler.client
         # The reconnects are this channel's (with the shared backoff), not the SDK's own.
         self.socket.default_auto_reconnect_enabled = False
