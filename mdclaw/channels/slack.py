@@ -72,7 +72,8 @@ sdk_log = logging.getLogger("mdclaw.channels.slack.sdk")  # slack-bolt's and sla
 
 JID_RE = re.compile(r"^slack:([A-Z0-9]{2,32})\Z")
 TS_RE = re.compile(r"^\d{1,12}\.\d{1,9}\Z")
-MAX_UPLOAD_BYTES = 1024 * 1024 * 1024  # Slack takes files up to 1 GB
+# Slack takes files up to 1 GB; a file is read into memory to send, so mdclaw sends less.
+MAX_UPLOAD_BYTES = 100 * 1024 * 1024
 REMEMBERED = 4096  # event and message ids kept against copies; the bot's own message ts
 CONNECT_TIMEOUT = 60.0
 SEEN_KEY = "slack_seen:"  # router_state: the newest message ts handed over, per chat
@@ -801,7 +802,7 @@ class SlackChannel(Channel):
         channel = self._channel(jid)
         path = Path(path)
         content = await asyncio.to_thread(read_upload, path, MAX_UPLOAD_BYTES,
-                                          "Slack takes files of at most")
+                                          "through Slack mdclaw sends at most")
         name = file_name or path.name
         thread = await self.answer_thread(jid, None)
         comment = to_slack(caption) if caption else None
