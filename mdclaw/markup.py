@@ -272,7 +272,11 @@ def _split_slack_plain(text: str, limit: int) -> list[str]:
     pieces: list[str] = []
     rest = text
     while len(rest) > limit:
-        spans = [(m.start(), m.end()) for m in _SLACK_ATOMS.finditer(rest, 0, limit + 200)]
+        spans = []
+        for m in _SLACK_ATOMS.finditer(rest):
+            if m.start() >= limit:
+                break
+            spans.append((m.start(), m.end()))
 
         def inside(i: int, spans: list[tuple[int, int]] = spans) -> bool:
             return any(s < i < e for s, e in spans)

@@ -339,3 +339,11 @@ def test_split_slack_never_cuts_a_link_an_escape_or_a_code_block(md: str, limit:
         assert re.fullmatch(r"(?:[^<>&]|<[^<>]+>|&(?:amp|lt|gt);)*", p, re.S), p
     letters = re.sub(r"[\s`]", "", rendered)
     assert re.sub(r"[\s`]", "", "".join(pieces)) == letters
+
+
+def test_split_slack_keeps_a_long_link_whole_across_the_limit() -> None:
+    url = "https://e.io/" + "a" * 600
+    rendered = to_slack("x " * 1900 + f"[a long link]({url}) " + "y " * 100)
+    pieces = split_slack(rendered, 4000)
+    assert len(pieces) == 2
+    assert f"<{url}|a long link>" in pieces[1]
