@@ -328,6 +328,15 @@ def test_errors_are_permanent_or_retried_and_hide_the_tokens() -> None:
         with pytest.raises(ChannelError) as e:
             await ch.send_message("tg:1", "hi")
         assert e.value.permanent
+        # an upload whose completion is rate limited: shared once, on the retry
+        fake.fail["files.completeUploadExternal"] = [
+            (429, {"ok": False, "error": "ratelimited"}, {"retry-after": "7"})]
+        with pytest.raises(ChannelError) as e:
+            await ch.send_file("slack:C1", Path(__file__))
+        assert e.value.retry_after == 7 and not e.value.permanent
+        assert fake.shared == []
+        await ch.send_file("slack:C1", Path(__file__))
+        assert len(fake.shared) == 1
         text = ch.redact(f"{BOT_TOKEN} {APP_TOKEN}")
         assert BOT_TOKEN not in text and APP_TOKEN not in text
 
