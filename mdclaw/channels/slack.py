@@ -462,6 +462,9 @@ class SlackChannel(Channel):
         except Exception as e:  # noqa: BLE001 - sqlite3.Error
             log.warning("slack: could not read where to catch up: %s", e)
             return 0
+        for jid, ts in marks.items():  # an old envelope sent again never moves a mark back
+            if float(ts) > float(self._seen.get(jid, "0")):
+                self._seen[jid] = ts
         taken = 0
         for jid, oldest in marks.items():
             channel = jid[len(self.jid_prefix):]
