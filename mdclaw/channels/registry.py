@@ -10,6 +10,7 @@ from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.discord import DiscordChannel  # imports discord.py only when it connects
 from mdclaw.channels.email import EmailChannel  # imports imapclient only when it connects
 from mdclaw.channels.http import HttpChannel
+from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when it connects
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config
@@ -56,6 +57,10 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
         channels.append(EmailChannel.from_config(
             em, on_inbound=on_inbound, db=db, display_name=cfg.assistant.name,
             trigger=f"@{cfg.assistant.name}", max_mail_bytes=max_mail_bytes(cfg)))
+    sl = cfg.channels.slack
+    if sl is not None and sl.enabled:
+        channels.append(SlackChannel.from_config(sl, on_inbound=on_inbound,
+                                                 trigger=f"@{cfg.assistant.name}", db=db))
     return channels
 
 
@@ -75,7 +80,7 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
         elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email,
-            # Discord
+            # Slack, Discord
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 
