@@ -102,6 +102,16 @@ class TelegramChannel(Frozen):
                           description="Bot API base URL (for a local Bot API server or tests).")
 
 
+class DiscordChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to Discord as a bot (needs the `discord` "
+                          "extra).")
+    token_file: SecretFile = Field(description="File holding the bot token (Developer Portal "
+                                   "→ your application → Bot → Reset Token).")
+    api_base: str = Field("https://discord.com/api/v10", pattern=r"^https?://",
+                          description="REST API base URL, version included (for tests); the "
+                          "gateway's address is asked of it.")
+
+
 class WhatsAppChannel(Frozen):
     enabled: bool = Field(True, description="Connect to WhatsApp as a linked device of your "
                           "phone's account (pair with `mdclaw whatsapp link`).")
@@ -255,6 +265,9 @@ class Channels(Frozen):
         description="Local HTTP chat (jids hl:<id>), on by default, served by the daemon's "
         "web server (`server`).")
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
+    discord: DiscordChannel | None = Field(
+        None, description="Discord bot (jids dc:<channel id>; a thread belongs to its "
+        "channel).")
     whatsapp: WhatsAppChannel | None = Field(
         None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
         "wa:120363012345678901@g.us for a group, wa:4915112345678@s.whatsapp.net for a person).")
