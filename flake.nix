@@ -87,6 +87,7 @@
       # The agent runner itself is built from container/agent-runner, not taken from here.
       pythonAttr = {
         pytest = "pytestCheckHook";
+        discord-py = "discordpy";
       };
       skipInImage = [ "mdclaw-agent" ];
       pythonPackage =
@@ -95,6 +96,14 @@
           attr = pythonAttr.${name} or name;
         in
         ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
+      # Chat channels whose library nixpkgs has: their extras of pyproject.toml are part of the
+      # package (imapclient; discord.py as nixpkgs' discordpy; matrix-nio). WhatsApp's neonize
+      # is not in nixpkgs: `pip install 'mdclaw[whatsapp]'`.
+      channelExtras = [
+        "email"
+        "discord"
+        "matrix"
+      ];
       # Backends the image can do without: if nixpkgs lacks one, the image is built without
       # it (with a warning) rather than not at all; groups using it then fail with a clear error.
       optionalInImage = [ "claude-agent-sdk" ];
@@ -205,7 +214,9 @@
       lib = {
         inherit parseRequirements imageRequirements claudeRequirements;
         hostRequirements = map requirementName pyproject.project.dependencies;
-        packagedExtras = map requirementName (pyproject.project.optional-dependencies.matrix or [ ]);
+        channelRequirements = lib.concatMap (
+          extra: map requirementName (pyproject.project.optional-dependencies.${extra} or [ ])
+        ) channelExtras;
       };
 
       overlays.default = final: prev: {
@@ -222,11 +233,11 @@
 
             build-system = [ setuptools ];
             dependencies =
-              map (pythonPackage final.python3Packages) self.lib.hostRequirements
+              map (pythonPackage final.python3Packages) (
+                self.lib.hostRequirements ++ self.lib.channelRequirements
+              )
               # zoneinfo's data where the system has none (build sandbox, minimal images).
-              ++ [ final.python3Packages.tzdata ]
-              # The extras nixpkgs has: the Matrix channel's matrix-nio.
-              ++ map (pythonPackage final.python3Packages) self.lib.packagedExtras;
+              ++ [ final.python3Packages.tzdata ];
             nativeCheckInputs = map (pythonPackage final.python3Packages) (
               map requirementName (pyproject.project.optional-dependencies.test or [ ])
             );
