@@ -76,6 +76,14 @@ channels:
     with pytest.raises(ConfigError, match="not a Matrix user id"):
         load_config(write_config(base + "    access_token_file: /t\n"
                                  "    allow_invites_from: [alice]\n"))
+    # a group in a Matrix room lets senders in by their user id, never a display name
+    room = 'fam: {name: F, jid: "mx:!abc", allow_senders: {ids: [%s]}}'
+    with pytest.raises(ConfigError, match="'Alice' is not a Matrix user id"):
+        load_config(write_config(base.replace("main: true}", "main: true}, " + room % "Alice")
+                                 + "    access_token_file: /t\n"))
+    load_config(write_config(base.replace("main: true}", "main: true}, "
+                                          + room % "'@alice:example.org'")
+                             + "    access_token_file: /t\n"))
     cfg = load_config(write_config(base + "    access_token_file: /t\n"
                                    "    allow_invites_from: ['@alice:example.org']\n"))
     assert cfg.channels.matrix is not None
