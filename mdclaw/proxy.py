@@ -79,6 +79,7 @@ from mdclaw.models import BadRequestBody, Upstream, container_model_fields, mode
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.redact import MIN_SECRET, Redactor, all_forms
 from mdclaw.state import Database
+from mdclaw.toolpolicy import refusal, server_side_use
 from mdclaw.usage import UsageCounter, UsageLedger
 
 log = logging.getLogger("mdclaw.proxy")
@@ -161,6 +162,7 @@ class _Caps:
         self.refused = 0  # connections closed at accept time
         self.limited = 0  # requests answered 429
         self.over_budget = 0  # requests refused for the daily token budget
+        self.server_tools = 0  # requests refused for asking the API to run tools itself
         self._tokens = float(per_minute)
         self._at = time.monotonic()
 
@@ -499,6 +501,9 @@ class CredentialProxy:
             log.warning("group %s: the model proxy refused %d request(s) over the daily "
                         "budget of %d tokens", folder, site.caps.over_budget,
                         site.caps.tokens_per_day or 0)
+        if site.caps.server_tools:
+            log.warning("group %s: the model proxy refused %d request(s) asking the API to run "
+                        "tools or fetch URLs itself", folder, site.caps.server_tools)
         if site.caps.refused or site.caps.limited:
             log.warning("group %s: the model proxy closed %d connection(s) over the cap of %d "
                         "and answered %d request(s) over %d a minute with 429", folder,
@@ -540,6 +545,7 @@ class CredentialProxy:
         return {"max_connections": c.max_connections, "open": c.open, "refused": c.refused,
                 "requests_per_minute": c.per_minute, "limited": c.limited,
                 "tokens_per_day": c.tokens_per_day or 0, "over_budget": c.over_budget,
+                "server_tools_refused": c.server_tools,
                 "answer_tokens_estimate": c.answer_estimate,
                 "reserved_requests": in_flight, "reserved_tokens": reserved}
 
@@ -599,6 +605,18 @@ class CredentialProxy:
             status=429, headers={"retry-after": str(refused.retry_after),
                                  "x-should-retry": "false"})
 
+    def _server_tools(self, folder: str, caps: _Caps, found: str) -> web.Response:
+        """Refuse a request that makes the API run tools or fetch URLs itself
+        (mdclaw.toolpolicy): before the key is read or the budget asked, so it costs nothing."""
+        caps.server_tools += 1
+        if caps.server_tools == 1:
+            log.warning("group %s: refused a model request that asks the API to run tools or "
+                        "fetch URLs itself (%s); allow_server_tools is off for its model",
+                        folder, found)
+        return web.json_response(
+            {"type": "error", "error": {"type": "mdclaw_server_tools_refused",
+                                        "message": refusal(found)}}, status=403)
+
     async def _forward(self, request: web.Request, folder: str, upstream: Upstream,
                        caps: _Caps) -> web.StreamResponse:
         body = await request.read()
@@ -614,6 +632,10 @@ class CredentialProxy:
                                                            "forwards JSON objects only"}},
                     status=400)
             body, model, sent = pinned.body, pinned.model, pinned.sent
+            if (sent is not None and not upstream.allow_server_tools
+                    and (request.method, request.path) in ANSWERING_ROUTES
+                    and (found := server_side_use(upstream.backend, sent)) is not None):
+                return self._server_tools(folder, caps, found)
         else:
             body = b""  # GET /v1/models: nothing for the upstream to read
         try:
