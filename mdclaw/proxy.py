@@ -16,6 +16,9 @@ proxy:
   another spelling, is refused with 400), and its `model` is set to the configured one
   unless it names one of the entry's `allow_models` (the key is paid for the models the
   operator chose, not the ones the agent prefers);
+- refuses (403 `mdclaw_server_tools_refused`) a request that would make the model API run
+  tools or fetch URLs itself — server tools, `mcp_servers`, images by URL — unless the
+  model's entry has `allow_server_tools` (the rule: mdclaw.toolpolicy);
 - asks the budget (mdclaw.budget) whether the request may go: when it arrives, every
   request of a group that used its daily token budget (`limits.tokens_per_day`) is refused
   with HTTP 429 `mdclaw_over_budget`, saying when it resets; when a request that makes the
