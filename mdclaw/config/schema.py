@@ -27,6 +27,7 @@ from mdclaw import schedule
 from mdclaw.config.schema_groups import AllowSenders, Assistant, Group, GroupMount, TaskSpec
 from mdclaw.config.schema_services import (
     Channels,
+    EmailChannel,
     HomeAssistant,
     HomeAssistantAllow,
     HttpChannel,
@@ -35,6 +36,7 @@ from mdclaw.config.schema_services import (
     Metrics,
     ModelSpec,
     Server,
+    SlackChannel,
     TelegramChannel,
     Transcription,
     Web,
@@ -506,10 +508,11 @@ def _choices(names: list[str], what: str) -> str:
     return f"known: {', '.join(names)}" if names else f"no {what} are configured"
 
 
-__all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "Group",
+__all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "EmailChannel",
+           "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
-           "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Runtime", "TaskSpec",
-           "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
+           "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Runtime", "SlackChannel",
+           "TaskSpec", "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
 
 

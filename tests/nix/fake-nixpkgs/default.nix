@@ -25,10 +25,13 @@ let
 
   pythonNames = [
     "aiohttp"
+    "aiosmtpd"
     "claude-agent-sdk"
     "croniter"
+    "discordpy"
     "docker"
     "hypothesis"
+    "imapclient"
     "inotify-simple"
     "jsonschema"
     "markdown-it-py"
