@@ -39,6 +39,13 @@ class ModelSpec(Frozen):
         "credential proxy sends every request with `model` set to this entry's `model`, "
         "unless the request names one of these (the claude CLI asks for a small model for "
         "side tasks, e.g. `claude-haiku-4-5`).")
+    allow_server_tools: bool = Field(
+        False, description="Let agents make the model API run tools or fetch URLs itself "
+        "with this entry's key: Anthropic's server tools (web search and fetch, code "
+        "execution, `mcp_servers`, `container`...), OpenAI's `web_search_options` and hosted "
+        "tools, images and documents by URL. Off: the credential proxy refuses such a "
+        "request with 403 `mdclaw_server_tools_refused` (they bypass the host's web rules "
+        "and the container's lack of network); only tools the agent runs itself go.")
 
 
 class Server(Frozen):
