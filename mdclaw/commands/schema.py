@@ -201,6 +201,7 @@ Sender ids are what the channel reports as the sender:
 - Email (`mail:`): the sender's address, lower-cased (`alice@example.org`). Mail reaches a
   group only from the addresses in `channels.email.allow_from`, checked as docs/security.md
   says ("Who may write by mail"); `allow_senders` narrows that per group.
+- Matrix (`mx:`): the user id (`@alice:example.org`), as the homeserver vouches for it.
 - Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
   `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
   is decided by the channel's `secret_file` and `listen` address.

@@ -3,6 +3,7 @@ sections of config.yaml (the rules across sections are in mdclaw.config.schema).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -42,6 +43,7 @@ class AllowSenders(Frozen):
         "Telegram user ids (e.g. '123456789', without 'tg:'), WhatsApp jids (e.g. "
         "'4915112345678@s.whatsapp.net', without 'wa:'), Slack user ids (e.g. 'U0123ABCD'), "
         "Discord user ids (e.g. '123456789012345678'; Developer Mode → Copy User ID), "
+        "Matrix user ids (e.g. '@alice:example.org'), "
         "the local HTTP channel's `sender` field. An empty list lets no one.")
 
 
@@ -111,6 +113,20 @@ class Group(Frozen):
                 (("allow_senders", "ids", str(n)),
                  f"{i!r} is not a Discord user id; write the number (Discord: User Settings → "
                  "Advanced → Developer Mode, then a person's name → Copy User ID), never a "
+                 "name") for n, i in bad])
+        return self
+
+    @model_validator(mode="after")
+    def _matrix_sender_ids(self) -> Group:
+        if self.allow_senders is None or not self.jid.startswith("mx:"):
+            return self
+        bad = [(n, i) for n, i in enumerate(self.allow_senders.ids)
+               if not re.match(r"^@[^:\s]+:\S+\Z", i)]
+        if bad:
+            raise CrossKeyError([
+                (("allow_senders", "ids", str(n)),
+                 f"{i!r} is not a Matrix user id; write @name:server (e.g. "
+                 "'@alice:example.org', as the person's profile shows it), never a display "
                  "name") for n, i in bad])
         return self
 
