@@ -33,6 +33,7 @@ class OutboxRow:
     updated_at: str
     sent_at: str | None
     source_path: str | None = None  # set while the host copy of a sent file is being made
+    card: str | None = None  # a card (JSON: text, choices), sent with the channel's buttons
 
     @property
     def waiting_for_copy(self) -> bool:
