@@ -272,7 +272,8 @@ assistant's name; `Andy` and `@Andy` configure the same name):
 | form | wakes it | does not |
 |---|---|---|
 | `@Name` anywhere, as a word | `what do you think, @andy?` | `mail bob@andy.com` |
-| the name first, then `,` or `:` (a greeting before it is fine) | `Andy, lights off`, `hey andy: dinner?` | `Andy lights off`, `ask Andy, he knows` |
+| the name first, then `,` or `:` (a greeting may come first) | `Andy, lights off`, \
+`hey andy: dinner?` | `Andy lights off`, `ask Andy, he knows` |
 | the name alone | `Andy?` | `Andyman!` |
 | a reply to one of the assistant's messages (Telegram, WhatsApp) | | |
 | the service's own mention of the bot (`@mdclaw_bot` on Telegram, an @-mention on WhatsApp) | | |

@@ -143,7 +143,8 @@ class Approvals(Frozen):
         "dashboard applies, restarts, group registration and sending to another chat need "
         "the owner. false: none of them. They apply once people has an owner.")
     timeout: Duration = Field(
-        timedelta(minutes=30), description="No answer within this long is a denial (per rule: its timeout).")
+        timedelta(minutes=30),
+        description="No answer within this long is a denial (per rule: its timeout).")
     rules: tuple[ApprovalRule, ...] = Field(
         (), description="Rules for every group, after the defaults; a later matching rule "
         "wins (groups.<g>.approvals come last).")
