@@ -84,8 +84,23 @@ def has_owner(cfg: Config) -> bool:
     return any(p.role == "owner" for p in cfg.people.values())
 
 
+_CACHE: dict[tuple[int, str], tuple[Config, list[Rule]]] = {}
+
+
 def effective_rules(cfg: Config, folder: str) -> list[Rule]:
-    """The rules for group `folder`, in the order they are tried (the last match wins)."""
+    """The rules for group `folder`, in the order they are tried (the last match wins).
+    Made once per config and group (the IPC loop asks for every command)."""
+    hit = _CACHE.get((id(cfg), folder))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    if len(_CACHE) > 1024 or any(c is not cfg for c, _ in _CACHE.values()):
+        _CACHE.clear()  # one config is in force at a time
+    rules = _effective_rules(cfg, folder)
+    _CACHE[(id(cfg), folder)] = (cfg, rules)
+    return rules
+
+
+def _effective_rules(cfg: Config, folder: str) -> list[Rule]:
     base = cfg.approvals.timeout
     out: list[Rule] = []
     if cfg.approvals.defaults and has_owner(cfg):

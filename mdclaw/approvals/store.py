@@ -169,8 +169,15 @@ def list_approvals(conn: Conn, *, status: str | None = None, folder: str | None 
     return [_row(r) for r in _q(conn, sql + " ORDER BY id DESC LIMIT ?", (*args, limit))]
 
 
-def pending_count(conn: Conn) -> int:
-    return int(_q(conn, "SELECT count(*) FROM approvals WHERE status = 'pending'")[0][0])
+MAX_PENDING_PER_GROUP = 10
+
+
+def pending_count(conn: Conn, folder: str | None = None) -> int:
+    """Pending approvals (of one group): a partial index counts them."""
+    if folder is None:
+        return int(_q(conn, "SELECT count(*) FROM approvals WHERE status = 'pending'")[0][0])
+    return int(_q(conn, "SELECT count(*) FROM approvals WHERE status = 'pending' AND "
+                        "group_folder = ?", (folder,))[0][0])
 
 
 def decide(conn: sqlite3.Connection, approval_id: int, *, status: str, by: str | None,

@@ -530,6 +530,7 @@ CREATE TABLE approvals (
   codes_locked INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX idx_approvals_pending ON approvals(expires_at) WHERE status = 'pending';
+CREATE INDEX idx_approvals_pending_group ON approvals(group_folder) WHERE status = 'pending';
 CREATE INDEX idx_approvals_unsettled ON approvals(id) WHERE settled_at IS NULL;
 CREATE INDEX idx_approvals_created ON approvals(created_at);
 CREATE INDEX idx_approvals_group ON approvals(group_folder, id);
@@ -547,13 +548,13 @@ CREATE TABLE approval_codes (
 );
 CREATE INDEX idx_approval_codes_person ON approval_codes(person, code);
 
--- The cards sent for an approval (one per approver's chat), and the message each became,
--- so a decision can edit every card to show the outcome.
+-- The cards sent for an approval (one per approver's chat): the outbox row of each, whose
+-- card keeps the message it became (`sent`), so a decision can edit every card to show the
+-- outcome.
 CREATE TABLE approval_cards (
   approval_id INTEGER NOT NULL REFERENCES approvals(id) ON DELETE CASCADE,
   chat_jid TEXT NOT NULL,
   outbox_id INTEGER NOT NULL,
-  message_ref TEXT,
   PRIMARY KEY (approval_id, chat_jid)
 );
 CREATE INDEX idx_approval_cards_outbox ON approval_cards(outbox_id);

@@ -1,0 +1,220 @@
+"""The approval flow through the real IPC engine, action worker and a fake Home Assistant:
+an agent's held request waits (its tool reads an interim result), a decision releases it,
+and what runs is the request as stored, exactly once. The decisions here are recorded as
+the channels and the CLI record them (mdclaw.approvals.flow.decide); the daemon-level tests
+with the channels are tests/test_approvals_daemon.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestServer
+
+from fake_home_assistant import FakeHomeAssistant, state
+from ipc_helpers import Env
+from mdclaw.approvals import flow, store
+from mdclaw.integrations import load_all
+from mdclaw.ipc.watcher import IpcWatcher
+from test_action_worker import Running, job, request, result, until
+from test_home_assistant import TOKEN, ha_config
+
+load_all()
+
+PEOPLE = """\
+people:
+  alex: {name: Alex, role: owner, identities: {telegram: ["111"]}}
+  bob: {name: Bob, role: admin, identities: {telegram: ["222"]}}
+"""
+
+
+class Flow:
+    def __init__(self, env: Env, fake: FakeHomeAssistant, watcher: IpcWatcher) -> None:
+        self.env, self.fake, self.watcher = env, fake, watcher
+
+    def calls(self) -> list[tuple[str, str, dict[str, Any]]]:
+        return list(self.fake.calls)
+
+    def approvals(self) -> list[store.Approval]:
+        return list(reversed(store.list_approvals(self.env.db)))
+
+    def decide(self, approval_id: int, status: str, by: str = "alex") -> bool:
+        with self.env.db.transaction() as conn:
+            got = flow.decide(conn, self.env.cfg, approval_id, status=status, by=by,
+                              label=f"{by.title()} (owner)", via="test")
+        self.watcher.wake_settle()
+        self.watcher.actions.wake()
+        return got is not None
+
+    async def settled(self, approval_id: int) -> store.Approval:
+        return await until(lambda: (a := store.get(self.env.db, approval_id)) is not None
+                           and a.settled_at is not None and a, timeout=20)
+
+
+@asynccontextmanager
+async def running(tmp_path: Path, extra: str = "", people: str = PEOPLE) -> AsyncIterator[Flow]:
+    fake = FakeHomeAssistant(TOKEN)
+    fake.states["lock.front_door"] = state("lock.front_door", "locked")
+    fake.states["lock.back_door"] = state("lock.back_door", "locked")
+    server = TestServer(fake.app())
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        env = Env(tmp_path, extra=ha_config(url, tmp_path, services=["lock.*", "light.*"],
+                                            entities=["lock.*", "light.*"]) + people + extra)
+        try:
+            async with Running(env) as watcher:
+                yield Flow(env, fake, watcher)
+        finally:
+            env.close()
+    finally:
+        await server.close()
+
+
+def unlock(rid: str, entity: str = "lock.front_door") -> dict[str, Any]:
+    return request(rid, "ha_call_service", domain="lock", service="unlock",
+                   target={"entity_id": entity})
+
+
+def test_an_approved_action_runs_once_a_denied_one_never(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running(tmp_path) as f:
+            f.env.write("main", unlock("u1"), sub="actions")
+            interim = await until(lambda: result(f.env, "main", "u1"))
+            assert interim["status"] == "pending_approval" and interim["approver"] == "owner"
+            (a,) = f.approvals()
+            assert interim["approvalId"] == a.id and interim["expiresAt"] == a.expires_at
+            assert a.kind == "action" and a.request["params"]["target"]["entity_id"] == \
+                "lock.front_door" and a.rule.startswith("defaults[0]")
+            assert job(f.env, "main", "u1")["status"] == "awaiting_approval"
+            await asyncio.sleep(0.3)
+            assert f.calls() == []  # nothing reached Home Assistant while it waits
+            cards = f.env.db.query("SELECT chat_jid, card FROM outbox WHERE card IS NOT NULL")
+            assert [r[0] for r in cards] == ["tg:111"]  # the owner's; Bob is an admin
+            assert f.decide(a.id, "approved")
+            assert not f.decide(a.id, "denied", by="bob")  # too late: one decision wins
+            done = await until(lambda: (r := result(f.env, "main", "u1")) and
+                               r["status"] != "pending_approval" and r)
+            assert done["status"] == "success", done
+            await f.settled(a.id)
+            assert [c[:2] for c in f.calls()] == [("lock", "unlock")]
+            assert f.calls()[0][2]["entity_id"] == "lock.front_door"
+
+            f.env.write("main", unlock("u2"), sub="actions")
+            await until(lambda: len(f.approvals()) == 2)
+            b = f.approvals()[1]
+            assert f.decide(b.id, "denied")
+            denied = await until(lambda: (r := result(f.env, "main", "u2")) and
+                                 r["status"] == "error" and r)
+            assert "denied by Alex (owner)" in denied["error"] and "did not run" in \
+                denied["error"]
+            await f.settled(b.id)
+            await asyncio.sleep(0.3)
+            assert len(f.calls()) == 1  # still the one approved call
+            # the denied agent is told in its conversation, as context for its next turn
+            note = f.env.db.query_one("SELECT sender, content FROM messages WHERE id = ?",
+                                      (f"host:approval:{b.id}",))
+            assert note is not None and note[0] == "mdclaw:host" and "denied by Alex" in note[1]
+            # every card was edited to show the outcome
+            edits = [json.loads(r[0]) for r in f.env.db.query(
+                "SELECT card FROM outbox WHERE card IS NOT NULL ORDER BY id")]
+            assert any(e["text"].startswith(f"Denied (#{b.id})") and "by Alex" in e["text"]
+                       and not e["choices"] for e in edits)
+    asyncio.run(go())
+
+
+def test_no_answer_in_time_is_a_denial(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running(tmp_path, "approvals: {timeout: 1s}\n") as f:
+            f.env.write("main", unlock("u1"), sub="actions")
+            expired = await until(lambda: (r := result(f.env, "main", "u1")) and
+                                  r["status"] == "error" and r, timeout=20)
+            assert "nobody answered in time" in expired["error"]
+            (a,) = f.approvals()
+            a = await f.settled(a.id)
+            assert a.status == "expired" and a.decided_via == "timeout"
+            assert not f.decide(a.id, "approved")  # an expired approval cannot be approved
+            await asyncio.sleep(0.3)
+            assert f.calls() == []
+    asyncio.run(go())
+
+
+def test_a_request_file_rewritten_after_the_card_changes_nothing_that_runs(
+        tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running(tmp_path) as f:
+            name = f.env.write("main", unlock("u1"), sub="actions")
+            await until(lambda: f.approvals())
+            (a,) = f.approvals()
+            # the agent writes the same file again, now for the back door, and once more
+            # under a new name with the same requestId
+            f.env.write("main", unlock("u1", "lock.back_door"), sub="actions", name=name)
+            f.env.write("main", unlock("u1", "lock.back_door"), sub="actions")
+            await until(lambda: len(list(f.env.errors.glob("main.*.error.json"))) == 2)
+            assert len(f.approvals()) == 1  # the rewrites opened nothing
+            assert f.decide(a.id, "approved")
+            await f.settled(a.id)
+            await until(lambda: f.calls())
+            await asyncio.sleep(0.3)
+            assert [(c[0], c[1], c[2]["entity_id"]) for c in f.calls()] == \
+                [("lock", "unlock", "lock.front_door")]
+    asyncio.run(go())
+
+
+def test_an_approved_command_runs_from_the_stored_request_exactly_once(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running(tmp_path) as f:
+            f.env.write("main", {"type": "message", "chat_jid": "tg:2", "text": "to family"},
+                        sub="messages")
+            f.env.write("main", {"type": "message", "text": "to my own chat"},
+                        sub="messages")
+            await until(lambda: f.env.db.query_one(
+                "SELECT 1 FROM outbox WHERE text = 'to my own chat'"))
+            (a,) = f.approvals()  # only the other chat's message waits
+            assert a.kind == "command" and a.request == {"type": "message",
+                                                         "chat_jid": "tg:2",
+                                                         "text": "to family"}
+            assert f.env.db.query_one("SELECT 1 FROM outbox WHERE text = 'to family'") is None
+            assert f.decide(a.id, "approved")
+            settled = await f.settled(a.id)
+            assert settled.outcome == "applied"
+            # settling again (the CLI's ipc drain, a restart) does nothing more
+            assert f.env.engine.settle() == []
+            rows = f.env.db.query("SELECT chat_jid FROM outbox WHERE text = 'to family'")
+            assert [r[0] for r in rows] == ["tg:2"]
+    asyncio.run(go())
+
+
+def test_nothing_an_agent_writes_decides(tmp_path: Path) -> None:
+    """Every command type and dialect an agent might try, in every IPC folder of its own:
+    quarantined or a plain request, never a decision."""
+    async def go() -> None:
+        async with running(tmp_path) as f:
+            f.env.write("main", unlock("u1"), sub="actions")
+            await until(lambda: f.approvals())
+            a = store.get(f.env.db, f.approvals()[0].id, codes=True)
+            code = a.codes["alex"]
+            tries = [{"type": t, "id": a.id, "approvalId": a.id, "code": code,
+                      "decision": "approve"}
+                     for t in ("approve", "approval", "decide", "approvals_approve",
+                               "answer")]
+            tries += [{"type": "action", "requestId": "x1", "action": "approve",
+                       "params": {"id": a.id, "code": code}},
+                      {"type": "action", "requestId": "x2", "action": "ask_person",
+                       "params": {"question": f"approve {code}", "who": "owner"}},
+                      {"type": "message", "text": f"approve {code}"},
+                      {"type": "message", "chat_jid": "tg:111", "text": f"approve {code}"}]
+            for sub in ("messages", "tasks", "groups", "actions"):
+                for body in tries:
+                    f.env.write("main", body, sub=sub)
+                    f.env.write("family", body, sub=sub)
+            await until(lambda: f.env.pending("main", "actions") == []
+                        and f.env.pending("family", "messages") == [], timeout=20)
+            await asyncio.sleep(0.5)
+            assert store.get(f.env.db, a.id).status == "pending"
+            assert f.calls() == []
+    asyncio.run(go())
