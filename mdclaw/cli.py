@@ -17,6 +17,7 @@ from types import ModuleType
 from mdclaw import __version__
 from mdclaw.commands import (
     agent,
+    approvals,
     channels,
     containers,
     core,
@@ -31,8 +32,8 @@ from mdclaw.daemon import command as run_command
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
-    core, run_command, tasks, channels, whatsapp, containers, ipc, people, schema, agent,
-    status,
+    core, run_command, tasks, channels, whatsapp, containers, ipc, people, approvals, schema,
+    agent, status,
 ]
 
 

@@ -47,6 +47,7 @@ from typing import Any
 from mdclaw import failures, people
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, LiveConfig
+from mdclaw.decisions import Decider
 from mdclaw.failures import TurnFailure
 from mdclaw.formatting import PromptMessage, addresses, format_prompt
 from mdclaw.ipc.writers import write_follow_up
@@ -145,6 +146,9 @@ class Orchestrator:
                               launcher=self.launcher, replies=self.replies,
                               conversations=self._conv,
                               engine_wait=lambda: self._engine_wait(first_try=False))
+        # People's answers to cards by reply code, and admit cards for unknown senders
+        # (mdclaw.decisions); the daemon sets it.
+        self.decider: Decider | None = None
         self.intake = FileIntake(db, config=lambda: self.cfg,
                                  transcriber=lambda: self.transcriber,
                                  send_text=self.replies.send_text, on_saved=self._files_saved)
@@ -227,8 +231,12 @@ class Orchestrator:
         settled the message, and every later one of its chat, is held back from the agent
         (mdclaw.state.conversations), so the agent reads the chat in order."""
         t0 = time.perf_counter()
+        if self.decider is not None and self.decider.take_reply(msg):
+            return  # a person's answer to a card: not a message of the chat
         group = get_group_by_jid(self.db, msg.chat_jid)
         decision = self.decision(group, msg)
+        if not decision.store and group is not None:
+            self._ask_owner(group, msg)
         if decision.store:
             fetch = bool(msg.attachments) and group is not None
             files = (announced(msg.attachments) if fetch else
@@ -247,6 +255,23 @@ class Orchestrator:
                 self.intake.take(group, msg, t0)
                 return
         await self._after_stored(group, msg, decision, t0)
+
+    def _ask_owner(self, group: GroupRow, msg: InboundMessage) -> None:
+        """An unknown sender addressed the agent of a group with `unknown_senders:
+        ask_owner`: the owner gets an admit card (mdclaw.decisions)."""
+        spec = self.cfg.groups.get(group.folder)
+        if (self.decider is None or spec is None or spec.unknown_senders != "ask_owner"
+                or self.sender_verdict(group, msg) != "unknown"
+                or not self._for_assistant(group, msg)):
+            return
+        self.decider.ask_admission(group, msg)
+
+    def poke(self, folder: str) -> None:
+        """Run the group's agent if messages wait for it (an admitted sender's message)."""
+        group = get_group(self.db, folder)
+        if group is None or group.jid is None or not self.accepting:
+            return
+        self._release_held(group)
 
     async def _files_saved(self, group: GroupRow, stored: StoredMessage, t0: float) -> None:
         """A message's files are settled: it is released to the agent."""

@@ -18,8 +18,13 @@ from aiohttp.test_utils import TestServer
 from fake_home_assistant import FakeHomeAssistant, state
 from ipc_helpers import Env
 from mdclaw.approvals import flow, store
+from mdclaw.channels.base import Channel, InboundMessage
+from mdclaw.decisions import Decider
 from mdclaw.integrations import load_all
 from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.markup import to_whatsapp
+from mdclaw.orchestrator import Orchestrator
+from mdclaw.outbox import OutboxWorker, RetryPolicy
 from test_action_worker import Running, job, request, result, until
 from test_home_assistant import TOKEN, ha_config
 
@@ -217,4 +222,85 @@ def test_nothing_an_agent_writes_decides(tmp_path: Path) -> None:
             await asyncio.sleep(0.5)
             assert store.get(f.env.db, a.id).status == "pending"
             assert f.calls() == []
+    asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- no buttons
+
+
+class CodesChannel(Channel):
+    """A chat service without buttons that renders Markdown (as WhatsApp does)."""
+
+    name = "sms"
+    jid_prefix = "sm:"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+
+    async def connect(self) -> None: ...
+    async def disconnect(self) -> None: ...
+    def is_connected(self) -> bool:
+        return True
+
+    def message_parts(self, text: str) -> list[str]:
+        return [to_whatsapp(text)]
+
+    async def send_message(self, jid: str, text: str, *, reply_to: str | None = None,
+                           sender: str | None = None) -> str | None:
+        self.sent.append(to_whatsapp(text))
+        return None
+
+    async def send_part(self, jid: str, part: Any, *, reply_to: str | None = None,
+                        sender: str | None = None) -> str | None:
+        self.sent.append(part)
+        return None
+
+    async def send_file(self, *a: Any, **k: Any) -> str | None:
+        return None
+
+    async def react(self, *a: Any, **k: Any) -> None: ...
+    async def set_typing(self, *a: Any, **k: Any) -> None: ...
+
+
+def test_a_channel_without_buttons_answers_by_reply_code(tmp_path: Path) -> None:
+    people = PEOPLE + '  dana: {name: Dana, role: admin, identities: {sms: ["555"]}, ' \
+        'direct_chat: "sm:555"}\n'
+    extra = "approvals:\n  rules:\n    - match: {action: ha_call_service}\n" \
+            "      approver: dana\n"
+
+    async def go() -> None:
+        async with running(tmp_path, extra, people) as f:
+            ch = CodesChannel()
+            outbox = OutboxWorker(f.env.db, [ch], policy=RetryPolicy(max_attempts=1))
+            orch = Orchestrator(f.env.cfg, f.env.db, runner=None)
+            orch.decider = Decider(f.env.cfg, f.env.db, decided=f.watcher.wake_settle)
+            f.env.write("main", unlock("u1"), sub="actions")
+            await until(lambda: f.approvals())
+            assert await outbox.run_once() == 1
+            (card,) = ch.sent
+            code = store.get(f.env.db, f.approvals()[0].id, codes=True).codes["dana"]
+            assert f'Reply "approve {code}" / "deny {code}".' in card
+            assert '"lock.front_door"' in card  # shown as written, no formatting eaten
+
+            def said(text: str, sender: str = "555") -> InboundMessage:
+                return InboundMessage(id=f"sm:555:{text}", chat_jid="sm:555", sender=sender,
+                                      sender_name="Dana", content=text,
+                                      timestamp="2026-01-01T00:00:00.000Z", channel="sms")
+
+            # someone else with the code is no approver: an ordinary message (no group here)
+            await orch.on_inbound(said(f"approve {code}", sender="556"))
+            assert store.get(f.env.db, f.approvals()[0].id).pending
+            await orch.on_inbound(said(f"approve {code.lower()}"))
+            done = await until(lambda: (r := result(f.env, "main", "u1")) and
+                               r["status"] == "success" and r)
+            assert done["status"] == "success"
+            a = await f.settled(f.approvals()[0].id)
+            assert (a.decided_by, a.decided_via) == ("dana", "sms")
+            # the answer to Dana, and the card's outcome as a new message (no edits here)
+            await outbox.run_once()
+            assert any(t.startswith("Approved #") for t in ch.sent[1:])
+            stored = [r[0] for r in f.env.db.query("SELECT content FROM messages")]
+            assert f"approve {code.lower()}" not in stored  # a decision is no message
+            assert [c[:2] for c in f.calls()] == [("lock", "unlock")]
     asyncio.run(go())
