@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestServer
 
+import agent_helpers  # noqa: F401 - puts the runner package on sys.path
 from fake_home_assistant import FakeHomeAssistant, state
 from ipc_helpers import Env
 from mdclaw.approvals import flow, store
@@ -25,6 +27,7 @@ from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.markup import to_whatsapp
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.outbox import OutboxWorker, RetryPolicy
+from mdclaw_agent.tools import ToolContext, run_tool, tools_for
 from test_action_worker import Running, job, request, result, until
 from test_home_assistant import TOKEN, ha_config
 
@@ -304,3 +307,54 @@ def test_a_channel_without_buttons_answers_by_reply_code(tmp_path: Path) -> None
             assert f"approve {code.lower()}" not in stored  # a decision is no message
             assert [c[:2] for c in f.calls()] == [("lock", "unlock")]
     asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- the agent's tools
+
+
+def test_the_agents_tools_wait_for_a_person_and_ask_person_gets_the_answer(
+        tmp_path: Path) -> None:
+    """The agent runner's own tools against the real engine and worker: ha_call_service
+    and ask_person keep waiting past their usual timeout while the approval is pending."""
+    async def go() -> None:
+        async with running(tmp_path) as f:
+            ctx = ToolContext(ipc_dir=f.env.ipc / "main", group_folder="main", chat_jid="tg:1",
+                              is_main=True, group_dir=f.env.data / "groups" / "main",
+                              action_timeout=1.0, web_timeout=1.0)
+            tools = tools_for(True)
+            replies: dict[str, tuple[str, bool]] = {}
+
+            def use(name: str, args: dict[str, Any]) -> threading.Thread:
+                t = threading.Thread(target=lambda: replies.__setitem__(
+                    name, run_tool(tools, ctx, name, args)), daemon=True)
+                t.start()
+                return t
+
+            asked = use("ask_person", {"question": "Open the door for the plumber?",
+                                       "options": ["Yes, now", "No", "Later"]})
+            q = await until(lambda: [a for a in f.approvals() if a.kind == "question"])
+            card = json.loads(f.env.db.query_one(
+                "SELECT card FROM outbox WHERE card IS NOT NULL ORDER BY id DESC")[0])
+            assert [c["label"] for c in card["choices"]] == ["Yes, now", "No", "Later"]
+            await asyncio.sleep(2.5)  # past the tool's own 1 s: it still waits
+            assert asked.is_alive()
+            with f.env.db.transaction() as conn:
+                flow.decide(conn, f.env.cfg, q[0].id, status="answered", by="alex",
+                            label="Alex (owner)", via="test", choice="3")
+            f.watcher.actions.wake()
+            await until(lambda: not asked.is_alive(), timeout=20)
+            assert replies["ask_person"] == ("Alex (owner) answered: Later", False)
+
+            called = use("ha_call_service", UNLOCK_ARGS)
+            a = await until(lambda: [x for x in f.approvals() if x.kind == "action"])
+            await asyncio.sleep(2.5)
+            assert called.is_alive()
+            f.decide(a[0].id, "denied")
+            await until(lambda: not called.is_alive(), timeout=20)
+            text, err = replies["ha_call_service"]
+            assert err and "denied by Alex (owner)" in text
+            assert f.calls() == []
+    asyncio.run(go())
+
+
+UNLOCK_ARGS = {"domain": "lock", "service": "unlock", "target": {"entity_id": "lock.front_door"}}
