@@ -358,3 +358,23 @@ def test_the_agents_tools_wait_for_a_person_and_ask_person_gets_the_answer(
 
 
 UNLOCK_ARGS = {"domain": "lock", "service": "unlock", "target": {"entity_id": "lock.front_door"}}
+
+
+def test_a_group_cannot_bury_the_owner_in_cards(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running(tmp_path) as f:
+            n = store.MAX_PENDING_PER_GROUP + 2
+            for i in range(n):
+                f.env.write("main", unlock(f"u{i}"), sub="actions")
+            await until(lambda: f.env.pending("main", "actions") == [], timeout=20)
+            assert len(f.approvals()) == store.MAX_PENDING_PER_GROUP
+            refused = [f.env.errors_for("main", p.name.split(".", 2)[2].removesuffix(
+                ".error.json")) for p in f.env.errors.glob("main.*.error.json")]
+            assert len(refused) == 2
+            assert all("wait for a person already" in json.dumps(r) for r in refused)
+            # a question counts too: it gets an error result instead of a card
+            f.env.write("main", {"type": "action", "requestId": "q1", "action": "ask_person",
+                                 "params": {"question": "one more?"}}, sub="actions")
+            r = await until(lambda: result(f.env, "main", "q1"))
+            assert r["status"] == "error" and "wait for a person already" in r["error"]
+    asyncio.run(go())

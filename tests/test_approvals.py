@@ -269,3 +269,46 @@ def test_expiry_is_found_by_the_index_and_settles_once(cfg) -> None:
         assert store.mark_settled(conn, o.id, None)
         assert not store.mark_settled(conn, o.id, None)
     assert store.unsettled(db) == []
+
+
+def test_check_config_and_the_cli_show_the_rules_in_force(tmp_path: Path, cli) -> None:
+    p = tmp_path / "config.yaml"
+    p.write_text(CONFIG.format(data=tmp_path / "data"))
+    ok = cli("check-config", "--config", str(p))
+    assert ok.returncode == 0, ok.stderr
+    assert "approvals for kids: 17 rule(s), the last that matches decides (14 built-in)" \
+        in ok.stdout
+    assert "groups.kids.approvals[0]: action ha_call_service with domain in ['light'] -> " \
+        "nobody" in ok.stdout
+    r = cli("approvals", "rules", "-g", "kids", "--json", "--config", str(p))
+    assert r.returncode == 0, r.stderr
+    rules = json.loads(r.stdout)["kids"]
+    assert rules[0] == {"source": "defaults[0]", "command": None, "action": "ha_call_service",
+                        "to": None, "args": {}, "approver": "owner", "timeout": 1800,
+                        "describe": "defaults[0]: action ha_call_service -> owner"}
+    assert rules[-1]["approver"] == "kim" and rules[-2]["approver"] == "none"
+    text = cli("approvals", "rules", "--config", str(p)).stdout
+    assert text.startswith("kids:\n  defaults[0]: action ha_call_service -> owner")
+    assert "main:\n" in text
+    bad = cli("approvals", "rules", "-g", "nope", "--config", str(p))
+    assert bad.returncode == 1 and "no group 'nope'" in bad.stderr
+    # an operator's decision from the CLI, and its audit
+    cfg = load_config(p)
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    o = opened(cfg, db, kind="question", request={"question": "Pizza?",
+                                                  "options": ["yes", "no"], "who": "owner"},
+               approver="owner")
+    no_option = cli("approvals", "approve", str(o.id), "--config", str(p))
+    assert no_option.returncode == 1 and "--option" in no_option.stderr
+    r = cli("approvals", "approve", str(o.id), "--option", "2", "--json", "--config", str(p))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["status"] == "answered" and got["choice"] == "2"
+    assert got["decided_by"].startswith("cli:") and got["decided_via"] == "cli"
+    twice = cli("approvals", "deny", str(o.id), "--config", str(p))
+    assert twice.returncode == 1 and "answered already" in twice.stderr
+    listing = json.loads(cli("approvals", "list", "--json", "--config", str(p)).stdout)
+    assert [a["id"] for a in listing] == [o.id] and "codes" not in listing[0]
+    shown = cli("approvals", "show", str(o.id), "--config", str(p)).stdout
+    assert "Pizza?" in shown and "1. \"yes\"" in shown

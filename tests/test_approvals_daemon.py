@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -120,6 +121,11 @@ groups:
         got = wait(lambda: len(self.tg.keyboards(chat)) >= n and self.tg.keyboards(chat),
                    f"card {n} in chat {chat}")
         return got[n - 1]
+
+    def card_ids(self, chat: int) -> list[int]:
+        """The ids of every card message sent to `chat` (with or without keyboard now)."""
+        return [mid for (cid, mid), m in sorted(self.tg.messages.items())
+                if cid == chat and (m["reply_markup"] or m["edits"])]
 
     def press(self, who: int, chat: int, message_id: int, data: str) -> str:
         return str(self.fakes.call(self.tg.push_press, from_id=who, chat_id=chat,
@@ -269,6 +275,39 @@ def test_a_restart_while_pending_then_approve_runs_it_once(setup) -> None:
         time.sleep(0.5)
     assert s.unlock_calls() == ["lock.front_door", "lock.front_door"]
     assert [a["status"] for a in s.approvals()] == ["approved", "approved"]
+    # a held command (main's message into the family chat): approved, then kill -9 right
+    # away, over and over: it is sent exactly once
+    with s.daemon() as proc:
+        s.write("messages", {"type": "message", "chat_jid": f"tg:{FAMILY}",
+                             "text": "dinner at eight"})
+        wait(lambda: len(s.approvals()) == 3, "the message waits")
+        # (a card of #2 sent just before the kill may still show its buttons: the outbox
+        # sends at least once; pressing it says "approved already")
+        mid3, card3 = wait(lambda: next((k for k in s.tg.keyboards(OWNER)
+                                         if "dinner at eight" in k[1]["text"]), None),
+                           "the message's card")
+        assert f"tg:{FAMILY}" in card3["text"]
+        assert s.sent_to(FAMILY) == []
+        s.press(OWNER, OWNER, mid3, card3["reply_markup"]["inline_keyboard"][0][0]
+                ["callback_data"])
+        wait(lambda: s.approvals()[2]["status"] == "approved", "the decision recorded")
+        proc.kill()
+        proc.wait()
+    for _ in range(2):
+        with s.daemon() as proc:
+            wait(lambda: s.approvals()[2]["settled_at"], "settled after the restart")
+            proc.kill()
+            proc.wait()
+    with s.daemon():
+        wait(lambda: "dinner at eight" in s.sent_to(FAMILY), "the message sent")
+    # applied once: one outbox row (its delivery is the outbox's at-least-once, invariant 4)
+    db = sqlite3.connect(s.data / "state.db")
+    try:
+        rows = db.execute("SELECT chat_jid FROM outbox WHERE text = 'dinner at eight'").fetchall()
+    finally:
+        db.close()
+    assert rows == [(f"tg:{FAMILY}",)]
+    assert s.approvals()[2]["outcome"] == "applied"
 
 
 def test_two_approvers_within_the_same_second_one_decision_wins(setup) -> None:
@@ -457,3 +496,54 @@ def test_a_main_group_that_requires_a_trigger_and_passing_mentions(setup) -> Non
         s.say(SECOND, FAMILY, "I told andy yesterday")  # a member, a passing mention
         time.sleep(1.0)
         assert s.sent_to(FAMILY) == []
+
+
+def test_the_operator_page_decides_and_metrics_count(setup) -> None:
+    s = setup()
+    base = f"http://127.0.0.1:{s.port}"
+
+    def call(path: str, body: dict[str, Any] | None = None,
+             headers: dict[str, str] | None = None) -> Any:
+        req = urllib.request.Request(
+            base + path, data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            raw = r.read()
+            return json.loads(raw) if r.headers.get_content_type() == "application/json" \
+                else raw.decode()
+
+    def metric(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{") and \
+                    line.split(" ")[0] == name:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    with s.daemon():
+        rid, _ = s.ask("ha_call_service", UNLOCK)
+        page = wait(lambda: (a := call("/operator/api/approvals"))["pending"] and a,
+                    "the page lists it")
+        (p,) = page["pending"]
+        assert p["kind"] == "action" and p["status"] == "pending"
+        assert 'target.entity_id: "lock.front_door"' in "\n".join(p["shown"])
+        assert [r["source"] for r in page["rules"]["main"]][0] == "defaults[0]"
+        text = call("/metrics")
+        assert metric(text, 'mdclaw_approvals_pending{kind="action"}') == 1
+        assert metric(text, 'mdclaw_action_jobs{action="ha_call_service",status='
+                            '"awaiting_approval"}') == 1
+        csrf = call("/operator/api/session")["csrf"]
+        done = call(f"/operator/api/approvals/{p['id']}/approve", {},
+                    {"X-CSRF-Token": csrf, "Origin": base})
+        assert done["status"] == "approved" and done["decided_by"] == "page"
+        assert s.final(rid, timeout=10)["status"] == "success"
+        wait(lambda: "Approved" in s.tg.messages[(OWNER, s.card_ids(OWNER)[0])]["text"],
+             "the card edited after the page's decision")
+        text = wait(lambda: (t := call("/metrics")) and metric(
+            t, 'mdclaw_approvals_decided_total{kind="action",outcome="approved"}') == 1 and t,
+            "the decision counted")
+        assert metric(text, 'mdclaw_approvals_pending{kind="action"}') == 0
+        assert metric(text, 'mdclaw_approval_decide_seconds_count{outcome="approved"}') == 1
+        after = call("/operator/api/approvals")
+        assert after["pending"] == [] and after["recent"][0]["decided_label"] == \
+            "the operator (operator page)"
+    assert s.unlock_calls() == ["lock.front_door"]

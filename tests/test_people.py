@@ -242,3 +242,13 @@ def test_a_passing_mention_does_not_wake_a_group_that_requires_the_trigger(
         return seen
 
     assert asyncio.run(main()) == [[], [], [], ["family"], ["family"]]
+
+
+def test_check_config_warns_when_a_persons_cards_cannot_be_delivered(tmp_path: Path,
+                                                                      cli) -> None:
+    path = config(tmp_path, MAIN, PEOPLE + "channels: {http: {enabled: false}}\n")
+    r = cli("check-config", "--config", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "people.alex: cards go to tg:111, but channels.telegram is not enabled" in r.stderr
+    assert "people.bob: cards go to tg:222" in r.stderr  # any person may be asked
+    assert "people.sam: cards go to tg:333" in r.stderr
