@@ -8,9 +8,9 @@ drive the agent narrows this, asked for every message: a group's `members` (peop
 roles, mdclaw.people; strangers by `unknown_senders`), else its `allow_senders`
 (mdclaw.senders.decide): a message from anyone else never starts a turn, and is either kept
 as context or not stored at all. Notes the host puts into a conversation (an approval's
-outcome) are context only. If the group's
-conversation container is running, triggered messages are written into its `input/` as
-follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
+outcome) are context only; a person's answer to a card ("approve 7KQ2") is no message at
+all (mdclaw.decisions). If the group's conversation container is running, triggered
+messages are written into its `input/` as follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
 cursor. The cursor moves past messages once their turn was answered. Files that come with a
 message are fetched by mdclaw.media.FileIntake, off the channel's path.
 
