@@ -1,16 +1,32 @@
 # Two commands for a fresh Linux machine with Python 3.11+:
 #   make run    run mdclaw on embedded defaults (SQLite, local HTTP channel) with config.example.yaml
 #   make test   lint (ruff, mypy, the import contract), then run the test suite
+#   make lock   refresh requirements.lock (on purpose: then run make test and commit it)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The extras `make` installs. requirements.lock pins them, the dependencies and the build
+# backend, with hashes; tests/test_lock.py checks it covers pyproject.toml.
+EXTRAS := test lint claude whatsapp
+UV_VERSION := 0.13.9
+LOCK_ARGS ?= --upgrade
 
-.PHONY: run test lint e2e bench clean
+.PHONY: run test lint e2e bench clean lock
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,lint,claude,whatsapp]'
+	$(PY) -m pip install --quiet --require-hashes -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
+
+# Every version the newest pyproject.toml allows (LOCK_ARGS= keeps the pins that still fit).
+lock:
+	test -x $(VENV)/bin/uv || { $(PYTHON) -m venv $(VENV) && \
+		$(PY) -m pip install --quiet 'uv==$(UV_VERSION)'; }
+	$(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
+		| $(VENV)/bin/uv pip compile pyproject.toml - $(addprefix --extra ,$(EXTRAS)) \
+		--universal --python-version 3.11 --generate-hashes --quiet \
+		--custom-compile-command 'make lock' $(LOCK_ARGS) -o requirements.lock
 
 run: $(VENV)/.installed
 	$(if $(DATA_DIR),MDCLAW_DATA_DIR=$(DATA_DIR) )$(VENV)/bin/mdclaw run --config config.example.yaml

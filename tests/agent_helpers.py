@@ -48,8 +48,10 @@ class RunnerProcess:
         self._cv = threading.Condition()
         self.proc.stdin.write(json.dumps(container_input))
         self.proc.stdin.close()
-        threading.Thread(target=self._read_out, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
+        self._readers = [threading.Thread(target=self._read_out, daemon=True),
+                         threading.Thread(target=self._read_err, daemon=True)]
+        for t in self._readers:
+            t.start()
 
     def _read_out(self) -> None:
         inside = False
@@ -85,12 +87,20 @@ class RunnerProcess:
             return list(self.results)
 
     def wait_exit(self, timeout: float = 30.0) -> int:
+        """The exit status, once the process ended AND its output was read to the end (the
+        reader threads may still hold the last lines when the process is gone)."""
+        deadline = time.monotonic() + timeout
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise AssertionError("runner did not exit; stderr:\n"
                                  + "\n".join(self.stderr_lines[-30:])) from None
+        for t in self._readers:
+            t.join(max(deadline - time.monotonic(), 1.0))
+            if t.is_alive():
+                raise AssertionError("the runner exited but its output was not read to the end")
+        return code
 
     def kill(self) -> None:
         if self.proc.poll() is None:

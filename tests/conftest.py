@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,17 @@ settings.register_profile("mdclaw-ci", settings.get_profile("mdclaw"), derandomi
                           database=None)
 settings.load_profile("mdclaw-ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes")
                       else "mdclaw")
+
+# The end-to-end tests build and start images on a real engine: a larger bound than the
+# suite's `timeout` (pyproject.toml), still one that fails a hung test with its traceback.
+E2E_TIMEOUT = 900
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT))
+
 
 BASE_CONFIG = """\
 data_dir: {data_dir}
@@ -77,6 +89,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _fake_engines_end_with_the_test() -> Iterator[None]:
+    """Containers of tests/fake_engine.py's engines do not outlive their test, and a
+    container script that failed fails the test."""
+    yield
+    engines = sys.modules.get("fake_engine")
+    if engines is not None:
+        engines.shutdown_all()
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from waiting import wait_until
+
 
 @dataclass
 class Recorded:
@@ -152,13 +154,11 @@ class _Server:
 
     def wait_for(self, n: int, timeout: float = 30.0) -> list[Recorded]:
         """Block until at least n requests arrived; return them all."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def got() -> list[Recorded] | None:
             with self._lock:
-                if len(self.requests) >= n:
-                    return list(self.requests)
-            time.sleep(0.01)
-        raise AssertionError(f"expected {n} request(s), got {len(self.requests)}")
+                return list(self.requests) if len(self.requests) >= n else None
+
+        return wait_until(got, timeout, what=f"{n} request(s) to the fake model server")
 
 
 async def _failure(request: web.Request, step: Step) -> web.StreamResponse | None:

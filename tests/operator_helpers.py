@@ -9,12 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,21 +54,21 @@ def running_daemon(config: Path, port: int, *,
                                  str(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if ready is not None:
-                    with urllib.request.urlopen(ready, timeout=2) as r:
-                        if r.status == 200:
-                            break
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if json.load(r).get("connected"):
-                        break
-            except (OSError, urllib.error.URLError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the daemon did not start:\n{log.read_text()}")
-            time.sleep(0.05)
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"the daemon exited:\n{log.read_text()}")
+            if ready is not None:
+                with urllib.request.urlopen(ready, timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                return bool(json.load(r).get("connected"))
+
+        try:
+            wait_until(up, 60, interval=0.05, ignore=(OSError, urllib.error.URLError),
+                       what="the daemon to answer")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{log.read_text()}") from None
         yield proc
     finally:
         if proc.poll() is None:

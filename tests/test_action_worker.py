@@ -10,8 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from ipc_helpers import Env
 from mdclaw.ipc.actions import ACTIONS, ActionFailed, OffloopContext, action
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.ipc.worker import ActionWorker
+from waiting import wait_until, wait_until_async
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,17 +69,6 @@ def slow_actions() -> Iterator[dict[str, Any]]:
             ACTIONS.pop(n, None)
 
 
-async def until(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 def result(env: Env, group: str, rid: str) -> dict[str, Any] | None:
     p = env.ipc / group / "action_results" / f"{rid}.json"
     return json.loads(p.read_text()) if p.exists() else None
@@ -105,7 +94,7 @@ class Running:
 
     async def __aenter__(self) -> IpcWatcher:
         self.task = asyncio.create_task(self.watcher.run(self.stop))
-        await until(lambda: self.watcher.actions._wake is not None)
+        await wait_until_async(lambda: self.watcher.actions._wake is not None)
         return self.watcher
 
     async def __aexit__(self, *exc: object) -> None:
@@ -128,10 +117,10 @@ def test_offloop_result_appears_and_is_recorded(env: Env,
             env.write("work", request("a2", "t_sync"), sub="actions")
             env.write("work", request("a3", "t_fail"), sub="actions")
             env.write("work", request("a4", "nope"), sub="actions")
-            await until(lambda: all(result(env, g, r) for g, r in
-                                    (("family", "a1"), ("work", "a2"), ("work", "a3"),
-                                     ("work", "a4"))))
-            await until(lambda: (job(env, "work", "a3") or {}).get("written_at"))
+            await wait_until_async(lambda: all(result(env, g, r) for g, r in
+                                               (("family", "a1"), ("work", "a2"),
+                                                ("work", "a3"), ("work", "a4"))))
+            await wait_until_async(lambda: (job(env, "work", "a3") or {}).get("written_at"))
     asyncio.run(go())
     r = result(env, "family", "a1")
     assert r is not None and r["status"] == "success"
@@ -162,7 +151,8 @@ def test_duplicate_request_id_is_not_run_twice(env: Env,
 
     async def go() -> None:
         async with Running(env):
-            await until(lambda: result(env, "family", "d1") and result(env, "work", "d1"))
+            await wait_until_async(lambda: result(env, "family", "d1")
+                                   and result(env, "work", "d1"))
     asyncio.run(go())
     assert (result(env, "family", "d1") or {})["result"]["echo"] == "one"
     assert [c for c in slow_actions["calls"] if c[1] == "family"] == [
@@ -178,17 +168,19 @@ def test_loop_not_blocked_while_slow_actions_run(env: Env,
         async with Running(env) as w:
             for i in range(5):
                 env.write("family", request(f"s{i}", "t_gate"), sub="actions")
-            await until(lambda: len(w.actions.running) == 2)  # action_jobs_per_group: 2
+            # action_jobs_per_group: 2
+            await wait_until_async(lambda: len(w.actions.running) == 2)
             await asyncio.sleep(0)
             assert len(w.actions.running) == 2
             env.write("work", request("w1", "t_echo", say="quick"), sub="actions")
             env.write("work", {"type": "message", "chatJid": "tg:3", "text": "still here"},
                       sub="messages")
-            await until(lambda: result(env, "work", "w1"))
-            await until(lambda: any(r["text"] == "still here" for r in env.outbox()))
+            await wait_until_async(lambda: result(env, "work", "w1"))
+            await wait_until_async(lambda: any(r["text"] == "still here" for r in env.outbox()))
             assert all(result(env, "family", f"s{i}") is None for i in range(5))
             slow_actions["gate"].set()
-            await until(lambda: all(result(env, "family", f"s{i}") for i in range(5)))
+            await wait_until_async(lambda: all(result(env, "family", f"s{i}")
+                                               for i in range(5)))
     asyncio.run(go())
     assert {(result(env, "family", f"s{i}") or {})["status"] for i in range(5)} == {"success"}
 
@@ -225,7 +217,7 @@ def test_stop_leaves_running_jobs_for_the_next_start(env: Env,
         async with running as w:
             w.actions.stop_grace = 0.05
             env.write("family", request("x1", "t_gate"), sub="actions")
-            await until(lambda: w.actions.running)
+            await wait_until_async(lambda: w.actions.running)
         assert (job(env, "family", "x1") or {})["status"] == "running"
         # The next start: one attempt only (the default), so an interrupted result.
         worker = ActionWorker(env.cfg)
@@ -275,11 +267,11 @@ def test_kill_9_mid_job_then_restart_gives_exactly_one_result(env: Env,
     proc = subprocess.Popen([sys.executable, str(script), str(env.config_path), str(attempts)],
                             env=envvars, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while (job(env, "family", "k1") or {}).get("status") != "running":
+        def started() -> bool:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.02)
+            return (job(env, "family", "k1") or {}).get("status") == "running"
+
+        wait_until(started, 30, what="the job to start")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
@@ -297,7 +289,8 @@ def test_kill_9_mid_job_then_restart_gives_exactly_one_result(env: Env,
 
         async def go() -> None:
             async with Running(env):
-                await until(lambda: (job(env, "family", "k1") or {}).get("written_at"))
+                await wait_until_async(
+                    lambda: (job(env, "family", "k1") or {}).get("written_at"))
         asyncio.run(go())
     finally:
         ACTIONS.pop("t_crash", None)

@@ -14,6 +14,7 @@ import pytest
 import agent_helpers  # noqa: F401 - puts the runner package on sys.path
 from mdclaw_agent.ipc import write_json_atomic
 from mdclaw_agent.tools import TOOLS, ToolContext, run_tool, tools_for
+from waiting import wait_until
 
 NAME_RE = re.compile(r"^\d{13}-[0-9a-f]{8}\.json$")
 
@@ -310,10 +311,8 @@ def test_memory_tools_answered_by_the_real_ipc_engine(tmp_path, write_config, cl
     for name, args in [("memory_search", {"query": "tomatoes water"}),
                        ("memory_get", {"path": "MEMORY.md"})]:
         t = ask(name, args)
-        deadline = time.monotonic() + 10
-        while not list((ctx.ipc_dir / "actions").glob("*.json")):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: list((ctx.ipc_dir / "actions").glob("*.json")), 10,
+                   what=f"the {name} request file")
         # The memory actions run off the loop: --run-actions runs the worker's jobs too.
         r = cli("ipc", "drain", "--run-actions", "--config", str(cfg))
         assert r.returncode == 0, r.stderr

@@ -21,6 +21,7 @@ import agent_helpers
 from mdclaw_agent import filetools, shell
 from mdclaw_agent.tools import ToolContext, run_tool, tools_for
 from mdclaw_agent.workspace import PathRefused, glob_regex, make_roots, resolve
+from waiting import wait_until
 
 WORKSPACE = {"read_file", "write_file", "edit_file", "list_dir", "glob", "grep", "bash"}
 
@@ -54,14 +55,6 @@ def refused(ctx: ToolContext, name: str, **args) -> str:
     reply, err = tool(ctx, name, **args)
     assert err, reply
     return reply
-
-
-def wait_for(pred, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def pid_gone(pid: int) -> bool:
@@ -423,14 +416,14 @@ def test_bash_timeout_kills_the_process_tree(ctx: ToolContext) -> None:
     assert took < 1 + shell.KILL_GRACE + 5, took
     for name in ("child.pid", "grandchild.pid"):
         pid = int((ctx.group_dir / name).read_text())
-        wait_for(lambda pid=pid: pid_gone(pid), 10, f"{name} {pid} to be gone")
+        wait_until(lambda pid=pid: pid_gone(pid), 10, what=f"{name} {pid} to be gone")
 
 
 def test_bash_background_leftovers_are_killed(ctx: ToolContext) -> None:
     out = json.loads(ok(ctx, "bash", command="sleep 300 & echo $! > bg.pid; echo started"))
     assert out["exit_code"] == 0 and out["stdout"] == "started\n" and not out["timed_out"]
     pid = int((ctx.group_dir / "bg.pid").read_text())
-    wait_for(lambda: pid_gone(pid), 10, "the background sleep to be gone")
+    wait_until(lambda: pid_gone(pid), 10, what="the background sleep to be gone")
 
 
 @settings(max_examples=100, deadline=None)

@@ -23,14 +23,7 @@ from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
 from mdclaw.retry import Backoff
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
-
-
-async def wait_until(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
+from waiting import wait_until_async
 
 
 def run(coro_fn):
@@ -57,7 +50,7 @@ async def restart_asks_after(api: Any, db: Any, last: int) -> None:
                              poll_timeout=1, db=db)
     await second.connect()
     # its first poll answered (nothing) and handled: the second poll has begun
-    await wait_until(lambda: len(api.offsets) >= 2)
+    await wait_until_async(lambda: len(api.offsets) >= 2)
     await second.disconnect()
     assert api.offsets[0] == last + 1
     assert again == []  # nothing handed over twice
@@ -77,7 +70,7 @@ def test_inbound_text_and_captions_reach_the_callback() -> None:
         api.push({"message_id": 9, "date": 1_767_225_602,
                   "chat": {"id": 99, "type": "private"}, "from": {"id": 99},
                   "sticker": {"file_id": "y"}})
-        await wait_until(lambda: len(got) == 2 and api.offsets[-1] == 503)
+        await wait_until_async(lambda: len(got) == 2 and api.offsets[-1] == 503)
         assert not got[0].addressed
         a, b = got
         assert (a.id, a.chat_jid, a.sender, a.sender_name, a.content) == (
@@ -106,7 +99,7 @@ def test_host_failure_leaves_the_update_unconfirmed() -> None:
         await ch.connect()
         api.push({"message_id": 1, "date": 1, "chat": {"id": 5, "type": "private"},
                   "from": {"id": 5, "first_name": "E"}, "text": "hello"})
-        await wait_until(lambda: len(seen) == 2, timeout=15)
+        await wait_until_async(lambda: len(seen) == 2, timeout=15)
         assert seen == ["tg:5:1", "tg:5:1"]  # redelivered; the host's dedupe handles it
 
     run(body)
@@ -129,7 +122,7 @@ def test_outbox_splits_at_4096_utf16_units_and_retries_a_5xx(tmp_path: Path) -> 
                 r2 = enqueue(c, chat_jid="tg:-1001234", kind="text", text=emoji,
                              source_group="family")
             w.wake()
-            await wait_until(lambda: get_row(db, r2).status == "sent")
+            await wait_until_async(lambda: get_row(db, r2).status == "sent")
             row1 = get_row(db, r1)
             assert row1.status == "sent" and row1.attempts == 2
             sends = api.of("sendMessage")
@@ -175,7 +168,7 @@ def test_files_reactions_and_typing(tmp_path: Path) -> None:
             "reaction": [{"type": "emoji", "emoji": "\N{THUMBS UP SIGN}"}]}]
 
         await ch.set_typing("tg:99", True)
-        await wait_until(lambda: len(api.of("sendChatAction")) == 1)
+        await wait_until_async(lambda: len(api.of("sendChatAction")) == 1)
         assert api.of("sendChatAction")[0] == {"chat_id": 99, "action": "typing"}
         await ch.set_typing("tg:99", False)
         assert not ch._typing
@@ -251,8 +244,8 @@ def test_an_update_the_host_refuses_comes_again_after_growing_pauses() -> None:
             await ch.connect()
             api.push({"message_id": 9, "date": 1, "chat": {"id": 5, "type": "private"},
                       "from": {"id": 5, "first_name": "A"}, "text": "hello"})
-            await wait_until(lambda: len(got) == 1)
-            await wait_until(lambda: api.offsets[-1] == 501)  # confirmed at last
+            await wait_until_async(lambda: len(got) == 1)
+            await wait_until_async(lambda: api.offsets[-1] == 501)  # confirmed at last
         finally:
             await ch.disconnect()
             await api.stop()
@@ -317,7 +310,7 @@ def test_mentions_and_replies_to_the_bot_address_the_assistant() -> None:
                   "text": "@andy and @mdclaw_test_bot"})
         api.push({"message_id": 4, "date": 4, "chat": group, "from": who,
                   "text": "mail me at x@mdclaw_test_botnet.org"})
-        await wait_until(lambda: len(got) == 4)
+        await wait_until_async(lambda: len(got) == 4)
         assert [(m.addressed, m.content) for m in got] == [
             (True, "@Andy @MDCLAW_test_bot what time is it?"),
             (True, "@Andy thanks!"),
@@ -353,18 +346,19 @@ def test_an_outage_delays_messages_without_using_up_their_tries(tmp_path: Path) 
         await w.start()
         try:
             await api.stop()  # Telegram goes away
-            await wait_until(lambda: not ch.is_connected())
+            await wait_until_async(lambda: not ch.is_connected())
             with db.transaction() as c:
                 rid = enqueue(c, chat_jid="tg:7", kind="text", text="after the outage",
                               source_group="main")
             w.wake()
-            await wait_until(lambda: get_row(db, rid).last_error)  # the worker looked at it
+            # the worker looked at it
+            await wait_until_async(lambda: get_row(db, rid).last_error)
             await asyncio.sleep(1.5)  # far longer than two tries would take
             row = get_row(db, rid)
             assert row.status == "pending" and row.attempts == 0
             assert "not connected" in row.last_error
             await api.start(port)  # back; the poller reconnects, the row goes out
-            await wait_until(lambda: get_row(db, rid).status == "sent", timeout=20)
+            await wait_until_async(lambda: get_row(db, rid).status == "sent", timeout=20)
             assert [p["text"] for p in api.of("sendMessage")] == ["after the outage"]
         finally:
             await w.stop()
@@ -382,7 +376,7 @@ def test_chatid_command_tells_the_jid_and_stays_out_of_the_chat() -> None:
         api.push({"message_id": 4, "date": 1, "chat": chat, "from": {"id": 1},
                   "text": "/chatid@other_bot"})
         api.push({"message_id": 5, "date": 2, "chat": chat, "from": {"id": 1}, "text": "hi"})
-        await wait_until(lambda: len(got) == 2)
+        await wait_until_async(lambda: len(got) == 2)
         assert [m.content for m in got] == ["/chatid@other_bot", "hi"]
         answer = api.of("sendMessage")
         assert [(a["chat_id"], a["text"]) for a in answer] == [(-1009, "This chat is tg:-1009")]
@@ -409,9 +403,9 @@ def test_the_offset_survives_a_restart(tmp_path) -> None:
             first = TelegramChannel(TOKEN, api_base=api.base, on_inbound=got.append,
                                     poll_timeout=1, db=db)
             await first.connect()
-            await wait_until(lambda: len(got) == 2)
+            await wait_until_async(lambda: len(got) == 2)
             last = max(u["update_id"] for u in api.updates)
-            await wait_until(lambda: (last + 1) in api.offsets)
+            await wait_until_async(lambda: (last + 1) in api.offsets)
             await first.disconnect()
             await restart_asks_after(api, db, last)
         finally:
@@ -449,7 +443,7 @@ def test_photos_documents_and_voice_notes_arrive_as_attachments_fetched_with_get
         api.push({"message_id": 22, "date": 1_767_225_602, "chat": chat, "from": {"id": 99},
                   "voice": {"file_id": "voice", "mime_type": "audio/ogg", "duration": 2,
                             "file_size": 10}})
-        await wait_until(lambda: len(got) == 3)
+        await wait_until_async(lambda: len(got) == 3)
         photo, doc, voice = got
         assert photo.content == "the garden" and doc.content == "" and voice.content == ""
         assert [(a.kind, a.name, a.mime, a.size, a.caption) for m in got
@@ -521,7 +515,7 @@ def test_markdown_goes_out_as_text_with_entities_at_utf16_offsets(tmp_path: Path
             with db.transaction() as c:
                 rid = enqueue(c, chat_jid="tg:99", kind="text", text=md, source_group="g")
             w.wake()
-            await wait_until(lambda: get_row(db, rid).status == "sent")
+            await wait_until_async(lambda: get_row(db, rid).status == "sent")
             (sent,) = api.of("sendMessage")
             text, ents = sent["text"], sent["entities"]
             assert "**" not in text and "```" not in text and "•" in text
@@ -579,7 +573,7 @@ def test_entities_telegram_refuses_fall_back_to_plain_text(tmp_path: Path) -> No
                 rid = enqueue(c, chat_jid="tg:99", kind="text", text="**important** news",
                               source_group="g")
             w.wake()
-            await wait_until(lambda: get_row(db, rid).status == "sent")
+            await wait_until_async(lambda: get_row(db, rid).status == "sent")
             first, second = api.of("sendMessage")
             assert first["entities"] and "entities" not in second
             assert first["text"] == second["text"] == "important news"
@@ -617,14 +611,14 @@ def test_chatid_answer_goes_through_the_outbox_and_survives_a_429(tmp_path: Path
             api.push({"message_id": 3, "date": 1, "from": {"id": 1},
                       "chat": {"id": -1009, "type": "supergroup", "title": "New"},
                       "text": "/chatid"})
-            await wait_until(lambda: len(api.of("sendMessage")) == 2, timeout=15)
+            await wait_until_async(lambda: len(api.of("sendMessage")) == 2, timeout=15)
             first, second = api.of("sendMessage")
             assert first == second
             assert second["text"] == "This chat is tg:-1009"
             assert second["entities"] == [{"type": "code", "offset": 13, "length": 8}]
             assert second["reply_parameters"]["message_id"] == 3
             (row,) = db.query("SELECT * FROM outbox")
-            await wait_until(lambda: get_row(db, row["id"]).status == "sent")
+            await wait_until_async(lambda: get_row(db, row["id"]).status == "sent")
             final = get_row(db, row["id"])
             assert final.attempts == 2 and final.chat_jid == "tg:-1009"
             assert got == []  # the command stays out of the chat
@@ -684,10 +678,10 @@ def test_a_slow_download_holds_up_neither_the_bot_nor_other_chats_and_keeps_orde
                       "from": {"id": 42, "first_name": "Alice"}, "text": "dinner at 7"})
             # The other chat's message is stored and its run queued while the file is
             # still on its way; the bot confirmed all three updates.
-            await wait_until(lambda: [m.id for m in messages_since(db, "tg:-77", None)]
-                             == ["tg:-77:5"])
-            await wait_until(lambda: "msg:family" in [j.id for j in orch.queue.pending()])
-            await wait_until(lambda: api.offsets and api.offsets[-1] == 503)
+            await wait_until_async(lambda: [m.id for m in messages_since(db, "tg:-77", None)]
+                                   == ["tg:-77:5"])
+            await wait_until_async(lambda: "msg:family" in [j.id for j in orch.queue.pending()])
+            await wait_until_async(lambda: api.offsets and api.offsets[-1] == 503)
             assert not gate.is_set()
             # The same chat's text is kept (a redelivery would be a duplicate) but held
             # back behind the file: the agent sees neither yet.
@@ -772,7 +766,7 @@ def test_the_offset_is_written_off_the_event_loop_and_kept_across_restart(tmp_pa
                 api.push({"message_id": n + 1, "date": 1_767_225_600,
                           "chat": {"id": 5, "type": "private"},
                           "from": {"id": 42, "first_name": "A"}, "text": f"m{n}"})
-            await wait_until(lambda: len(got) == 3)
+            await wait_until_async(lambda: len(got) == 3)
             stopping = asyncio.create_task(ch.disconnect())  # while the write waits
             await watcher
             await stopping

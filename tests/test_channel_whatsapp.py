@@ -50,6 +50,7 @@ from mdclaw.retry import Backoff  # noqa: E402
 from mdclaw.state import Database  # noqa: E402
 from mdclaw.state.chats import list_chats  # noqa: E402
 from mdclaw.state.outbox import enqueue, list_outbox  # noqa: E402
+from waiting import wait_until_async
 
 ME = "491700000001"
 ME_LID = "77123456789012"
@@ -159,22 +160,14 @@ def make_channel(tmp_path: Path, db: Database | None = None, **kw: Any
     return ch, clients
 
 
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 async def connected(tmp_path: Path, db: Database | None = None, **kw: Any
                     ) -> tuple[WhatsAppChannel, FakeClient]:
     ch, clients = make_channel(tmp_path, db, **kw)
     await ch.connect()
-    await until(lambda: clients and clients[0].session is not None)
+    await wait_until_async(lambda: clients and clients[0].session is not None)
     await clients[0].emit(T.Connected(status=True))
     assert ch.is_connected()
-    await until(lambda: ch.groups_synced > 0)  # the group list read on connect
+    await wait_until_async(lambda: ch.groups_synced > 0)  # the group list read on connect
     return ch, clients[0]
 
 
@@ -218,7 +211,7 @@ def test_pairing_by_qr_then_logged_out_by_the_phone(tmp_path: Path) -> None:
         ch, clients = make_channel(tmp_path, on_qr=shown.append)
         await ch.connect()
         try:
-            await until(lambda: clients and clients[0].session is not None)
+            await wait_until_async(lambda: clients and clients[0].session is not None)
             c = clients[0]
             assert ch.status_info() == {"connected": False, "link_state": UNLINKED,
                                         "fix": ch.status_info()["fix"]}
@@ -285,7 +278,7 @@ def test_pair_code_for_a_phone_number(tmp_path: Path) -> None:
         ch, clients = make_channel(tmp_path)
         await ch.connect()
         try:
-            await until(lambda: clients and clients[0].session is not None)
+            await wait_until_async(lambda: clients and clients[0].session is not None)
             assert await ch.pair_code("+49 170 0000001") == "CODE-0001"
             with pytest.raises(ChannelError, match="not a phone number"):
                 await ch.pair_code("12")
@@ -423,7 +416,7 @@ def test_groups_go_into_the_chats_table_for_the_main_agent(tmp_path: Path) -> No
     async def main() -> None:
         db = Database(tmp_path / "s.db")
         ch, c = await connected(tmp_path, db)
-        await until(lambda: any(r["jid"] == f"wa:{GROUP}" for r in list_chats(db)))
+        await wait_until_async(lambda: any(r["jid"] == f"wa:{GROUP}" for r in list_chats(db)))
         row = next(r for r in list_chats(db) if r["jid"] == f"wa:{GROUP}")
         assert (row["name"], row["channel"], row["is_group"]) == ("Family", "whatsapp", 1)
         await c.emit(T.JoinedGroup(GroupInfo=T.GroupInfo(
@@ -481,7 +474,7 @@ def test_reply_reaction_and_typing(tmp_path: Path) -> None:
         with pytest.raises(ChannelError):
             await ch.react(f"wa:{GROUP}", "tg:1:2", "👍")
         await ch.set_typing(f"wa:{GROUP}", True)
-        await until(lambda: c.presence)
+        await wait_until_async(lambda: c.presence)
         await ch.set_typing(f"wa:{GROUP}", False)
         assert [s for _, s in c.presence] == [ChatPresence.CHAT_PRESENCE_COMPOSING,
                                               ChatPresence.CHAT_PRESENCE_PAUSED]
@@ -552,8 +545,8 @@ def test_a_session_that_ends_is_started_again(tmp_path: Path) -> None:
 
         ch.client_factory = factory
         c.end(RuntimeError("websocket closed"))
-        await until(lambda: not ch.is_connected())
-        await until(lambda: ch_clients and ch_clients[0].session is not None)
+        await wait_until_async(lambda: not ch.is_connected())
+        await wait_until_async(lambda: ch_clients and ch_clients[0].session is not None)
         assert ch.sessions_started == 2
         with pytest.raises(ChannelError, match="not connected"):
             await ch.send_message(f"wa:{ALICE}", "while down")
@@ -569,7 +562,7 @@ def test_outbox_keeps_rows_while_disconnected_and_sends_after_reconnect(tmp_path
         db = Database(tmp_path / "s.db")
         ch, clients = make_channel(tmp_path, db)
         await ch.connect()
-        await until(lambda: clients and clients[0].session is not None)
+        await wait_until_async(lambda: clients and clients[0].session is not None)
         with db.transaction() as conn:
             rid = enqueue(conn, chat_jid=f"wa:{GROUP}", kind="text", text="**hi** there")
         worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=2, base_delay=0,
@@ -631,7 +624,7 @@ def test_the_real_neonize_client_starts_and_stops_without_a_network(tmp_path: Pa
             ch.reconnect_backoff = Backoff(base=0.2, factor=1.0, cap=0.2, jitter=0)
             await ch.connect()
             deadline = time.monotonic() + 60
-            while ch.sessions_started < 2:
+            while ch.sessions_started < 2:  # (a script of its own: no tests/ on its path)
                 assert time.monotonic() < deadline, "no second session"
                 await asyncio.sleep(0.05)
             assert not ch.is_connected()
@@ -656,7 +649,7 @@ def test_link_draws_qr_codes_until_a_phone_scans_one(tmp_path: Path) -> None:
         ch, clients = make_channel(tmp_path)
         out = io.StringIO()
         link = asyncio.create_task(run_link(ch, phone=None, timeout=30, out=out))
-        await until(lambda: clients and clients[0].session is not None)
+        await wait_until_async(lambda: clients and clients[0].session is not None)
         c = clients[0]
         await c.event.qr_handler(c, b"2@first,code")
         await c.event.qr_handler(c, b"2@second,code")
@@ -678,10 +671,10 @@ def test_link_with_a_phone_number_prints_a_pairing_code(tmp_path: Path) -> None:
         ch, clients = make_channel(tmp_path)
         out = io.StringIO()
         link = asyncio.create_task(run_link(ch, phone="+49 170 0000001", timeout=30, out=out))
-        await until(lambda: clients and clients[0].session is not None)
+        await wait_until_async(lambda: clients and clients[0].session is not None)
         c = clients[0]
         await c.event.qr_handler(c, b"2@code")
-        await until(lambda: "CODE-0001" in out.getvalue())
+        await wait_until_async(lambda: "CODE-0001" in out.getvalue())
         assert "█" not in out.getvalue()
         await c.emit(T.PairStatus(ID=jid(f"{ME}@s.whatsapp.net"), Status=T.PairStatus.SUCCESS))
         assert await link == 0

@@ -24,6 +24,7 @@ from mdclaw.outbox import OutboxWorker, RetryPolicy
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
 from mdclaw.state.outbox import enqueue
+from waiting import wait_until_async
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
@@ -52,8 +53,9 @@ class DevTools:
         self.next_id += 1
         my_id = self.next_id
         await self.ws.send_json({"id": my_id, "method": method, "params": params})
+        deadline = time.monotonic() + 30  # events may come first, but not for ever
         while True:
-            msg = await self.ws.receive_json(timeout=30)
+            msg = await self.ws.receive_json(timeout=max(deadline - time.monotonic(), 0.1))
             if msg.get("id") == my_id:
                 if "error" in msg:
                     raise AssertionError(f"{method}: {msg['error']}")
@@ -67,16 +69,13 @@ class DevTools:
         return r["result"].get("value")
 
     async def wait_for(self, expression: str, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
         guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }})()"
-        while True:
-            value = await self.js(guarded)  # the page may still be loading
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                body = await self.js("document.body.innerText")
-                raise AssertionError(f"page never satisfied {expression!r}; page shows:\n{body}")
-            await asyncio.sleep(0.1)
+        try:  # the page may still be loading
+            return await wait_until_async(lambda: self.js(guarded), timeout, interval=0.1,
+                                          what=f"the page to satisfy {expression!r}")
+        except AssertionError as e:
+            body = await self.js("document.body.innerText")
+            raise AssertionError(f"{e}; page shows:\n{body}") from None
 
     async def type_into(self, element_id: str, text: str) -> None:
         await self.js(f"document.getElementById({json.dumps(element_id)}).focus()")
@@ -94,21 +93,25 @@ async def open_page(url: str, user_data: Path) -> tuple[asyncio.subprocess.Proce
         start_new_session=True)
     port_file = user_data / "DevToolsActivePort"
     deadline = time.monotonic() + 60
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.returncode is not None or time.monotonic() > deadline:
-            raise AssertionError("chromium did not open its DevTools port")
-        await asyncio.sleep(0.1)
-    port = int(port_file.read_text().split()[0])
+
+    def port_written() -> str:
+        assert proc.returncode is None, "chromium exited"
+        return port_file.exists() and port_file.read_text().strip()
+
+    port = int((await wait_until_async(port_written, 60, interval=0.1,
+                                       what="chromium's DevTools port")).split()[0])
     async with aiohttp.ClientSession() as http:
-        while True:
+        pages: list[dict[str, Any]] = []
+
+        async def listed() -> bool:
             async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
-                pages = [t for t in await r.json()
-                         if t.get("type") == "page" and t.get("url", "").startswith(url)]
-            if pages:
-                return proc, pages[0]["webSocketDebuggerUrl"]
-            if time.monotonic() > deadline:
-                raise AssertionError("chromium did not open the page")
-            await asyncio.sleep(0.1)
+                pages[:] = [t for t in await r.json()
+                            if t.get("type") == "page" and t.get("url", "").startswith(url)]
+            return bool(pages)
+
+        await wait_until_async(listed, max(deadline - time.monotonic(), 1), interval=0.1,
+                               what="chromium to open the page")
+        return proc, pages[0]["webSocketDebuggerUrl"]
 
 
 async def close_browser(proc: asyncio.subprocess.Process) -> None:

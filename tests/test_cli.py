@@ -12,6 +12,7 @@ import time
 from conftest import REPO
 from mdclaw.config import load_config
 from mdclaw.ops.status import status_path
+from waiting import wait_until
 
 
 def test_check_config_valid_invalid_usage(cli, write_config) -> None:
@@ -87,10 +88,8 @@ def test_run_reconciles_and_stops_on_sigterm(write_config, data_dir) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", cfg],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (data_dir / "ipc" / "main" / "tasks").exists():
-            time.sleep(0.05)
-        assert (data_dir / "ipc" / "main" / "tasks").is_dir()
+        wait_until(lambda: (data_dir / "ipc" / "main" / "tasks").is_dir(), 20,
+                   what="the daemon to make ipc/main/tasks")
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
@@ -109,9 +108,8 @@ def test_logs_carry_journald_priority_under_systemd(write_config, tmp_path) -> N
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Up (and so it has logged its start) once it has written its status file.
     status_file = status_path(load_config(cfg))
-    deadline = time.monotonic() + 60
-    while not status_file.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: status_file.exists() or proc.poll() is not None, 60,
+               what="the daemon's status file")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=40)
     lines = [ln for ln in err.splitlines() if ln and not ln.startswith("  ")]

@@ -1,7 +1,8 @@
 """The disk rule (mdclaw.diskguard) with real files: what counts, what is decided, who is told.
 
-No engine: the container side is played by files written into the group's folders, and the
-orchestrator runs without a runner (the refusal comes before it is needed).
+No real engine: the container side is played by files written into the group's folders; the
+orchestrator runs without a runner (the refusal comes before it is needed), and the guard
+stops containers run by the real container runner on the tests' fake engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_engine import FakeEngine
 from mdclaw import agentfs, diskguard
 from mdclaw.channels.base import InboundMessage
 from mdclaw.config import Config, LiveConfig, floor_bytes, load_config, parse_size
@@ -30,8 +32,10 @@ from mdclaw.diskguard import (
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.paths import Layout
 from mdclaw.reconcile import reconcile
+from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
 from mdclaw.state import Database
 from mdclaw.state.outbox import list_outbox
+from waiting import wait_until_async
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -293,48 +297,66 @@ def test_guard_notices_once_per_episode(tmp_path: Path) -> None:
     assert second is None and state == OK and again == first
 
 
-class FakeHandle:
-    def __init__(self) -> None:
-        self.killed = asyncio.Event()
-        self.container_id = "c1"
+class Containers:
+    """Groups' containers started by the real runner on the fake engine; each works until it
+    is killed (what the guard does to a group over its limit)."""
 
-    async def kill(self) -> None:
-        self.killed.set()
+    def __init__(self, cfg: Config) -> None:
+        self.engine = FakeEngine(default=lambda c: c.hang(60))
+        self.runner = ContainerRunner(cfg, self.engine)
+        self.runs: list[asyncio.Future[ContainerResult]] = []
 
+    async def start(self, *folders: str) -> None:
+        for f in folders:
+            self.runs.append(asyncio.ensure_future(self.runner.run(
+                f, ContainerInput("work", f, f"hl:{f}"))))
+        await wait_until_async(lambda: all((h := self.runner.active(f)) and h.container_id
+                                           for f in folders), what=f"{folders} to start")
 
-class FakeRunner:
-    def __init__(self) -> None:
-        self.handles = {"family": FakeHandle(), "main": FakeHandle()}
+    def killed(self, folder: str) -> bool:
+        c = self.engine.container_of(folder)
+        return c is not None and c.killed
 
-    def running(self) -> list[str]:
-        return list(self.handles)
+    async def wait_killed(self, folder: str, timeout: float = 10) -> None:
+        await wait_until_async(lambda: self.killed(folder), timeout,
+                               what=f"{folder}'s container to be stopped")
 
-    def active(self, folder: str) -> FakeHandle | None:
-        return self.handles.get(folder)
+    async def end(self) -> list[ContainerResult]:
+        """Kill what still runs; the runs' results."""
+        for folder in self.runner.running():
+            handle = self.runner.active(folder)
+            if handle is not None:
+                await handle.kill()
+        results = await asyncio.wait_for(asyncio.gather(*self.runs), 10)
+        await self.runner.aclose()
+        return results
 
 
 def test_periodic_round_stops_only_the_group_over_its_limit(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, disk_check_interval="100ms")
     group_dir(cfg, "main")
     d = group_dir(cfg)
-    runner = FakeRunner()
-    guard = DiskGuard(cfg, runner)
+    running = Containers(cfg)
+    guard = DiskGuard(cfg, running.runner)
 
-    async def main() -> float:
+    async def main() -> tuple[float, bool, list[ContainerResult]]:
+        await running.start("family", "main")
         stop = asyncio.Event()
         task = asyncio.create_task(guard.run(stop))
         await asyncio.sleep(0)  # let the first round see the group within its limit
         write(d / "big", 2 * MiB)
         t0 = asyncio.get_running_loop().time()
-        await asyncio.wait_for(runner.handles["family"].killed.wait(), 10)
+        await running.wait_killed("family")
         took = asyncio.get_running_loop().time() - t0
         stop.set()
         await task
-        return took
+        main_killed = running.killed("main")
+        return took, main_killed, await running.end()
 
-    took = asyncio.run(main())
+    took, main_killed, (family, _) = asyncio.run(main())
     assert took < 5
-    assert not runner.handles["main"].killed.is_set()
+    assert not main_killed
+    assert family.exit_code == 137 and family.status == "error"
     assert guard.status()["blocked"]["family"]["state"] == GROUP_FULL
     json.dumps(guard.status())  # the daemon's status file takes it as it is
 
@@ -344,11 +366,19 @@ def test_below_the_free_space_floor_every_container_stops(tmp_path: Path) -> Non
     cfg = make_cfg(tmp_path, min_free_disk="99.99%")  # this disk is never that empty
     group_dir(cfg, "main")
     group_dir(cfg)
-    runner = FakeRunner()
-    guard = DiskGuard(cfg, runner)
-    verdicts = asyncio.run(guard.check_once())
+    running = Containers(cfg)
+    guard = DiskGuard(cfg, running.runner)
+
+    async def main() -> list:
+        await running.start("family", "main")
+        verdicts = await guard.check_once()
+        await running.wait_killed("family")
+        await running.wait_killed("main")
+        await running.end()
+        return verdicts
+
+    verdicts = asyncio.run(main())
     assert {v.state for v in verdicts} == {HOST_FULL}, verdicts
-    assert all(h.killed.is_set() for h in runner.handles.values())
     assert guard.status()["floor"] == floor_bytes("99.99%", total)
 
 
@@ -390,24 +420,26 @@ def test_free_space_is_checked_every_second_between_rounds(tmp_path: Path) -> No
     cfg = make_cfg(tmp_path, disk_check_interval="1h")
     group_dir(cfg, "main")
     group_dir(cfg)
-    runner = FakeRunner()
-    guard = DiskGuard(cfg, runner)
+    running = Containers(cfg)
+    guard = DiskGuard(cfg, running.runner)
 
     async def main() -> float:
+        await running.start("family", "main")
         stop = asyncio.Event()
         task = asyncio.create_task(guard.run(stop))
-        while guard.rounds < 1:  # the first (full) round is done; the next is an hour away
-            await asyncio.sleep(0.01)
+        # The first (full) round is done; the next is an hour away.
+        await wait_until_async(lambda: guard.rounds >= 1)
         # The disk "fills up": a floor this disk never meets (no wake: only the tick sees it).
         # A holder of its own, which wakes nobody: only the tick may see the new floor.
         guard.live = LiveConfig(make_cfg(tmp_path, disk_check_interval="1h",
                                          min_free_disk="99.99%"), fixed=True)
         t0 = asyncio.get_running_loop().time()
-        await asyncio.wait_for(runner.handles["family"].killed.wait(), 10)
-        await asyncio.wait_for(runner.handles["main"].killed.wait(), 10)
+        await running.wait_killed("family")
+        await running.wait_killed("main")
         took = asyncio.get_running_loop().time() - t0
         stop.set()
         await task
+        await running.end()
         return took
 
     took = asyncio.run(main())
@@ -467,27 +499,26 @@ def test_free_space_ticks_only_once_a_run_is_admitted(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, disk_check_interval="1h")
     group_dir(cfg, "main")
     group_dir(cfg)
-    runner = FakeRunner()
-    handles, runner.handles = runner.handles, {}  # no container yet
-    guard = DiskGuard(cfg, runner)
+    running = Containers(cfg)  # no container yet
+    guard = DiskGuard(cfg, running.runner)
 
     async def main() -> float:
         stop = asyncio.Event()
         task = asyncio.create_task(guard.run(stop))
-        while guard.rounds < 1:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: guard.rounds >= 1)
         await asyncio.sleep(diskguard.HOST_TICK + 0.3)  # a window in which nothing may tick
         assert guard.host_checks == 0
         assert (await guard.admit("family")).ok
-        runner.handles = handles  # its container starts
+        await running.start("family")  # its container starts
         # A holder of its own, which wakes nobody: only the tick may see the new floor.
         guard.live = LiveConfig(make_cfg(tmp_path, disk_check_interval="1h",
                                          min_free_disk="99.99%"), fixed=True)
         t0 = asyncio.get_running_loop().time()
-        await asyncio.wait_for(handles["family"].killed.wait(), 10)
+        await running.wait_killed("family")
         took = asyncio.get_running_loop().time() - t0
         stop.set()
         await task
+        await running.end()
         return took
 
     took = asyncio.run(main())

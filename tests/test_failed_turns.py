@@ -1,7 +1,7 @@
-"""Failed turns in the orchestrator, with the real database, queue and outbox rows and a
-scripted stand-in for the container runner: each cause is told once, in plain words;
-transient ones are retried, deterministic ones and configuration errors are set aside so the
-next message gets a normal answer; open conversations are told at once.
+"""Failed turns in the orchestrator, with the real database, queue, outbox rows and container
+runner over the tests' fake engine (scripted containers): each cause is told once, in plain
+words; transient ones are retried, deterministic ones and configuration errors are set aside
+so the next message gets a normal answer; open conversations are told at once.
 
 (The same with the real engine, image and a failing model server: tests/e2e/test_failures_e2e.py.)
 """
@@ -11,20 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from fake_engine import FOLLOW_UP, FakeContainer, FakeEngine, agent
 from mdclaw.channels.base import InboundMessage
 from mdclaw.config import load_config
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.reconcile import reconcile
-from mdclaw.runner import ContainerResult
-from mdclaw.runtime import ImageError, ImageInfo
+from mdclaw.runner import ContainerRunner
+from mdclaw.runtime import ImageError
 from mdclaw.state import Database
 from mdclaw.state.conversations import get_cursor
 from mdclaw.state.failed_turns import list_failed_turns
 from mdclaw.state.outbox import list_outbox
+from waiting import wait_until_async
 
 CONFIG = """\
 data_dir: {data_dir}
@@ -33,7 +35,7 @@ models:
   local: {backend: openai, model: m, base_url: "http://10.1.2.3:11434/v1"}
 groups:
   main: {name: Admin, jid: "hl:main", main: true}
-limits: {run_attempts: 3, run_retry_base: 50ms, memory: 2g}
+limits: {run_attempts: 3, run_retry_base: 50ms, memory: 2g, idle_timeout: 500ms}
 """
 
 
@@ -52,80 +54,28 @@ def err(cause: str, **extra: Any) -> str:
                        "cause": cause, **extra})
 
 
-@dataclass
-class Run:
-    """One scripted container run: blocks to emit (a float waits that many seconds; a
-    callable is called with the runner, e.g. to wait for a follow-up), then how it ends."""
-
-    steps: list[Any] = field(default_factory=list)
-    exit_code: int = 0
-    oom: bool = False
-    timed_out: bool = False
-    raises: BaseException | None = None
+BOOM = b"Traceback: boom\n"  # what a crashing agent leaves on stderr
 
 
-class Handle:
-    def __init__(self) -> None:
-        self.closed = False
-        self.closed_event = asyncio.Event()
-
-    def close(self) -> None:
-        self.closed = True
-        self.closed_event.set()
-
-    def touch(self) -> None:
-        pass
+def run(*steps: Any, exit_code: int = 0, oom: bool = False):  # noqa: ANN201
+    """One scripted container: blocks to emit (a number sleeps, FOLLOW_UP waits for the
+    next follow-up), then how it ends (an exit code, the OOM killer, or `_close`)."""
+    return agent(*steps, exit_code=exit_code, oom=oom,
+                 stderr=BOOM if exit_code or oom else b"")
 
 
-class FakeRuntime:
-    def __init__(self, labels: dict[str, str] | None = None, present: bool = True) -> None:
-        self.labels = labels if labels is not None else {"mdclaw.backends": "openai"}
-        self.present = present
-
-    def image_info(self, ref: str) -> ImageInfo | None:
-        if not self.present:
-            return None
-        return ImageInfo(ref, "sha256:x", (ref,), "", 0, dict(self.labels))
+DEFAULT = run(ok("default answer"))
 
 
-class FakeRunner:
-    def __init__(self, runs: list[Run], runtime: FakeRuntime | None = None) -> None:
-        self.runs = list(runs)
-        self.runtime = runtime or FakeRuntime()
-        self.inputs: list[Any] = []
-        self.handles: dict[str, Handle] = {}
+def no_images(eng: FakeEngine) -> FakeEngine:
+    eng.has_images = False
+    return eng
 
-    def active(self, folder: str) -> Handle | None:
-        return self.handles.get(folder)
 
-    async def run(self, folder, input, *, on_output=None, timeout=None):  # noqa: ANN001
-        self.inputs.append(input)
-        script = self.runs.pop(0) if self.runs else Run([ok("default answer")])
-        if script.raises is not None:
-            raise script.raises
-        handle = self.handles[folder] = Handle()
-        outputs = []
-        try:
-            for step in script.steps:
-                if isinstance(step, int | float):
-                    await asyncio.sleep(step)
-                elif callable(step):
-                    await step(self, handle)
-                else:
-                    outputs.append(step)
-                    on_output(step)
-            if not script.steps or script.exit_code == 0:
-                # An open conversation ends when it is closed (or at once for the test).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(handle.closed_event.wait(), 0.2)
-        finally:
-            self.handles.pop(folder, None)
-        status = "timeout" if script.timed_out else (
-            "success" if script.exit_code == 0 else "error")
-        return ContainerResult(status=status, exit_code=script.exit_code,
-                               timed_out=script.timed_out, outputs=outputs, name="c",
-                               error=None if status == "success" else "exited",
-                               oom_killed=script.oom, stderr_tail="Traceback: boom\n")
+def engine(*scripts: Any, **kw: Any) -> FakeEngine:
+    """The fake engine with `scripts`; its images carry the openai backend."""
+    kw.setdefault("image_labels", {"mdclaw.backends": "openai"})
+    return FakeEngine(*scripts, default=DEFAULT, **kw)
 
 
 class FakeProxy:
@@ -147,8 +97,9 @@ def setup(write_config, text: str = CONFIG):
     return cfg, db
 
 
-def orchestrator(cfg, db, runner, *, proxy=None) -> Orchestrator:  # noqa: ANN001
-    orch = Orchestrator(cfg, db, runner=runner, proxy=proxy or FakeProxy())
+def orchestrator(cfg, db, eng: FakeEngine, *, proxy=None) -> Orchestrator:  # noqa: ANN001
+    """The orchestrator with the real container runner over `eng`."""
+    orch = Orchestrator(cfg, db, runner=ContainerRunner(cfg, eng), proxy=proxy or FakeProxy())
     orch.engine_ready.set()
     return orch
 
@@ -157,18 +108,18 @@ def texts(db) -> list[str]:  # noqa: ANN001
     return [r.text for r in reversed(list_outbox(db))]
 
 
-def prompts(runner: FakeRunner) -> list[str]:
-    return [i.prompt for i in runner.inputs]
+def prompts(eng: FakeEngine) -> list[str]:
+    return eng.prompts
 
 
 def test_deterministic_failure_is_told_once_and_set_aside(write_config) -> None:
     cfg, db = setup(write_config)
-    runner = FakeRunner([Run([err("model_refused", httpStatus=400,
-                                  apiMessage="unsupported content")], exit_code=1),
-                         Run([ok("normal answer")])])
+    eng = engine(run(err("model_refused", httpStatus=400, apiMessage="unsupported content"),
+                     exit_code=1),
+                 run(ok("normal answer")))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "poison pill"))
         await asyncio.wait_for(orch.queue.join(), 10)
         await orch.on_inbound(msg(2, "hello again"))
@@ -179,8 +130,8 @@ def test_deterministic_failure_is_told_once_and_set_aside(write_config) -> None:
     assert told.startswith("The model server refused that request (HTTP 400: unsupported "
                            "content).")
     assert answer == "normal answer"
-    assert len(runner.inputs) == 2  # not retried
-    assert "poison pill" not in prompts(runner)[1] and "hello again" in prompts(runner)[1]
+    assert len(eng.inputs) == 2  # not retried
+    assert "poison pill" not in prompts(eng)[1] and "hello again" in prompts(eng)[1]
     rows = {r["content"]: r["failed_cause"] for r in db.query("SELECT * FROM messages")}
     assert rows == {"poison pill": "model_refused", "hello again": None}
     (turn,) = list_failed_turns(db)
@@ -189,29 +140,28 @@ def test_deterministic_failure_is_told_once_and_set_aside(write_config) -> None:
 
 def test_transient_failure_is_retried_and_told_once(write_config) -> None:
     cfg, db = setup(write_config)
-    down = Run([err("model_unreachable")], exit_code=1)
-    runner = FakeRunner([down, Run([err("model_unreachable")], exit_code=1),
-                         Run([ok("answered at last")])])
+    down = run(err("model_unreachable"), exit_code=1)
+    eng = engine(down, run(err("model_unreachable"), exit_code=1), run(ok("answered at last")))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "are you there?"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
     asyncio.run(main())
     assert texts(db) == ["The model server at 10.1.2.3:11434 is not answering. I'll try again "
                          "in 1 s.", "answered at last"]
-    assert all("are you there?" in p for p in prompts(runner))
+    assert all("are you there?" in p for p in prompts(eng))
     assert db.query_one("SELECT failed_cause FROM messages")[0] is None
     assert [t["outcome"] for t in list_failed_turns(db)] == ["retry", "retry"]
 
 
 def test_transient_failure_gives_up_with_a_true_count_and_is_not_run_again(write_config) -> None:
     cfg, db = setup(write_config)
-    runner = FakeRunner([Run([err("model_server_error", httpStatus=502)], exit_code=1)] * 3)
+    eng = engine(*[run(err("model_server_error", httpStatus=502), exit_code=1)] * 3)
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "hello"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
@@ -219,10 +169,10 @@ def test_transient_failure_gives_up_with_a_true_count_and_is_not_run_again(write
     first, last = texts(db)
     assert "internal error (HTTP 502)" in first and "try again" in first
     assert "tried 3 times" in last and "send it again" in last
-    assert len(runner.inputs) == 3
+    assert len(eng.inputs) == 3
 
     async def restart() -> int:
-        orch = orchestrator(cfg, db, FakeRunner([]))
+        orch = orchestrator(cfg, db, engine())
         return orch.recover_pending()
 
     assert asyncio.run(restart()) == 0  # told to resend: not run again at the next start
@@ -230,10 +180,10 @@ def test_transient_failure_gives_up_with_a_true_count_and_is_not_run_again(write
 
 def test_container_killed_is_retried_with_at_most_three_tries(write_config) -> None:
     cfg, db = setup(write_config, CONFIG.replace("run_attempts: 3", "run_attempts: 5"))
-    runner = FakeRunner([Run([0.01], exit_code=137)] * 5)
+    eng = engine(*[run(0.01, exit_code=137)] * 5)
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "hello"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
@@ -241,15 +191,15 @@ def test_container_killed_is_retried_with_at_most_three_tries(write_config) -> N
     first, last = texts(db)
     assert first.startswith("My container was stopped while I was working on that.")
     assert "tried 3 times" in last
-    assert len(runner.inputs) == 3
+    assert len(eng.inputs) == 3
 
 
 def test_oom_killed_names_the_memory_limit(write_config) -> None:
     cfg, db = setup(write_config)
-    runner = FakeRunner([Run([0.01], exit_code=137, oom=True), Run([ok("fine")])])
+    eng = engine(run(0.01, exit_code=137, oom=True), run(ok("fine")))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "summarise this huge file"))
         await asyncio.wait_for(orch.queue.join(), 10)
         await orch.on_inbound(msg(2, "something small"))
@@ -258,7 +208,7 @@ def test_oom_killed_names_the_memory_limit(write_config) -> None:
     asyncio.run(main())
     assert texts(db)[0].startswith("I ran out of memory (limit 2g) while working on that.")
     assert texts(db)[1] == "fine"
-    assert len(runner.inputs) == 2
+    assert len(eng.inputs) == 2
 
 
 def test_no_model_is_answered_at_once_without_a_container(write_config) -> None:
@@ -266,10 +216,10 @@ def test_no_model_is_answered_at_once_without_a_container(write_config) -> None:
         """models:
   local: {backend: openai, model: m, base_url: "http://10.1.2.3:11434/v1"}
 """, ""))
-    runner = FakeRunner([])
+    eng = engine()
 
     async def main() -> float:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         t0 = time.monotonic()
         await orch.on_inbound(msg(1, "hello"))
         await asyncio.wait_for(orch.queue.join(), 10)
@@ -278,76 +228,65 @@ def test_no_model_is_answered_at_once_without_a_container(write_config) -> None:
     took = asyncio.run(main())
     (told,) = texts(db)
     assert "No model is configured" in told and "`models:`" in told
-    assert runner.inputs == [] and took < 1.0
+    assert eng.inputs == [] and took < 1.0
 
 
 def test_missing_backend_and_image_and_key_are_configuration_answers(write_config,
                                                                       tmp_path) -> None:
     cases = [
-        (FakeRuntime({"mdclaw.backends": "claude"}), "", "openai backend this chat uses"),
-        (FakeRuntime(present=False), "", "agent image mdclaw-agent:latest is not on the server"),
-        (FakeRuntime(), f", api_key_file: {tmp_path / 'key'}", "cannot read the API key"),
+        (engine(image_labels={"mdclaw.backends": "claude"}), "",
+         "openai backend this chat uses"),
+        (no_images(engine()), "", "agent image mdclaw-agent:latest is not on the server"),
+        (engine(), f", api_key_file: {tmp_path / 'key'}", "cannot read the API key"),
     ]
     key = tmp_path / "key"
-    for i, (runtime, extra, words) in enumerate(cases):
+    for i, (eng, extra, words) in enumerate(cases):
         text = CONFIG.replace('/v1"}', f'/v1"{extra}}}').replace(
             "{data_dir}", str(tmp_path / f"data{i}"))
         key.write_text("sk-x")
         key.chmod(0o600)
         cfg, db = setup(write_config, text)
         key.unlink()  # the key went away after the config was loaded
-        runner = FakeRunner([], runtime)
 
         async def main() -> None:
-            orch = orchestrator(cfg, db, runner)  # noqa: B023
+            orch = orchestrator(cfg, db, eng)  # noqa: B023
             await orch.on_inbound(msg(1, "hello"))
             await asyncio.wait_for(orch.queue.join(), 10)
 
         asyncio.run(main())
         told = texts(db)[-1]
         assert words in told, told
-        assert "operator" in told and runner.inputs == []
+        assert "operator" in told and eng.inputs == []
         db.close()
 
 
 def test_image_missing_at_start_is_a_configuration_answer(write_config) -> None:
     cfg, db = setup(write_config)
-    runner = FakeRunner([Run(raises=ImageError("image x not found"))],
-                        FakeRuntime(labels={}))
+    eng = engine(ImageError("image x not found"), image_labels={})
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "hello"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
     asyncio.run(main())
     (told,) = texts(db)
     assert "is not on the server" in told and "mdclaw image build" in told
-    assert len(runner.inputs) == 1
+    assert len(eng.inputs) == 1
 
 
 def test_open_conversation_transient_failure_is_told_at_once_and_retried(write_config) -> None:
     cfg, db = setup(write_config)
-    follow_up_seen = asyncio.Event()
-
-    async def wait_for_follow_up(runner, handle) -> None:  # noqa: ANN001
-        await asyncio.wait_for(follow_up_seen.wait(), 5)
-
-    runner = FakeRunner([
-        Run([ok("first answer"), wait_for_follow_up, err("model_unreachable")]),
-        Run([ok("second answer")]),
-    ])
+    eng = engine(run(ok("first answer"), FOLLOW_UP, err("model_unreachable")),
+                 run(ok("second answer")))
 
     async def main() -> float:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "first question"))
-        while not any("first answer" == t for t in texts(db)):
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: "first answer" in texts(db))
         await orch.on_inbound(msg(2, "second question"))  # fed into the open conversation
         t0 = time.monotonic()
-        follow_up_seen.set()
-        while len(texts(db)) < 2:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(texts(db)) >= 2)
         told_after = time.monotonic() - t0
         await asyncio.wait_for(orch.queue.join(), 10)
         return told_after
@@ -357,33 +296,25 @@ def test_open_conversation_transient_failure_is_told_at_once_and_retried(write_c
     first, told, second = texts(db)
     assert "not answering" in told and "try again" in told
     assert second == "second answer"
-    assert "second question" in prompts(runner)[1] and "first question" not in prompts(runner)[1]
+    assert "second question" in prompts(eng)[1] and "first question" not in prompts(eng)[1]
 
 
 def test_open_conversation_deterministic_failure_is_told_while_it_runs(write_config) -> None:
     cfg, db = setup(write_config)
-    go = asyncio.Event()
-    still_open = asyncio.Event()
+    still_open = threading.Event()
 
-    async def wait(runner, handle) -> None:  # noqa: ANN001
-        await asyncio.wait_for(go.wait(), 5)
-
-    async def keep_open(runner, handle) -> None:  # noqa: ANN001
+    def keep_open(c: FakeContainer) -> None:
         still_open.set()
-        await asyncio.sleep(0.3)
 
-    runner = FakeRunner([Run([ok("first answer"), wait,
-                              err("context_too_long", limit="4096 tokens"), keep_open,
-                              ok("third answer")])])
+    eng = engine(run(ok("first answer"), FOLLOW_UP, err("context_too_long", limit="4096 tokens"),
+                     keep_open, FOLLOW_UP, ok("third answer")))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "first"))
-        while "first answer" not in texts(db):
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: "first answer" in texts(db))
         await orch.on_inbound(msg(2, "x" * 100))
-        go.set()
-        await asyncio.wait_for(still_open.wait(), 5)
+        await wait_until_async(still_open.is_set, 5)
         assert any("too long for the model (limit 4096 tokens)" in t for t in texts(db))
         await orch.on_inbound(msg(3, "third"))
         await asyncio.wait_for(orch.queue.join(), 10)
@@ -392,17 +323,17 @@ def test_open_conversation_deterministic_failure_is_told_while_it_runs(write_con
     assert texts(db)[-1] == "third answer"
     rows = {r["content"][:5]: r["failed_cause"] for r in db.query("SELECT * FROM messages")}
     assert rows == {"first": None, "xxxxx": "context_too_long", "third": None}
-    assert len(runner.inputs) == 1
+    assert len(eng.inputs) == 1
 
 
 def test_trimmed_history_is_said_with_the_answer(write_config) -> None:
     cfg, db = setup(write_config)
     answer = json.dumps({"status": "success", "result": "short answer",
                          "notice": {"cause": "context_too_long", "limit": "8192 tokens"}})
-    runner = FakeRunner([Run([answer])])
+    eng = engine(run(answer))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "long one"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
@@ -416,10 +347,10 @@ def test_a_crash_without_a_cause_uses_what_the_proxy_saw(write_config) -> None:
     cfg, db = setup(write_config, CONFIG.replace("run_attempts: 3", "run_attempts: 1"))
     proxy = FakeProxy()
     proxy.failure = "model_unreachable"
-    runner = FakeRunner([Run([0.01], exit_code=1)])
+    eng = engine(run(0.01, exit_code=1))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner, proxy=proxy)
+        orch = orchestrator(cfg, db, eng, proxy=proxy)
         await orch.on_inbound(msg(1, "hello"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
@@ -431,15 +362,15 @@ def test_a_crash_without_a_cause_uses_what_the_proxy_saw(write_config) -> None:
 def test_a_kill_while_idle_loses_nothing(write_config) -> None:
     """The container dies after answering everything: nothing to tell, nothing to retry."""
     cfg, db = setup(write_config)
-    runner = FakeRunner([Run([ok("done"), 0.01], exit_code=137)])
+    eng = engine(run(ok("done"), 0.01, exit_code=137))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "hello"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
     asyncio.run(main())
-    assert texts(db) == ["done"] and len(runner.inputs) == 1
+    assert texts(db) == ["done"] and len(eng.inputs) == 1
     assert get_cursor(db, "main") == "2026-01-01T00:00:01.000Z"
 
 
@@ -447,22 +378,15 @@ def test_a_new_failure_after_an_answer_is_told_again(write_config) -> None:
     """A retry answers, then the next message in the same conversation fails: that is a new
     failure (told again, counted from one), not a further try of the first."""
     cfg, db = setup(write_config)
-    fed = asyncio.Event()
-
-    async def wait_feed(runner, handle) -> None:  # noqa: ANN001
-        await asyncio.wait_for(fed.wait(), 5)
-
-    runner = FakeRunner([Run([err("model_unreachable")]),
-                         Run([ok("first answer"), wait_feed, err("model_unreachable")]),
-                         Run([ok("second answer")])])
+    eng = engine(run(err("model_unreachable")),
+                 run(ok("first answer"), FOLLOW_UP, err("model_unreachable")),
+                 run(ok("second answer")))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "one"))
-        while "first answer" not in texts(db):
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: "first answer" in texts(db))
         await orch.on_inbound(msg(2, "two"))
-        fed.set()
         await asyncio.wait_for(orch.queue.join(), 10)
 
     asyncio.run(main())
@@ -473,15 +397,14 @@ def test_a_new_failure_after_an_answer_is_told_again(write_config) -> None:
 
 def test_engine_down_is_told_within_seconds_and_retried(write_config) -> None:
     cfg, db = setup(write_config)
-    runner = FakeRunner([Run([ok("the engine is back")])])
+    eng = engine(run(ok("the engine is back")))
 
     async def main() -> float:
-        orch = Orchestrator(cfg, db, runner=runner, proxy=FakeProxy())
+        orch = Orchestrator(cfg, db, runner=ContainerRunner(cfg, eng), proxy=FakeProxy())
         orch.engine_first_wait = 0.2  # 4 s in the daemon
         t0 = time.monotonic()
         await orch.on_inbound(msg(1, "hello"))
-        while not texts(db):
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: texts(db))
         took = time.monotonic() - t0
         orch.engine_ready.set()
         await asyncio.wait_for(orch.queue.join(), 10)
@@ -496,27 +419,20 @@ def test_engine_down_is_told_within_seconds_and_retried(write_config) -> None:
 
 def test_a_transient_failure_overtaken_by_a_later_answer_is_told_to_resend(write_config) -> None:
     cfg, db = setup(write_config)
-    fed = asyncio.Event()
-
-    async def wait_feed(runner, handle) -> None:  # noqa: ANN001
-        await asyncio.wait_for(fed.wait(), 5)
-
     # Turn 2 fails (the model hung up), turn 3 was already in the container and is answered.
-    runner = FakeRunner([Run([ok("one"), wait_feed, err("model_disconnected"), ok("three")])])
+    eng = engine(run(ok("one"), FOLLOW_UP, err("model_disconnected"), ok("three")))
 
     async def main() -> None:
-        orch = orchestrator(cfg, db, runner)
+        orch = orchestrator(cfg, db, eng)
         await orch.on_inbound(msg(1, "first"))
-        while "one" not in texts(db):
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: "one" in texts(db))
         await orch.on_inbound(msg(2, "second"))
-        fed.set()
         await asyncio.wait_for(orch.queue.join(), 10)
 
     asyncio.run(main())
     t = texts(db)
     assert t[0] == "one" and t[-1] == "three"
     assert "closed the connection" in t[1] and "send your message again" in t[1]
-    assert len(runner.inputs) == 1
+    assert len(eng.inputs) == 1
     (turn,) = list_failed_turns(db)
     assert turn["outcome"] == "resend"

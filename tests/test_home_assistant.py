@@ -27,7 +27,8 @@ from mdclaw.integrations.home_assistant import (
     probe,
 )
 from mdclaw.ipc.actions import ACTIONS, action_refusal
-from test_action_worker import Running, request, result, until
+from test_action_worker import Running, request, result
+from waiting import wait_until_async
 
 TOKEN = "hatoken-7f3a9c2e-long-lived-SECRET"
 
@@ -58,7 +59,7 @@ class Harness:
         body = request(rid, name, **params)
         body["type"] = "farm_action"
         self.env.write(group, body, sub="actions")
-        r = await until(lambda: result(self.env, group, rid), timeout=60)
+        r = await wait_until_async(lambda: result(self.env, group, rid), timeout=60)
         assert r["requestId"] == rid and r["executedAt"]
         return r  # type: ignore[no-any-return]
 

@@ -20,6 +20,7 @@ from conftest import REPO
 from ipc_helpers import Env, schedule_body
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.state import Database
+from waiting import wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -29,12 +30,10 @@ def env(tmp_path: Path):  # noqa: ANN201
     e.close()
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> float:
+async def _took(cond: Callable[[], bool], timeout: float = 5.0) -> float:
+    """Seconds until `cond()` holds, looked at every 2 ms (these tests time the wake-up)."""
     t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.002)
+    await wait_until_async(cond, timeout, interval=0.002)
     return time.monotonic() - t0
 
 
@@ -44,7 +43,7 @@ def run_loop(env: Env, body: Callable[[IpcWatcher], Awaitable[None]], **kw) -> I
         w = IpcWatcher(env.cfg, env.db, **kw)
         task = asyncio.create_task(w.run(stop))
         try:
-            await _until(lambda: w.idle.is_set())
+            await wait_until_async(lambda: w.idle.is_set())
             await body(w)
         finally:
             stop.set()
@@ -60,10 +59,10 @@ def test_inotify_wakes_the_loop_long_before_the_poll(env: Env) -> None:
         assert w.inotify is not None
         for i in range(20):
             env.write("family", {"type": "message", "text": f"m{i}"}, sub="messages")
-            took = await _until(lambda n=i + 1: len(env.outbox()) == n, timeout=10)
+            took = await _took(lambda n=i + 1: len(env.outbox()) == n, timeout=10)
             assert took < 5.0  # the poll is 30 s away
         env.write("work", schedule_body("w1"))
-        await _until(lambda: env.task("w1") is not None, timeout=10)
+        await wait_until_async(lambda: env.task("w1") is not None, timeout=10)
 
     w = run_loop(env, body, poll_interval=30)
     assert w.totals.applied == 21
@@ -75,7 +74,7 @@ def test_polling_alone_is_correct(env: Env) -> None:
         for g in ("family", "work", "main"):
             env.write(g, {"type": "message", "text": g}, sub="messages")
         env.write("family", schedule_body("p1"))
-        await _until(lambda: len(env.outbox()) == 3 and env.task("p1") is not None)
+        await wait_until_async(lambda: len(env.outbox()) == 3 and env.task("p1") is not None)
 
     run_loop(env, body, use_inotify=False, poll_interval=0.05)
 
@@ -92,7 +91,7 @@ def test_swapped_dir_while_running_is_refused_then_rewatched(env: Env, tmp_path:
         os.symlink(elsewhere, tasks)
         (elsewhere / "evil.json").write_text(json.dumps(schedule_body("evil")))
         env.write("family", {"type": "message", "text": "alive"}, sub="messages")
-        await _until(lambda: len(env.outbox()) == 1)
+        await wait_until_async(lambda: len(env.outbox()) == 1)
         await asyncio.sleep(0.1)
         assert env.task("evil") is None and (elsewhere / "evil.json").exists()
         # put a real folder back: it is watched again (the poll is 30 s away)
@@ -100,7 +99,7 @@ def test_swapped_dir_while_running_is_refused_then_rewatched(env: Env, tmp_path:
         os.mkdir(tasks)
         await asyncio.sleep(0.05)
         env.write("family", schedule_body("back"))
-        await _until(lambda: env.task("back") is not None, timeout=10)
+        await wait_until_async(lambda: env.task("back") is not None, timeout=10)
 
     with caplog.at_level(logging.WARNING, logger="mdclaw.ipc"):
         run_loop(env, body, poll_interval=30)
@@ -111,10 +110,11 @@ def test_group_registered_over_ipc_is_watched_at_once(env: Env) -> None:
     async def body(w: IpcWatcher) -> None:
         env.write("main", {"type": "register_group", "jid": "tg:9", "name": "G",
                            "folder": "garden"}, sub="groups")
-        await _until(lambda: (env.ipc / "garden" / "messages").is_dir())
+        await wait_until_async(lambda: (env.ipc / "garden" / "messages").is_dir())
         await asyncio.sleep(0.05)
         env.write("garden", {"type": "message", "text": "from garden"}, sub="messages")
-        await _until(lambda: any(r["text"] == "from garden" for r in env.outbox()), timeout=10)
+        await wait_until_async(lambda: any(r["text"] == "from garden" for r in env.outbox()),
+                               timeout=10)
 
     run_loop(env, body, poll_interval=30)
 
@@ -129,9 +129,9 @@ def test_hostile_files_do_not_stop_the_loop(env: Env) -> None:
         with open(tasks / "huge.json", "wb") as f:
             f.truncate(2 * 1024 ** 3)
         env.write("family", {"type": "message", "text": "after"}, sub="messages")
-        await _until(lambda: len(env.outbox()) == 1)
-        await _until(lambda: all(env.errors_for("family", n) for n in
-                                 ("fifo.json", "deep.json", "huge.json")), timeout=3)
+        await wait_until_async(lambda: len(env.outbox()) == 1)
+        await wait_until_async(lambda: all(env.errors_for("family", n) for n in
+                                           ("fifo.json", "deep.json", "huge.json")), timeout=3)
 
     run_loop(env, body, poll_interval=0.2)
 
@@ -147,12 +147,12 @@ def test_a_flood_from_one_group_does_not_starve_another(tmp_path: Path) -> None:
             w = IpcWatcher(e.cfg, e.db, poll_interval=30)
             w.engine.batch_per_group = 16
             task = asyncio.create_task(w.run(stop))
-            await _until(lambda: len(e.outbox()) > 0)
+            await wait_until_async(lambda: len(e.outbox()) > 0)
             e.write("work", {"type": "message", "text": "quiet"}, sub="messages")
-            await _until(lambda: any(r["text"] == "quiet" for r in e.outbox()))
+            await wait_until_async(lambda: any(r["text"] == "quiet" for r in e.outbox()))
             done_flood = sum(1 for r in e.outbox() if r["text"].startswith("flood"))
             assert done_flood < 3000  # served while the flood was still going
-            await _until(lambda: len(e.outbox()) == 3001, timeout=30)
+            await wait_until_async(lambda: len(e.outbox()) == 3001, timeout=30)
             stop.set()
             await task
             w.close()
@@ -175,15 +175,12 @@ def test_mdclaw_run_applies_commands_until_sigterm(env: Env) -> None:
                              str(env.config_path)], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
         snap = env.ipc / "family" / "current_tasks.json"
-        while time.monotonic() < deadline and not snap.exists():
-            time.sleep(0.02)
+        wait_until(snap.exists, 20, what="the daemon's task snapshot")
         env.write("family", schedule_body("from-daemon"))
         env.write("family", {"type": "message", "text": "hello"}, sub="messages")
-        while time.monotonic() < deadline and (env.task("from-daemon") is None
-                                               or not env.outbox()):
-            time.sleep(0.02)
+        wait_until(lambda: env.task("from-daemon") is not None and env.outbox(), 20,
+                   what="the daemon to apply both files")
         assert env.task("from-daemon") is not None and env.outbox()[0]["text"] == "hello"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
@@ -241,10 +238,11 @@ def test_changes_made_elsewhere_reach_the_snapshots_within_a_poll(env: Env) -> N
             c.execute("INSERT INTO chats (jid, name, last_activity) VALUES "
                       "('tg:55', 'New chat', '2026-01-01T00:00:00.000Z')")
         other.close()
-        await _until(lambda: json.loads(snap.read_text())[0]["status"] == "paused", 3)
+        await wait_until_async(lambda: json.loads(snap.read_text())[0]["status"] == "paused",
+                               3)
         groups = env.ipc / "main" / "available_groups.json"
-        await _until(lambda: any(g["jid"] == "tg:55" for g in
-                                 json.loads(groups.read_text())["groups"]), 3)
+        await wait_until_async(lambda: any(g["jid"] == "tg:55" for g in
+                                           json.loads(groups.read_text())["groups"]), 3)
 
     run_loop(env, body, poll_interval=0.1)
 
@@ -262,7 +260,7 @@ def test_the_poll_finds_what_inotify_did_not_report(env: Env, tmp_path: Path) ->
         src.write_text(json.dumps({"type": "message", "text": "silent"}))
         os.link(src, env.ipc / "family" / "messages" / "silent.json")
         os.unlink(src)  # inotify reported only IN_CREATE, which does not wake the loop
-        took = await _until(lambda: len(env.outbox()) == 1, timeout=10)
+        took = await _took(lambda: len(env.outbox()) == 1, timeout=10)
         assert took < 5  # the default rescan (SAFETY_RESCAN) would take 30 s
 
     run_loop(env, body, poll_interval=0.5, safety_rescan=0.5)
@@ -282,7 +280,7 @@ def test_a_lost_event_is_found_by_the_rotation_and_a_tick_looks_at_a_slice(
         assert {f for t in seen for f in t} == set(w.engine.dirs)
         e.write("family", {"type": "message", "text": "lost"}, sub="messages")
         assert w.inotify.read(timeout=0)  # read here: the loop never hears of the file
-        took = await _until(lambda: len(e.outbox()) == 1, timeout=5)
+        took = await _took(lambda: len(e.outbox()) == 1, timeout=5)
         assert took < 2.5  # one rescan (1 s) plus a tick, with room for a loaded machine
 
     try:
@@ -311,7 +309,7 @@ def test_inotify_queue_overflow_triggers_a_full_scan(env: Env) -> None:
         env.write("family", {"type": "message", "text": "after the flood"}, sub="messages")
         for i in range(limit + 2000):
             os.unlink(messages / f".n{i}")
-        took = await _until(lambda: len(env.outbox()) == 1, timeout=10)
+        took = await _took(lambda: len(env.outbox()) == 1, timeout=10)
         assert took < 5
 
     with caplog_for("mdclaw.ipc") as records:

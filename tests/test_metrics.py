@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from operator_helpers import REPO, free_ports, running_daemon
 from test_operator_access import non_loopback_address
+from waiting import wait_until
 
 TOKEN = "metrics-test-token"
 
@@ -81,17 +82,6 @@ def write_command(data_dir: Path, group: str, sub: str, body: dict | bytes, n: i
     return d / name
 
 
-def wait_for(what: str, check, timeout: float = 30.0):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_series_move_when_commands_are_applied(tmp_path: Path) -> None:
     port, mport = free_ports(2)
     cfg = write_config(tmp_path, listen=f"127.0.0.1:{port}",
@@ -123,8 +113,8 @@ def test_series_move_when_commands_are_applied(tmp_path: Path) -> None:
             write_command(data, "side", "messages", {"type": "message", "chatJid": "hl:side",
                                                      "text": "from side"}, 4),
         ]
-        wait_for("the command files to be finished",
-                 lambda: not any(f.exists() for f in files))
+        wait_until(lambda: not any(f.exists() for f in files), 30,
+                   what="the command files to be finished")
 
         def moved() -> dict | None:
             got = samples(get(url, bearer)[1])
@@ -134,7 +124,7 @@ def test_series_move_when_commands_are_applied(tmp_path: Path) -> None:
                   and value(got, "mdclaw_scheduler_lateness_seconds_count") >= 1)
             return got if ok else None
 
-        after = wait_for("the series to move", moved)
+        after = wait_until(moved, 30, what="the series to move")
         applied = "mdclaw_ipc_commands_total"
         assert value(after, applied, type="message", group="main", outcome="applied") == 1
         assert value(after, applied, type="message", group="side", outcome="applied") == 1

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from nixeval import NIX_DIR, REPO, eval_json, nix_instantiate, nixpkgs_lib
+from waiting import wait_until
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 
@@ -164,7 +165,6 @@ def test_vm_test_script_is_valid_python(flake: dict) -> None:
 def test_vm_fake_model_server_answers(tmp_path: Path) -> None:
     """The scripted model server the VM test runs, here on loopback."""
     import socket
-    import time
     import urllib.request
 
     with socket.socket() as s:
@@ -180,16 +180,12 @@ def test_vm_fake_model_server_answers(tmp_path: Path) -> None:
             data=json.dumps({"model": "fake-model", "messages": []}).encode(),
             headers={"Authorization": "Bearer real-secret-key",
                      "Content-Type": "application/json"})
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    body = json.loads(r.read())
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        def answer() -> dict:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return json.loads(r.read())
+
+        body = wait_until(answer, 10, interval=0.1, ignore=(OSError,),
+                          what="the proxy to answer")
         assert body["choices"][0]["message"]["content"] == "Hello from the fake model"
         assert "Bearer real-secret-key" in log.read_text()
     finally:

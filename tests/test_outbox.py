@@ -25,6 +25,7 @@ from mdclaw.outbox import (
 )
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue, outbox_counts
+from waiting import wait_until, wait_until_async
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = RetryPolicy(max_attempts=3, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0)
@@ -84,14 +85,6 @@ def put(db: Database, jid: str = "fk:1", text: str | None = "hello", **kw) -> in
         return enqueue(c, chat_jid=jid, text=text, **kw)
 
 
-async def wait_until(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
 def status(db: Database, row_id: int) -> str:
     row = get_row(db, row_id)
     assert row is not None
@@ -132,7 +125,7 @@ def test_delivers_on_wake_and_marks_sent(tmp_path: Path) -> None:
             fid = put(db, kind="file", text=None, file_path=str(f), file_name="a.txt")
             xid = put(db, kind="reaction", text=None, message_id="fk:1:7", emoji="+1")
             w.wake()
-            await wait_until(lambda: status(db, xid) == "sent")
+            await wait_until_async(lambda: status(db, xid) == "sent")
             assert time.monotonic() - t0 < 5.0  # not the 30 s idle wait
             assert ch.sent == [("fk:1", "hi"), ("fk:1", "file:a.txt:data"),
                                ("fk:1", "react:fk:1:7:+1")]
@@ -193,7 +186,7 @@ def test_retries_with_backoff_then_failed_with_reason(tmp_path: Path) -> None:
         try:
             rid = put(db)
             w.wake()
-            await wait_until(lambda: status(db, rid) == "failed")
+            await wait_until_async(lambda: status(db, rid) == "failed")
             row = get_row(db, rid)
             assert row.attempts == 3
             assert row.last_error == "gave up after 3 attempt(s): 502 bad gateway #2"
@@ -350,7 +343,7 @@ def test_rows_left_sending_by_a_killed_process_are_sent_after_restart(tmp_path: 
         w = OutboxWorker(db, [ch], policy=FAST)
         await w.start()
         try:
-            await wait_until(lambda: status(db, rid) == "sent")
+            await wait_until_async(lambda: status(db, rid) == "sent")
             assert ch.sent == [("fk:1", "survives")]
             assert get_row(db, rid).attempts == 2  # the interrupted try counts
         finally:
@@ -376,7 +369,7 @@ def test_stop_leaves_no_row_sending(tmp_path: Path) -> None:
         await w.start()
         rid = put(db)
         w.wake()
-        await wait_until(lambda: status(db, rid) == "sending")
+        await wait_until_async(lambda: status(db, rid) == "sending")
         await w.stop(timeout=0.2)
         assert status(db, rid) == "pending" and not w.running
         db.close()
@@ -439,11 +432,11 @@ def test_spooled_copies_are_removed_once_final(tmp_path: Path) -> None:
             ids.append(put(db, kind="file", text=None, file_path=str(spool / "sent.txt")))
             ids.append(put(db, kind="file", text=None, file_path=str(mine)))
             w.wake()
-            await wait_until(lambda: all(status(db, i) == "sent" for i in ids))
+            await wait_until_async(lambda: all(status(db, i) == "sent" for i in ids))
             ch.failures = [ChannelError("chat gone", permanent=True)]
             fid = put(db, kind="file", text=None, file_path=str(spool / "failed.txt"))
             w.wake()
-            await wait_until(lambda: status(db, fid) == "failed")
+            await wait_until_async(lambda: status(db, fid) == "failed")
         finally:
             await w.stop()
             db.close()
@@ -478,10 +471,8 @@ def test_kill_9_during_a_burst_sends_again_only_what_was_not_recorded(tmp_path: 
             line = proc.stdout.readline()
             assert line, "the worker exited"
             first.append(line.strip())
-        deadline = time.monotonic() + 10
-        while status(db, ids[18]) != "sent":  # m19's mark follows the wait of m20's send
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        # m19's mark follows the wait of m20's send
+        wait_until(lambda: status(db, ids[18]) == "sent", 10, what="m19 marked sent")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
@@ -495,7 +486,7 @@ def test_kill_9_during_a_burst_sends_again_only_what_was_not_recorded(tmp_path: 
         w = OutboxWorker(db, [ch], policy=FAST)
         await w.start()
         try:
-            await wait_until(lambda: outbox_counts(db)["sent"] == 50)
+            await wait_until_async(lambda: outbox_counts(db)["sent"] == 50)
         finally:
             await w.stop()
         again = [t for _, t in ch.sent]
@@ -560,7 +551,7 @@ def test_deliveries_whose_marks_could_not_be_written_are_recorded_and_the_chat_g
         w = OutboxWorker(db, [ch], policy=FAST, max_idle=30)
         await w.start()
         try:
-            await wait_until(lambda: status(db, ids[-1]) == "sent", timeout=10)
+            await wait_until_async(lambda: status(db, ids[-1]) == "sent", timeout=10)
             assert [t for _, t in ch.sent] == [f"m{i}" for i in range(20)]
             assert outbox_counts(db)["sent"] == 20
         finally:

@@ -29,6 +29,7 @@ from fake_models import FakeAnthropic, say
 from mdclaw.models import Upstream
 from mdclaw.paths import Layout
 from mdclaw.proxy import BUSY_RESPONSE
+from waiting import wait_until
 
 FLOOD = textwrap.dedent("""\
     import errno, os, resource, socket, sys, threading, time
@@ -181,9 +182,8 @@ def test_connection_flood_is_capped_and_other_groups_answer(proxy) -> None:
     # Bounded: the group's cap, a batch of accepts, the calm group's requests and upstream.
     assert sampler.peak - base <= cap + 40, (sampler.peak, base, caps, line)
     # Once the flood's connections are gone, the hostile group is served again.
-    deadline = time.monotonic() + 10
-    while proxy.proxy.caps("hostile")["open"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not proxy.proxy.caps("hostile")["open"], 10,
+               what="the flood's connections to close")
     assert get(hostile)[0] == 404
     print(f"\nflood: {attempts} attempts in {first_phase:.2f} s: {held} connected, {busy} "
           f"found the queue full; then {second.strip()} more while the calm group was served; "
@@ -206,18 +206,14 @@ def test_connections_over_the_cap_are_closed_and_slots_come_back(proxy) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(str(sock))
         held.append(s)
-    deadline = time.monotonic() + 5
-    while proxy.proxy.caps("g")["open"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: proxy.proxy.caps("g")["open"] == 3, 5, what="3 open connections")
     reply = raw_response(sock)
     assert reply == BUSY_RESPONSE
     body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["type"] == "mdclaw_proxy_busy"
     assert proxy.proxy.caps("g")["refused"] == 1
     held.pop().close()
-    deadline = time.monotonic() + 5
-    while proxy.proxy.caps("g")["open"] > 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: proxy.proxy.caps("g")["open"] <= 2, 5, what="a slot to come back")
     assert get(sock)[0] == 404  # a slot is free again
     for s in held:
         s.close()

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from mdclaw.queue import GroupQueue, Job
+from waiting import wait_until_async
 
 
 class Recorder:
@@ -44,13 +45,6 @@ class Recorder:
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-async def until(cond) -> None:  # noqa: ANN001
-    """Wait for `cond()` (checked every 5 ms); run()'s 30 s bound fails a test that waits
-    for ever."""
-    while not cond():
-        await asyncio.sleep(0.005)
 
 
 def test_one_job_per_group_and_the_global_cap() -> None:
@@ -182,7 +176,7 @@ def test_a_retrying_job_keeps_its_group_order_and_does_not_block_others() -> Non
         q = GroupQueue(rec, max_concurrent=2, retry_base=1.0, retry_jitter=0)
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("a", job_id="m2")
-        await until(lambda: q.status()["retrying"] == ["a"])
+        await wait_until_async(lambda: q.status()["retrying"] == ["a"])
         q.enqueue_message("b", job_id="b1")  # runs while a waits for its retry
         await q.join()
 
@@ -199,7 +193,7 @@ def test_shutdown_drains_running_jobs_and_returns_the_rest() -> None:
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("a", job_id="m2")
         q.enqueue_task("b", "t1")
-        await until(lambda: rec.started)
+        await wait_until_async(lambda: rec.started)
         left = await q.shutdown(grace=5)
         assert q.enqueue_message("a", job_id="late") is False
         return left
@@ -225,7 +219,7 @@ def test_shutdown_cancels_jobs_that_outlive_the_grace() -> None:
         q = GroupQueue(slow, max_concurrent=2)
         q.enqueue_message("a", job_id="m1")
         q.enqueue_message("b", job_id="m2")
-        await until(lambda: len(entered) == 2)
+        await wait_until_async(lambda: len(entered) == 2)
         t0 = time.monotonic()
         left = await q.shutdown(grace=0.2)
         assert time.monotonic() - t0 < 2
@@ -242,7 +236,7 @@ def test_shutdown_cancels_pending_retries() -> None:
     async def go():
         q = GroupQueue(rec, max_concurrent=1, retry_base=30)
         q.enqueue_task("a", "t")
-        await until(lambda: q.status()["retrying"])
+        await wait_until_async(lambda: q.status()["retrying"])
         assert q.status()["retrying"] == ["a"]
         return await q.shutdown(grace=1)
 
@@ -325,8 +319,7 @@ def test_a_message_waiting_to_retry_does_not_hold_up_a_task_of_its_group() -> No
     async def main() -> None:
         q = GroupQueue(run, max_concurrent=2, retry_base=30.0, retry_jitter=0.0)
         q.enqueue_message("g", job_id="m")
-        while "g" not in q.status()["retrying"]:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: "g" in q.status()["retrying"])
         q.enqueue_task("g", "t")
         await asyncio.wait_for(task_ran.wait(), 2)  # not after the 30 s backoff
         assert q.pending("g")[0].id == "m"  # the message keeps its place
@@ -355,12 +348,12 @@ def test_new_limits_apply_to_waiting_jobs_and_the_next_failure() -> None:
                        retry_jitter=0)
         for g in "abc":
             q.enqueue_message(g, job_id=g)
-        await until(lambda: started == ["a"])
+        await wait_until_async(lambda: started == ["a"])
         q.configure(max_concurrent=4, max_attempts=2, retry_base=0.001)
-        await until(lambda: sorted(started) == ["a", "b", "c"])  # while "a" still runs
+        await wait_until_async(lambda: sorted(started) == ["a", "b", "c"])  # "a" still runs
         assert q.status()["max_concurrent"] == 4
         q.enqueue_message("d", job_id="flaky")  # the fourth slot
-        await until(lambda: len(q.failures) == 1)
+        await wait_until_async(lambda: len(q.failures) == 1)
         gate.set()
         await q.join()
         return q

@@ -17,6 +17,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,12 +57,11 @@ def test_readme_quick_start_without_a_model(tmp_path: Path) -> None:
     daemon = subprocess.Popen([sys.executable, "-m", "mdclaw", "run"], cwd=clone, env=env,
                               stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        def listening() -> bool:
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, 30, interval=0.1, what=f"the daemon to listen on {port}")
         t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "mdclaw", "send", "--group", "main",
                             "--wait", f"{wait:g}", "--json", "hello"], cwd=clone, env=env,
@@ -116,16 +117,19 @@ def test_log_level_from_the_config_is_applied(tmp_path: Path) -> None:
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     try:
-        r = subprocess.run([sys.executable, "-m", "mdclaw", "send", "--group", "main",
-                            "--wait", "20", "--config", str(cfg), "hi"], env=env,
-                           capture_output=True, text=True, timeout=60)
-        for _ in range(100):  # the daemon may not listen yet
-            if r.returncode == 0:
-                break
-            time.sleep(0.2)
-            r = subprocess.run([sys.executable, "-m", "mdclaw", "send", "--group", "main",
-                                "--wait", "20", "--config", str(cfg), "hi"], env=env,
-                               capture_output=True, text=True, timeout=60)
+        sent: list[subprocess.CompletedProcess[str]] = []
+
+        def send() -> bool:  # the daemon may not listen yet
+            sent.append(subprocess.run([sys.executable, "-m", "mdclaw", "send", "--group",
+                                        "main", "--wait", "20", "--config", str(cfg), "hi"],
+                                       env=env, capture_output=True, text=True, timeout=60))
+            return sent[-1].returncode == 0
+
+        try:
+            wait_until(send, 60, interval=0.2, what="`mdclaw send` to reach the daemon")
+        finally:
+            r = sent[-1]
+            print(r.stdout, r.stderr)
         assert "No model is configured" in r.stdout, (r.stdout, r.stderr)
     finally:
         daemon.send_signal(signal.SIGTERM)

@@ -183,13 +183,18 @@ def json_state(command: tuple[str, ...], out: object) -> str:
     return out["database"]
 
 
+# How long the commands wait for the locker's lock (MDCLAW_DB_READ_TIMEOUT): long enough to
+# be a real wait, short enough that eighteen commands do not wait out the default 2 s each.
+SHORT_WAIT = {"MDCLAW_DB_READ_TIMEOUT": "0.2"}
+
+
 @pytest.mark.parametrize("state", list(EXIT))
 def test_read_only_commands_in_each_state(make_state, cli, state: str) -> None:
     cfg = make_state(state)
     for command in READ_ONLY:
         for as_json in (False, True):
             args = (*command, *(["--json"] if as_json else []), "--config", cfg)
-            r = cli(*args, timeout=60)
+            r = cli(*args, timeout=60, env=SHORT_WAIT)
             where = f"{' '.join(args)}: {r.stdout}\n{r.stderr}"
             assert "Traceback" not in r.stdout + r.stderr, where
             assert r.returncode == EXIT[state], where
@@ -212,7 +217,7 @@ def test_read_only_commands_in_each_state(make_state, cli, state: str) -> None:
 def test_commands_without_the_database_ignore_its_state(make_state, cli, state: str) -> None:
     cfg = make_state(state)
     for command in NO_DATABASE:
-        r = cli(*command, "--json", "--config", cfg, timeout=60)
+        r = cli(*command, "--json", "--config", cfg, timeout=60, env=SHORT_WAIT)
         where = f"{' '.join(command)}: {r.stdout}\n{r.stderr}"
         assert "Traceback" not in r.stdout + r.stderr, where
         if command == ("ipc", "errors"):

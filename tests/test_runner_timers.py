@@ -51,6 +51,7 @@ from mdclaw.runtime import (
     RunningContainer,
     RunSpec,
 )
+from waiting import wait_until, wait_until_async
 
 HARD, IDLE = 100.0, 10.0
 
@@ -415,13 +416,13 @@ def close_file(runner: ContainerRunner) -> Path:
 
 
 def until(cond: Callable[[], bool], limit: float = 10.0) -> bool:
-    """Poll `cond` from a script thread (the container's side) until true or `limit` s."""
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
+    """Whether `cond` came true within `limit` s, for a script thread (the container's side:
+    a miss becomes its exit code, which the test asserts)."""
+    try:
+        wait_until(cond, limit)
+    except AssertionError:
+        return False
+    return True
 
 
 RUN_LIMIT = 20.0  # seconds: a broken timer fails a test instead of hanging it
@@ -518,12 +519,12 @@ def test_the_idle_timer_writes_close_and_the_result_says_closed_idle(
 
 async def started(runner: ContainerRunner):
     """The group's handle once its container has started."""
-    async def poll():
-        while (handle := runner.active(GROUP)) is None or handle.container_id is None:
-            await asyncio.sleep(0.005)
-        return handle
+    def handle():
+        h = runner.active(GROUP)
+        return h if h is not None and h.container_id is not None else None
 
-    return await asyncio.wait_for(poll(), RUN_LIMIT)
+    return await wait_until_async(handle, RUN_LIMIT, interval=0.005,
+                                  what="the container to start")
 
 
 def test_a_follow_up_postpones_the_idle_close(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from mdclaw.state.tasks import (
     running_run_id,
     update_task_fields,
 )
+from waiting import wait_until_async
 
 UTC = UTC
 
@@ -75,15 +75,6 @@ class Recorder:
         return [c[0] for c in self.calls]
 
 
-async def until(cond, what: str, timeout: float = 20.0) -> None:  # noqa: ANN001
-    """Wait for `cond()` to be true (checked every 10 ms), failing after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 def asleep(sched: Scheduler) -> bool:
     """The loop waits for its deadline or a wake() (no round under way)."""
     return sched._busy_since is None  # noqa: SLF001
@@ -99,7 +90,7 @@ def run_for(sched: Scheduler, seconds: float, during=None, *, done=None) -> None
         if during is not None:
             await during(sched)
         if done is not None:
-            await until(done, "the scheduler to do it")
+            await wait_until_async(done, 20, what="the scheduler to do it")
         await asyncio.sleep(seconds)
         await sched.stop(timeout=5)
         await loop_task
@@ -221,12 +212,13 @@ def test_wake_picks_up_a_new_task_without_polling(db) -> None:
     s = Scheduler(db, rec, max_sleep=30)
 
     async def during(sched: Scheduler) -> None:
-        await until(lambda: asleep(sched), "the loop to sleep")  # for up to 30 s now
+        # for up to 30 s now
+        await wait_until_async(lambda: asleep(sched), 20, what="the loop to sleep")
         add(db, "late", "interval", "3600000", due_in=0)
         await asyncio.sleep(0.5)
         assert rec.ids() == []  # not noticed: nothing woke it
         sched.wake()
-        await until(lambda: rec.ids() == ["late"], "the woken loop to run it", timeout=10)
+        await wait_until_async(lambda: rec.ids() == ["late"], 10, what="the woken loop to run it")
 
     run_for(s, 0, during)
 
@@ -236,14 +228,15 @@ def test_wake_from_another_thread(db) -> None:
     s = Scheduler(db, rec, max_sleep=30)
 
     async def during(sched: Scheduler) -> None:
-        await until(lambda: asleep(sched), "the loop to sleep")  # for up to 30 s now
+        # for up to 30 s now
+        await wait_until_async(lambda: asleep(sched), 20, what="the loop to sleep")
 
         def other() -> None:
             add(db, "t", "interval", "3600000", due_in=0)
             sched.wake()
 
         await asyncio.to_thread(other)
-        await until(lambda: rec.ids() == ["t"], "the woken loop to run it", timeout=10)
+        await wait_until_async(lambda: rec.ids() == ["t"], 10, what="the woken loop to run it")
         await asyncio.sleep(0.3)
         assert rec.ids() == ["t"]
 
@@ -261,7 +254,7 @@ def test_changes_by_other_processes_are_seen_within_max_sleep(db, tmp_path) -> N
         other.close()
         # Within max_sleep (1 s); 5 s leaves room for a loaded machine and still fails a
         # loop that sleeps until its own idea of the next task (none: no deadline at all).
-        await until(lambda: rec.ids() == ["ext"], "the change to be seen", timeout=5)
+        await wait_until_async(lambda: rec.ids() == ["ext"], 5, what="the change to be seen")
 
     run_for(s, 0, during)
 
@@ -349,7 +342,7 @@ def test_stop_records_runs_in_progress_as_interrupted(db) -> None:
 
     async def main() -> None:
         loop_task = asyncio.create_task(s.run())
-        await until(lambda: s.running() == ["long"], "the run to start")
+        await wait_until_async(lambda: s.running() == ["long"], 20, what="the run to start")
         await s.stop(timeout=0.2)
         await loop_task
 
@@ -406,7 +399,7 @@ def test_one_shot_paused_and_resumed_while_running_does_not_fire_again(db) -> No
     s = Scheduler(db, rec)
 
     async def during(sched: Scheduler) -> None:
-        await until(lambda: rec.ids() == ["o1"], "the run to start")
+        await wait_until_async(lambda: rec.ids() == ["o1"], 20, what="the run to start")
         with db.transaction() as c:  # what a careless pause + resume would do mid-run
             update_task_fields(c, "o1", status="paused")
             update_task_fields(c, "o1", status="active")

@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from datetime import timedelta
 from pathlib import Path
 
 from mdclaw import schedule
 from mdclaw.state import Database
 from mdclaw.state.tasks import get_task, insert_task, list_runs, update_task_fields
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,9 +76,8 @@ def test_sigkill_mid_run_then_restart_does_not_refire(tmp_path: Path) -> None:
 
     marker = tmp_path / "started.txt"
     child = start_child(tmp_path, db_path, "hang", marker, 600)
-    deadline = time.monotonic() + 20
-    while len(lines(marker)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(lines(marker)) >= 3, 20, interval=0.05,
+               what="the three tasks to start")
     assert sorted(lines(marker)) == ["cron-daily", "every-hour", "one-shot"], child.stderr
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait(10) == -signal.SIGKILL

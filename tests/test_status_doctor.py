@@ -7,9 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from conftest import REPO
+from waiting import wait_until
 
 
 def test_status_without_daemon(cli, write_config) -> None:
@@ -40,14 +40,11 @@ def test_status_with_running_daemon(write_config, cli, data_dir, tmp_path) -> No
     proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", cfg], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        s = {}
-        while time.monotonic() < deadline:
+        def running() -> dict:
             s = json.loads(cli("status", "--json", "--config", cfg).stdout)
-            if s["daemon"] == "running":
-                break
-            time.sleep(0.2)
-        assert s["daemon"] == "running", s
+            return s if s["daemon"] == "running" else {}
+
+        s = wait_until(running, 30, interval=0.2, what="`status` to say the daemon runs")
         assert s["pid"] == proc.pid
         assert "unreachable" in s["engine"] or "no container engine" in s["engine"], s["engine"]
         proc.send_signal(signal.SIGTERM)
@@ -108,23 +105,20 @@ def test_sighup_applies_a_valid_config_and_says_what_needs_a_restart(write_confi
     proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if json.loads(cli("status", "--json", "--config", str(cfg)).stdout)["daemon"] \
-                    == "running":
-                break
-            time.sleep(0.2)
+        wait_until(lambda: json.loads(cli("status", "--json", "--config", str(cfg)).stdout)
+                   ["daemon"] == "running", 30, interval=0.2,
+                   what="`status` to say the daemon runs")
         write_config(base.replace("""          main: {name: A, jid: "hl:main", main: true}""",
                                   """          main: {name: A, jid: "hl:main", main: true}
           extra: {name: E, jid: "hl:extra"}""").replace('"127.0.0.1:0"', '"127.0.0.1:1"'))
         proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 20
-        folders: set[str] = set()
-        while time.monotonic() < deadline and "extra" not in folders:
+        def folders() -> set[str]:
             rows = json.loads(cli("groups", "list", "--json", "--config", str(cfg)).stdout)
-            folders = {r["folder"] for r in rows}
-            time.sleep(0.2)
-        assert folders == {"main", "extra"}
+            got = {r["folder"] for r in rows}
+            return got if "extra" in got else set()
+
+        assert wait_until(folders, 20, interval=0.2, what="the reload to add group extra") \
+            == {"main", "extra"}
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=40)

@@ -8,6 +8,7 @@ import socket
 import time
 
 from mdclaw.systemd import Notifier, watchdog_interval
+from waiting import wait_until
 
 
 def listen(tmp_path, monkeypatch) -> socket.socket:
@@ -160,15 +161,9 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
         drain()
         return got
 
-    def until(cond, what: str, limit: float = 10.0) -> None:  # noqa: ANN001
-        deadline = time.monotonic() + limit
-        while not cond():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.01)
-
     blocker = Database(tmp_path / "state.db")
     try:
-        until(lambda: sched.ticks >= 1, "the scheduler did not start")
+        wait_until(lambda: sched.ticks >= 1, what="the scheduler did not start")
         ticks = sched.ticks
         # Idle: asleep for up to 30 s, far past the 0.1 s the watchdog allows, yet alive.
         assert pings_during(0, enough=8) >= 8  # 0.35 s at least: past the 0.1 s
@@ -182,10 +177,11 @@ def test_watchdog_counts_an_idle_scheduler_alive_and_a_stuck_one_not(tmp_path,
                 schedule.utc_now() - timedelta(seconds=1)))
         blocker.conn.execute("BEGIN IMMEDIATE")
         sched.wake()
-        until(lambda: time.monotonic() - sched.alive_at() > 0.2, "the scheduler stays fresh")
+        wait_until(lambda: time.monotonic() - sched.alive_at() > 0.2,
+                   what="the scheduler stays fresh")
         assert pings_during(0.3) == 0
         blocker.conn.execute("ROLLBACK")
-        until(lambda: ran == ["t"], "the task did not run once the lock was gone")
+        wait_until(lambda: ran == ["t"], what="the task did not run once the lock was gone")
         assert pings_during(0, enough=3) >= 3
     finally:
         if blocker.conn.in_transaction:

@@ -21,6 +21,7 @@ from mdclaw.reconcile import reconcile
 from mdclaw.scheduler import Scheduler
 from mdclaw.state import Database
 from mdclaw.state.tasks import get_task, insert_task, list_runs, update_task_fields
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -186,18 +187,15 @@ def test_daemon_picks_up_run_now(env, cli, data_dir) -> None:
     try:
         # The daemon is up (its scheduler runs) once it has written its status file.
         status_file = status_path(load_config(path))
-        up = time.monotonic()
-        while not status_file.exists() and proc.poll() is None and time.monotonic() - up < 60:
-            time.sleep(0.05)
+        wait_until(lambda: status_file.exists() or proc.poll() is not None, 60,
+                   what="the daemon's status file")
         assert proc.poll() is None and status_file.exists(), "the daemon did not start"
         assert list_runs(db, "plants") == []
         before = get_task(db, "plants").next_run
         ok(cli("tasks", "run-now", "plants", "--config", path))
         asked = time.monotonic()
-        while time.monotonic() - asked < 10 and not list_runs(db, "plants"):
-            time.sleep(0.05)
-        runs = list_runs(db, "plants")
-        assert runs, "the daemon did not claim the task"
+        runs = wait_until(lambda: list_runs(db, "plants"), 10,
+                          what="the daemon to claim the task")
         assert time.monotonic() - asked < 3  # one re-check interval (1 s), with slack for load
         assert len(runs) == 1 and runs[0].missed == 0
         t = get_task(db, "plants")

@@ -329,7 +329,8 @@ def web_env(tmp_path: Path) -> Iterator[Env]:
 
 
 def test_web_fetch_as_an_action_request(web_env: Env) -> None:
-    from test_action_worker import Running, request, result, until
+    from test_action_worker import Running, request, result
+    from waiting import wait_until_async
 
     env = web_env
 
@@ -347,9 +348,9 @@ def test_web_fetch_as_an_action_request(web_env: Env) -> None:
                                       max_chars=1_000_000), sub="actions")
             env.write("work", request("f5", "web_fetch", url=f"http://127.0.0.2:{port}/p",
                                       max_chars=0), sub="actions")
-            await until(lambda: all(result(env, g, r) for g, r in
-                                    (("work", "f1"), ("work", "f2"), ("family", "f3"),
-                                     ("work", "f4"), ("work", "f5"))))
+            await wait_until_async(lambda: all(result(env, g, r) for g, r in
+                                               (("work", "f1"), ("work", "f2"), ("family", "f3"),
+                                                ("work", "f4"), ("work", "f5"))))
             assert lo_hits == []
     asyncio.run(go())
     ok = result(env, "work", "f1")
@@ -366,7 +367,8 @@ def test_web_fetch_as_an_action_request(web_env: Env) -> None:
 
 
 def test_web_is_off_by_default(tmp_path: Path) -> None:
-    from test_action_worker import Running, request, result, until
+    from test_action_worker import Running, request, result
+    from waiting import wait_until_async
 
     load_all()
     env = Env(tmp_path)
@@ -374,7 +376,7 @@ def test_web_is_off_by_default(tmp_path: Path) -> None:
         async def go() -> None:
             async with Running(env):
                 env.write("work", request("o1", "web_search", query="x"), sub="actions")
-                await until(lambda: result(env, "work", "o1"))
+                await wait_until_async(lambda: result(env, "work", "o1"))
         asyncio.run(go())
         r = result(env, "work", "o1")
         assert r is not None and "web access is off" in r["error"]

@@ -43,6 +43,7 @@ DB_EXIT: dict[str, int] = {
 }
 
 
+
 class CommandFailed(SystemExit):
     """Exit status 1 with the message already printed to stderr."""
 

@@ -125,8 +125,24 @@ class Limits(Frozen):
         None, ge=1, description="Model tokens (input + output, as the API reports them) one "
         "group may use per UTC day through the credential proxy. Past it every model request "
         "of the group is refused (HTTP 429, `mdclaw_over_budget`) until midnight UTC, and its "
-        "chat is told when the budget resets. null: no budget. Per group: "
-        "`groups.<g>.tokens_per_day`.")
+        "chat is told when the budget resets. A request is sent only when the budget left "
+        "covers the requests in flight plus its own reservation (see "
+        "`limits.answer_tokens_estimate`), so a group spends at most its budget plus one "
+        "answer. null: no budget. Per group: `groups.<g>.tokens_per_day`.")
+    answer_tokens_estimate: int = Field(
+        4096, ge=1, le=1_000_000, description="With a token budget (`tokens_per_day`): the "
+        "tokens reserved for the answer of a model request whose body does not bound it "
+        "(no `max_tokens`, `max_completion_tokens` or `max_output_tokens`). From the moment "
+        "a request is sent upstream until its answer ends, it holds a reservation: its "
+        "body's size in bytes for its input (a token stands for at least one byte) plus its "
+        "`max_tokens` (at most 1,000,000) or this estimate for its answer. Requests go side "
+        "by side only while the day's budget left covers all their reservations, else they "
+        "wait for one in flight to end; one request alone goes while any budget is left. "
+        "So a day's spend stays within the budget plus one answer, as long as each answer "
+        "stays within its reservation: an unbounded answer longer than this estimate adds "
+        "what it ran past. An answer cut short before the API reported its usage (the "
+        "group stopped, the upstream broken off) counts as its reservation for what was "
+        "not reported; when the agent hangs up, the answer is read on and counted.")
     action_jobs: int = Field(
         8, ge=1, le=256, description="Off-loop actions (web_fetch, web_search...) run at once, "
         "all groups together; more wait in the queue.")

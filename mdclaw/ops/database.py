@@ -10,9 +10,12 @@ from typing import Any
 
 from mdclaw.config import Config
 from mdclaw.state import DatabaseInfo, inspect_database
+from mdclaw.state.db import read_timeout
 from mdclaw.state.migrations import LATEST_VERSION
 
-READ_TIMEOUT = 2.0  # seconds a read-only command's query waits for another process's lock
+# Seconds a read-only command's query waits for another process's lock (the probe before it
+# waits PROBE_TIMEOUT); MDCLAW_DB_READ_TIMEOUT=SECONDS sets both (state.db.read_timeout).
+READ_TIMEOUT = read_timeout(2.0)
 
 
 def database_line(info: DatabaseInfo, path: Path) -> str:

@@ -184,7 +184,18 @@ def _split_sql(script: str) -> list[str]:
 DatabaseState = Literal["missing", "creating", "migrating", "older", "newer", "locked",
                         "unreadable", "ready"]
 
-PROBE_TIMEOUT = 1.0  # seconds a read-only probe waits for another process's lock
+
+def read_timeout(default: float) -> float:
+    """`default`, or MDCLAW_DB_READ_TIMEOUT (seconds) when that is set: how long a read-only
+    look at the database waits for another process's lock (tests of a locked database set
+    it short rather than wait the default out in every command they run)."""
+    try:
+        return float(os.environ.get("MDCLAW_DB_READ_TIMEOUT") or default)
+    except ValueError:
+        return default
+
+
+PROBE_TIMEOUT = read_timeout(1.0)  # seconds a read-only probe waits for another process's lock
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from test_daemon_e2e import free_port, wait_for
+from test_daemon_e2e import free_port, wait_until
 from test_failures_e2e import Daemon, healthy, replies, send
 
 from fake_models import FakeOpenAI, say
@@ -120,12 +120,13 @@ def run_rounds(engine: Any, image: str, tmp: Path, install: str, rounds: int,
     watcher = Watcher(engine, labels)
     out: list[Round] = []
     try:
-        wait_for(lambda: healthy(base), 60, "the daemon")
+        wait_until(lambda: healthy(base), 60, what="the daemon")
         db = Database(cfg.db_path)
         for i in range(rounds):
             n = len(replies(base, "hl:main"))
             send(base, "hl:main", f"hello {i}")
-            wait_for(lambda n=n: len(replies(base, "hl:main")) > n, 90, "the chat's answer")
+            wait_until(lambda n=n: len(replies(base, "hl:main")) > n, 90,
+                       what="the chat's answer")
             # The conversation's container is open and idle now (waiting for follow-ups).
             conversation = {c.id for c in engine.list(labels) if c.state == "running"}
             assert conversation, "the conversation's container is not running"
@@ -137,13 +138,13 @@ def run_rounds(engine: Any, image: str, tmp: Path, install: str, rounds: int,
                             schedule_type="once", schedule_value=schedule.to_iso(due),
                             timezone="UTC", task_id=tid)
             seen |= conversation
-            new = wait_for(lambda seen=seen: [cid for cid in watcher.starts if cid not in seen],
-                           60,
-                           "the task's container")
-            wait_for(lambda i=i: replies(base, "hl:main").count("task done") > i, 90,
-                     "the task's answer")
-            run = wait_for(lambda tid=tid: [r for r in list_runs(db, tid)
-                                            if r.status != "running"], 30, "the run's end")[0]
+            new = wait_until(lambda seen=seen: [cid for cid in watcher.starts if cid not in seen],
+                             60, what="the task's container")
+            wait_until(lambda i=i: replies(base, "hl:main").count("task done") > i, 90,
+                       what="the task's answer")
+            run = wait_until(lambda tid=tid: [r for r in list_runs(db, tid)
+                                              if r.status != "running"], 30,
+                             what="the run's end")[0]
             out.append(Round(due.astimezone(UTC), watcher.starts[new[0]], run.start_note))
         db.close()
     finally:

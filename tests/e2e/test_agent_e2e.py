@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import docker
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 from e2e_images import build_agent_image  # noqa: E402
 
 from fake_models import FakeOpenAI, call, say  # noqa: E402
+from waiting import wait_until_async  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -49,14 +49,6 @@ def cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run([sys.executable, "-m", "mdclaw", *args, "--config", str(config)],
                           capture_output=True, text=True, env=env, timeout=120)
-
-
-async def wait_until(pred, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 # Run inside the container: look for the key (given in two halves, so this process's own
@@ -143,7 +135,7 @@ def test_openai_agent_end_to_end(tmp_path, engine, real_agent_image, install_id,
                                  assistant_name="Andy", **fields)
             run = asyncio.create_task(runner.run(
                 "family", inp, on_output=lambda block: outputs.append(json.loads(block))))
-            await wait_until(lambda: outputs, 120, "the first result")
+            await wait_until_async(lambda: outputs, 120, what="the first result")
             assert outputs[0]["status"] == "success", outputs
             assert outputs[0]["result"] == "first turn done"
             handle = runner.active("family")
@@ -161,7 +153,7 @@ def test_openai_agent_end_to_end(tmp_path, engine, real_agent_image, install_id,
             # A follow-up mid-session becomes the second turn.
             write_follow_up(layout, "family", sender="tg:42", sender_name="Alice",
                             content="and the roses?", timestamp="2026-01-01T00:00:00Z")
-            await wait_until(lambda: len(outputs) >= 2, 60, "the second result")
+            await wait_until_async(lambda: len(outputs) >= 2, 60, what="the second result")
             assert outputs[1]["result"] == "second turn done"
 
             # Inside the running container: no real key anywhere, and no way out but the
@@ -274,7 +266,8 @@ def test_claude_agent_in_container(tmp_path, engine, claude_agent_image, install
                     "family", ContainerInput(prompt="hi", group_folder="family",
                                              chat_jid="tg:2", **fields),
                     on_output=lambda b: outs.append(json.loads(b))))
-                await wait_until(lambda: outs or run.done(), 180, "the first result")
+                await wait_until_async(lambda: outs or run.done(), 180,
+                                       what="the first result")
                 # The CLI process holds the placeholder key and nothing holds the real one.
                 half = len(REAL_KEY) // 2
                 handle = runner.active("family")
@@ -283,7 +276,8 @@ def test_claude_agent_in_container(tmp_path, engine, claude_agent_image, install
                     ["python3", "-c", SCAN_FOR_KEY, REAL_KEY[:half], REAL_KEY[half:]])
                 write_follow_up(layout, "family", sender="tg:42", sender_name="Alice",
                                 content="more please", timestamp="2026-01-01T00:00:00Z")
-                await wait_until(lambda: len(outs) >= 2 or run.done(), 120, "second result")
+                await wait_until_async(lambda: len(outs) >= 2 or run.done(), 120,
+                                       what="second result")
                 write_close(layout, "family")
                 results.append((await asyncio.wait_for(run, 120), list(outs), scan))
             outs2: list[dict] = []

@@ -30,6 +30,7 @@ from mdclaw.runtime import (
     wait_for_engine,
 )
 from mdclaw.runtime.docker_engine import DockerRuntime
+from waiting import wait_until_async
 
 pytestmark = pytest.mark.e2e
 
@@ -325,8 +326,8 @@ def test_orphans_are_cleaned_by_label_only(setup, engine, agent_image, install_i
     async def with_a_live_run():
         # a container this runner is running right now is not an orphan
         task = asyncio.create_task(runner.run("main", inp("main"), command=["blocks", "2", "1"]))
-        while runner.active("main") is None or runner.active("main").container_id is None:
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: (h := runner.active("main")) and h.container_id, 60,
+                               what="main's container to start")
         removed = await runner.cleanup_orphans()
         res = await task
         await runner.aclose()
@@ -462,8 +463,8 @@ def test_a_cancelled_run_leaves_no_container_behind(setup, engine):
         with pytest.raises(asyncio.CancelledError):
             await task
         task = asyncio.create_task(runner.run("family", inp("family"), command=["sleep", "60"]))
-        while runner.active("family") is None or runner.active("family").container_id is None:
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: (h := runner.active("family")) and h.container_id, 60,
+                               what="family's container to start")
         task.cancel()  # running
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -9,6 +9,7 @@ from a test NOTIFY_SOCKET.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -27,10 +28,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
+import waiting  # noqa: E402
 from fake_models import FakeOpenAI, say  # noqa: E402
 from test_channel_telegram import TOKEN, FakeBotApi  # noqa: E402
 
 pytestmark = pytest.mark.e2e
+
+# The predicates ask the daemon over HTTP: look ten times a second, not a hundred.
+wait_until = functools.partial(waiting.wait_until, interval=0.1)
 
 
 def free_port() -> int:
@@ -111,16 +116,6 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 40) -
         return json.loads(r.read())
 
 
-def wait_for(pred, timeout: float, what: str) -> Any:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def replies(base: str, jid: str) -> list[str]:
     got = http("GET", f"{base}/messages?jid={jid}&after=0")
     return [m["content"] for m in got["messages"] if m["direction"] == "out"]
@@ -183,17 +178,19 @@ def test_daemon_end_to_end(tmp_path, engine, real_agent_image, install_id, reap)
     proc = subprocess.Popen([sys.executable, "-m", "mdclaw", "run", "--config", str(cfg_path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: "READY" in notes.states(), 60, "READY=1")
+        wait_until(lambda: "READY" in notes.states(), 60, what="READY=1")
         assert http("GET", f"{base}/health")["status"] == "ok"
 
         # 1. A message to the main group gets the agent's reply back through GET /messages.
         http("POST", f"{base}/message", {"text": "hello there", "sender": "alice"})
-        wait_for(lambda: "reply one" in replies(base, "hl:main"), 120, "the first reply")
+        wait_until(lambda: "reply one" in replies(base, "hl:main"), 120,
+                   what="the first reply")
 
         # 2. A message while that conversation runs reaches it through input/: the model
         # sees it as a second user turn of the same conversation.
         http("POST", f"{base}/message", {"text": "a second question", "sender": "alice"})
-        wait_for(lambda: "reply two" in replies(base, "hl:main"), 60, "the second reply")
+        wait_until(lambda: "reply two" in replies(base, "hl:main"), 60,
+                   what="the second reply")
         second = next(r for r in model.requests if "second question" in last_user(r.body))
         users = [m for m in second.body["messages"] if m["role"] == "user"]
         assert len(users) == 2 and "hello there" in users[0]["content"]
@@ -207,7 +204,8 @@ def test_daemon_end_to_end(tmp_path, engine, real_agent_image, install_id, reap)
         assert len(model.requests) == n, "an untriggered message started a run"
         http("POST", f"{base}/message", {"text": "@Andy what's up?", "sender": "bob",
                                          "jid": "hl:family"})
-        wait_for(lambda: "family reply" in replies(base, "hl:family"), 120, "family reply")
+        wait_until(lambda: "family reply" in replies(base, "hl:family"), 120,
+                   what="family reply")
         fam = next(r for r in model.requests if "what's up" in last_user(r.body))
         prompt = last_user(fam.body)
         assert "just chatting" in prompt and "@Andy what's up?" in prompt
@@ -223,7 +221,7 @@ def test_daemon_end_to_end(tmp_path, engine, real_agent_image, install_id, reap)
             r = mdclaw("outbox", "list", "--json", config=cfg_path)
             return [x for x in json.loads(r.stdout) if x["status"] == "failed"]
 
-        (row,) = wait_for(failed_rows, 120, "the failed delivery")
+        (row,) = wait_until(failed_rows, 120, what="the failed delivery")
         assert row["chat_jid"] == "tg:555" and row["text"] == "tg reply one"
         tries = [p for m, p in bot.api.calls if m == "sendMessage"]
         assert len(tries) == 2
@@ -234,25 +232,28 @@ def test_daemon_end_to_end(tmp_path, engine, real_agent_image, install_id, reap)
         bot.call(bot.api.push, {"message_id": 2, "date": int(time.time()),
                                 "chat": {"id": 555, "type": "group", "title": "Tele"},
                                 "from": {"id": 9, "first_name": "Tim"}, "text": "tg-two"})
-        sent = wait_for(lambda: [p for m, p in bot.api.calls if m == "sendMessage"
-                                 and p.get("text") == "tg reply two"], 120, "telegram reply")
+        sent = wait_until(lambda: [p for m, p in bot.api.calls if m == "sendMessage"
+                                   and p.get("text") == "tg reply two"], 120,
+                          what="telegram reply")
         assert str(sent[0]["chat_id"]) == "555"
 
         # 5. SIGHUP with a broken config keeps serving, and says why.
         cfg_path.write_text("groups: [\n")
         proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: notes.states().count("READY") >= 2, 30, "READY after the reload")
+        wait_until(lambda: notes.states().count("READY") >= 2, 30,
+                   what="READY after the reload")
         status = json.loads(mdclaw("status", "--json", config=good_path).stdout)
         assert "invalid YAML" in (status.get("reload_error") or ""), status
         cfg_path.write_text(good_config)
         assert proc.poll() is None
         http("POST", f"{base}/message", {"text": "still there?", "sender": "alice"})
-        wait_for(lambda: "reply three" in replies(base, "hl:main"), 120, "reply after reload")
+        wait_until(lambda: "reply three" in replies(base, "hl:main"), 120,
+                   what="reply after reload")
 
         # 6. SIGTERM drains: the turn in progress finishes and the daemon exits in time.
         http("POST", f"{base}/message", {"text": "a slow one", "sender": "alice"})
-        wait_for(lambda: any("slow one" in last_user(r.body) for r in model.requests), 60,
-                 "the slow request")
+        wait_until(lambda: any("slow one" in last_user(r.body) for r in model.requests), 60,
+                   what="the slow request")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=45)
@@ -301,9 +302,9 @@ def test_second_sigterm_exits_at_once(tmp_path, engine, real_agent_image, instal
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _health(base), 60, "the HTTP channel")
+        wait_until(lambda: _health(base), 60, what="the HTTP channel")
         http("POST", f"{base}/message", {"text": "take your time", "sender": "alice"})
-        wait_for(lambda: model.requests, 120, "the model request")
+        wait_until(lambda: model.requests, 120, what="the model request")
         proc.send_signal(signal.SIGTERM)  # a turn is in progress: the drain waits for it
         time.sleep(1)
         assert proc.poll() is None, "the first SIGTERM did not wait for the running turn"

@@ -26,6 +26,7 @@ from mdclaw.runner import ContainerRunner
 from mdclaw.runtime import install_labels
 from mdclaw.state import Database
 from mdclaw.state.outbox import list_outbox
+from waiting import wait_until_async
 
 pytestmark = pytest.mark.e2e
 
@@ -72,18 +73,6 @@ def msg(i: int) -> InboundMessage:
                           timestamp=f"2026-01-01T00:00:{i:02d}.000Z", channel="http")
 
 
-async def until(cond, timeout: float, what: str):  # noqa: ANN001, ANN201
-    """Wait for `cond()` to be truthy (checked every 50 ms) and return it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def test_a_container_filling_its_folder_is_stopped_and_refused(tmp_path: Path, engine,
                                                                 agent_image, install_id,
                                                                 reap) -> None:
@@ -112,12 +101,14 @@ def test_a_container_filling_its_folder_is_stopped_and_refused(tmp_path: Path, e
         stop = asyncio.Event()
         guard_task = asyncio.create_task(guard.run(stop))
         await orch.on_inbound(msg(1))
-        handle = await until(lambda: (h := runner.active("family")) and h.container_id and h,
-                             60, "the container to start")
+        handle = await wait_until_async(
+            lambda: (h := runner.active("family")) and h.container_id and h, 60,
+            interval=0.05, what="the container to start")
         exec_id = client.api.exec_create(handle.container_id,
                                          ["python3", "-c", WRITER, str(4 << 20)])
         client.api.exec_start(exec_id, detach=True)
-        await until(lambda: guard.stopped, 60, "the guard to stop the container")
+        await wait_until_async(lambda: guard.stopped, 60, interval=0.05,
+                               what="the guard to stop the container")
         out["stopped_at"] = guard.stopped[0][2]
         await asyncio.wait_for(orch.queue.join(), 60)  # the run ended
         out["ended_at"] = time.time()

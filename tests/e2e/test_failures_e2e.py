@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
-from test_daemon_e2e import free_port, http, wait_for  # noqa: E402
+from test_daemon_e2e import free_port, http, wait_until  # noqa: E402
 
 from fake_models import FakeOpenAI, garble, hangup, refuse, say  # noqa: E402
 
@@ -86,7 +86,7 @@ def send(base: str, jid: str, text: str) -> float:
 
 def next_reply(base: str, jid: str, n_before: int, timeout: float = 90) -> tuple[str, float]:
     """The first reply after the first `n_before` ones, and when it was seen."""
-    got = wait_for(lambda: replies(base, jid)[n_before:], timeout, f"a reply in {jid}")
+    got = wait_until(lambda: replies(base, jid)[n_before:], timeout, what=f"a reply in {jid}")
     return got[0], time.monotonic()
 
 
@@ -160,7 +160,7 @@ def test_each_failure_is_told_and_the_group_keeps_working(tmp_path, engine, real
         return (tmp_path / "daemon.log").read_text()[-4000:]
 
     try:
-        wait_for(lambda: healthy(base), 60, "the daemon")
+        wait_until(lambda: healthy(base), 60, what="the daemon")
 
         # 1. The model refuses the message for good (400, context too long): told at once,
         # not retried, and the next message gets a normal answer without it.
@@ -219,7 +219,7 @@ def test_each_failure_is_told_and_the_group_keeps_working(tmp_path, engine, real
 
         # 5. The container is killed while the model is slow: told, retried, answered.
         send(base, "hl:kill", "SLOWKILL now")
-        wait_for(lambda: script.slow, 60, "the slow request")
+        wait_until(lambda: script.slow, 60, what="the slow request")
         (victim,) = [c for c in engine.list(labels) if c.labels.get(GROUP_LABEL) == "kill"
                      and c.state == "running"]
         t0 = time.monotonic()
@@ -249,7 +249,7 @@ def test_each_failure_is_told_and_the_group_keeps_working(tmp_path, engine, real
         before = len(model.requests)
         assert daemon.stop() == 0
         daemon = Daemon(cfg_path, tmp_path / "daemon.log")
-        wait_for(lambda: healthy(base), 60, "the restarted daemon")
+        wait_until(lambda: healthy(base), 60, what="the restarted daemon")
         for jid, n in (("hl:refuse", 2), ("hl:garble", 2), ("hl:hangup", 2), ("hl:kill", 2)):
             send(base, jid, f"after the restart {jid}")
             answer, _ = next_reply(base, jid, n)

@@ -33,6 +33,7 @@ import pytest
 from mdclaw.config import Config
 from mdclaw.runner import ContainerInput, ContainerRunner
 from mdclaw.runtime import install_labels
+from waiting import wait_until_async
 
 pytestmark = pytest.mark.e2e
 
@@ -220,13 +221,16 @@ class HostileRun:
     async def wait_closed_or_done(self, bound: float) -> float:
         """Wait (polling) until the run's handle is closed or the run has ended."""
         t0 = time.monotonic()
-        assert self.task is not None
-        while time.monotonic() - t0 < bound:
+        task = self.task
+        assert task is not None
+
+        def closed_or_done() -> bool:
             handle = self.runner.active(self.folder)
-            if self.task.done() or handle is None or handle.closed:
-                return time.monotonic() - t0
-            await asyncio.sleep(0.05)
-        pytest.fail(f"the idle timer did not close the run within {bound:.1f} s")
+            return task.done() or handle is None or handle.closed
+
+        await wait_until_async(closed_or_done, bound, interval=0.05,
+                               what="the idle timer to close the run")
+        return time.monotonic() - t0
 
     async def finish(self, grace: float = 0.0) -> Any:
         """End the run: give it `grace` seconds to end on its own, then kill it if it is

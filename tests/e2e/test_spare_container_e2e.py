@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from mdclaw.config import Config, LiveConfig
 from mdclaw.runner import ContainerInput, ContainerResult, ContainerRunner
 from mdclaw.runtime import install_labels
 from mdclaw.runtime.docker_engine import DockerRuntime
+from waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.e2e
 
@@ -49,19 +49,16 @@ def inp(prompt: str = "hello") -> ContainerInput:
 
 
 async def spare_of(runner: ContainerRunner, folder: str, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while (name := runner.spare(folder)) is None:
-        assert time.monotonic() < deadline, "no container was created ahead of time"
-        await asyncio.sleep(0.02)
-    return name
+    return await wait_until_async(lambda: runner.spare(folder), timeout, interval=0.02,
+                                  what="a container created ahead of time")
 
 
 async def gone(engine: DockerRuntime, labels: dict[str, str], name: str,
                timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while any(c.name == name for c in await asyncio.to_thread(engine.list, labels)):
-        assert time.monotonic() < deadline, f"{name} was not removed"
-        await asyncio.sleep(0.05)
+    async def removed() -> bool:
+        return not any(c.name == name for c in await asyncio.to_thread(engine.list, labels))
+
+    await wait_until_async(removed, timeout, interval=0.05, what=f"{name} to be removed")
 
 
 async def run_after_settings_change(runner: ContainerRunner, engine: DockerRuntime,
@@ -146,14 +143,16 @@ def test_a_run_that_comes_while_its_container_is_being_created_starts_that_one(
         runner = ContainerRunner(cfg, slow)  # type: ignore[arg-type]
         first = await runner.run("family", inp("one"))
         assert first.status == "success", first
-        deadline = time.monotonic() + 60
-        while not slow.creating:  # the spare's creation is under way, held at the gate
-            assert time.monotonic() < deadline, "no container was being created ahead"
-            await asyncio.sleep(0.01)
+        # The spare's creation is under way, held at the gate.
+        await wait_until_async(lambda: slow.creating, 60,
+                               what="a container being created ahead")
         second = asyncio.ensure_future(runner.run("family", inp("a longer prompt")))
-        while "family" in runner._spares:  # noqa: SLF001 - wait for the claim itself
-            assert time.monotonic() < deadline and not second.done(), "no claim"
-            await asyncio.sleep(0.01)
+
+        def claimed() -> bool:  # wait for the claim itself
+            assert not second.done(), "the run ended without claiming the spare"
+            return "family" not in runner._spares  # noqa: SLF001
+
+        await wait_until_async(claimed, 60, what="the run to claim the spare")
         slow.gate.set()
         res = await asyncio.wait_for(second, 60)
         assert res.status == "success" and res.exit_code == 0, res
@@ -163,10 +162,8 @@ def test_a_run_that_comes_while_its_container_is_being_created_starts_that_one(
 
     asyncio.run(go())
     assert "did not start" not in caplog.text and "removing" not in caplog.text, caplog.text
-    deadline = time.monotonic() + 60
-    while engine.list(labels):
-        assert time.monotonic() < deadline, engine.list(labels)
-        time.sleep(0.05)
+    wait_until(lambda: not engine.list(labels), 60, interval=0.05,
+               what="every container to be removed")
 
 
 def test_a_created_container_from_other_settings_is_discarded(tmp_path, engine, plain_image,

@@ -172,7 +172,7 @@ def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, inst
     """The same through a real `mdclaw run`: three conversations through the HTTP channel
     (the daemon stores the messages and the replies), then the model searches them and
     fetches pages; the daemon's IPC loop and action worker answer."""
-    from test_daemon_e2e import free_port, http, replies, wait_for
+    from test_daemon_e2e import free_port, http, replies, wait_until
     from test_failures_e2e import Daemon, healthy
 
     from mdclaw.runtime import install_labels
@@ -232,11 +232,12 @@ def test_a_daemon_remembers_and_fetches(tmp_path, engine, real_agent_image, inst
         """Post `text` to the main group; return the agent's next new reply."""
         before = len(replies(base, "hl:main"))
         http("POST", f"{base}/message", {"text": text, "sender": "alice"})
-        got = wait_for(lambda: replies(base, "hl:main")[before:], 120, f"a reply to {text!r}")
+        got = wait_until(lambda: replies(base, "hl:main")[before:], 120,
+                         what=f"a reply to {text!r}")
         return got[0]
 
     try:
-        wait_for(lambda: healthy(base), 60, "the HTTP channel")
+        wait_until(lambda: healthy(base), 60, what="the HTTP channel")
         for question, _ in CONVERSATIONS:
             said(question)
         found = said("do you remember where the kite was?")

@@ -37,6 +37,7 @@ let
     "prometheus-client"
     "pydantic"
     "pydantic-settings"
+    "pytest-timeout"
     "pytestCheckHook"
     "pyyaml"
     "sdnotify"
