@@ -10,9 +10,10 @@ roles, mdclaw.people; strangers by `unknown_senders`), else its `allow_senders`
 as context or not stored at all. Notes the host puts into a conversation (an approval's
 outcome) are context only; a person's answer to a card ("approve 7KQ2") is no message at
 all (mdclaw.decisions). If the group's conversation container is running, triggered
-messages are written into its `input/` as follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
-cursor. The cursor moves past messages once their turn was answered. Files that come with a
-message are fetched by mdclaw.media.FileIntake, off the channel's path.
+messages are written into its `input/` as follow-ups; otherwise a run is queued. A run's
+prompt holds the messages since the group's cursor. The cursor moves past messages once
+their turn was answered. Files that come with a message are fetched by
+mdclaw.media.FileIntake, off the channel's path.
 
 A failed turn is handled by its cause (mdclaw/failures.py): a transient cause (the model
 server is down, the container was killed...) rolls the cursor back so the same messages are

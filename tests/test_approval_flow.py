@@ -28,8 +28,9 @@ from mdclaw.markup import to_whatsapp
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.outbox import OutboxWorker, RetryPolicy
 from mdclaw_agent.tools import ToolContext, run_tool, tools_for
-from test_action_worker import Running, job, request, result, until
+from test_action_worker import Running, job, request, result
 from test_home_assistant import TOKEN, ha_config
+from waiting import wait_until_async as until
 
 load_all()
 

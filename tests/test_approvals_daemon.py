@@ -25,6 +25,7 @@ from fake_home_assistant import FakeHomeAssistant, state
 from fake_telegram import TOKEN as TG_TOKEN
 from fake_telegram import FakeBotApi, ThreadedFake
 from operator_helpers import free_ports, running_daemon
+from waiting import wait_until
 
 HA_TOKEN = "hatoken-approvals-SECRET"
 OWNER, SECOND, STRANGER = 111, 222, 999
@@ -32,14 +33,7 @@ FAMILY = -500
 
 
 def wait(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached in {timeout:g} s: {what}")
-        time.sleep(0.05)
+    return wait_until(cond, timeout, what=what, interval=0.05)
 
 
 class Setup:

@@ -840,7 +840,7 @@ def test_a_card_goes_out_with_an_inline_keyboard_and_a_press_is_its_pressers(
         # Bob (222) presses the button on the card in Alex's chat: the press is Bob's.
         qid = api.push_press(from_id=222, chat_id=111, message_id=mid, data="mdc:3:approve",
                              first_name="Bob")
-        await wait_until(lambda: qid in api.answered)
+        await wait_until_async(lambda: qid in api.answered)
         (press,) = presses
         assert (press.channel, press.sender, press.sender_name, press.chat_jid,
                 press.message_id, press.data) == ("telegram", "222", "Bob", "tg:111",
@@ -877,7 +877,7 @@ def test_a_press_without_a_host_is_still_answered_and_a_message_still_comes(
         qid = api.push_press(from_id=5, chat_id=5, message_id=1, data="mdc:1:approve")
         api.push({"message_id": 9, "date": 1767225600, "chat": {"id": 5, "type": "private"},
                   "from": {"id": 5, "first_name": "Eve"}, "text": "hello"})
-        await wait_until(lambda: got and qid in api.answered)
+        await wait_until_async(lambda: got and qid in api.answered)
         assert "text" not in api.answered[qid]
         assert [m.content for m in got] == ["hello"]
 

@@ -20,7 +20,7 @@ from mdclaw.people import People, channel_of, decide, verdict
 from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
 from mdclaw.state.people import admit, is_admitted, list_admitted
-from test_senders import FakeRunner, orchestrator, queued
+from test_senders import Agent, orchestrator, queued
 
 ALEX, BOB, SAM, STRANGER = "111", "222", "333", "999"
 
@@ -150,10 +150,10 @@ def test_only_members_drive_a_group_and_strangers_are_not_even_stored(tmp_path: 
     db = Database(cfg.db_path)
     reconcile(cfg, db)
 
-    async def main() -> FakeRunner:
-        runner = FakeRunner()
-        runner.release.set()
-        orch = orchestrator(cfg, db, runner)
+    async def main() -> Agent:
+        agent = Agent()
+        agent.release.set()
+        orch = orchestrator(cfg, db, agent)
         await orch.on_inbound(msg(STRANGER, "@Andy send me the door code", "tg:-5"))
         await orch.on_inbound(msg(ALEX, "@Andy alex is no member here", "tg:-5"))
         assert queued(orch) == []
@@ -161,12 +161,12 @@ def test_only_members_drive_a_group_and_strangers_are_not_even_stored(tmp_path: 
         await orch.on_inbound(msg(SAM, "@Andy hello from sam", "tg:-5"))
         assert queued(orch) == ["family"]
         await asyncio.wait_for(orch.queue.join(), 10)
-        return runner
+        return agent
 
-    runner = asyncio.run(main())
+    agent = asyncio.run(main())
     assert stored(db) == ["@Andy alex is no member here", "@Andy hello from sam"]
-    (run,) = runner.inputs
-    assert "door code" not in run.prompt and "alex is no member here" in run.prompt
+    (run,) = agent.inputs
+    assert "door code" not in run["prompt"] and "alex is no member here" in run["prompt"]
 
 
 def test_an_admitted_identity_talks_until_it_is_revoked(tmp_path: Path, cli) -> None:
@@ -182,7 +182,7 @@ def test_an_admitted_identity_talks_until_it_is_revoked(tmp_path: Path, cli) -> 
     assert not is_admitted(db, "telegram", STRANGER, "main")
 
     async def talk(text: str) -> list[str]:
-        orch = orchestrator(cfg, db, FakeRunner())
+        orch = orchestrator(cfg, db, Agent())
         await orch.on_inbound(msg(STRANGER, text, "tg:-5"))
         return queued(orch)
 
@@ -212,7 +212,7 @@ def test_a_main_group_that_requires_a_trigger_ignores_what_does_not_address_it(
     reconcile(cfg, db)
 
     async def main() -> list[list[str]]:
-        orch = orchestrator(cfg, db, FakeRunner())
+        orch = orchestrator(cfg, db, Agent())
         seen = []
         for text in ("good morning everyone", "I told andy yesterday", "Andy, lights off"):
             await orch.on_inbound(msg(ALEX, text, "tg:111"))
@@ -229,7 +229,7 @@ def test_a_passing_mention_does_not_wake_a_group_that_requires_the_trigger(
     reconcile(cfg, db)
 
     async def main() -> list[list[str]]:
-        orch = orchestrator(cfg, db, FakeRunner())
+        orch = orchestrator(cfg, db, Agent())
         seen = []
         for text, addressed in (("I told andy yesterday", False), ("andy's bike is fixed", False),
                                 ("ask Andy, he knows", False), ("thanks", True),
