@@ -112,6 +112,9 @@ def test_an_approved_action_runs_once_a_denied_one_never(tmp_path: Path) -> None
             await f.settled(a.id)
             assert [c[:2] for c in f.calls()] == [("lock", "unlock")]
             assert f.calls()[0][2]["entity_id"] == "lock.front_door"
+            ran = f.env.db.query_one("SELECT content FROM messages WHERE id = ?",
+                                     (f"host:approval:{a.id}",))
+            assert ran is not None and "approved by Alex (owner) and ran" in ran[0]
 
             f.env.write("main", unlock("u2"), sub="actions")
             await until(lambda: len(f.approvals()) == 2)

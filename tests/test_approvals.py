@@ -252,6 +252,8 @@ def test_codes_are_single_use_and_wrong_guesses_lock_them(cfg) -> None:
         assert store.by_code(conn, "bob", code2) is None
         assert flow.decide(conn, cfg, o2.id, status="approved", by="alex", label="Alex",
                            via="test") is None
+    assert store.get(db, o2.id, codes=True).codes == {}  # spent codes are gone
+    assert set(store.get(db, o.id, codes=True).codes) == {"alex", "bob"}  # still pending
 
 
 def test_expiry_is_found_by_the_index_and_settles_once(cfg) -> None:

@@ -164,14 +164,16 @@ def _ensure_chat(conn: sqlite3.Connection, jid: str, at: str) -> None:
 
 
 def note_text(a: Approval, outcome: str | None) -> str | None:
-    """What the agent is told of a decided request of its own (None: nothing: an approved
-    action's result reaches its tool call; admissions and questions are not the agent's)."""
+    """What the agent is told of a decided request of its own, for its next turn (None for
+    admissions and questions, which are not the agent's requests). An approved action's
+    result also reaches the tool call that waited for it, if that is still running."""
     if a.kind not in ("command", "action"):
         return None
     what = f"Your request #{a.id} ({a.summary})"
     if a.status == "approved":
         if a.kind == "action":
-            return None
+            return (f"{what} was approved by {a.decided_label} and ran; its result went to "
+                    "the tool call that asked.")
         done = f": {outcome}" if outcome and outcome != "applied" else "; it was carried out"
         return f"{what} was approved by {a.decided_label}{done}."
     if a.status == "expired":

@@ -183,12 +183,17 @@ def pending_count(conn: Conn, folder: str | None = None) -> int:
 def decide(conn: sqlite3.Connection, approval_id: int, *, status: str, by: str | None,
            label: str, via: str, choice: str | None = None) -> bool:
     """Record a decision if the approval still waits: True for the one decision that made
-    it, False when it was decided (or expired) already."""
+    it, False when it was decided (or expired) already. Its reply codes are spent: they
+    are deleted (so the codes table holds the pending approvals' only, and a lookup by a
+    person's code costs the same after years)."""
     assert status in DECIDED
-    return conn.execute(
+    won = conn.execute(
         "UPDATE approvals SET status = ?, choice = ?, decided_by = ?, decided_label = ?,"
         " decided_via = ?, decided_at = ? WHERE id = ? AND status = 'pending'",
         (status, choice, by, label, via, now(), approval_id)).rowcount == 1
+    if won:
+        conn.execute("DELETE FROM approval_codes WHERE approval_id = ?", (approval_id,))
+    return won
 
 
 def due(conn: Conn, at: str | None = None) -> list[int]:
@@ -270,8 +275,3 @@ def by_card_message(conn: Conn, outbox_id: int) -> int | None:
     return rows[0][0] if rows else None
 
 
-def status_counts(conn: Conn) -> dict[str, int]:
-    counts = {s: 0 for s in STATUSES}
-    for r in _q(conn, "SELECT status, count(*) FROM approvals GROUP BY status"):
-        counts[r[0]] = int(r[1])
-    return counts

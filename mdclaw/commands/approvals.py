@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from mdclaw.approvals.store import STATUSES
 from mdclaw.commands.common import open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.ops.approvals import (
@@ -16,8 +17,6 @@ from mdclaw.ops.approvals import (
     rules_for_groups,
 )
 from mdclaw.ops.console import fail, load_or_exit
-
-STATUSES = ("pending", "approved", "denied", "expired", "answered")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

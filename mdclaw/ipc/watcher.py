@@ -363,6 +363,8 @@ class IpcWatcher:
             self.engine.settle()
         except sqlite3.Error as e:  # a busy database: the next tick tries again
             log.warning("ipc: could not settle approvals: %s", e)
+        except Exception:  # noqa: BLE001 - a bug must not stop the IPC loop; next tick again
+            log.exception("ipc: settling approvals failed")
 
     def _files_ready(self) -> None:
         if self.on_files_ready is not None:
