@@ -131,11 +131,17 @@ class FakeBotApi:
         return qid
 
     def of(self, method: str) -> list[dict[str, Any]]:
-        return [p for m, p in list(self.calls) if m == method]
+        return [p for m, p in list(self.calls) if m == method]  # list(): a snapshot
+
+    def sent(self) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+        """Every message the bot sent, as it stands now, in order (a snapshot: the fake's
+        own thread may be adding to them)."""
+        with self._lock:
+            return sorted(self.messages.items())
 
     def keyboards(self, chat_id: int) -> list[tuple[int, dict[str, Any]]]:
         """(message id, message) of the bot's messages in `chat_id` that show a keyboard."""
-        return [(mid, m) for (cid, mid), m in sorted(self.messages.items())
+        return [(mid, m) for (cid, mid), m in self.sent()
                 if cid == chat_id and (m.get("reply_markup") or {}).get("inline_keyboard")]
 
     async def handle(self, request: web.Request) -> web.Response:
@@ -194,9 +200,10 @@ class FakeBotApi:
             markup = params.get("reply_markup")
             if markup is not None and (why := keyboard_problem(markup)):
                 return _bad(why)
-            self.next_message_id += 1
-            self.messages[(int(params["chat_id"]), self.next_message_id)] = {
-                "text": text, "reply_markup": markup, "edits": 0}
+            with self._lock:
+                self.next_message_id += 1
+                self.messages[(int(params["chat_id"]), self.next_message_id)] = {
+                    "text": text, "reply_markup": markup, "edits": 0}
             return web.json_response({"ok": True, "result": {
                 "message_id": self.next_message_id, "date": int(time.time()),
                 "chat": {"id": int(params["chat_id"])}, "text": text}})
@@ -243,7 +250,8 @@ class FakeBotApi:
                         "markup are exactly the same as a current content and reply markup "
                         "of the message")
         new["edits"] = message["edits"] + 1
-        self.messages[key] = new
+        with self._lock:
+            self.messages[key] = new
         return web.json_response({"ok": True, "result": {
             "message_id": key[1], "chat": {"id": key[0]}, "text": new["text"]}})
 
@@ -308,6 +316,11 @@ class ThreadedFake:
                     await app.stop()
             for runner in self._runners:
                 await runner.cleanup()
+            # a long poll the daemon left open ends with the loop, not destroyed pending
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -30,9 +30,14 @@ from mdclaw.outbox import OutboxWorker, RetryPolicy
 from mdclaw_agent.tools import ToolContext, run_tool, tools_for
 from test_action_worker import Running, job, request, result
 from test_home_assistant import TOKEN, ha_config
-from waiting import wait_until_async as until
+from waiting import wait_until_async
 
 load_all()
+
+
+async def until(cond: Any, timeout: float = 60.0) -> Any:
+    """The one wait helper, with a deadline that a loaded machine does not reach."""
+    return await wait_until_async(cond, timeout)
 
 PEOPLE = """\
 people:
@@ -61,7 +66,7 @@ class Flow:
 
     async def settled(self, approval_id: int) -> store.Approval:
         return await until(lambda: (a := store.get(self.env.db, approval_id)) is not None
-                           and a.settled_at is not None and a, timeout=20)
+                           and a.settled_at is not None and a, timeout=60)
 
 
 @asynccontextmanager
@@ -144,7 +149,7 @@ def test_no_answer_in_time_is_a_denial(tmp_path: Path) -> None:
         async with running(tmp_path, "approvals: {timeout: 1s}\n") as f:
             f.env.write("main", unlock("u1"), sub="actions")
             expired = await until(lambda: (r := result(f.env, "main", "u1")) and
-                                  r["status"] == "error" and r, timeout=20)
+                                  r["status"] == "error" and r, timeout=60)
             assert "nobody answered in time" in expired["error"]
             (a,) = f.approvals()
             a = await f.settled(a.id)
@@ -225,7 +230,7 @@ def test_nothing_an_agent_writes_decides(tmp_path: Path) -> None:
                     f.env.write("main", body, sub=sub)
                     f.env.write("family", body, sub=sub)
             await until(lambda: f.env.pending("main", "actions") == []
-                        and f.env.pending("family", "messages") == [], timeout=20)
+                        and f.env.pending("family", "messages") == [], timeout=60)
             await asyncio.sleep(0.5)
             assert store.get(f.env.db, a.id).status == "pending"
             assert f.calls() == []
@@ -346,7 +351,7 @@ def test_the_agents_tools_wait_for_a_person_and_ask_person_gets_the_answer(
                 flow.decide(conn, f.env.cfg, q[0].id, status="answered", by="alex",
                             label="Alex (owner)", via="test", choice="3")
             f.watcher.actions.wake()
-            await until(lambda: not asked.is_alive(), timeout=20)
+            await until(lambda: not asked.is_alive(), timeout=60)
             assert replies["ask_person"] == ("Alex (owner) answered: Later", False)
 
             called = use("ha_call_service", UNLOCK_ARGS)
@@ -354,7 +359,7 @@ def test_the_agents_tools_wait_for_a_person_and_ask_person_gets_the_answer(
             await asyncio.sleep(2.5)
             assert called.is_alive()
             f.decide(a[0].id, "denied")
-            await until(lambda: not called.is_alive(), timeout=20)
+            await until(lambda: not called.is_alive(), timeout=60)
             text, err = replies["ha_call_service"]
             assert err and "denied by Alex (owner)" in text
             assert f.calls() == []
@@ -370,7 +375,7 @@ def test_a_group_cannot_bury_the_owner_in_cards(tmp_path: Path) -> None:
             n = store.MAX_PENDING_PER_GROUP + 2
             for i in range(n):
                 f.env.write("main", unlock(f"u{i}"), sub="actions")
-            await until(lambda: f.env.pending("main", "actions") == [], timeout=20)
+            await until(lambda: f.env.pending("main", "actions") == [], timeout=60)
             assert len(f.approvals()) == store.MAX_PENDING_PER_GROUP
             refused = [f.env.errors_for("main", p.name.split(".", 2)[2].removesuffix(
                 ".error.json")) for p in f.env.errors.glob("main.*.error.json")]
