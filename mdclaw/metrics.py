@@ -90,6 +90,11 @@ PROXY_TOKENS = Counter(
     "Model tokens the API reported through the credential proxy, by group, model and "
     "direction (input, output).",
     ["group", "model", "direction"], registry=REGISTRY)
+HTTP_CONNECTIONS_CLOSED = Counter(
+    "mdclaw_http_connections_closed",
+    "HTTP connections the daemon closed on a slow or greedy client, by listener (web, "
+    "metrics, proxy) and reason (over_cap, header_timeout, body_timeout, idle, not_reading).",
+    ["listener", "reason"], registry=REGISTRY)
 
 
 class Labeled:
@@ -120,6 +125,7 @@ approvals_decided = Labeled(APPROVALS_DECIDED)
 approval_wait = Labeled(APPROVAL_WAIT)
 proxy_requests = Labeled(PROXY_REQUESTS)
 proxy_tokens = Labeled(PROXY_TOKENS)
+http_connections_closed = Labeled(HTTP_CONNECTIONS_CLOSED)
 
 _models: set[str] = set()
 

@@ -471,11 +471,9 @@ def test_an_unknown_sender_is_admitted_through_the_owners_card_and_can_then_talk
         assert (admitted["channel"], admitted["sender"], admitted["group_folder"],
                 admitted["admitted_by"]) == ("telegram", str(STRANGER), "family", "alex")
         n = len(s.sent_to(FAMILY))
-        # Telegram dates messages in whole seconds, the admitted message was stored at the
-        # admission's millisecond: until the cursor is a sequence of the host's (invariant
-        # 11, worked on apart from this), a message dated the same second would sort before
-        # it. Say the next thing a second later, as a person would.
-        time.sleep(1.1)
+        # At once, in the second of the admission (Telegram dates in whole seconds): the
+        # cursor is the host's sequence (invariant 11), so the admitted message stored at
+        # the admission cannot hide the next one.
         s.say(STRANGER, FAMILY, "@Andy and now?")
         wait(lambda: len(s.sent_to(FAMILY)) > n, "the admitted sender answered again")
 

@@ -1,5 +1,5 @@
 """The `approvals` table: pending requests for a person's decision, their reply codes, and
-the audit of every decision (migration 12 describes the columns).
+the audit of every decision (migration 13 describes the columns).
 
 Every change here takes the caller's connection and runs in the caller's transaction: an
 approval is opened in the transaction of the command that asked for it, a decision is one

@@ -50,6 +50,7 @@ from mdclaw.config.schema_services import (
     WhatsAppChannel,
 )
 from mdclaw.config.types import (
+    FOLDER_CASE_RULE,
     CrossKeyError,
     Duration,
     Folder,
@@ -57,6 +58,7 @@ from mdclaw.config.types import (
     Problem,
     Size,
     SizeOrPercent,
+    folder_key,
     format_duration,
     parse_size,
     short_repr,
@@ -234,8 +236,10 @@ class Config(_Settings):
         "info", description="Least severe log level written to stderr.")
     assistant: Assistant = Field(default_factory=Assistant,
                                  description="Who the assistant is and where it lives.")
-    groups: dict[Folder, Group] = Field(default_factory=dict,
-                                        description="Key: the group's folder name.")
+    groups: dict[Folder, Group] = Field(
+        default_factory=dict, description="Key: the group's folder name (1-64 letters, digits, "
+        "'_' or '-'; not global or errors; unique without regard to case: `family` and "
+        "`FAMILY` would share one folder on a case-insensitive file system).")
     people: dict[PersonKey, Person] = Field(
         default_factory=dict, description="The people mdclaw knows, by key (e.g. alex): "
         "their role and their identities on each channel (docs/approvals.md).")
@@ -404,7 +408,13 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
         add(("groups",), "exactly one group must have main: true; found 0: add main: true to "
             "the admin group", ("groups",))
     seen: dict[str, str] = {}
+    folders: dict[str, str] = {}  # folder_key -> the first group's folder
     for folder, g in cfg.groups.items():
+        first = folders.setdefault(folder_key(folder), folder)
+        if first != folder:
+            add(("groups", folder),
+                f"{folder!r} is the folder of group {first!r} but for case: "
+                f"{FOLDER_CASE_RULE}; rename one of the two")
         if g.jid in seen:
             add(("groups", folder, "jid"),
                 f"{g.jid!r} is also the jid of group {seen[g.jid]!r}: a chat belongs to one "
