@@ -39,6 +39,12 @@ KIND_WORDS = {"command": ("approve", "deny"), "action": ("approve", "deny"),
               "admission": ("admit", "ignore")}
 
 
+def _without_address(text: str, name: str) -> str:
+    """`text` without a leading "@Andy " (the email channel puts the trigger before every
+    mail, which is always addressed to the assistant): "@Andy approve 7KQ2" is an answer."""
+    return re.sub(rf"^\s*@{re.escape(name)}[,:]?\s+", "", text, count=1, flags=re.IGNORECASE)
+
+
 class Decider:
     """Takes people's decisions for the daemon. `decided` is called after each decision is
     committed (the daemon wakes the IPC loop's settle pass, the action worker and the
@@ -85,7 +91,7 @@ class Decider:
         its chat; True when it was one (it is then not a message of the chat: it is never
         stored nor shown to an agent). A message of that form from someone who is no
         approver of anything is an ordinary message (False)."""
-        m = REPLY_RE.match(msg.content or "")
+        m = REPLY_RE.match(_without_address(msg.content or "", self.cfg.assistant.name))
         if m is None or msg.attachments:
             return False
         channel = channel_of(msg.chat_jid, msg.channel)

@@ -25,8 +25,17 @@ from mdclaw.config import Config, Person
 from mdclaw.senders import Decision
 
 # JID prefixes of the channels, for a stored message (which keeps only its chat).
-_PREFIX_CHANNEL = {"tg": "telegram", "wa": "whatsapp", "hl": "http"}
-_CHANNEL_LABEL = {"telegram": "Telegram", "whatsapp": "WhatsApp", "http": "web chat"}
+_PREFIX_CHANNEL = {"tg": "telegram", "wa": "whatsapp", "hl": "http", "mail": "email"}
+_CHANNEL_LABEL = {"telegram": "Telegram", "whatsapp": "WhatsApp", "http": "web chat",
+                  "email": "email"}
+# Channels whose sender ids are the same whatever their case (an email address: the email
+# channel reports it lower-cased).
+_CASELESS = frozenset({"email"})
+
+
+def sender_key(channel: str, sender: str) -> str:
+    """A sender id as identities are compared: lower-cased on a caseless channel."""
+    return sender.lower() if channel in _CASELESS else sender
 
 Verdict = Literal["member", "known", "admitted", "unknown"]
 #: admitted(channel, sender, group folder) -> whether the owner admitted that identity.
@@ -59,7 +68,7 @@ class People:
         cached = _CACHE.get(id(cfg))
         if cached is not None and cached[0] is cfg:
             return cached[1]
-        index = {(channel, sender): key for key, p in cfg.people.items()
+        index = {(channel, sender_key(channel, sender)): key for key, p in cfg.people.items()
                  for channel, ids in p.identities.items() for sender in ids}
         made = cls(dict(cfg.people), index)
         _CACHE.clear()  # one config is in force at a time
@@ -68,7 +77,7 @@ class People:
 
     def person_for(self, channel: str, sender: str) -> str | None:
         """The key of the person with identity (channel, sender), or None."""
-        return self.by_identity.get((channel, sender))
+        return self.by_identity.get((channel, sender_key(channel, sender)))
 
     def label(self, key: str) -> str:
         """"Alex (owner)": a person as cards and the audit name them."""

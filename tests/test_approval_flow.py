@@ -318,6 +318,52 @@ def test_a_channel_without_buttons_answers_by_reply_code(tmp_path: Path) -> None
     asyncio.run(go())
 
 
+class MailLikeChannel(CodesChannel):
+    """Chats `mail:<address>` (the email channel's): no buttons, the card's text by mail."""
+
+    name = "email"
+    jid_prefix = "mail:"
+
+
+def test_an_approver_by_email_answers_with_the_code_in_a_mail(tmp_path: Path) -> None:
+    """An email identity (any case in the config) gets its cards at mail:<address>; the
+    mail answering it comes in as the email channel makes it: the address lower-cased, the
+    trigger put before the text ("@Andy approve 7KQ2"), and it decides."""
+    people = PEOPLE + '  erin: {name: Erin, role: admin, identities: ' \
+        '{email: ["Erin@Example.ORG"]}}\n'
+    extra = "approvals:\n  rules:\n    - match: {action: ha_call_service}\n" \
+            "      approver: erin\n"
+
+    async def go() -> None:
+        async with running(tmp_path, extra, people) as f:
+            ch = MailLikeChannel()
+            outbox = OutboxWorker(f.env.db, [ch], policy=RetryPolicy(max_attempts=1))
+            orch = Orchestrator(f.env.cfg, f.env.db, runner=None)
+            orch.decider = Decider(f.env.cfg, f.env.db, decided=f.watcher.wake_settle)
+            f.env.write("main", unlock("m1"), sub="actions")
+            await until(lambda: f.approvals())
+            (card_chat,) = f.env.db.query("SELECT chat_jid FROM outbox")
+            assert card_chat[0] == "mail:erin@example.org"
+            assert await outbox.run_once() == 1
+            code = store.get(f.env.db, f.approvals()[0].id, codes=True).codes["erin"]
+            assert f'Reply "approve {code}"' in ch.sent[0]
+
+            def mail(text: str) -> InboundMessage:
+                return InboundMessage(
+                    id=f"mail:erin@example.org:{text}", chat_jid="mail:erin@example.org",
+                    sender="erin@example.org", sender_name="Erin", content=f"@Andy {text}",
+                    timestamp="2026-01-01T00:00:00.000Z", channel="email", addressed=True)
+
+            await orch.on_inbound(mail(f"approve {code}"))
+            done = await until(lambda: (r := result(f.env, "main", "m1")) and
+                               r["status"] == "success" and r)
+            assert done["status"] == "success"
+            a = await f.settled(f.approvals()[0].id)
+            assert (a.decided_by, a.decided_via) == ("erin", "email")
+            assert [c[:2] for c in f.calls()] == [("lock", "unlock")]
+    asyncio.run(go())
+
+
 # --------------------------------------------------------------------------- the agent's tools
 
 

@@ -99,6 +99,17 @@ def test_a_persons_cards_go_to_the_direct_chat_of_their_first_identity(tmp_path:
     assert people.approvers("sam") == ["sam"] and people.approvers("none") == []
     assert people.label("alex") == "Alex (owner)"
     assert channel_of("tg:-5") == "telegram" and channel_of("hl:x", "http") == "http"
+    assert channel_of("mail:a@b.org") == "email"
+
+
+def test_an_email_identity_is_one_address_whatever_its_case(tmp_path: Path) -> None:
+    cfg = load_config(config(tmp_path, MAIN, PEOPLE + '  erin: {name: Erin, identities: '
+                             '{email: ["Erin@Example.ORG"]}}\n'))
+    people = People.of(cfg)
+    assert people.card_chat("erin") == "mail:erin@example.org"  # the email channel's chat
+    assert people.person_for("email", "erin@example.org") == "erin"
+    assert people.person_for("email", "ERIN@example.org") == "erin"
+    assert people.person_for("telegram", "erin@example.org") is None
 
 
 # --------------------------------------------------------------------------- the rule

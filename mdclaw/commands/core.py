@@ -27,6 +27,7 @@ from mdclaw.config import (
     sorted_issues,
 )
 from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.ops.email import unanswered_groups
 from mdclaw.ops.groups import GROUP_FIELDS, group_listing
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.senders import jid_is_group_chat, main_group_warning
@@ -54,21 +55,21 @@ def open_main_group(cfg: Config) -> Iterable[str]:
     return [warning] if warning else []
 
 
-_CARD_CHANNELS = {"tg:": "telegram", "wa:": "whatsapp", "hl:": "http"}
+_CARD_CHANNELS = {"tg:": "telegram", "wa:": "whatsapp", "hl:": "http", "mail:": "email"}
 
 
 def undeliverable_cards(cfg: Config) -> Iterable[str]:
     """A warning for each person whose cards would go to a channel that is not enabled (or
     who has no chat for cards at all): their approvals could only be decided on the operator
     page or with the CLI."""
-    enabled = {name for name in ("telegram", "whatsapp", "http")
+    enabled = {name for name in ("telegram", "whatsapp", "http", "email")
                if (section := getattr(cfg.channels, name)) is not None and section.enabled}
     for key, p in cfg.people.items():
         chat = p.card_chat()
         if chat is None:
             yield (f"people.{key}: no identity of a channel with chats (telegram, whatsapp, "
-                   "http) and no direct_chat: this person's cards go nowhere (they can decide "
-                   "on the operator page or with `mdclaw approvals`)")
+                   "http, email) and no direct_chat: this person's cards go nowhere (they can "
+                   "decide on the operator page or with `mdclaw approvals`)")
             continue
         channel = next((c for prefix, c in _CARD_CHANNELS.items() if chat.startswith(prefix)),
                        None)
@@ -80,7 +81,7 @@ def undeliverable_cards(cfg: Config) -> Iterable[str]:
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
 CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [
-    open_main_group, old_server_key_warnings, undeliverable_cards]
+    open_main_group, old_server_key_warnings, unanswered_groups, undeliverable_cards]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

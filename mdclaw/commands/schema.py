@@ -252,6 +252,9 @@ Sender ids are what the channel reports as the sender:
   behalf of a chat (an anonymous group admin, a linked channel) carries that chat's id.
 - WhatsApp (`wa:`): the sender's jid. mdclaw is a linked device of the owner's own account,
   so the account's own messages are never inbound: that account is nobody's identity here.
+- Email (`mail:`): the sender's address, lower-cased (`alice@example.org`). Mail reaches a
+  group only from the addresses in `channels.email.allow_from`, checked as docs/security.md
+  says ("Who may write by mail"); `allow_senders` narrows that per group.
 - Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
   `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
   is decided by the web server's token (`server.secret_file`) and `listen` address.

@@ -35,6 +35,7 @@ from mdclaw.config.schema_people import (
 )
 from mdclaw.config.schema_services import (
     Channels,
+    EmailChannel,
     HomeAssistant,
     HomeAssistantAllow,
     HttpChannel,
@@ -523,7 +524,7 @@ def _choices(names: list[str], what: str) -> str:
 
 
 __all__ = ["AllowSenders", "AllowedRoot", "ApprovalMatch", "ApprovalRule", "Approvals",
-           "Assistant", "Channels", "Config", "Group",
+           "Assistant", "Channels", "Config", "EmailChannel", "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
            "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Person", "Runtime",
            "TaskSpec",

@@ -29,7 +29,7 @@ MEMBER_RE = re.compile(r"^(role:(owner|admin|member)|[a-z][a-z0-9_-]{0,31})\Z")
 # loosens what an earlier one asked for).
 APPROVER_KEYWORDS = ("owner", "admin", "none")
 # The JID prefix of each channel's chats, for a person's direct chat derived from an identity.
-CHANNEL_PREFIX = {"telegram": "tg", "whatsapp": "wa", "http": "hl"}
+CHANNEL_PREFIX = {"telegram": "tg", "whatsapp": "wa", "http": "hl", "email": "mail"}
 
 # A person's key in `people` (what members, approvers and the audit name them by).
 PersonKey = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
@@ -52,7 +52,7 @@ class Person(Frozen):
         None, min_length=4, max_length=256,
         description="The chat cards for this person go to, e.g. 'tg:123456789'. Default: "
         "from the first identity (telegram id -> tg:<id>, whatsapp jid -> wa:<jid>, http "
-        "name -> hl:<name>).")
+        "name -> hl:<name>, email address -> mail:<address>).")
 
     @field_validator("identities")
     @classmethod
@@ -83,7 +83,8 @@ class Person(Frozen):
         for channel, ids in self.identities.items():
             prefix = CHANNEL_PREFIX.get(channel)
             if prefix and ids:
-                return f"{prefix}:{ids[0]}"
+                # the email channel's chats are mail:<address> in lower case
+                return f"{prefix}:{ids[0].lower() if channel == 'email' else ids[0]}"
         return None
 
 
