@@ -25,9 +25,10 @@ from mdclaw.config import Config, Person
 from mdclaw.senders import Decision
 
 # JID prefixes of the channels, for a stored message (which keeps only its chat).
-_PREFIX_CHANNEL = {"tg": "telegram", "wa": "whatsapp", "hl": "http", "mail": "email"}
+_PREFIX_CHANNEL = {"tg": "telegram", "wa": "whatsapp", "hl": "http", "mail": "email",
+                   "slack": "slack", "dc": "discord"}
 _CHANNEL_LABEL = {"telegram": "Telegram", "whatsapp": "WhatsApp", "http": "web chat",
-                  "email": "email"}
+                  "email": "email", "slack": "Slack", "discord": "Discord"}
 # Channels whose sender ids are the same whatever their case (an email address: the email
 # channel reports it lower-cased).
 _CASELESS = frozenset({"email"})

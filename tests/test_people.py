@@ -263,3 +263,11 @@ def test_check_config_warns_when_a_persons_cards_cannot_be_delivered(tmp_path: P
     assert "people.alex: cards go to tg:111, but channels.telegram is not enabled" in r.stderr
     assert "people.bob: cards go to tg:222" in r.stderr  # any person may be asked
     assert "people.sam: cards go to tg:333" in r.stderr
+    # Slack and Discord: a user id is no chat, so cards need direct_chat (a DM's id)
+    path = config(tmp_path, MAIN, PEOPLE + "  sl: {name: Sl, identities: {slack: [U1]}}\n"
+                  "  dc: {name: Dc, identities: {discord: ['42']}, direct_chat: 'dc:77'}\n")
+    r = cli("check-config", "--config", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "people.sl: no identity of a channel with chats" in r.stderr
+    assert "Slack and Discord need direct_chat" in r.stderr
+    assert "people.dc: cards go to dc:77, but channels.discord is not enabled" in r.stderr

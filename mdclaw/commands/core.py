@@ -55,20 +55,22 @@ def open_main_group(cfg: Config) -> Iterable[str]:
     return [warning] if warning else []
 
 
-_CARD_CHANNELS = {"tg:": "telegram", "wa:": "whatsapp", "hl:": "http", "mail:": "email"}
+_CARD_CHANNELS = {"tg:": "telegram", "wa:": "whatsapp", "hl:": "http", "mail:": "email",
+                  "slack:": "slack", "dc:": "discord"}
 
 
 def undeliverable_cards(cfg: Config) -> Iterable[str]:
     """A warning for each person whose cards would go to a channel that is not enabled (or
     who has no chat for cards at all): their approvals could only be decided on the operator
     page or with the CLI."""
-    enabled = {name for name in ("telegram", "whatsapp", "http", "email")
+    enabled = {name for name in ("telegram", "whatsapp", "http", "email", "slack", "discord")
                if (section := getattr(cfg.channels, name)) is not None and section.enabled}
     for key, p in cfg.people.items():
         chat = p.card_chat()
         if chat is None:
             yield (f"people.{key}: no identity of a channel with chats (telegram, whatsapp, "
-                   "http, email) and no direct_chat: this person's cards go nowhere (they can "
+                   "http, email; Slack and Discord need direct_chat: a DM's id is not the "
+                   "user's) and no direct_chat: this person's cards go nowhere (they can "
                    "decide on the operator page or with `mdclaw approvals`)")
             continue
         channel = next((c for prefix, c in _CARD_CHANNELS.items() if chat.startswith(prefix)),

@@ -44,6 +44,7 @@ from mdclaw.config.schema_services import (
     Metrics,
     ModelSpec,
     Server,
+    SlackChannel,
     TelegramChannel,
     Transcription,
     Web,
@@ -527,8 +528,8 @@ __all__ = ["AllowSenders", "AllowedRoot", "ApprovalMatch", "ApprovalRule", "Appr
            "Assistant", "Channels", "Config", "EmailChannel", "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
            "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Person", "Runtime",
-           "TaskSpec",
-           "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
+           "SlackChannel", "TaskSpec", "TelegramChannel", "Transcription", "Web", "WebSearch",
+           "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
 
 
