@@ -23,10 +23,12 @@ from types import ModuleType
 from mdclaw import __version__
 from mdclaw.commands import (
     agent,
+    approvals,
     channels,
     containers,
     core,
     ipc,
+    people,
     schema,
     status,
     tasks,
@@ -39,7 +41,8 @@ DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's tracebac
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
-    core, run_command, tasks, channels, whatsapp, containers, ipc, schema, agent, status,
+    core, run_command, tasks, channels, whatsapp, containers, ipc, people, approvals, schema,
+    agent, status,
 ]
 
 
