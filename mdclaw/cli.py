@@ -23,6 +23,7 @@ from types import ModuleType
 from mdclaw import __version__
 from mdclaw.commands import (
     agent,
+    backup,
     channels,
     containers,
     core,
@@ -40,6 +41,7 @@ DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's tracebac
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
     core, run_command, tasks, channels, whatsapp, containers, ipc, schema, agent, status,
+    backup,
 ]
 
 
