@@ -438,7 +438,9 @@ class LastBackup:
         """Scheduled backups missed since the last success (0 when not scheduled)."""
         if self.every is None or self.age is None or self.every <= 0:
             return 0
-        return max(0, int(self.age // self.every) - (0 if self.age % self.every else 1))
+        # A run may start late (the timer's random delay) and take a while: some grace.
+        grace = min(self.every * 0.1, 3600.0)
+        return max(0, int((self.age - grace) // self.every))
 
     @property
     def overdue(self) -> bool:

@@ -421,3 +421,55 @@ def test_export_one_group(tmp_path: Path) -> None:
         assert z.read("files/CLAUDE.md") == b"remember the milk\n"
     p = cli("export", "--group", "nope", "--config", str(config))
     assert p.returncode == 1 and "no group 'nope'" in p.stderr
+
+
+async def get_json(d: Daemon, path: str) -> tuple[int, str]:
+    assert d.web is not None
+    async with aiohttp.ClientSession() as s, s.get(
+            f"http://127.0.0.1:{d.web.port}{path}",
+            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        return r.status, await r.text()
+
+
+def test_the_last_backup_on_metrics_the_page_and_doctor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = write_config(tmp_path)
+    engine = FakeEngine(default=chat_agent())
+
+    async def go() -> None:
+        async with running(config, engine, monkeypatch) as d:
+            status, body = await get_json(d, "/metrics")
+            assert status == 200 and "mdclaw_backup_last_success_timestamp_seconds" not in body
+            _s, page = await get_json(d, "/operator/api/overview")
+            assert json.loads(page)["backup"]["last_success"] is None
+            r = await asyncio.to_thread(make_backup, d.cfg, config, tmp_path / "b",
+                                        every=86400)
+            status, body = await get_json(d, "/metrics")
+            line = next(x for x in body.splitlines()
+                        if x.startswith("mdclaw_backup_last_success_timestamp_seconds "))
+            from mdclaw.schedule import from_iso
+            assert float(line.split()[1]) == pytest.approx(from_iso(r.created_at).timestamp())
+            _s, page = await get_json(d, "/operator/api/overview")
+            b = json.loads(page)["backup"]
+            assert b["last_success"] == r.created_at and b["level"] == "ok"
+
+    asyncio.run(go())
+    data = tmp_path / "data"
+    status_file = data / backup.STATUS_FILE
+    rec = json.loads(status_file.read_text())
+
+    def doctor_backup(days_ago: float) -> dict[str, str]:
+        from datetime import timedelta
+
+        from mdclaw.schedule import to_iso, utc_now
+        status_file.write_text(json.dumps(
+            {**rec, "last_success": to_iso(utc_now() - timedelta(days=days_ago))}))
+        p = cli("doctor", "--json", "--config", str(config))
+        return {c["check"]: c for c in json.loads(p.stdout)}["backup"]
+
+    one_missed = doctor_backup(1.5)
+    assert one_missed["level"] == "ok" and "last backup 1d" in one_missed["detail"]
+    two_missed = doctor_backup(2.5)
+    assert two_missed["level"] == "warn", two_missed
+    assert "2 scheduled backups (every 1d) missed" in two_missed["detail"]
+    assert "mdclaw-backup" in two_missed["fix"]
