@@ -907,10 +907,11 @@ def make_tree_dir(root_fd: int, parts: Sequence[str], mode: int) -> None:
 
 
 def write_tree_file(root_fd: int, parts: Sequence[str], chunks: Iterable[bytes],
-                    mode: int) -> None:
+                    mode: int, *, dir_mode: int = 0o700) -> None:
     """Write a new file root/parts (O_EXCL|O_NOFOLLOW: an existing name or a symlink there
-    is refused) from `chunks`, fchmod it to `mode` and fsync it."""
-    dfd = walk(root_fd, parts[:-1], create=0o700)
+    is refused) from `chunks`, fchmod it to `mode` and fsync it. Missing folders on the way
+    are made with `dir_mode`."""
+    dfd = walk(root_fd, parts[:-1], create=dir_mode)
     try:
         fd = os.open(check_name(parts[-1]), _NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
         try:

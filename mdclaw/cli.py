@@ -27,6 +27,7 @@ from mdclaw.commands import (
     channels,
     containers,
     core,
+    importer,
     ipc,
     schema,
     status,
@@ -41,7 +42,7 @@ DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's tracebac
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
     core, run_command, tasks, channels, whatsapp, containers, ipc, schema, agent, status,
-    backup,
+    backup, importer,
 ]
 
 
