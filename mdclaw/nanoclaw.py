@@ -52,7 +52,7 @@ _TG = re.compile(r"^tg:(-?\d{1,20})\Z")
 _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
 
 
-class ImportError_(StateError):
+class NanoClawError(StateError):
     """The NanoClaw install cannot be read at all (no store, not a database...)."""
 
 
@@ -111,13 +111,13 @@ class Plan:
 def _open_store(root: Path) -> sqlite3.Connection:
     path = root / STORE
     if not path.is_file():
-        raise ImportError_(f"{root} is not a NanoClaw v1 install: no {STORE}")
+        raise NanoClawError(f"{root} is not a NanoClaw v1 install: no {STORE}")
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
         conn.row_factory = sqlite3.Row
         conn.execute("SELECT COUNT(*) FROM registered_groups").fetchone()
     except sqlite3.Error as e:
-        raise ImportError_(f"{path}: not a NanoClaw store ({e})") from None
+        raise NanoClawError(f"{path}: not a NanoClaw store ({e})") from None
     return conn
 
 
@@ -179,7 +179,7 @@ def read_install(root: Path) -> Plan:
         sessions = conn.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         task_runs = conn.execute("SELECT COUNT(*) FROM task_run_logs").fetchone()[0]
     except sqlite3.Error as e:
-        raise ImportError_(f"{root / STORE}: cannot read it ({e})") from None
+        raise NanoClawError(f"{root / STORE}: cannot read it ({e})") from None
     finally:
         conn.close()
     has_global = False
