@@ -709,12 +709,21 @@ def export_group(cfg: Config, folder: str, out: Path) -> dict[str, Any]:
     its chat), transcript.json (what it said and heard, task runs too), tasks.json (its
     scheduled tasks with their runs), outbox.json, and its folder under files/. For a person
     who asks for their data. Returns counts."""
-    import zipfile  # noqa: PLC0415 - only this command
-
     try:
         validate_folder(folder)
     except ValueError as e:
         raise BackupError(str(e)) from None
+    if not cfg.db_path.exists():
+        raise BackupError(f"no state database at {cfg.db_path}: nothing to export")
+    try:
+        return _export(cfg, folder, out)
+    except sqlite3.Error as e:
+        raise BackupError(f"cannot read {cfg.db_path}: {e}") from None
+
+
+def _export(cfg: Config, folder: str, out: Path) -> dict[str, Any]:
+    import zipfile  # noqa: PLC0415 - only this command
+
     with Database(cfg.db_path, readonly=True) as db:
         g = get_group(db, folder)
         if g is None:
