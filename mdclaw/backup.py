@@ -71,8 +71,8 @@ SPOOL_IN_MEMORY = 8 << 20  # a file up to this size is held in memory while arch
 ZSTD_LEVEL = 10
 # Top-level folders of data_dir copied as trees (container-writable or the host's own).
 TREES = ("groups", "sessions", "http")
-_ARCHIVE_NAME = re.compile(re.escape(PREFIX) + r"\d{8}T\d{6}Z(-\d+)?" + re.escape(SUFFIX)
-                           + r"(" + re.escape(AGE_SUFFIX) + r")?$")
+_ARCHIVE_NAME = re.compile(re.escape(PREFIX) + r"(\d{8}T\d{6}Z)(?:-(\d+))?"
+                           + re.escape(SUFFIX) + r"(?:" + re.escape(AGE_SUFFIX) + r")?$")
 
 Progress = Callable[[str], None]
 
@@ -287,10 +287,12 @@ def archive_name(now: datetime, directory: Path, encrypted: bool) -> Path:
 def list_archives(directory: Path) -> list[Path]:
     """The archives `mdclaw backup` made in `directory`, oldest first."""
     try:
-        names = [p for p in directory.iterdir() if _ARCHIVE_NAME.match(p.name)]
+        found = [(m, p) for p in directory.iterdir() if (m := _ARCHIVE_NAME.match(p.name))]
     except FileNotFoundError:
         return []
-    return sorted(names, key=lambda p: p.name)
+    # By time, then by the number a second archive of the same second got (-1, -2...).
+    found.sort(key=lambda mp: (mp[0].group(1), int(mp[0].group(2) or 0)))
+    return [p for _m, p in found]
 
 
 def _recipients(recipient_file: Path | None) -> list[Any]:

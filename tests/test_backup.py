@@ -381,6 +381,17 @@ def test_retention_keeps_the_newest_and_records_the_last_success(tmp_path: Path)
         assert p.returncode == 0, p.stderr
         made.append(json.loads(p.stdout)["archive"])
     assert [str(a) for a in backup.list_archives(tmp_path / "b")] == made[-2:]
+    # Several in one second: "-1" comes after the plain name, "-10" after "-9".
+    d = tmp_path / "same"
+    d.mkdir()
+    names = [f"mdclaw-backup-{n}" for n in (
+        "20260101T000000Z-10.tar.zst", "20260101T000000Z.tar.zst",
+        "20260101T000000Z-9.tar.zst.age", "20251231T235959Z-1.tar.zst",
+        "20260101T000000Z-1.tar.zst")] + ["notes.txt"]
+    for n in names:
+        (d / n).write_bytes(b"")
+    assert [p.name for p in backup.list_archives(d)] == [names[3], names[1], names[4], names[2],
+                                                         names[0]]
     last = backup.last_backup(cfg.data_dir)
     assert last is not None and last.archive == made[-1] and last.every == 86400
     assert not last.overdue
