@@ -92,8 +92,10 @@ def test_every_subcommand_ends_without_a_traceback_and_names_the_extra(
     for words, args in commands:
         if words == ("run",):
             continue  # below: it runs until stopped
+        # In HOME (the test's folder): a command may write there (`export`'s zip).
         r = subprocess.run([sys.executable, "-c", WRAPPER, *words, *args], env=extras_config,
-                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                           cwd=extras_config["HOME"])
         shown = f"mdclaw {' '.join(words + tuple(args))} -> {r.returncode}\n{r.stdout}{r.stderr}"
         assert "Traceback" not in r.stderr + r.stdout, shown
         if r.returncode != 0:
