@@ -49,6 +49,8 @@ SKIPPED_DIRS = ("logs",)  # NanoClaw's container logs
 MAX_FILE = 64 << 20  # a group file larger than this is reported, not copied
 _WA = re.compile(r"^([0-9A-Za-z._-]{1,64})@(s\.whatsapp\.net|g\.us|lid)\Z")
 _TG = re.compile(r"^tg:(-?\d{1,20})\Z")
+_DC = re.compile(r"^dc:\d{1,20}\Z")  # the same form as mdclaw's Discord channel
+_SLACK = re.compile(r"^slack:[A-Z0-9]{2,32}\Z")  # ... and Slack channel
 _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
 
 
@@ -59,13 +61,17 @@ class NanoClawError(StateError):
 def map_jid(jid: str) -> tuple[str | None, str]:
     """NanoClaw's chat id in mdclaw's form, with the channel; (None, why) when mdclaw has no
     channel for it. WhatsApp `<id>@g.us` / `@s.whatsapp.net` / `@lid` -> `wa:<id>@...`;
-    Telegram `tg:<id>` stays."""
+    Telegram `tg:<id>`, Discord `dc:<channel>` and Slack `slack:<channel>` stay."""
     if _WA.match(jid):
         return f"wa:{jid}", "whatsapp"
     if _TG.match(jid):
         return jid, "telegram"
+    if _DC.match(jid):
+        return jid, "discord"
+    if _SLACK.match(jid):
+        return jid, "slack"
     kind = jid.split(":", 1)[0] if ":" in jid else "unknown"
-    names = {"dc": "Discord", "slack": "Slack", "gmail": "Gmail", "sig": "Signal"}
+    names = {"gmail": "Gmail", "sig": "Signal"}
     return None, f"mdclaw has no {names.get(kind, kind)} channel ({jid})"
 
 
@@ -250,6 +256,11 @@ def config_snippet(plan: Plan, assistant_name: str | None = None) -> str:
             lines.append("  whatsapp: {enabled: true}   # then: mdclaw whatsapp link")
         if "telegram" in channels:
             lines.append("  telegram: {token_file: /path/to/bot-token}   # the bot NanoClaw used")
+        if "discord" in channels:
+            lines.append("  discord: {token_file: /path/to/bot-token}    # the bot NanoClaw used")
+        if "slack" in channels:
+            lines.append("  slack: {bot_token_file: /path/to/xoxb, app_token_file: "
+                         "/path/to/xapp}")
     return "\n".join(lines) + "\n"
 
 
@@ -318,7 +329,7 @@ def _import_messages(conn: sqlite3.Connection, db: Database,
                             (g.jid,)).fetchall()
         with db.transaction() as c:
             upsert_chat(c, g.mdclaw_jid, chat["name"] if chat is not None else g.name,
-                        g.channel, g.mdclaw_jid.endswith("@g.us") or g.channel == "telegram",
+                        g.channel, not g.mdclaw_jid.endswith("@s.whatsapp.net"),
                         last or to_iso(utc_now()))
             for r in rows:
                 if not r["id"] or r["timestamp"] is None or r["content"] is None:

@@ -236,3 +236,15 @@ def test_imported_groups_answer_through_a_real_daemon(
     # One turn, for the new message: the imported history was not answered again.
     assert len(prompts) == 1
     assert "when does Grandma come" in prompts[0] and "pumpkin" not in prompts[0]
+
+
+def test_nanoclaws_chat_forms_map_to_mdclaws_channels() -> None:
+    from mdclaw.nanoclaw import map_jid
+    assert map_jid("120363001234567890@g.us") == ("wa:120363001234567890@g.us", "whatsapp")
+    assert map_jid("4915112345678@s.whatsapp.net")[0] == "wa:4915112345678@s.whatsapp.net"
+    assert map_jid("tg:-1001234567890") == ("tg:-1001234567890", "telegram")
+    assert map_jid("dc:1234567890123") == ("dc:1234567890123", "discord")
+    assert map_jid("slack:C0123456789") == ("slack:C0123456789", "slack")
+    for odd in ("gmail:someone@example.org", "dc:../x", "x@evil.com", ""):
+        mapped, why = map_jid(odd)
+        assert mapped is None and "mdclaw has no" in why

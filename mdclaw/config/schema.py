@@ -36,6 +36,7 @@ from mdclaw.config.schema_services import (
     Metrics,
     ModelSpec,
     Server,
+    SlackChannel,
     TelegramChannel,
     Transcription,
     Web,
@@ -510,8 +511,8 @@ def _choices(names: list[str], what: str) -> str:
 __all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "EmailChannel",
            "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
-           "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Runtime", "TaskSpec",
-           "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
+           "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Runtime", "SlackChannel",
+           "TaskSpec", "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
 
 
