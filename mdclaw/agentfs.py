@@ -836,3 +836,101 @@ __all__ = [
     "read_text", "remove_entry", "set_mode", "tree_usage", "unlink", "walk", "write_new_file",
     "write_sentinel",
 ]
+
+
+# --------------------------------------------------------------------------- whole trees
+# (backup and restore: every file of a tree, read or written without following a symlink)
+
+
+@dataclass(frozen=True)
+class TreeEntry:
+    parts: tuple[str, ...]  # the path below the root
+    kind: str  # kind_of(mode): "folder", "file", "a symlink"...
+    mode: int  # permission bits (with setgid/sticky)
+    mtime: float
+    uid: int
+    gid: int
+
+
+def iter_tree(root_fd: int, *, max_entries: int = 5_000_000) -> Iterator[TreeEntry]:
+    """Every entry below the open folder `root_fd`, names sorted, a folder before what is in
+    it, without following any symlink (a symlink, FIFO or socket is reported with its kind,
+    never entered). A folder that vanished or turned into something else meanwhile is
+    skipped. Raises UnsafePath after `max_entries` entries."""
+    pending: list[tuple[str, ...]] = [()]
+    seen = 0
+    while pending:
+        parts = pending.pop()
+        try:
+            fd = walk(root_fd, parts)
+        except (FileNotFoundError, UnsafePath):
+            continue
+        try:
+            names = sorted(os.listdir(fd))
+            children = []
+            for name in names:
+                seen += 1
+                if seen > max_entries:
+                    raise UnsafePath(f"more than {max_entries} entries; refused")
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                entry = TreeEntry(parts + (name,), kind_of(st.st_mode),
+                                  stat.S_IMODE(st.st_mode), st.st_mtime, st.st_uid, st.st_gid)
+                yield entry
+                if stat.S_ISDIR(st.st_mode):
+                    children.append(entry.parts)
+            pending.extend(reversed(children))
+        finally:
+            os.close(fd)
+
+
+def open_tree_file(root_fd: int, parts: Sequence[str]) -> tuple[int, os.stat_result]:
+    """Open the regular file root/parts for reading (no symlink followed on the way or at
+    the end; hard links allowed). Raises Vanished, Rejected or UnsafePath."""
+    dfd = walk(root_fd, parts[:-1])
+    try:
+        return open_regular(dfd, parts[-1], 1 << 62, allow_links=True)
+    finally:
+        os.close(dfd)
+
+
+def make_tree_dir(root_fd: int, parts: Sequence[str], mode: int) -> None:
+    """Make the folder root/parts (and missing folders on the way, 0o700) with `mode`;
+    a symlink anywhere on the way is refused."""
+    fd = walk(root_fd, parts, create=0o700)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def write_tree_file(root_fd: int, parts: Sequence[str], chunks: Iterable[bytes],
+                    mode: int, *, dir_mode: int = 0o700) -> None:
+    """Write a new file root/parts (O_EXCL|O_NOFOLLOW: an existing name or a symlink there
+    is refused) from `chunks`, fchmod it to `mode` and fsync it. Missing folders on the way
+    are made with `dir_mode`."""
+    dfd = walk(root_fd, parts[:-1], create=dir_mode)
+    try:
+        fd = os.open(check_name(parts[-1]), _NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+
+
+def chown_tree_entry(root_fd: int, parts: Sequence[str], uid: int, gid: int) -> None:
+    """Give root/parts (a file or folder, never followed if a symlink) the owner uid:gid."""
+    dfd = walk(root_fd, parts[:-1])
+    try:
+        os.chown(check_name(parts[-1]), uid, gid, dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)

@@ -24,9 +24,11 @@ from mdclaw import __version__
 from mdclaw.commands import (
     agent,
     approvals,
+    backup,
     channels,
     containers,
     core,
+    importer,
     ipc,
     people,
     schema,
@@ -42,7 +44,7 @@ DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's tracebac
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
     core, run_command, tasks, channels, whatsapp, containers, ipc, people, approvals, schema,
-    agent, status,
+    agent, status, backup, importer,
 ]
 
 

@@ -304,6 +304,33 @@ let
     SystemCallErrorNumber = "EPERM";
   };
 
+  backupPeriods = {
+    hourly = "1h";
+    daily = "1d";
+    weekly = "7d";
+    monthly = "30d";
+  };
+  bk = cfg.backup;
+  backupArgs = lib.escapeShellArgs (
+    [
+      "backup"
+      "--config"
+      configPath
+      "--to"
+      bk.directory
+      "--keep"
+      (toString bk.keep)
+    ]
+    ++ lib.optionals (bk.ageRecipientFile != null) [
+      "--age-recipients"
+      "${bk.ageRecipientFile}"
+    ]
+    ++ lib.optionals (bk.expectEvery != null) [
+      "--every"
+      bk.expectEvery
+    ]
+  );
+
   groups = cfg.settings.groups;
   mainGroups = lib.attrNames (lib.filterAttrs (_: g: g.main == true) groups);
   modelNames = lib.attrNames cfg.settings.models;
@@ -440,6 +467,39 @@ in
       description = "The settings as written to config.yaml (unset keys left out).";
     };
 
+    backup = {
+      enable = mkEnableOption "a scheduled `mdclaw backup` of the database, group folders, agent sessions, WhatsApp session and config (taken while the daemon runs; docs/backup.md)";
+      startAt = mkOption {
+        type = types.either types.str (types.listOf types.str);
+        default = "daily";
+        example = "*-*-* 03:30:00";
+        description = "When to back up: systemd calendar events (systemd.time(7)). A missed run is made up after boot (Persistent=true).";
+      };
+      directory = mkOption {
+        type = types.str;
+        default = "/var/backup/mdclaw";
+        description = "Where the archives go (made 0700, owned by mdclaw). Put it on another disk, or copy it off the machine.";
+      };
+      keep = mkOption {
+        type = types.ints.positive;
+        default = 14;
+        description = "How many archives to keep in `directory`; older ones are removed after each successful backup.";
+      };
+      ageRecipientFile = mkOption {
+        type = types.nullOr types.path;
+        default = null;
+        example = "/etc/mdclaw/backup-recipients.txt";
+        description = "Encrypt each archive to the age recipients in this file (`age1...` or `ssh-...`, one a line: public keys, so the file may be in the Nix store). Needs mdclaw built with the `age` extra (pyrage).";
+      };
+      expectEvery = mkOption {
+        type = types.nullOr types.str;
+        default = backupPeriods.${toString cfg.backup.startAt} or null;
+        defaultText = literalExpression "\"1h\", \"1d\", \"7d\" or \"30d\" for startAt hourly, daily, weekly, monthly; else null";
+        example = "12h";
+        description = "How often `startAt` fires, as an mdclaw duration: `mdclaw doctor` and the operator page warn once two backups are missed. null: the age of the last backup is shown, with no warning.";
+      };
+    };
+
     configFile = mkOption {
       type = types.path;
       readOnly = true;
@@ -563,7 +623,43 @@ in
     # `sudo mdclaw <anything>` as the service; `mdclaw status` ... for the mdclaw group.
     environment.systemPackages = [ adminCli ];
 
-    systemd.tmpfiles.rules = lib.optional (!dataDirIsStateDir) "d '${dataDir}' 0750 mdclaw mdclaw - -";
+    systemd.tmpfiles.rules =
+      lib.optional (!dataDirIsStateDir) "d '${dataDir}' 0750 mdclaw mdclaw - -"
+      ++ lib.optional bk.enable "d '${bk.directory}' 0700 mdclaw mdclaw - -";
+
+    # The backup: a oneshot as the service's user (it reads data_dir while the daemon runs:
+    # SQLite's online backup API) and its timer.
+    systemd.services.mdclaw-backup = mkIf bk.enable {
+      description = "Back up mdclaw's data (mdclaw backup)";
+      after = [ "mdclaw.service" ];
+      environment = {
+        MDCLAW_CONFIG = configPath;
+        TMPDIR = "/run/mdclaw-backup";
+      };
+      serviceConfig = hardening // {
+        Type = "oneshot";
+        ExecStart = "${exe} ${backupArgs}";
+        ReadWritePaths = [
+          dataDir
+          bk.directory
+        ];
+        RuntimeDirectory = "mdclaw-backup";
+        RuntimeDirectoryMode = "0700";
+        WorkingDirectory = dataDir;
+        LoadCredential = credentialSpecs;
+        Nice = 10;
+        IOSchedulingClass = "idle";
+      };
+    };
+    systemd.timers.mdclaw-backup = mkIf bk.enable {
+      description = "Back up mdclaw's data on schedule";
+      wantedBy = [ "timers.target" ];
+      timerConfig = {
+        OnCalendar = bk.startAt;
+        Persistent = true;
+        RandomizedDelaySec = "5min";
+      };
+    };
 
     systemd.services.mdclaw-image = mkIf (cfg.image != null) {
       description = "Load mdclaw's agent image into the container engine";

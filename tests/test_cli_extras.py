@@ -33,7 +33,8 @@ WRAPPER = ("import sys\n"
 # What each subcommand's required arguments get (a new one must be added here).
 ARGUMENTS = {"task_id": ["t1"], "row_id": ["1"], "name": ["main.tasks.x.json.error"],
              "tarball": ["/nonexistent/image.tar"], "text": ["hello"], "group": ["main"],
-             "channel": ["telegram"], "sender": ["12345"], "id": ["1"]}
+             "channel": ["telegram"], "sender": ["12345"], "id": ["1"],
+             "archive": ["/nonexistent/backup.tar.zst"], "dir": ["/nonexistent/nanoclaw"]}
 # Subcommands that need an extra, and the extras their failure names.
 NEEDS = {("check-config",): {"whatsapp", "transcribe", "email"},
          ("doctor",): {"whatsapp", "transcribe", "email"}, ("whatsapp", "link"): {"whatsapp"}}
@@ -92,8 +93,10 @@ def test_every_subcommand_ends_without_a_traceback_and_names_the_extra(
     for words, args in commands:
         if words == ("run",):
             continue  # below: it runs until stopped
+        # In HOME (the test's folder): a command may write there (`export`'s zip).
         r = subprocess.run([sys.executable, "-c", WRAPPER, *words, *args], env=extras_config,
-                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                           cwd=extras_config["HOME"])
         shown = f"mdclaw {' '.join(words + tuple(args))} -> {r.returncode}\n{r.stdout}{r.stderr}"
         assert "Traceback" not in r.stderr + r.stdout, shown
         if r.returncode != 0:

@@ -369,3 +369,48 @@ def test_documented_overlay_route_names_the_predicate() -> None:
     module = (REPO / "nixos-module" / "default.nix").read_text()
     assert "nixpkgs.config.allowUnfreePredicate = pkg: builtins.elem (lib.getName pkg) " \
         '[ \\"claude-code\\" ];' in module
+
+
+# --------------------------------------------------------------------------- backup
+
+def test_no_backup_unless_enabled(basic: dict) -> None:
+    assert basic["backupUnit"] is None and basic["backupTimer"] is None
+
+
+def test_backup_timer_and_oneshot(lib: Path, tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, module(MAIN + """
+      backup = { enable = true; startAt = "weekly"; directory = "/srv/backups/mdclaw";
+                 keep = 5; ageRecipientFile = "/etc/mdclaw/recipients.txt"; };
+    """))
+    unit, timer = r["backupUnit"], r["backupTimer"]
+    sc = unit["serviceConfig"]
+    assert sc["Type"] == "oneshot" and sc["User"] == "mdclaw"
+    args = sc["ExecStart"].split()
+    assert args[1:] == ["backup", "--config", "/etc/mdclaw/config.yaml", "--to",
+                        "/srv/backups/mdclaw", "--keep", "5", "--age-recipients",
+                        "/etc/mdclaw/recipients.txt", "--every", "7d"]
+    assert args[0].endswith("/bin/mdclaw")
+    assert sorted(sc["ReadWritePaths"]) == ["/srv/backups/mdclaw", "/var/lib/mdclaw"]
+    assert sc["ProtectSystem"] == "strict" and sc["NoNewPrivileges"] is True
+    assert timer["wantedBy"] == ["timers.target"]
+    assert timer["timerConfig"]["OnCalendar"] == "weekly"
+    assert timer["timerConfig"]["Persistent"] is True
+    assert "d '/srv/backups/mdclaw' 0700 mdclaw mdclaw - -" in r["tmpfiles"]
+
+
+def test_backup_defaults_and_a_calendar_without_a_known_period(lib: Path,
+                                                                tmp_path: Path) -> None:
+    r = eval_module(lib, tmp_path, module(MAIN + " backup.enable = true;"))
+    args = r["backupUnit"]["serviceConfig"]["ExecStart"].split()
+    assert args[args.index("--to") + 1] == "/var/backup/mdclaw"
+    assert args[args.index("--keep") + 1] == "14" and args[args.index("--every") + 1] == "1d"
+    assert "--age-recipients" not in args
+    assert r["backupTimer"]["timerConfig"]["OnCalendar"] == "daily"
+    r = eval_module(lib, tmp_path, module(MAIN + """
+      backup = { enable = true; startAt = "*-*-* 03:30:00"; };"""))
+    assert "--every" not in r["backupUnit"]["serviceConfig"]["ExecStart"]
+    r = eval_module(lib, tmp_path, module(MAIN + """
+      backup = { enable = true; startAt = "*-*-* 03,15:00:00"; expectEvery = "12h"; };"""))
+    assert "--every 12h" in r["backupUnit"]["serviceConfig"]["ExecStart"]
+    r = eval_module_raw(lib, tmp_path, module(MAIN + " backup = { enable = true; keep = 0; };"))
+    assert r.returncode != 0 and "keep" in r.stderr

@@ -39,6 +39,11 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/commands/channels.py": "the CLI checks the database path exists",
     "mdclaw/commands/core.py": "check-config reads the config file it checks (for line numbers)",
     "mdclaw/commands/containers.py": "the CLI checks files the operator names (image tarballs)",
+    "mdclaw/backup.py": "the archive it writes or reads, its spool and staging folders, the "
+                        "database and WhatsApp session files (SQLite), config.yaml, "
+                        "backup-status.json; group and session trees only through agentfs",
+    "mdclaw/nanoclaw.py": "looks for the NanoClaw store file it reads (read-only); group "
+                          "folders only through agentfs",
     "mdclaw/runtime/__init__.py": "looks for the engine's API socket",
     "mdclaw/runtime/docker_engine.py": "reads an image tarball the operator names",
     "mdclaw/runtime/apple.py": "the Apple runtime's private secrets folder",

@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mdclaw import metrics
+from mdclaw.backup import last_backup
 from mdclaw.listener import ConnectionGuard
 from mdclaw.operator.access import Access, Handler
 from mdclaw.ops.view import DaemonView
@@ -106,6 +107,11 @@ async def scrape_gauges(d: DaemonView) -> list[GaugeMetricFamily]:
         g.add_metric([ch.name], 1 if ch.is_connected() else 0)
     out.append(g)
     cfg = d.cfg
+    last = await asyncio.to_thread(last_backup, cfg.data_dir)
+    if last is not None and last.at is not None:
+        out.append(GaugeMetricFamily(
+            "mdclaw_backup_last_success_timestamp_seconds", "When the last `mdclaw backup` "
+            "succeeded (Unix time; absent before the first).", value=last.at.timestamp()))
     used = GaugeMetricFamily("mdclaw_budget_tokens_used", "Model tokens the group used today "
                              "(UTC day), as its budget counts them.", labels=["group"])
     limit = GaugeMetricFamily("mdclaw_budget_tokens_per_day", "The group's daily token budget "

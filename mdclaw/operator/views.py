@@ -27,6 +27,7 @@ from mdclaw.ops.budgets import budget_rows, since_day
 from mdclaw.ops.groups import group_listing
 from mdclaw.ops.outbox import change_outbox_row
 from mdclaw.ops.quarantine import delete_quarantined
+from mdclaw.ops.status import backup_summary
 from mdclaw.ops.tasks import (
     CONFIG_CANCEL_NOTE,
     TASK_ACTIONS,
@@ -99,6 +100,7 @@ def overview(d: DaemonView) -> dict[str, Any]:
         "queue": status["queue"],
         "outbox": status["outbox"],
         "disk": status["disk"],
+        "backup": backup_summary(d.cfg),
         "reload": d.last_reload, "reload_error": d.reload_error,
     }
 

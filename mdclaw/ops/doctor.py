@@ -34,7 +34,7 @@ from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
 from mdclaw.ops.email import email_checks
 from mdclaw.ops.matrix import matrix_checks, matrix_status
-from mdclaw.ops.status import daemon_running, disk_status
+from mdclaw.ops.status import backup_summary, daemon_running, disk_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.runtime import create_runtime, engine_errors
 from mdclaw.schedule import get_zone, to_iso, utc_now
@@ -98,6 +98,10 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                "start Docker or `podman system service`, or set runtime.socket / DOCKER_HOST")
         _check(results, "image", "warn", "not checked: no engine")
     _disk_checks(results, cfg)
+    b = backup_summary(cfg)
+    _check(results, "backup", b["level"], b["detail"],
+           "see why the backup fails: systemctl status mdclaw-backup (journalctl -u "
+           "mdclaw-backup), or run `mdclaw backup`" if b["level"] != "ok" else "")
     # secret files (models, channels, integrations...): the config's check, then a read
     problems = {i.path: i.message for i in secret_file_issues(cfg)}
     for key, path in iter_secret_files(cfg):

@@ -11,7 +11,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from mdclaw.config import Config
+from mdclaw.backup import last_backup
+from mdclaw.config import Config, format_duration
 from mdclaw.diskguard import check_all
 from mdclaw.ops.database import READ_TIMEOUT, database_fields, recheck
 from mdclaw.ops.email import email_status
@@ -62,6 +63,7 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     except (OSError, ValueError, KeyError):
         pass
     out["disk"] = disk_status(cfg)
+    out["backup"] = backup_summary(cfg)
     wa = whatsapp_status(cfg)
     if wa is not None:
         out["whatsapp"] = wa
@@ -117,3 +119,37 @@ def _recent_failed_turns(db: Database, days: float = 1.0,
 def disk_status(cfg: Config) -> dict[str, Any]:
     """Free space and each group's files, measured now with the daemon's own rule."""
     return check_all(cfg)
+
+
+def backup_summary(cfg: Config) -> dict[str, Any]:
+    """The last backup as doctor, `status`, the operator page and /metrics show it:
+    data_dir/backup-status.json (mdclaw.backup) with `level` (ok, or warn once two scheduled
+    backups were missed) and a `detail` line."""
+    last = last_backup(cfg.data_dir)
+    if last is None:
+        return {"last_success": None, "level": "ok", "overdue": False,
+                "detail": "no backup recorded yet (mdclaw backup; docs/backup.md)"}
+    out = last.as_json()
+    if last.at is None or last.age is None:
+        out.update(level="warn", detail="backup-status.json is unreadable")
+        return out
+    age = _age_text(last.age)
+    detail = f"last backup {age} ago ({to_iso(last.at)}): {last.archive}"
+    if last.overdue and last.every:
+        every = format_duration(timedelta(seconds=last.every))
+        out.update(level="warn", detail=f"{detail}; {last.missed} scheduled backups (every "
+                                        f"{every}) missed")
+    else:
+        out.update(level="ok", detail=detail)
+    return out
+
+
+def _age_text(seconds: float) -> str:
+    """A rough age for people: 2d 3h, 5h 12m, 7m, 30s."""
+    s = max(0, int(seconds))
+    d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    if d:
+        return f"{d}d {h}h"
+    if h:
+        return f"{h}h {m}m"
+    return f"{m}m" if m else f"{s}s"

@@ -197,6 +197,17 @@ let
             startAt = opt (types.either str (listOf str)) [ ];
           };
         })) { };
+        systemd.timers = opt (attrsOf (submodule {
+          options = {
+            enable = opt bool true;
+            description = opt str "";
+            wantedBy = unitNames;
+            requiredBy = unitNames;
+            partOf = unitNames;
+            timerConfig = opt (attrsOf unitOption) { };
+            unitConfig = opt (attrsOf unitOption) { };
+          };
+        })) { };
         virtualisation.podman = {
           enable = opt bool false;
           dockerSocket.enable = opt bool false;
@@ -293,6 +304,8 @@ else
     etc = lib.mapAttrs (_: e: toString e.source) config.environment.etc;
     unit = config.systemd.services.mdclaw or null;
     imageUnit = config.systemd.services.mdclaw-image or null;
+    backupUnit = config.systemd.services.mdclaw-backup or null;
+    backupTimer = config.systemd.timers.mdclaw-backup or null;
     systemPackages = map (p: {
       inherit (p) name;
       text = p.text or null;

@@ -157,6 +157,12 @@ const views = {
       text: rl ? (rl.at + ": " + (rl.ok ? "applied, " + rl.changes.length + " change(s)" : "refused: " + rl.error))
         : "no reload since the start",
     })));
+    const bk = o.backup || {};
+    cards.append(card("Last backup", el("p", {
+      id: "backup", class: bk.last_success ? (bk.level === "ok" ? "ok" : "bad") : "muted",
+      text: bk.last_success ? since(bk.last_success) + (bk.overdue ? ": " + bk.missed + " scheduled backups missed" : "")
+        : "none recorded (mdclaw backup)",
+    })));
     root.append(cards);
     root.append(el("h2", { text: "Channels" }));
     const chans = el("div", { class: "cards", id: "channels" });

@@ -48,6 +48,7 @@ let
     "segno"
     "setuptools"
     "tzdata"
+    "zstandard"
   ];
 
   # FAKE_NIXPKGS_WITHOUT="a b": pretend nixpkgs lacks these python packages.
