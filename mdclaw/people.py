@@ -43,6 +43,23 @@ Verdict = Literal["member", "known", "admitted", "unknown"]
 AdmittedLookup = Callable[[str, str, str], bool]
 
 
+def identities_on(cfg: Config, channel: str) -> frozenset[str]:
+    """The sender ids the config's people have on `channel` (`people.<p>.identities.<channel>`),
+    as identities are compared (`sender_key`). The channels that admit senders themselves
+    (email's allow-list, Matrix invites) take them beside their own lists."""
+    return frozenset(sender_key(channel, str(i)) for person in cfg.people.values()
+                     for i in person.identities.get(channel, ()))
+
+
+def mail_senders(cfg: Config) -> frozenset[str]:
+    """Whose mail may reach an agent, lower-cased: channels.email.allow_from and the email
+    identities of the config's people. (Whether a From address is believed at all is the
+    email channel's authserv_id/trust_from.)"""
+    em = cfg.channels.email
+    return (frozenset(str(a).lower() for a in (em.allow_from if em else ()))
+            | identities_on(cfg, "email"))
+
+
 def channel_of(chat_jid: str, channel: str = "") -> str:
     """The channel name of a message: as the channel said, else from its chat's prefix."""
     if channel:

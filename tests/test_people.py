@@ -112,6 +112,32 @@ def test_an_email_identity_is_one_address_whatever_its_case(tmp_path: Path) -> N
     assert people.person_for("telegram", "erin@example.org") is None
 
 
+def test_a_persons_email_identity_may_write_to_the_email_channel(tmp_path: Path) -> None:
+    """The email channel admits allow_from and the people's email identities (either case);
+    check-config's and doctor's sender checks count them too."""
+    from mdclaw.channels.email import EmailChannel
+    from mdclaw.channels.registry import build_channels
+    from mdclaw.ops.email import email_status, unanswered_groups
+
+    (tmp_path / "pw").write_text("secret\n")
+    mail = (f"channels:\n  email: {{address: andy@home.example, password_file: {tmp_path / 'pw'},"
+            " imap_host: 127.0.0.1, smtp_host: 127.0.0.1, authserv_id: mx.home.example, "
+            "allow_from: [bob@home.example]}\n")
+    groups = MAIN + ('erin: {name: Erin, jid: "mail:erin@example.org", '
+                     'requires_trigger: false}\n')
+    cfg = load_config(config(tmp_path, groups, PEOPLE + '  erin: {name: Erin, identities: '
+                             '{email: ["Erin@Example.ORG"]}}\n' + mail))
+    with Database(tmp_path / "s.db") as db:
+        [ch] = [c for c in build_channels(cfg, db) if isinstance(c, EmailChannel)]
+    assert ch.is_allowed("erin@example.org") and ch.is_allowed("ERIN@example.org")
+    assert ch.is_allowed("bob@home.example") and ch.is_allowed("Bob@Home.example")
+    assert not ch.is_allowed("mallory@example.org")
+    assert not ch.is_allowed("alex@example.org")  # a person, but no email identity
+    assert list(unanswered_groups(cfg)) == []  # Erin's chat is answered
+    status = email_status(cfg)
+    assert status is not None and status["senders"].startswith("2 allowed senders")
+
+
 # --------------------------------------------------------------------------- the rule
 
 

@@ -706,8 +706,8 @@ class EmailChannel(Channel):
                 if len(self._refused_logged) >= 1000:  # bounded, whatever comes in
                     self._refused_logged.clear()
                 self._refused_logged.add(address)
-                log.info("email: mail from %s is not answered: the address is not in "
-                         "channels.email.allow_from", address)
+                log.info("email: mail from %s is not answered: the address is neither in "
+                         "channels.email.allow_from nor a person's email identity", address)
             return _Read(None, None, f"{address} may not write to the assistant")
         if self.section.authserv_id:
             ok, how = auth_verdict(msg, self.section.authserv_id, address)

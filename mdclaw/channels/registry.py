@@ -15,6 +15,7 @@ from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when i
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config
+from mdclaw.people import identities_on, mail_senders
 from mdclaw.state import Database
 from mdclaw.webserver import WebServer
 
@@ -57,7 +58,8 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
     if em is not None and em.enabled:
         channels.append(EmailChannel.from_config(
             em, on_inbound=on_inbound, db=db, display_name=cfg.assistant.name,
-            trigger=f"@{cfg.assistant.name}", max_mail_bytes=max_mail_bytes(cfg)))
+            trigger=f"@{cfg.assistant.name}", max_mail_bytes=max_mail_bytes(cfg),
+            is_allowed=mail_allowed(cfg)))
     sl = cfg.channels.slack
     if sl is not None and sl.enabled:
         channels.append(SlackChannel.from_config(sl, on_inbound=on_inbound,
@@ -79,13 +81,16 @@ def max_mail_bytes(cfg: Config) -> int:
 
 def matrix_inviters(cfg: Config) -> Callable[[str], bool]:
     """Whose invites the Matrix bot accepts: the user ids of channels.matrix.allow_invites_from,
-    and the Matrix identities of the config's people where it has them (`people.<p>.identities
-    .matrix`, the channel's name as the identity key)."""
+    and the Matrix identities of the config's people."""
     allowed = set(cfg.channels.matrix.allow_invites_from if cfg.channels.matrix else ())
-    for person in (getattr(cfg, "people", None) or {}).values():
-        identities = getattr(person, "identities", None) or {}
-        allowed.update(identities.get(MatrixChannel.name, ()))
+    allowed.update(identities_on(cfg, MatrixChannel.name))
     return frozenset(allowed).__contains__
+
+
+def mail_allowed(cfg: Config) -> Callable[[str], bool]:
+    """The email channel's "may this address write?" (mdclaw.people.mail_senders)."""
+    allowed = mail_senders(cfg)
+    return lambda address: address.lower() in allowed
 
 
 def apply_config(channels: Iterable[Channel], cfg: Config) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mdclaw.config import Config, ServiceCredential, missing_extras, read_secret
+from mdclaw.people import mail_senders
 
 SENDERS_UNCHECKED = ("sender addresses are not verified: anyone can send mail with an allowed "
                      "address in From")
@@ -21,7 +22,7 @@ def email_status(cfg: Config) -> dict[str, Any] | None:
     em = cfg.channels.email
     if em is None or not em.enabled:
         return None
-    n = len(em.allow_from)
+    n = len(mail_senders(cfg))
     senders = (f"{n} allowed sender{'' if n == 1 else 's'}" if n else "no allowed senders")
     senders += (f", checked by {em.authserv_id}'s Authentication-Results" if em.authserv_id
                 else " (From address not verified)")
@@ -36,13 +37,14 @@ def unanswered_groups(cfg: Config) -> Iterable[str]:
     em = cfg.channels.email
     if em is None or not em.enabled:
         return []
-    allowed = set(em.allow_from)
+    allowed = mail_senders(cfg)
     out = []
     for folder, g in cfg.groups.items():
         if g.jid.startswith("mail:") and g.jid[5:].lower() not in allowed:
             out.append(f"groups.{folder}.jid: {g.jid} is a mail chat, but "
-                       f"{g.jid[5:]} is not in channels.email.allow_from: its mail never "
-                       "reaches the agent; add the address there")
+                       f"{g.jid[5:]} is neither in channels.email.allow_from nor a person's "
+                       "email identity: its mail never reaches the agent; add the address "
+                       "to one of them")
     return out
 
 
@@ -55,11 +57,13 @@ async def email_checks(cfg: Config) -> list[tuple[str, str, str, str]]:
     if em is None or not em.enabled:
         return []
     out: list[tuple[str, str, str, str]] = []
-    if not em.allow_from:
-        out.append(("email senders", "warn", "channels.email.allow_from is empty: no one's "
-                    "mail reaches the assistant", "add the addresses that may write to it"))
+    senders = mail_senders(cfg)
+    if not senders:
+        out.append(("email senders", "warn", "channels.email.allow_from is empty and no person "
+                    "has an email identity: no one's mail reaches the assistant",
+                    "add the addresses that may write to it"))
     elif em.authserv_id:
-        out.append(("email senders", "ok", f"{len(em.allow_from)} allowed, verified by "
+        out.append(("email senders", "ok", f"{len(senders)} allowed, verified by "
                     f"{em.authserv_id}'s Authentication-Results", ""))
     else:
         out.append(("email senders", "warn", SENDERS_UNCHECKED, AUTHSERV_FIX))
