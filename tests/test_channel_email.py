@@ -655,7 +655,7 @@ def test_doctor_status_and_check_config_say_what_to_fix(
         "channels": {"http": None, "email": section}}))
     checked = cli("check-config", "--config", str(path))
     assert checked.returncode == 0, checked.stderr
-    assert f"{bob.address} is not in channels.email.allow_from" in checked.stderr
+    assert f"{bob.address} is neither in channels.email.allow_from nor a person" in checked.stderr
 
     doctor = cli("doctor", "--json", "--config", str(path))
     checks = {c["check"]: c for c in json.loads(doctor.stdout)}
