@@ -11,6 +11,7 @@ from mdclaw.config.types import (
     CrossKeyError,
     Duration,
     Frozen,
+    Glob,
     IsoTime,
     SenderId,
     Size,
@@ -85,6 +86,10 @@ class Group(Frozen):
         "(`web_*`, `memory_*`); memory_search and memory_get on its own memory are always "
         "allowed. Unset: each action's default applies (most: every group; some: the main "
         "group only). docs/integrations.md lists the actions.")
+    mcp: dict[str, tuple[Glob, ...]] | None = Field(
+        None, description="MCP tools this group's agent may call: for each server of "
+        "`mcp_servers`, fnmatch patterns of its tool names, e.g. {time: ['*'], git: "
+        "[git_status, git_log]}. Unset or {}: none (docs/mcp.md).")
 
     @model_validator(mode="after")
     def _telegram_sender_ids(self) -> Group:

@@ -118,8 +118,9 @@ class ActionSpec:
 
 
 ACTIONS: dict[str, ActionSpec] = {}
-# Actions every group may always call on its own folder, whatever `groups.<g>.actions` says.
-ALWAYS_ALLOWED = ("memory_search", "memory_get")
+# Actions every group may always call, whatever `groups.<g>.actions` says: the memory ones on
+# its own folder, and mcp_call, which `groups.<g>.mcp` gates tool by tool.
+ALWAYS_ALLOWED = ("memory_search", "memory_get", "mcp_call")
 
 
 def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
@@ -156,7 +157,8 @@ def action_refusal(cfg: Config, folder: str, is_main: bool, name: str) -> str | 
     - `groups.<folder>.actions` unset (or the group is not in the config): the action's
       `default_scope` decides: "all" groups, or "main" only;
     - set: exactly the actions matching one of its fnmatch patterns (`web_*`, `ha.*`),
-      plus memory_search and memory_get, which every group may call on its own folder.
+      plus memory_search and memory_get, which every group may call on its own folder, and
+      mcp_call, whose permission is `groups.<g>.mcp` (mdclaw.mcp.policy).
     An unknown action is not refused here (the request gets "unknown action").
     """
     spec = ACTIONS.get(name)
