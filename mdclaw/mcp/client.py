@@ -54,7 +54,8 @@ MAX_PAGES = 50
 WINDOW = 10.0  # seconds of the unasked-message bound
 UNSOLICITED_LIMIT = 200  # unasked messages handled per window; more are dropped
 THREAD_PARSE = 64 * 1024  # messages this large or larger are parsed on a thread
-MAX_REPLIES = 16  # answers to the server's own requests being written at once
+MAX_REPLIES = 16
+LIST_CHANGED = "notifications/tools/list_changed"  # answers to the server's own requests being written at once
 
 
 class McpClient:
@@ -249,6 +250,11 @@ class McpClient:
                 fut.set_result(msg.get("result"))
             return
         if not self._unsolicited(what):
+            # Past the bound only a change of the tool list is still noted (it just sets a
+            # flag; the list is read again once).
+            if what == "notification" and msg["method"] == LIST_CHANGED \
+                    and self.on_tools_changed:
+                self.on_tools_changed()
             return
         if what == "request":
             if msg["method"] == "ping":
@@ -258,7 +264,7 @@ class McpClient:
                 self._reply(error_response(
                     msg["id"], METHOD_NOT_FOUND, f"mdclaw does not offer {msg['method']}"))
         elif what == "notification":
-            if msg["method"] == "notifications/tools/list_changed" and self.on_tools_changed:
+            if msg["method"] == LIST_CHANGED and self.on_tools_changed:
                 self.on_tools_changed()
         else:
             self.stats["garbage"] += 1

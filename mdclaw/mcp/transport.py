@@ -394,9 +394,11 @@ class HttpTransport:
                 nl = chunk.find(b"\n", pos)
                 piece = chunk[pos:] if nl < 0 else chunk[pos:nl]
                 if skipping:
+                    size += len(piece)
                     line = None
                 elif len(buf) + len(piece) > line_limit:
                     skipping, over = True, True
+                    size += len(buf) + len(piece)
                     buf.clear()
                     line = None
                 else:
