@@ -21,6 +21,7 @@ from mdclaw.commands import (
     containers,
     core,
     ipc,
+    mcp,
     schema,
     status,
     tasks,
@@ -30,7 +31,7 @@ from mdclaw.daemon import command as run_command
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
-    core, run_command, tasks, channels, whatsapp, containers, ipc, schema, agent, status,
+    core, run_command, tasks, channels, whatsapp, containers, ipc, mcp, schema, agent, status,
 ]
 
 

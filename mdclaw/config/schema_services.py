@@ -20,6 +20,7 @@ from mdclaw.config.types import (
     Duration,
     Frozen,
     Glob,
+    Problem,
     SecretFile,
     Size,
     parse_size,
@@ -332,7 +333,7 @@ class McpServer(Frozen):
             raise CrossKeyError([(where, "give exactly one of command (a stdio server the "
                                   "host starts), url (a streamable HTTP server) or socket "
                                   f"(got {given or 'none'})")])
-        problems = []
+        problems: list[Problem] = []
         if self.command is None:
             problems += [((k,), f"{k} is for a stdio server (`command`)")
                          for k in ("args", "env", "env_files", "cwd") if getattr(self, k)]

@@ -54,8 +54,8 @@ MAX_PAGES = 50
 WINDOW = 10.0  # seconds of the unasked-message bound
 UNSOLICITED_LIMIT = 200  # unasked messages handled per window; more are dropped
 THREAD_PARSE = 64 * 1024  # messages this large or larger are parsed on a thread
-MAX_REPLIES = 16
-LIST_CHANGED = "notifications/tools/list_changed"  # answers to the server's own requests being written at once
+MAX_REPLIES = 16  # answers to the server's own requests being written at once
+LIST_CHANGED = "notifications/tools/list_changed"
 
 
 class McpClient:

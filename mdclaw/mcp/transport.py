@@ -77,6 +77,14 @@ class Transport(Protocol):
 # --------------------------------------------------------------------------- streams
 
 
+class _Writer(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _StreamTransport:
     """Newline-delimited JSON-RPC over a reader/writer pair (a pipe or a unix socket)."""
 
@@ -85,7 +93,7 @@ class _StreamTransport:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._writer: _Writer | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._reason = ""

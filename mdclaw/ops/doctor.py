@@ -114,6 +114,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
     asyncio.run(_check_endpoints(results, cfg, used))
     _check_http_port(results, cfg)
     _check_whatsapp(results, cfg)
+    _check_mcp(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
     # clock and timezone
@@ -330,6 +331,14 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         _check(results, "home assistant", level, detail, fix)
 
     await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant())
+
+
+def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
+    """Each MCP server started here (as the daemon would start it) and its tools listed."""
+    from mdclaw.ops.mcp import doctor_rows  # starts processes: only when servers are set
+
+    for name, level, detail, fix in doctor_rows(cfg):
+        _check(results, name, level, detail, fix)
 
 
 def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
