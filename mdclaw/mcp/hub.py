@@ -442,8 +442,9 @@ class McpHub:
     def status(self) -> list[dict[str, Any]]:
         out = []
         for st in self.servers.values():
-            if st.client is not None:
-                st.stderr = st.client.transport.stderr_tail()
+            tail = st.client.transport.stderr_tail() if st.client is not None else ""
+            if tail:  # else the last one kept: what a server said before it died
+                st.stderr = tail
             out.append(st.view())
         return out
 

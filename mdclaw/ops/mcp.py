@@ -5,24 +5,20 @@ needs, and stopped when it is done."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from mdclaw.config import Config
 from mdclaw.mcp import policy
 from mdclaw.mcp.hub import McpHub
-from mdclaw.ops.status import status_path
+from mdclaw.ops.status import gather_status
 
 
 def server_rows(cfg: Config) -> list[dict[str, Any]]:
     """Each configured server (kind, what it runs or reaches, timeout, who may use it), with
     the running daemon's view of it when the daemon publishes one."""
-    live: dict[str, dict[str, Any]] = {}
-    try:
-        published = json.loads(status_path(cfg).read_text())
-        live = {s["server"]: s for s in published.get("mcp") or []}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    published = gather_status(cfg).get("mcp") or []
+    live: dict[str, dict[str, Any]] = {s["server"]: s for s in published
+                                       if isinstance(s, dict) and "server" in s}
     rows = []
     for name, spec in cfg.mcp_servers.items():
         target = (" ".join([spec.command, *spec.args]) if spec.command else

@@ -54,7 +54,7 @@ def gather_status(cfg: Config) -> dict[str, Any]:
         if _pid_alive(int(live["pid"])) and age < STALE_AFTER:
             out["daemon"] = "running"
             out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
-                                             "queue", "channels", "reload_error")
+                                             "queue", "channels", "reload_error", "mcp")
                         if k in live})
     except (OSError, ValueError, KeyError):
         pass
