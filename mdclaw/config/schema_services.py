@@ -268,15 +268,18 @@ _HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
 # double underscore, so the split is never ambiguous.
 MCP_SERVER_NAME = r"^[a-z0-9]+(?:[-_][a-z0-9]+)*$"
 McpServerName = Annotated[str, Field(pattern=MCP_SERVER_NAME, max_length=32)]
+# An fnmatch pattern of an MCP server's tool names (`*`, `git_*`, `get_?ime`).
+McpToolGlob = Annotated[str, Field(min_length=1, max_length=128,
+                                   pattern=r"^[A-Za-z0-9_.*?!-]+$")]
 EnvName = Annotated[str, Field(pattern=_ENV_NAME)]
 HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
 
 
 class McpApprove(Frozen):
-    always: tuple[Glob, ...] = Field(
+    always: tuple[McpToolGlob, ...] = Field(
         (), description="Tools (fnmatch patterns of the server's tool names) that always need "
         "a person's approval, whatever their annotations say. Wins over `never`.")
-    never: tuple[Glob, ...] = Field(
+    never: tuple[McpToolGlob, ...] = Field(
         (), description="Tools that never need approval, whatever their annotations say.")
 
 

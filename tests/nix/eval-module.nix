@@ -75,6 +75,7 @@ let
       mdclawClaudeCodeAllowed = allowClaudeCode;
     };
     writeShellScriptBin = name: text: fakeDrv name { inherit text; };
+    writeShellScript = name: text: fakeDrv name { inherit text; };
   };
 
   inherit (types)
@@ -197,6 +198,15 @@ let
             startAt = opt (types.either str (listOf str)) [ ];
           };
         })) { };
+        systemd.sockets = opt (attrsOf (submodule {
+          options = {
+            enable = opt bool true;
+            description = opt str "";
+            wantedBy = unitNames;
+            listenStreams = opt (listOf str) [ ];
+            socketConfig = opt (attrsOf unitOption) { };
+          };
+        })) { };
         virtualisation.podman = {
           enable = opt bool false;
           dockerSocket.enable = opt bool false;
@@ -293,6 +303,8 @@ else
     etc = lib.mapAttrs (_: e: toString e.source) config.environment.etc;
     unit = config.systemd.services.mdclaw or null;
     imageUnit = config.systemd.services.mdclaw-image or null;
+    mcpSockets = config.systemd.sockets;
+    mcpUnits = (lib.filterAttrs (n: _: lib.hasPrefix "mdclaw-mcp-" n) config.systemd.services);
     systemPackages = map (p: {
       inherit (p) name;
       text = p.text or null;
