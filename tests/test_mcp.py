@@ -391,3 +391,43 @@ def test_the_hostile_server_over_streamable_http(tmp_path: Path, kind: str) -> N
         proc.terminate()
         proc.wait(10)
     assert os.path.exists(tmp_path / "data")
+
+
+def test_the_cli_lists_and_calls_with_the_agents_rules(tmp_path: Path) -> None:
+    import subprocess
+
+    bin_dir = servers_bin()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"data_dir: {tmp_path / 'data'}\n"
+                   "groups:\n  main: {name: A, jid: 'hl:1', main: true, mcp: {time: ['*']}}\n"
+                   "  family: {name: F, jid: 'hl:2', mcp: {time: [get_current_time]}}\n"
+                   f"mcp_servers:\n  time: {{command: \"{bin_dir / 'mcp-server-time'}\"}}\n"
+                   "  broken: {command: /nonexistent/server}\n")
+
+    def mdclaw(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
+        return subprocess.run([sys.executable, "-m", "mdclaw", *args, "--config", str(cfg)],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    r = mdclaw("mcp", "list", "--json")
+    assert r.returncode == 0
+    rows = {x["server"]: x for x in json.loads(r.stdout)}
+    assert rows["time"]["groups"] == "main, family" and rows["broken"]["kind"] == "stdio"
+    r = mdclaw("mcp", "tools", "--group", "family", "--json")
+    assert r.returncode == 1  # broken does not start: said, and the status says so
+    rows = json.loads(r.stdout)
+    assert [x["name"] for x in rows if x["server"] == "time"] == ["time__get_current_time"]
+    assert any("cannot start /nonexistent/server" in x["description"] for x in rows)
+    r = mdclaw("mcp", "call", "-g", "family", "time", "get_current_time",
+               '{"timezone": "Asia/Tokyo"}')
+    assert r.returncode == 0 and json.loads(r.stdout)["timezone"] == "Asia/Tokyo"
+    r = mdclaw("mcp", "call", "-g", "family", "time", "convert_time", "{}")
+    assert r.returncode == 1 and "groups.family.mcp.time (get_current_time)" in r.stderr
+    r = mdclaw("mcp", "call", "-g", "family", "time", "get_current_time", '{"timezone": 5}')
+    assert r.returncode == 1 and "break its input schema" in r.stderr
+    r = mdclaw("doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(r.stdout)["checks"]} \
+        if r.stdout.lstrip().startswith("{") else {c["check"]: c for c in json.loads(r.stdout)}
+    assert checks["mcp time"]["level"] == "ok" and "time__get_current_time" in \
+        checks["mcp time"]["detail"]
+    assert checks["mcp broken"]["level"] == "fail"

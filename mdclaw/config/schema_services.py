@@ -307,7 +307,7 @@ class McpServer(Frozen):
         {}, description="HTTP server: headers whose values are secrets, each read from a file "
         "(e.g. `Authorization` holding `Bearer <token>`).")
     cwd: Path | None = Field(None, description="stdio server: its working directory "
-                             "(default: data_dir). Absolute path.")
+                             "(default: mdclaw's own). Absolute path.")
     timeout: Duration = Field(timedelta(seconds=60), le=timedelta(hours=1),
                               description="Longest one tool call may take, a wait for a free "
                               "slot included; then the agent gets an error. At most 1h.")

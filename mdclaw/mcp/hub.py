@@ -119,7 +119,7 @@ def make_transport(spec: McpServer, data_dir: Path, secrets: dict[str, str]) -> 
         env["HOME"] = os.environ.get("HOME") or str(data_dir)
         env.update(spec.env)
         env.update(secrets)
-        return StdioTransport(spec.command, list(spec.args), env, spec.cwd or data_dir, limit)
+        return StdioTransport(spec.command, list(spec.args), env, spec.cwd, limit)
     if spec.url is not None:
         return HttpTransport(spec.url, {**spec.headers, **secrets}, limit,
                              connect_timeout=min(10.0, spec.start_timeout.total_seconds()))

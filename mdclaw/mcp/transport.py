@@ -165,7 +165,7 @@ class _StreamTransport:
 class StdioTransport(_StreamTransport):
     """A server the host starts as its own child process, in a process group of its own."""
 
-    def __init__(self, command: str, args: list[str], env: dict[str, str], cwd: Path,
+    def __init__(self, command: str, args: list[str], env: dict[str, str], cwd: Path | None,
                  limit: int) -> None:
         super().__init__(limit)
         self.command, self.args, self.env, self.cwd = command, args, env, cwd
@@ -181,9 +181,11 @@ class StdioTransport(_StreamTransport):
             self.proc = await asyncio.create_subprocess_exec(
                 self.command, *self.args, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self.env, cwd=str(self.cwd), start_new_session=True)
+                env=self.env, cwd=None if self.cwd is None else str(self.cwd),
+                start_new_session=True)
         except OSError as e:
-            raise ServerDown(f"cannot start {self.command}: {e.strerror or e}") from None
+            where = f" in {self.cwd}" if self.cwd is not None else ""
+            raise ServerDown(f"cannot start {self.command}{where}: {e.strerror or e}") from None
         self._reader, self._writer = self.proc.stdout, _PipeWriter(self.proc.stdin)
         self._stderr_task = asyncio.get_running_loop().create_task(
             self._drain_stderr(), name=f"mcp-stderr {self.command}")

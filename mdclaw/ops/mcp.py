@@ -11,6 +11,7 @@ from mdclaw.config import Config
 from mdclaw.mcp import policy
 from mdclaw.mcp.hub import McpHub
 from mdclaw.ops.status import gather_status
+from mdclaw.retry import Backoff
 
 
 def server_rows(cfg: Config) -> list[dict[str, Any]]:
@@ -33,7 +34,8 @@ def server_rows(cfg: Config) -> list[dict[str, Any]]:
 
 
 async def _with_hub(cfg: Config, names: list[str], fn: Any) -> Any:
-    hub = McpHub(cfg, snapshots=False)
+    # One try each: a command reports what it found, it does not wait out a backoff.
+    hub = McpHub(cfg, snapshots=False, backoff=Backoff(base=3600.0, jitter=0))
     await hub.start(only=names)
     try:
         timeout = max((cfg.mcp_servers[n].start_timeout.total_seconds() for n in names),
