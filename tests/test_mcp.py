@@ -431,3 +431,59 @@ def test_the_cli_lists_and_calls_with_the_agents_rules(tmp_path: Path) -> None:
     assert checks["mcp time"]["level"] == "ok" and "time__get_current_time" in \
         checks["mcp time"]["detail"]
     assert checks["mcp broken"]["level"] == "fail"
+
+
+def test_a_server_behind_a_unix_socket_as_systemd_hands_it_over(tmp_path: Path) -> None:
+    """`socket:`: each connection becomes a server's stdin and stdout (systemd's Accept=yes,
+    as the NixOS module's mcpServers set it up); the daemon speaks the stdio framing over it
+    and connects again when the server goes."""
+    import socket
+    import subprocess
+    import threading
+
+    bin_dir = servers_bin()
+    path = tmp_path / "hostile.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            procs.append(subprocess.Popen([str(bin_dir / "python"), str(
+                Path(__file__).parent / "mcp_servers" / "hostile.py")], stdin=conn,
+                stdout=conn, stderr=subprocess.DEVNULL))
+            conn.close()
+    threading.Thread(target=accept, daemon=True).start()
+    (tmp_path / "data").mkdir()
+    cfg = Config(data_dir=tmp_path / "data", mcp_servers={"sock": {"socket": str(path),
+                                                                   "timeout": "5s"}},
+                 groups={"main": {"name": "A", "jid": "hl:1", "main": True,
+                                  "mcp": {"sock": ["*"]}}})
+
+    async def go() -> None:
+        hub = McpHub(cfg, backoff=Backoff(base=0.1, cap=0.2, jitter=0), snapshots=False)
+        await hub.start()
+        try:
+            assert await hub.wait_up(30), hub.status()
+            assert text_of(await call(hub, "main", "sock", "echo", text="via socket")) == \
+                "via socket"
+            with pytest.raises(ServerCrashed):
+                await call(hub, "main", "sock", "die")
+            assert await hub.wait_up(30)
+            assert text_of(await call(hub, "main", "sock", "echo", text="again")) == "again"
+        finally:
+            await hub.stop()
+
+    try:
+        asyncio.run(go())
+    finally:
+        listener.close()
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    assert len(procs) == 2  # one server per connection: the first died, a second served
