@@ -95,8 +95,12 @@ def test_mcp_through_a_real_daemon(tmp_path: Path, caplog: pytest.LogCaptureFixt
                 except (OSError, ValueError):
                     return []
                 return [t["name"] for t in body["tools"]]
-            await wait_until_async(lambda: "git__git_status" in offered("main"), 20,
-                                   what=f"main's snapshot: {offered('main')}")
+            # Each server's listing rewrites every group's snapshot, one group after
+            # another: wait for the last state of each.
+            await wait_until_async(
+                lambda: "git__git_status" in offered("main") and
+                offered("family") == ["time__get_current_time"], 20,
+                what=f"the snapshots: {offered('main')}, {offered('family')}")
             assert "hostile__echo" in offered("main") and "git__git_log" not in offered("main")
             assert offered("family") == ["time__get_current_time"]
             assert offered("work") == []
