@@ -4,6 +4,11 @@ the daemon its `run` (mdclaw/daemon/command.py).
 Exit status: 0 success, 1 failure (invalid config, failed check...), 2 usage error; the
 read-only commands exit 3 (database not ready), 4 (newer) or 5 (locked): see
 mdclaw/commands/common.py and README's "Exit status".
+
+A failure mdclaw raises on purpose (an `MdclawError`: its message is written for a person and
+says what to do) that a command did not turn into its own message ends the command in one
+line, `mdclaw: <message>`, exit status 1; with MDCLAW_DEBUG=1 in the environment its
+traceback is printed first. Any other exception is a bug and keeps Python's traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from types import ModuleType
 
 from mdclaw import __version__
@@ -28,6 +34,9 @@ from mdclaw.commands import (
     whatsapp,
 )
 from mdclaw.daemon import command as run_command
+from mdclaw.errors import MdclawError
+
+DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's traceback too
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
@@ -84,6 +93,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except MdclawError as e:
+        return one_line(e)
+
+
+def one_line(e: MdclawError) -> int:
+    """End the command on `e` (a failure mdclaw raised, its message for a person): one line
+    on stderr, exit status 1; the traceback first with MDCLAW_DEBUG set."""
+    debug = os.environ.get(DEBUG_VAR, "") not in ("", "0")
+    if debug:
+        traceback.print_exc()
+    message = " ".join(str(e).split()) or type(e).__name__
+    hint = "" if debug else f" ({DEBUG_VAR}=1 shows where it came from)"
+    print(f"mdclaw: {message}{hint}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ MCP_RESTARTS = Counter(
     "mdclaw_mcp_server_restarts",
     "MCP servers started again after they stopped or could not start, by server.",
     ["server"], registry=REGISTRY)
+HTTP_CONNECTIONS_CLOSED = Counter(
+    "mdclaw_http_connections_closed",
+    "HTTP connections the daemon closed on a slow or greedy client, by listener (web, "
+    "metrics, proxy) and reason (over_cap, header_timeout, body_timeout, idle, not_reading).",
+    ["listener", "reason"], registry=REGISTRY)
 
 
 class Labeled:
@@ -124,6 +129,7 @@ proxy_tokens = Labeled(PROXY_TOKENS)
 mcp_calls = Labeled(MCP_CALLS)
 mcp_call = Labeled(MCP_CALL)
 mcp_restarts = Labeled(MCP_RESTARTS)
+http_connections_closed = Labeled(HTTP_CONNECTIONS_CLOSED)
 
 _models: set[str] = set()
 

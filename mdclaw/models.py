@@ -6,12 +6,19 @@ URL given with or without its /v1), the credential read from the entry's `api_ke
 the model a request is pinned to. The credential proxy (mdclaw.proxy) forwards through it;
 `mdclaw doctor` asks it `GET /v1/models` (`probe_upstream`) the same way; the container is
 told only the backend and the model (`container_model_fields`), never a key or a URL.
+
+A request body is read strictly (`read_request`) before anything in it is believed: an
+object that repeats a key anywhere, or a top-level key that is `model` under another
+spelling (`Model`, `MODEL`, fullwidth letters; compared after JSON's escapes are decoded, so
+`"mod\u0065l"` is `model`), is refused rather than rewritten. A server may read the first of
+two equal keys where Python reads the last, or match keys without case: either way it would
+read a model, or a `max_tokens`, other than the one checked here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +26,64 @@ from typing import Any
 import aiohttp
 
 from mdclaw.config import Config, ModelSpec, read_secret
+from mdclaw.errors import EngineError
 
 DEFAULT_BASE_URLS = {"claude": "https://api.anthropic.com", "openai": "https://api.openai.com/v1"}
+
+
+class BadRequestBody(EngineError, ValueError):
+    """A model request body the proxy does not forward; the message says why, for the agent."""
+
+
+class NotAnObject(BadRequestBody):
+    """The body is not JSON, or JSON but not an object: it names no model and no limit."""
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise BadRequestBody(f"the request body repeats the key {json.dumps(key)} in one "
+                                 "object")
+        seen[key] = value
+    return seen
+
+
+def _spells_model(key: str) -> bool:
+    """`key` is `model` to a server that folds case or compatible characters, and is not
+    `model` itself."""
+    return key != "model" and unicodedata.normalize("NFKC", key).casefold() == "model"
+
+
+def read_request(body: bytes) -> dict[str, Any]:
+    """The JSON object a model request body holds, read strictly. Raises BadRequestBody when
+    it is not JSON, not an object, nested too deep to read, repeats a key in any object, or
+    names `model` at its top level under another spelling."""
+    try:
+        sent = json.loads(body, object_pairs_hook=_no_repeats)
+    except BadRequestBody:
+        raise
+    except RecursionError:
+        raise BadRequestBody("the request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError):
+        raise NotAnObject("the request body is not JSON") from None
+    if not isinstance(sent, dict):
+        raise NotAnObject("the request body is not a JSON object")
+    odd = sorted(k for k in sent if _spells_model(k))
+    if odd:
+        raise BadRequestBody(f"the request body names the model as {json.dumps(odd[0])}; "
+                             'only "model" (lowercase) is accepted')
+    return sent
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A request body as it goes upstream: the bytes, the model they name, and the object
+    read from them (None when the body went as it came, not being JSON)."""
+
+    body: bytes
+    model: str
+    sent: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -59,32 +122,30 @@ class Upstream:
                    base_url=spec.base_url or DEFAULT_BASE_URLS[spec.backend],
                    api_key_file=spec.api_key_file, allow_models=spec.allow_models)
 
-    def pin_model(self, body: bytes) -> tuple[bytes, str]:
-        """(the body to forward, the model it names) for a request body of the agent: the
-        configured model replaces whatever the body names, unless that is one of
-        `allow_models`. The body is parsed and written again, so the upstream reads exactly
-        what was checked (no duplicate keys). Without a configured model the body goes as
-        it is. Raises ValueError when the body is not a JSON object."""
+    def pin(self, body: bytes) -> Pinned:
+        """A request body of the agent as it goes upstream: read strictly (read_request),
+        and the configured model replaces whatever it names unless that is one of
+        `allow_models`; the object is written again, so the upstream reads exactly what was
+        checked. Without a configured model a JSON body goes as it came once it passed the
+        same reading (its own model is counted), and a body that is not JSON goes as it is.
+        Raises BadRequestBody (a ValueError) when the body may not go."""
         if self.model is None:
-            return body, _named_model(body) or ""
-        try:
-            sent = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError("the request body is not JSON") from None
-        if not isinstance(sent, dict):
-            raise ValueError("the request body is not a JSON object")
+            try:
+                sent = read_request(body)
+            except NotAnObject:
+                return Pinned(body, "", None)
+            named = sent.get("model")
+            return Pinned(body, named[:128] if isinstance(named, str) else "", sent)
+        sent = read_request(body)
         asked = sent.get("model")
         if not (isinstance(asked, str) and asked in self.allow_models):
             sent["model"] = self.model
-        return json.dumps(sent, separators=(",", ":")).encode(), sent["model"]
+        return Pinned(json.dumps(sent, separators=(",", ":")).encode(), sent["model"], sent)
 
-
-def _named_model(body: bytes) -> str | None:
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
-        sent = json.loads(body)
-        if isinstance(sent, dict) and isinstance(sent.get("model"), str):
-            return str(sent["model"])[:128]
-    return None
+    def pin_model(self, body: bytes) -> tuple[bytes, str]:
+        """(the body to forward, the model it names): `pin` without the object."""
+        pinned = self.pin(body)
+        return pinned.body, pinned.model
 
 
 def model_for_group(cfg: Config, folder: str) -> tuple[str | None, ModelSpec | None]:

@@ -191,7 +191,7 @@ class Orchestrator:
         """`msgs` with what the group's rules decide for each: what the turn rules read."""
         return [(m, self.decision(group, m)) for m in msgs]
 
-    def _waiting(self, group: GroupRow, after: str | None) -> bool:
+    def _waiting(self, group: GroupRow, after: int | None) -> bool:
         """Messages after `after` wait that start a turn."""
         assert group.jid is not None
         return starts_turn(d for _m, d in self._decided(
@@ -293,7 +293,7 @@ class Orchestrator:
         self.queue.enqueue_message(group.folder, payload=MessageTurn(t_inbound=t_inbound),
                                    job_id=f"msg:{group.folder}")
 
-    def _enqueue_next(self, group: GroupRow, after: str | None) -> None:
+    def _enqueue_next(self, group: GroupRow, after: int | None) -> None:
         """Queue a run when triggered messages newer than `after` are waiting."""
         if self._waiting(group, after):
             self.queue.enqueue_message(group.folder, payload=MessageTurn(),
@@ -356,7 +356,7 @@ class Orchestrator:
                                                           self._told(group)))
         prompt = self._prompt(msgs, tuple(failed_deliveries.splitlines())
                               if failed_deliveries else ())
-        job.payload = turn = replace(turn, upto=conv.last_ts)
+        job.payload = turn = replace(turn, upto=conv.last_pos)
         self._conv[group.folder] = conv
         session = get_session(self.db, group.folder)
         marks = {"picked": time.perf_counter()}
@@ -415,7 +415,7 @@ class Orchestrator:
                 raise
             # Nothing ran: settle at once (config errors, a missing image).
             self.replies.settle(group, settle)
-            self._enqueue_next(group, conv.last_ts)
+            self._enqueue_next(group, conv.last_pos)
             return
         finally:
             self._conv.pop(group.folder, None)
@@ -441,9 +441,9 @@ class Orchestrator:
                         cause.cause, cause.detail or "-")
         end = conv.end(cause)
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
-        job.payload = turn = replace(turn, upto=conv.last_ts)
+        job.payload = turn = replace(turn, upto=conv.last_pos)
         if end.ending is Ending.DONE:
-            set_cursor(self.db, group.folder, end.cursor or "")
+            set_cursor(self.db, group.folder, end.cursor)
             # Messages that arrived after the prompt was built but could not be fed in.
             self._enqueue_next(group, end.next_after)
             return
@@ -458,15 +458,10 @@ class Orchestrator:
         self._roll_back(group, end.cursor)
         raise RunFailed(end.failure.detail or end.failure.cause, end.failure)
 
-    def _roll_back(self, group: GroupRow, cursor: str | None) -> None:
+    def _roll_back(self, group: GroupRow, cursor: int | None) -> None:
         """Put the group's cursor back to `cursor`, the latest answered turn of a run (None:
         to no cursor at all), so what was not answered is in the next prompt."""
-        if cursor is None:
-            with self.db.transaction() as c:
-                c.execute("DELETE FROM router_state WHERE key = ?",
-                          (f"last_agent_timestamp:{group.folder}",))
-        else:
-            set_cursor(self.db, group.folder, cursor)
+        set_cursor(self.db, group.folder, cursor)
 
     def _told(self, group: GroupRow) -> str | None:
         """When the agent was last given the group's failed deliveries (in a prompt)."""

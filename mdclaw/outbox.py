@@ -333,7 +333,8 @@ class OutboxWorker:
         return due, due_in
 
     def _head(self, jid: str) -> OutboxRow | None:
-        """The chat's oldest unfinished row (a seek in idx_outbox_chat)."""
+        """The chat's oldest unfinished row: a seek in idx_outbox_open, the index of open rows
+        alone, so the rows a chat was sent before are never walked (tests/test_query_plans.py)."""
         r = self.db.query_one(
             "SELECT * FROM outbox WHERE chat_jid = ? AND status IN ('pending', 'sending') "
             "ORDER BY id LIMIT 1", (jid,))
@@ -354,8 +355,7 @@ class OutboxWorker:
 
     def _next_rows(self, jid: str, after: int, limit: int = 64) -> list[OutboxRow]:
         """The chat's next unfinished rows after id `after`, in order (a range seek in
-        idx_outbox_chat, whose entries are ordered by chat, then id: rows already sent are
-        not walked again)."""
+        idx_outbox_open, the open rows by chat, then id: rows already sent are not walked)."""
         rows = self.db.query(
             "SELECT * FROM outbox WHERE chat_jid = ? AND id > ? AND status IN "
             "('pending', 'sending') ORDER BY id LIMIT ?", (jid, after, limit))

@@ -9,19 +9,29 @@ proxy:
 - accepts only the model API's own paths (POST /v1/messages for claude, POST
   /v1/chat/completions for openai, and a few read-only ones) — anything else is 404;
 - drops whatever credentials the client sent and injects the real one, read from the
-  model's `api_key_file` (never logged, never sent back; the endpoint, its URL rules and
-  credential are mdclaw.models.Upstream);
+  model's `api_key_file` (never logged; the endpoint, its URL rules and credential are
+  mdclaw.models.Upstream);
 - sends the group's configured model whatever the request names: a request body must be a
-  JSON object, and its `model` is set to the configured one unless it names one of the
-  entry's `allow_models` (the key is paid for the models the operator chose, not the ones
-  the agent prefers);
-- asks the budget (mdclaw.budget) whether the request may go: every request of a group that
-  used its daily token budget (`limits.tokens_per_day`) is refused with HTTP 429
-  `mdclaw_over_budget`, saying when it resets;
-- forwards to the configured upstream and streams the answer back as it arrives;
+  JSON object, read strictly (mdclaw.models.read_request: a repeated key, or `model` under
+  another spelling, is refused with 400), and its `model` is set to the configured one
+  unless it names one of the entry's `allow_models` (the key is paid for the models the
+  operator chose, not the ones the agent prefers);
+- asks the budget (mdclaw.budget) whether the request may go: when it arrives, every
+  request of a group that used its daily token budget (`limits.tokens_per_day`) is refused
+  with HTTP 429 `mdclaw_over_budget`, saying when it resets; when a request that makes the
+  model answer is sent upstream (after it got one of the group's concurrency slots), it
+  reserves its share of what is left (`Budget.admit`), and gives it back when its answer
+  ended and its real usage is counted — also when the agent hung up, the upstream failed
+  or the group's proxy was stopped;
+- forwards to the configured upstream and streams the answer back as it arrives, with the
+  proxy's own credential removed from everything it returns: only the response headers
+  the model SDKs use are passed on (`FORWARD_RESPONSE_HEADERS`), and every form of the key
+  in them, in the status line and in the body (also split across chunks) is replaced by a
+  marker (mdclaw.redact);
 - counts the request and the tokens the API reports in the usage ledger (mdclaw.usage),
   which writes them to the state database (`model_usage`) per group, model and UTC day —
-  `mdclaw usage` shows them.
+  `mdclaw usage` shows them. An agent that hangs up mid-answer does not end the upstream
+  request: the answer is read to its end (and dropped) so that its usage is counted.
 
 A container cannot use its socket against the host or the other groups: it may hold at most
 `limits.proxy_connections` connections open (more are answered with a short 503 and closed
@@ -29,7 +39,8 @@ as soon as they are accepted, so the daemon's file descriptors stay bounded what
 container does; further attempts wait in the kernel's listen queue, not in the daemon), and
 send at most `limits.proxy_requests_per_minute` requests (a token bucket: bursts up to that
 many, then that many per minute; more get HTTP 429 with `Retry-After`). Both can be set per
-group.
+group. A connection that sends its request's headers or body too slowly, sends nothing, or
+stops reading its answer is closed (mdclaw.listener, with the web server's default limits).
 
 The group comes from which socket the request arrived on, never from anything the client says.
 """
@@ -38,13 +49,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import json
 import logging
 import math
 import os
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,11 +63,20 @@ import aiohttp
 from aiohttp import web
 
 from mdclaw import agentfs
-from mdclaw.budget import Budget, OverBudget
+from mdclaw.budget import (
+    DEFAULT_ANSWER_ESTIMATE,
+    Budget,
+    OverBudget,
+    Reservation,
+    request_need,
+)
 from mdclaw.config import Config
 from mdclaw.errors import EngineError
-from mdclaw.models import Upstream, container_model_fields, model_for_group
+from mdclaw.listener import ConnectionGuard, ConnectionLimits
+from mdclaw.models import BadRequestBody, Upstream, container_model_fields, model_for_group
 from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
+from mdclaw.proxy_socket import CLOSE_GRACE, GroupCaps, GroupListener
+from mdclaw.redact import MIN_SECRET, Redactor, all_forms
 from mdclaw.state import Database
 from mdclaw.usage import UsageCounter, UsageLedger
 
@@ -80,201 +99,36 @@ DROP_REQUEST_HEADERS = frozenset({
     "upgrade", "accept-encoding", "forwarded", "x-forwarded-for", "x-forwarded-host",
     "x-forwarded-proto", "x-real-ip",
 })
-DROP_RESPONSE_HEADERS = frozenset({
-    "content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
-    "set-cookie", "trailer", "upgrade",
+# The requests that make the model answer, and so spend tokens: each reserves its share of
+# the group's daily budget while it is in flight (mdclaw.budget.Budget.admit).
+ANSWERING_ROUTES = frozenset({("POST", "/v1/messages"), ("POST", "/v1/chat/completions")})
+# Response headers passed on to the agent; every other one is dropped (an upstream that
+# echoes what it was sent would echo the key; cookies, server names and account ids are
+# nobody's business in the container). What the SDKs read, by their docs and code:
+# content-type (JSON or a stream), the request id (Anthropic's `request-id`, OpenAI's
+# `x-request-id`: the SDKs put it on results and errors), when to retry (`retry-after`,
+# `retry-after-ms`, `x-should-retry`, which both SDKs' retry loops honour), the rate-limit
+# state both APIs document (`anthropic-ratelimit-*`, `x-ratelimit-*`: what is left and when
+# it resets, for a client that paces itself), and OpenAI's `openai-processing-ms` /
+# `openai-version`.
+# Not passed on: `anthropic-organization-id`, `openai-organization`, `openai-project`
+# (which account the key belongs to), `set-cookie`, `server`, `via`, and the framing ones
+# (length, encoding, connection) that the proxy's own response sets.
+FORWARD_RESPONSE_HEADERS = frozenset({
+    "content-type", "request-id", "x-request-id", "retry-after", "retry-after-ms",
+    "x-should-retry", "openai-processing-ms", "openai-version",
 })
+FORWARD_RESPONSE_PREFIXES = ("anthropic-ratelimit-", "x-ratelimit-")
+# Encodings of an answer the proxy can read (aiohttp decodes them) and so check for the key.
+READABLE_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 
 
 DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_REQUESTS_PER_MINUTE = 300
-ACCEPT_BATCH = 64  # connections accepted per readiness event, before other work runs
-ACCEPT_PAUSE = 1.0  # seconds not accepting after the process ran out of descriptors
-_BUSY_BODY = json.dumps({"type": "error", "error": {
-    "type": "mdclaw_proxy_busy",
-    "message": "too many open connections to mdclaw's model proxy from this group; close "
-               "some and retry"}}).encode()
-BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                 b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
-                 + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 
 
 class ProxyError(EngineError, RuntimeError):
     """The proxy for a group cannot be started (socket path too long, folder missing...)."""
-
-
-# --------------------------------------------------------------------------- server
-
-
-class _Caps:
-    """One group's limits on its socket: open connections, and requests as a token bucket
-    (`per_minute` tokens at most, refilled at `per_minute` a minute)."""
-
-    def __init__(self, max_connections: int, per_minute: int,
-                 tokens_per_day: int | None = None, timezone: str = "UTC") -> None:
-        self.max_connections = max_connections
-        self.per_minute = per_minute
-        self.tokens_per_day = tokens_per_day
-        self.timezone = timezone
-        self.open = 0
-        self.refused = 0  # connections closed at accept time
-        self.limited = 0  # requests answered 429
-        self.over_budget = 0  # requests refused for the daily token budget
-        self._tokens = float(per_minute)
-        self._at = time.monotonic()
-
-    def take(self) -> float:
-        """0 when a request may go now (and counts it), else the seconds until one may."""
-        now = time.monotonic()
-        rate = self.per_minute / 60.0
-        self._tokens = min(float(self.per_minute), self._tokens + (now - self._at) * rate)
-        self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return 0.0
-        return (1.0 - self._tokens) / rate
-
-
-class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, which gives its slot back when it ends."""
-
-    def __init__(self, inner: asyncio.Protocol, caps: _Caps) -> None:
-        self._inner = inner
-        self._caps = caps
-        self.made = False
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._caps.open -= 1
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.made = True
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.release()
-        self._inner.connection_lost(exc)
-
-
-class _Listener:
-    """Accepts on one group's socket itself (instead of aiohttp's site), so that a
-    connection beyond the group's cap is closed the moment it is accepted: it never gets a
-    transport, a task or a buffer, and the daemon holds at most `max_connections` + 1
-    descriptors for the group however many connections the container attempts."""
-
-    def __init__(self, folder: str, sock: socket.socket, server: web.Server,
-                 caps: _Caps) -> None:
-        self.folder = folder
-        self.sock = sock
-        self.server = server
-        self.caps = caps
-        self._loop = asyncio.get_running_loop()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._paused: asyncio.TimerHandle | None = None
-        self._closed = False
-        self._warned = False
-
-    def start(self) -> None:
-        self._loop.add_reader(self.sock.fileno(), self._accept)
-
-    def _accept(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                conn, _addr = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except ConnectionAbortedError:
-                continue
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors or memory: stop accepting for a moment (the kernel
-                    # keeps the waiting connections) rather than spin.
-                    log.error("group %s: proxy cannot accept: %s; pausing %.0f s",
-                              self.folder, e.strerror, ACCEPT_PAUSE)
-                    self._pause()
-                    return
-                raise
-            if self.caps.open >= self.caps.max_connections:
-                self._refuse(conn)
-                continue
-            self.caps.open += 1
-            task = self._loop.create_task(self._serve(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    def _refuse(self, conn: socket.socket) -> None:
-        self.caps.refused += 1
-        if not self._warned:
-            self._warned = True
-            log.warning("group %s: more than %d connections to the model proxy; closing the "
-                        "extra ones", self.folder, self.caps.max_connections)
-        try:
-            conn.setblocking(False)
-            conn.send(BUSY_RESPONSE)  # best effort: the client learns why
-        except OSError:
-            pass
-        conn.close()
-
-    def _pause(self) -> None:
-        self._loop.remove_reader(self.sock.fileno())
-        self._paused = self._loop.call_later(ACCEPT_PAUSE, self._resume)
-
-    def _resume(self) -> None:
-        self._paused = None
-        if not self._closed:
-            self.start()
-
-    async def _serve(self, conn: socket.socket) -> None:
-        counted: _Counted | None = None
-
-        def factory() -> _Counted:
-            nonlocal counted
-            counted = _Counted(self.server(), self.caps)
-            return counted
-
-        try:
-            await self._loop.connect_accepted_socket(factory, sock=conn)
-        except BaseException as e:  # noqa: BLE001 - any end of the set-up gives the slot back
-            # Without a transport nobody else gives the slot back or closes the socket.
-            if counted is None or not counted.made:
-                if counted is not None:
-                    counted.release()
-                else:
-                    self.caps.open -= 1
-                conn.close()
-            if not isinstance(e, Exception):
-                raise  # cancelled, or the process is ending
-            # A client gone before the set-up is an OSError; anything else is a bug: traceback.
-            log.warning("group %s: proxy connection could not be set up: %r", self.folder, e,
-                        exc_info=not isinstance(e, OSError))
-
-    async def close(self) -> None:
-        """Stop accepting and close the listening socket (open connections stay; the
-        AppRunner's cleanup closes them)."""
-        self._closed = True
-        if self._paused is not None:
-            self._paused.cancel()
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self.sock.fileno())
-        self.sock.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _upstream_failure(e: BaseException) -> tuple[str, str, str]:
@@ -295,8 +149,8 @@ class _GroupSite:
     upstream: Upstream
     socket_path: Path
     runner: web.AppRunner
-    listener: _Listener
-    caps: _Caps
+    listener: GroupListener
+    caps: GroupCaps
     requests: int = 0
 
 
@@ -329,7 +183,8 @@ class CredentialProxy:
                                               sock_read=read_timeout)
         self.ledger = UsageLedger(db, flush_interval=flush_interval)
         self.budget = Budget(self.ledger)
-        self._keys: dict[Path, tuple[float, int, dict[str, str]]] = {}
+        # key file -> (mtime, inode, credential headers, the forms of the key to remove)
+        self._keys: dict[Path, tuple[float, int, dict[str, str], list[bytes]]] = {}
         # folder -> (cause, time.monotonic()) of its latest request that failed here.
         self.last_failure: dict[str, tuple[str, float]] = {}
         # folder -> request handlers under way (cancelled when the group's proxy stops).
@@ -354,8 +209,10 @@ class CredentialProxy:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # trust_env: an HTTP(S)_PROXY set for the daemon applies to the upstream too.
+            # auto_decompress: an answer compressed although asked for `identity` is read
+            # decoded, so that it can be checked for the key (and is sent on decoded).
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, auto_decompress=False, trust_env=True,
+                timeout=self._timeout, auto_decompress=True, trust_env=True,
                 connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60))
         return self._session
 
@@ -363,10 +220,12 @@ class CredentialProxy:
                           max_connections: int | None = None,
                           requests_per_minute: int | None = None,
                           tokens_per_day: int | None = None,
-                          timezone: str = "UTC") -> Path:
+                          timezone: str = "UTC",
+                          answer_estimate: int = DEFAULT_ANSWER_ESTIMATE) -> Path:
         """Serve `folder`'s socket (replacing a stale one); return its path. The caps
         default to the proxy's own; `tokens_per_day` None: no token budget (`timezone` is
-        the one the budget's reset time is told in).
+        the one the budget's reset time is told in; `answer_estimate` the tokens a request
+        that does not bound its answer reserves for it).
 
         Raises ProxyError if the socket cannot be made.
         """
@@ -377,15 +236,19 @@ class CredentialProxy:
             sock = await asyncio.to_thread(self._bind, folder)
         except (OSError, agentfs.UnsafePath) as e:
             raise ProxyError(f"cannot listen on {path}: {e}") from None
-        caps = _Caps(max_connections or self.max_connections,
+        caps = GroupCaps(max_connections or self.max_connections,
                      requests_per_minute or self.requests_per_minute,
-                     tokens_per_day, timezone)
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+                     tokens_per_day, timezone, answer_estimate)
+        # Slow clients: the web server's deadlines; the connection cap is the group's own.
+        guard = ConnectionGuard(ConnectionLimits(max_per_client=None), name="proxy")
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES,
+                              middlewares=[guard.middleware])
         app.router.add_route("*", "/{tail:.*}", self._make_handler(folder, upstream, caps))
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                               keepalive_timeout=guard.keepalive_timeout)
         await runner.setup()
         assert runner.server is not None
-        listener = _Listener(folder, sock, runner.server, caps)
+        listener = GroupListener(folder, sock, runner.server, caps, guard)
         try:
             listener.start()
         except OSError as e:
@@ -408,7 +271,8 @@ class CredentialProxy:
         return await self.start_group(folder, Upstream.from_spec(spec), max_connections=conns,
                                       requests_per_minute=rate,
                                       tokens_per_day=cfg.token_budget(folder),
-                                      timezone=cfg.group_timezone())
+                                      timezone=cfg.group_timezone(),
+                                      answer_estimate=cfg.limits.answer_tokens_estimate)
 
     @contextlib.asynccontextmanager
     async def for_run(self, cfg: Config, folder: str):  # noqa: ANN201 - async generator
@@ -434,6 +298,14 @@ class CredentialProxy:
         for task in self._inflight.pop(folder, set()):
             task.cancel()
         await site.listener.close()
+        # Nor are its connections: one whose request was refused before its body was read
+        # (a 413) is read from for up to aiohttp's lingering time (10 s) after the answer,
+        # and the server's own shutdown waited for that. Each connection's shutdown with a
+        # short grace cancels what still runs on it and closes it.
+        server = site.runner.server
+        if server is not None:
+            server.pre_shutdown()  # idle connections end at once
+            await asyncio.gather(*(conn.shutdown(CLOSE_GRACE) for conn in server.connections))
         await site.runner.cleanup()
         if site.caps.over_budget:
             log.warning("group %s: the model proxy refused %d request(s) over the daily "
@@ -467,19 +339,24 @@ class CredentialProxy:
             site.caps.max_connections = conns
             site.caps.per_minute = rate
             site.caps.tokens_per_day = cfg.token_budget(folder)
+            site.caps.answer_estimate = cfg.limits.answer_tokens_estimate
 
     def caps(self, folder: str) -> dict[str, int] | None:
-        """The group's caps and how often they were hit, while its socket is served."""
+        """The group's caps and how often they were hit, while its socket is served (and
+        the requests in flight that hold a share of its budget, with the tokens they hold)."""
         site = self._sites.get(folder)
         if site is None:
             return None
         c = site.caps
+        in_flight, reserved = self.budget.reserved(folder)
         return {"max_connections": c.max_connections, "open": c.open, "refused": c.refused,
                 "requests_per_minute": c.per_minute, "limited": c.limited,
-                "tokens_per_day": c.tokens_per_day or 0, "over_budget": c.over_budget}
+                "tokens_per_day": c.tokens_per_day or 0, "over_budget": c.over_budget,
+                "answer_tokens_estimate": c.answer_estimate,
+                "reserved_requests": in_flight, "reserved_tokens": reserved}
 
     # ------------------------------------------------------------------ request path
-    def _make_handler(self, folder: str, upstream: Upstream, caps: _Caps):  # noqa: ANN202
+    def _make_handler(self, folder: str, upstream: Upstream, caps: GroupCaps):  # noqa: ANN202
         allowed = ALLOWED_ROUTES[upstream.backend]
         # A runaway or hostile agent cannot open unbounded parallel requests on the key:
         # beyond the limit they wait their turn.
@@ -514,13 +391,13 @@ class CredentialProxy:
                 inflight.add(task)
             try:
                 async with slots:
-                    return await self._forward(request, folder, upstream)
+                    return await self._forward(request, folder, upstream, caps)
             finally:
                 inflight.discard(task)
 
         return handle
 
-    def _over_budget(self, folder: str, caps: _Caps, refused: OverBudget) -> web.Response:
+    def _over_budget(self, folder: str, caps: GroupCaps, refused: OverBudget) -> web.Response:
         caps.over_budget += 1
         if caps.over_budget == 1:
             log.warning("group %s: used %d model tokens today, over its budget of %d; "
@@ -534,71 +411,146 @@ class CredentialProxy:
             status=429, headers={"retry-after": str(refused.retry_after),
                                  "x-should-retry": "false"})
 
-    async def _forward(self, request: web.Request, folder: str,
-                       upstream: Upstream) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, folder: str, upstream: Upstream,
+                       caps: GroupCaps) -> web.StreamResponse:
         body = await request.read()
         model = upstream.model or ""
+        sent: dict[str, Any] | None = None
         if request.method == "POST":
             try:
-                body, model = upstream.pin_model(body)
-            except ValueError as e:
+                pinned = upstream.pin(body)
+            except BadRequestBody as e:
                 return web.json_response(
                     {"type": "error", "error": {"type": "mdclaw_bad_request",
                                                 "message": f"{e}; mdclaw's model proxy "
                                                            "forwards JSON objects only"}},
                     status=400)
+            body, model, sent = pinned.body, pinned.model, pinned.sent
         else:
             body = b""  # GET /v1/models: nothing for the upstream to read
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in DROP_REQUEST_HEADERS}
         try:
-            headers.update(self._auth_headers(upstream))
+            auth, forms = self._credential(upstream)
         except OSError:
             log.error("group %s: the model key file %s cannot be read", folder,
                       upstream.api_key_file)
-            self._count(folder, model, ok=False, usage=None)
+            self._count(folder, model, ok=False)
             self._note_failure(folder, "key_missing")
             return web.json_response({"error": {"type": "mdclaw_key_unreadable",
                                                 "message": "the host cannot read the API key"}},
                                      status=502)
+        grant: Reservation | None = None
+        if (request.method, request.path) in ANSWERING_ROUTES:
+            # The moment of dispatch: this request has a slot; does the budget left cover
+            # it beside the ones in flight? (It may wait here for one of them to end.)
+            got = await self.budget.admit(
+                folder, caps.tokens_per_day,
+                request_need(len(body), sent, caps.answer_estimate), caps.timezone)
+            if isinstance(got, OverBudget):
+                return self._over_budget(folder, caps, got)
+            grant = got
+        try:
+            return await self._send(request, folder, upstream, body, model, auth,
+                                    Redactor(forms), grant)
+        finally:
+            # After _send counted the answer's usage, with no await in between: the budget
+            # never sees the tokens neither reserved nor counted.
+            if grant is not None:
+                grant.release()
+
+    async def _send(self, request: web.Request, folder: str, upstream: Upstream, body: bytes,
+                    model: str, auth: dict[str, str], redactor: Redactor,
+                    grant: Reservation | None) -> web.StreamResponse:
+        """Send the request upstream and its answer back to the agent, then count it."""
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in DROP_REQUEST_HEADERS}
+        headers.update(auth)
         headers["accept-encoding"] = "identity"
         url = upstream.url_for(request.path, request.query_string)
         counter = UsageCounter()
         response: web.StreamResponse | None = None
         ok = False
+        # May the upstream have spent tokens on this request? Yes from the moment it may
+        # have been sent (also when the wait for the answer is cancelled: the group stopped);
+        # no when it could not be connected to, or answered with an error status.
+        spent = True
+        agent_gone = False
         try:
             async with self._client().request(request.method, url, data=body or None,
                                               headers=headers, allow_redirects=False) as up:
-                response = web.StreamResponse(status=up.status, reason=up.reason)
+                encoding = up.headers.get("content-encoding", "").strip().lower()
+                if encoding not in READABLE_ENCODINGS:
+                    # Bytes the proxy cannot read cannot be checked for the key.
+                    log.warning("group %s: upstream %s answered in the encoding %r; not "
+                                "passed on", folder, upstream.base_url, encoding[:40])
+                    self._note_failure(folder, "model_unreachable")
+                    spent = 200 <= up.status < 300
+                    response = web.json_response(
+                        {"error": {"type": "mdclaw_upstream_encoding",
+                                   "message": "the model API answered in an encoding mdclaw's "
+                                              "proxy cannot read"}}, status=502)
+                    return response
+                spent = 200 <= up.status < 300
+                response = web.StreamResponse(status=up.status,
+                                              reason=redactor.scrub(up.reason or "") or None)
                 for k, v in up.headers.items():
-                    if k.lower() not in DROP_RESPONSE_HEADERS:
-                        response.headers.add(k, v)
+                    name = k.lower()
+                    if name in FORWARD_RESPONSE_HEADERS or name.startswith(
+                            FORWARD_RESPONSE_PREFIXES):
+                        response.headers.add(k, redactor.scrub(v))
                 ctype = up.headers.get("content-type", "")
                 feed = counter.feed_sse if "event-stream" in ctype else counter.feed_json
-                await response.prepare(request)
+                agent_gone = not await self._to_agent(response.prepare(request))
                 async for chunk in up.content.iter_any():
                     feed(chunk)
-                    await response.write(chunk)
-                await response.write_eof()
+                    # An agent that hung up does not end the answer: it is read to its end
+                    # (and dropped) so that what it cost is counted.
+                    if not agent_gone and (out := redactor.feed(chunk)):
+                        agent_gone = not await self._to_agent(response.write(out))
+                if not agent_gone and (out := redactor.finish()):
+                    agent_gone = not await self._to_agent(response.write(out))
+                if not agent_gone:
+                    agent_gone = not await self._to_agent(response.write_eof())
                 ok = up.status < 400
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning("group %s: upstream %s failed: %s", folder, upstream.base_url,
                         type(e).__name__)
             kind, cause, what = _upstream_failure(e)
             self._note_failure(folder, cause)
+            if isinstance(e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+                spent = False  # never connected: nothing was sent
             if response is None or not response.prepared:
                 response = web.json_response(
                     {"error": {"type": kind,
                                "message": f"the model API {what} ({type(e).__name__})"}},
                     status=504 if cause == "turn_timeout" else 502)
         finally:
+            # Also when cancelled (the group's proxy stopped): nothing here awaits.
             counter.finish()
             if ok:
                 self.last_failure.pop(folder, None)
+            tokens_in, tokens_out = counter.input_tokens, counter.output_tokens
+            if grant is not None and spent and not counter.final:
+                # The answer ended without the API's last word on its usage: what was not
+                # reported counts as reserved.
+                tokens_in = tokens_in or grant.need.input
+                tokens_out = max(tokens_out, grant.need.output)
             # The model is the configured one (or an allowed one): made-up names cannot
             # fill the usage table.
-            self._count(folder, model, ok=ok, usage=counter)
+            self._count(folder, model, ok=ok, input_tokens=tokens_in,
+                        output_tokens=tokens_out)
+        if agent_gone:
+            log.info("group %s: the agent hung up before the model's answer ended (read on "
+                     "upstream, to count it)", folder)
         return response
+
+    @staticmethod
+    async def _to_agent(write: Awaitable[Any]) -> bool:
+        """Await one write towards the agent: False when the agent has hung up."""
+        try:
+            await write
+        except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+            return False
+        return True
 
     def _note_failure(self, folder: str, cause: str) -> None:
         """Remember why the group's latest model request failed on the host's side, so a
@@ -613,21 +565,29 @@ class CredentialProxy:
             return None
         return got[0]
 
-    def _auth_headers(self, upstream: Upstream) -> dict[str, str]:
-        """The credential headers, re-read only when the key file changed (rotation)."""
+    def _credential(self, upstream: Upstream) -> tuple[dict[str, str], list[bytes]]:
+        """(the credential headers, the forms of the key to remove from what goes back to
+        the agent: mdclaw.redact), re-read only when the key file changed (rotation)."""
         path = upstream.api_key_file
         if path is None:
-            return {}
+            return {}, []
         st = os.stat(path)
         cached = self._keys.get(path)
         if cached is None or cached[:2] != (st.st_mtime, st.st_ino):
-            cached = (st.st_mtime, st.st_ino, upstream.auth_headers())
+            headers = upstream.auth_headers()
+            # The key itself; `Bearer <key>` holds it.
+            secrets = {v.removeprefix("Bearer ").strip() for v in headers.values()}
+            forms = all_forms(secrets)
+            if any(len(sec.encode()) < MIN_SECRET for sec in secrets):
+                log.warning("the model key in %s is shorter than %d characters: it is not "
+                            "looked for in what the model API answers", path, MIN_SECRET)
+            cached = (st.st_mtime, st.st_ino, headers, forms)
             self._keys[path] = cached
-        return cached[2]
+        return cached[2], cached[3]
 
-    def _count(self, folder: str, model: str, *, ok: bool, usage: UsageCounter | None) -> None:
+    def _count(self, folder: str, model: str, *, ok: bool, input_tokens: int = 0,
+               output_tokens: int = 0) -> None:
         if folder in self._sites:
             self._sites[folder].requests += 1
-        self.ledger.count(folder, model, ok=ok,
-                          input_tokens=usage.input_tokens if usage else 0,
-                          output_tokens=usage.output_tokens if usage else 0)
+        self.ledger.count(folder, model, ok=ok, input_tokens=input_tokens,
+                          output_tokens=output_tokens)

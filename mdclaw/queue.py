@@ -49,7 +49,7 @@ class MessageTurn:
     """What a message job carries. Changed by replacing it (`dataclasses.replace`)."""
 
     t_inbound: float | None = None  # time.perf_counter() when the message that queued it came
-    upto: str | None = None  # the newest message its latest try gave the agent
+    upto: int | None = None  # the newest message (its seq) its latest try gave the agent
     told_cause: str | None = None  # the failure cause the chat was told a retry is coming for
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import agentfs, schedule
-from mdclaw.config import Config, Group, TaskSpec
+from mdclaw.config import FOLDER_CASE_RULE, Config, Group, TaskSpec, folder_clash, folder_key
 from mdclaw.errors import ConfigProblem
 from mdclaw.paths import (
     DATA_DIR_MODE,
@@ -76,6 +76,9 @@ ACTION_KINDS = ("create_dir", "fix_mode", "replace_path", "add_group", "update_g
 class Plan:
     actions: list[Action] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    # Found in the database as it is, not caused by the config: reported, never blocking
+    # (e.g. two registered group folders that differ only in case, from before the rule).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -83,7 +86,7 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"actions": [asdict(a) for a in self.actions], "conflicts": self.conflicts,
-                "changes": len(self.actions)}
+                "warnings": self.warnings, "changes": len(self.actions)}
 
 
 class ReconcileError(ConfigProblem, RuntimeError):
@@ -270,6 +273,16 @@ def plan(cfg: Config, db: Database) -> Plan:
             continue
         have = actual.get(folder)
         if have is None:
+            # A new folder must not be a runtime group's but for case (a config group
+            # that goes is a rename, and two config groups are refused by the schema).
+            other = folder_clash(folder, [f for f, g in actual.items()
+                                          if g.source != "config" or f in cfg.groups])
+            if other is not None:
+                p.conflicts.append(
+                    f"group {folder!r}: the folder is that of registered group {other!r} "
+                    f"(source {actual[other].source}) but for case: {FOLDER_CASE_RULE}; "
+                    "unregister that group or rename this one")
+                continue
             p.actions.append(Action("add_group", folder, {"name": want.name, "jid": want.jid,
                                                           "is_main": want.is_main}))
             continue
@@ -286,6 +299,9 @@ def plan(cfg: Config, db: Database) -> Plan:
             p.actions.append(Action("update_group", folder,
                                     {"changes": {"is_main": {"from": True, "to": False}}}))
 
+    # Among the groups registered after this plan (config groups that go are deregistered).
+    p.warnings.extend(folder_case_warnings(
+        {f: g for f, g in actual.items() if g.source != "config" or f in cfg.groups}))
     folders = sorted(set(cfg.groups) | {f for f, g in actual.items() if g.source != "config"})
     for path, mode, repairable in _dirs(cfg, folders):
         try:
@@ -310,6 +326,23 @@ def plan(cfg: Config, db: Database) -> Plan:
                                     {"mode": f"{mode:04o}", "was": f"{have_mode:04o}"}))
     _plan_tasks(cfg, db, p)
     return p
+
+
+def folder_case_warnings(groups: dict[str, GroupRow]) -> list[str]:
+    """Registered groups whose folders differ only in case (registered before the rule, or
+    by hand): each pair named, with what to do. Both keep working where names are
+    case-sensitive (Linux); on macOS they share their folders."""
+    by_key: dict[str, list[str]] = {}
+    for folder in sorted(groups):
+        by_key.setdefault(folder_key(folder), []).append(folder)
+    out = []
+    for same in by_key.values():
+        if len(same) > 1:
+            named = ", ".join(f"{f!r} (source {groups[f].source})" for f in same)
+            out.append(f"registered groups {named} differ only in case: {FOLDER_CASE_RULE}; "
+                       "unregister all but one (a group registered over IPC: "
+                       "unregister_group; from the config: remove or rename it there)")
+    return out
 
 
 def apply_plan(cfg: Config, db: Database, p: Plan) -> None:

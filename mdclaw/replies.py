@@ -35,7 +35,7 @@ from mdclaw.models import DEFAULT_BASE_URLS, model_for_group
 from mdclaw.preflight import DiskRule, DiskVerdict
 from mdclaw.state import Database
 from mdclaw.state.conversations import set_cursor, set_session
-from mdclaw.state.failed_turns import mark_messages_failed, record_failed_turn
+from mdclaw.state.failed_turns import mark_messages_failed, message_time, record_failed_turn
 from mdclaw.state.groups import GroupRow
 from mdclaw.state.outbox import enqueue
 from mdclaw.turns import Settle
@@ -120,21 +120,22 @@ class Replies:
         text = failures.chat_message(failure, failure_context(self._config(), group),
                                      outcome=outcome, attempts=attempts)
         with self.db.transaction() as c:
-            n, first = mark_messages_failed(c, group.jid, settle.after, upto, failure.cause)
+            marked = mark_messages_failed(c, group.jid, settle.after, upto, failure.cause)
             set_cursor(self.db, group.folder, upto)
             record_failed_turn(c, group_folder=group.folder, chat_jid=group.jid,
                                cause=failure.cause, policy=failure.policy, outcome=outcome,
                                attempts=attempts, detail=failure.detail,
-                               first_message_at=first, last_message_at=upto, messages=n,
-                               told=text)
+                               first_message_at=marked.first_at, last_message_at=marked.last_at,
+                               messages=marked.messages, told=text,
+                               first_message_seq=marked.first_seq, last_message_seq=upto)
             enqueue(c, chat_jid=group.jid, kind="text", text=text, source_group=group.folder)
         self._wake_outbox()
         log.warning("group %s: turn failed (%s, %s after %d tr%s); %d message(s) set aside: %s",
                     group.folder, failure.cause, outcome, attempts,
-                    "y" if attempts == 1 else "ies", n, failure.detail or "-")
+                    "y" if attempts == 1 else "ies", marked.messages, failure.detail or "-")
 
     def retrying(self, group: GroupRow, failure: TurnFailure, *, attempts: int,
-                 upto: str | None, delay: float, tell: bool) -> None:
+                 upto: int | None, delay: float, tell: bool) -> None:
         """A message run failed for a transient cause and is retried in `delay` seconds:
         record it, and tell the chat when `tell`."""
         assert group.jid is not None
@@ -146,7 +147,8 @@ class Replies:
             record_failed_turn(c, group_folder=group.folder, chat_jid=group.jid,
                                cause=failure.cause, policy=failure.policy, outcome="retry",
                                attempts=attempts, detail=failure.detail,
-                               last_message_at=upto, told=text)
+                               last_message_at=message_time(c, upto), last_message_seq=upto,
+                               told=text)
             if text:
                 enqueue(c, chat_jid=group.jid, kind="text", text=text, source_group=group.folder)
         if text:

@@ -131,15 +131,60 @@ def _cron_times(expr: str, tz: str, after: datetime) -> Iterator[datetime]:
     both_folds = repeats_wall_clock(expr)
     it = croniter(expr, after.astimezone(zone))
     skipped = 0
+    prev = after.astimezone(UTC)
     while True:
         local = it.get_next(datetime).astimezone(zone)
         if both_folds or not _is_second_occurrence(local):
             skipped = 0
-            yield local.astimezone(UTC)
+            at = local.astimezone(UTC)
+            if both_folds:
+                # croniter steps over a repeated hour that ends its day (a fall-back at
+                # midnight, as in Chile): those wall times are yielded here, in order.
+                yield from _repeated_slots(expr, zone, prev, at)
+            if at > prev:
+                prev = at
+                yield at
         else:
             skipped += 1
             if skipped > 1000:
                 raise ScheduleError(f"cron expression {expr!r} never fires in {tz}")
+
+
+def _fall_backs(zone: ZoneInfo, start: datetime, end: datetime) -> Iterator[datetime]:
+    """The instants (UTC, to the second) in (start, end) where `zone`'s offset goes down."""
+    step = timedelta(days=1)
+    lo = start
+    while lo < end:
+        hi = min(lo + step, end)
+        if hi.astimezone(zone).utcoffset() < lo.astimezone(zone).utcoffset():  # type: ignore[operator]
+            a, b = lo, hi  # the offset changes once within a day: find the second
+            while b - a > timedelta(seconds=1):
+                mid = a + (b - a) / 2
+                if mid.astimezone(zone).utcoffset() == a.astimezone(zone).utcoffset():
+                    a = mid
+                else:
+                    b = mid
+            yield b.replace(microsecond=0)
+        lo = hi
+
+
+def _repeated_slots(expr: str, zone: ZoneInfo, start: datetime,
+                    end: datetime) -> Iterator[datetime]:
+    """Firing times of `expr` (UTC) strictly between `start` and `end` that lie in the second
+    occurrence of a repeated wall-clock hour. A repeated half hour (Lord Howe Island) keeps
+    croniter's rule: no slot in it, so no wall-clock time fires twice there."""
+    for t in _fall_backs(zone, start, end):
+        before = (t - timedelta(seconds=1)).astimezone(zone).utcoffset()
+        after = t.astimezone(zone).utcoffset()
+        assert before is not None and after is not None
+        if before - after != timedelta(hours=1):
+            continue
+        u = t
+        while u < t + (before - after) and u < end:
+            local = u.astimezone(zone)
+            if u > start and croniter.match(expr, local.replace(tzinfo=None)):
+                yield u
+            u += timedelta(minutes=1)
 
 
 def next_cron(expr: str, tz: str, after: datetime) -> datetime:

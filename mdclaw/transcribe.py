@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from mdclaw.config import Transcription, read_secret
+from mdclaw.config import EXTRAS, MissingExtra, Transcription, read_secret
 from mdclaw.errors import MdclawError
 
 log = logging.getLogger("mdclaw.transcribe")
@@ -109,10 +109,9 @@ class LocalTranscriber:
         try:
             module = importlib.import_module("faster_whisper")
         except ImportError:
-            raise TranscriptionError(
-                "transcription.provider is local but faster-whisper is not installed: "
-                "install mdclaw with the transcribe extra (pip install 'mdclaw[transcribe]') "
-                "or use provider: openai") from None
+            missing = MissingExtra("transcription.provider", EXTRAS["transcribe"],
+                                   "is not installed")
+            raise TranscriptionError(f"{missing.message} (or use provider: openai)") from None
         try:
             return module.WhisperModel(self.cfg.model_name, device="cpu", compute_type="int8")
         except Exception as e:  # noqa: BLE001 - a missing model, a download that failed...

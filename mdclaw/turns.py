@@ -8,8 +8,10 @@ loop does with `RunTimers`. tests/test_turns.py holds each rule.
 
 **The cursor** is the position of the newest message of the group's chat whose turn is done
 (answered, or set aside for good). A run's prompt holds every message after it. The position
-of a message is its timestamp (`position`); the cursor is that string, or None before the
-first turn. Nothing else here knows what a position is made of.
+of a message is the sequence number the host gave it when it stored it (`position`), never
+the chat service's clock: a message stored after the cursor moved is always after it, even
+when it carries the same second. The cursor is such a number, or None before the first turn.
+Nothing else here knows what a position is made of.
 
 The rules:
 
@@ -27,7 +29,9 @@ The rules:
   cursor back to the latest answered turn of the run, so the same messages are retried with
   backoff (`end` says RETRY); a run that answered something before it failed starts its tries
   afresh. A turn that failed transiently while the conversation went on and a later one was
-  answered cannot be retried on its own: its messages are set aside (`resend`).
+  answered cannot be retried on its own: its messages are set aside (`resend`). A transient
+  failure reported when an answer already covered every message given leaves nothing to
+  retry: it ends the conversation and nothing else.
 * **A deterministic failure or a configuration error** is not retried: the turn's messages
   are set aside (marked failed, the cursor moves past them, the chat is told why) so the next
   message gets a normal answer; a configuration error also ends the conversation.
@@ -47,8 +51,9 @@ from typing import Protocol, TypeVar
 from mdclaw.failures import CONFIG, TRANSIENT, TurnFailure
 from mdclaw.senders import Decision
 
-#: Where a message stands in its chat; the cursor is one (or None: before the first message).
-Position = str
+#: Where a message stands in its chat (the host's sequence number, mdclaw.state.conversations);
+#: the cursor is one (or None: before the first message).
+Position = int
 
 
 class Message(Protocol):
@@ -58,7 +63,7 @@ class Message(Protocol):
     def id(self) -> str: ...
 
     @property
-    def timestamp(self) -> str: ...
+    def seq(self) -> int: ...
 
 
 M = TypeVar("M", bound=Message)
@@ -66,7 +71,7 @@ M = TypeVar("M", bound=Message)
 
 def position(msg: Message) -> Position:
     """A message's place in its chat, which the cursor is compared with."""
-    return msg.timestamp
+    return msg.seq
 
 
 def starts_turn(decisions: Iterable[Decision]) -> bool:
@@ -145,10 +150,10 @@ class Conversation:
     """One run of a group's agent, as the turn rules see it."""
 
     start_cursor: Position | None  # the cursor when the run began
-    last_ts: Position | None  # the newest message the agent was given
+    last_pos: Position | None  # the newest message the agent was given
     scheduled: bool = False  # a scheduled task's run (single-turn, nothing is fed into it)
     sent_ids: set[str] = field(default_factory=set)
-    answered_ts: Position | None = None  # the cursor after the latest answered (or settled) turn
+    answered_pos: Position | None = None  # the cursor after the latest answered/settled turn
     pending: TurnFailure | None = None  # a transient failure no later turn has answered
     pending_upto: Position | None = None  # the newest message given to the agent when it failed
     turns_open: int = 0  # prompts and follow-ups given to the agent, not yet answered
@@ -163,13 +168,13 @@ class Conversation:
         None when none does (no turn: they wait as context)."""
         if not starts_turn(d for _m, d in messages):
             return None
-        return cls(start_cursor=cursor, last_ts=position(messages[-1][0]),
-                   sent_ids={m.id for m, _d in messages}, answered_ts=cursor, turns_open=1)
+        return cls(start_cursor=cursor, last_pos=position(messages[-1][0]),
+                   sent_ids={m.id for m, _d in messages}, answered_pos=cursor, turns_open=1)
 
     @classmethod
     def for_task(cls) -> Conversation:
         """A scheduled task's run: it takes no messages and is fed none."""
-        return cls(start_cursor=None, last_ts=None, scheduled=True)
+        return cls(start_cursor=None, last_pos=None, scheduled=True)
 
     # ------------------------------------------------------------------ questions
     @property
@@ -180,7 +185,7 @@ class Conversation:
     @property
     def unanswered(self) -> bool:
         """Messages were given to the agent after the latest answered turn."""
-        return self.last_ts != self.answered_ts
+        return self.last_pos != self.answered_pos
 
     @property
     def accepts_follow_ups(self) -> bool:
@@ -190,7 +195,13 @@ class Conversation:
     @property
     def seen_upto(self) -> Position | None:
         """The newest message this run has been given."""
-        return self.last_ts
+        return self.last_pos
+
+    @property
+    def given(self) -> Position:
+        """The newest message given to the agent; a message run always has one."""
+        assert self.last_pos is not None, "a scheduled task's run is given no messages"
+        return self.last_pos
 
     @property
     def close_for_task(self) -> bool:
@@ -218,7 +229,7 @@ class Conversation:
     def fed(self, batch: Sequence[Message]) -> None:
         """A follow-up of `batch` (from `follow_ups`) was written into the conversation."""
         self.sent_ids.update(m.id for m in batch)
-        self.last_ts = position(batch[-1])
+        self.last_pos = position(batch[-1])
         self.turns_open += 1
 
     def on_block(self) -> None:
@@ -229,15 +240,18 @@ class Conversation:
         """The agent reported that a turn failed, while the conversation runs."""
         if failure.policy == TRANSIENT:
             # The conversation ends: the run's end rolls the cursor back and the queue
-            # retries the unanswered messages with backoff (telling the chat once).
-            self.pending = failure
-            self.pending_upto = self.last_ts
+            # retries the unanswered messages with backoff (telling the chat once). When an
+            # answer already covered every message given, nothing is left to retry (nor to
+            # set aside later): the failure is not kept.
+            if self.unanswered:
+                self.pending = failure
+                self.pending_upto = self.last_pos
             return Reaction(close=True)
         settle = None
-        if self.last_ts is not None and self.unanswered:
-            settle = Settle(failure, after=self.answered_ts, upto=self.last_ts,
+        if self.last_pos is not None and self.unanswered:
+            settle = Settle(failure, after=self.answered_pos, upto=self.last_pos,
                             outcome=outcome_for(failure))
-            self.answered_ts = self.last_ts
+            self.answered_pos = self.last_pos
         self.pending = None
         # A configuration error: every later turn would fail the same way.
         return Reaction(settle=settle, close=failure.policy == CONFIG)
@@ -246,12 +260,12 @@ class Conversation:
         """The agent answered: (messages to set aside first, the new cursor). A turn that
         failed transiently before this answer cannot be retried on its own any more."""
         settle = None
-        if self.pending is not None and self.pending_upto:
-            settle = Settle(self.pending, after=self.answered_ts, upto=self.pending_upto,
+        if self.pending is not None and self.pending_upto is not None:
+            settle = Settle(self.pending, after=self.answered_pos, upto=self.pending_upto,
                             outcome="resend")
         self.pending = None
-        self.answered_ts = self.last_ts
-        return settle, self.last_ts or ""
+        self.answered_pos = self.given
+        return settle, self.given
 
     def yield_for_task(self) -> bool:
         """A task of this group is due: feed nothing more and end the conversation once its
@@ -266,7 +280,7 @@ class Conversation:
         stays)."""
         if failure.policy == TRANSIENT:
             return None
-        return Settle(failure, after=self.start_cursor, upto=self.last_ts or "",
+        return Settle(failure, after=self.start_cursor, upto=self.given,
                       outcome=outcome_for(failure))
 
     def needs_cause(self, succeeded: bool) -> bool:
@@ -276,20 +290,20 @@ class Conversation:
 
     def stopped(self) -> End:
         """The disk rule stopped the run: what was not answered waits, without retries."""
-        return End(Ending.STOPPED, cursor=self.answered_ts)
+        return End(Ending.STOPPED, cursor=self.answered_pos)
 
     def end(self, cause: TurnFailure | None = None) -> End:
         """The container ended. `cause` is what the caller named when `needs_cause` asked
         for it; a transient failure still pending counts otherwise."""
         failure = self.pending or cause
         if failure is None:
-            return End(Ending.DONE, cursor=self.last_ts or "", next_after=self.last_ts)
+            return End(Ending.DONE, cursor=self.given, next_after=self.given)
         if failure.policy != TRANSIENT:
-            return End(Ending.SETTLED, next_after=self.last_ts,
-                       settle=Settle(failure, after=self.answered_ts, upto=self.last_ts or "",
+            return End(Ending.SETTLED, next_after=self.given,
+                       settle=Settle(failure, after=self.answered_pos, upto=self.given,
                                      outcome=outcome_for(failure)))
         # Transient: roll back to the latest answered turn; the queue retries the rest. A
         # run that answered something first failed on later messages: their tries (and what
         # the chat was told) start afresh.
-        return End(Ending.RETRY, cursor=self.answered_ts, failure=failure,
-                   fresh_tries=self.answered_ts != self.start_cursor)
+        return End(Ending.RETRY, cursor=self.answered_pos, failure=failure,
+                   fresh_tries=self.answered_pos != self.start_cursor)

@@ -36,11 +36,15 @@ MAX_BUFFERED_JSON = 8 * 1024 * 1024  # bytes of one response kept to read its us
 class UsageCounter:
     """Tokens seen in one response: JSON body or server-sent events, OpenAI or Anthropic.
 
-    Counts are cumulative in both APIs' streams, so the largest value seen wins.
+    Counts are cumulative in both APIs' streams, so the largest value seen wins. `final`: the
+    answer's closing usage was seen (a JSON body's, a Messages stream's `message_delta`, a
+    Chat Completions stream's usage chunk), so the counts are the API's last word; a
+    Messages stream's `message_start` reports the input, but not yet the answer.
     """
 
     input_tokens: int = 0
     output_tokens: int = 0
+    final: bool = False
     _pending: bytes = b""
     _json: bytearray = field(default_factory=bytearray)
     _json_overflow: bool = False
@@ -65,7 +69,10 @@ class UsageCounter:
     def take_object(self, obj: Any) -> None:
         if not isinstance(obj, dict):
             return
-        self.take(obj.get("usage"))
+        usage = obj.get("usage")
+        self.take(usage)
+        if isinstance(usage, dict) and obj.get("type") != "message_start":
+            self.final = True
         message = obj.get("message")
         if isinstance(message, dict):
             self.take(message.get("usage"))

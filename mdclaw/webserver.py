@@ -11,6 +11,10 @@ serves needs it too (401, not 404). Who may use a route is each part's rule, mad
 one `TokenGate`: the bearer token (`server.secret_file` or the generated one) compared in
 constant time, and wrong tokens throttled per client address (mdclaw.throttle), so a guess
 counts wherever it is made and a lockout holds everywhere.
+
+Slow and greedy clients are the listener's business (mdclaw.listener): a header and a body
+read timeout, an idle timeout and a cap on connections per client address, from `server:`
+(`connection_limits`); the /metrics listener of `metrics.listen` keeps the same ones.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from mdclaw.config import Config
+from mdclaw.listener import ConnectionGuard, ConnectionLimits
 from mdclaw.throttle import TokenThrottle, client_key
 
 log = logging.getLogger("mdclaw.webserver")
@@ -44,6 +50,18 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"listen address {listen!r} is not host:port")
     return host or "127.0.0.1", int(port)
+
+
+def connection_limits(cfg: Config) -> ConnectionLimits:
+    """The web server's limits on slow and greedy clients (`server:`; its defaults when the
+    config has no web server), also those of the /metrics listener."""
+    server = cfg.web_server
+    if server is None:
+        return ConnectionLimits()
+    return ConnectionLimits(header_timeout=server.header_timeout.total_seconds(),
+                            body_timeout=server.body_timeout.total_seconds(),
+                            idle_timeout=server.idle_timeout.total_seconds(),
+                            max_per_client=server.max_connections_per_client)
 
 
 def is_loopback(host: str) -> bool:
@@ -122,13 +140,16 @@ class TokenGate:
 
 
 class WebServer:
-    """One aiohttp application on `listen` (port 0: any free port), guarded by `gate`.
-    Routes are added before `start()`; each decides on access itself (with `gate`)."""
+    """One aiohttp application on `listen` (port 0: any free port), guarded by `gate`, its
+    connections by `limits` (mdclaw.listener). Routes are added before `start()`; each
+    decides on access itself (with `gate`)."""
 
-    def __init__(self, listen: str, gate: TokenGate | None = None) -> None:
+    def __init__(self, listen: str, gate: TokenGate | None = None,
+                 limits: ConnectionLimits | None = None) -> None:
         self.host, self.port = parse_listen(listen)
         self.gate = gate if gate is not None else TokenGate(None)
-        self.app = web.Application(middlewares=[self._guard])
+        self.connections = ConnectionGuard(limits, name="web")
+        self.app = web.Application(middlewares=[self.connections.middleware, self._guard])
         self._runner: web.AppRunner | None = None
         self._mounts: list[str] = []  # sub-applications' prefixes: they decide for themselves
 
@@ -161,10 +182,11 @@ class WebServer:
         if self._runner is not None:
             return
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                               shutdown_timeout=1.0)
+                               shutdown_timeout=1.0,
+                               keepalive_timeout=self.connections.keepalive_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
+            await self.connections.site(runner, self.host, self.port).start()
         except OSError as e:
             await runner.cleanup()
             raise OSError(f"cannot listen on {self.host}:{self.port}: {e.strerror or e}"

@@ -450,3 +450,25 @@ def agent(*steps: Any, exit_code: int = 0, oom: bool = False, stderr: bytes = b"
         return 0
 
     return script
+
+
+def chat_agent(answer: Callable[[str], str] = lambda text: "re: " + text, *,
+               heard: list[str] | None = None, idle: float = 10 * SCRIPT_WAIT) -> Script:
+    """An agent in a conversation, as the agent runner holds one: it answers the prompt and
+    then each follow-up, in the order the host wrote them, with a block whose result is
+    `answer(text)`, until `_close` (or a stop) ends the conversation. Every text it was given
+    (the prompt, each follow-up's content) is appended to `heard`, so a test can tell which
+    messages reached the agent, and how often. It may sit idle up to `idle` seconds between
+    two inputs (the runner's idle timer is what usually ends it)."""
+
+    def script(c: FakeContainer) -> int:
+        text: str | None = c.prompt
+        while text is not None:
+            if heard is not None:
+                heard.append(text)
+            c.say({"status": "success", "result": answer(text)})
+            got = c.next_input(timeout=idle)
+            text = None if got is None else str(got.get("content", ""))
+        return 0
+
+    return script

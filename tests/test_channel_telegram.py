@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -914,5 +915,82 @@ def test_an_older_offset_never_overwrites_a_newer_one(tmp_path) -> None:
         assert _stored_offset(path) == "600"
         ch._write_offset(3, 700)
         assert _stored_offset(path) == "700"
+    finally:
+        db.close()
+
+
+SAME_SECOND_CONFIG = """\
+data_dir: {data_dir}
+assistant: {name: Andy, timezone: UTC}
+groups:
+  main: {name: Admin, jid: "tg:99", main: true}
+limits: {run_attempts: 1, idle_timeout: 10m}
+"""
+
+
+def test_messages_with_the_date_of_the_answered_one_each_get_an_answer(write_config) -> None:
+    """Telegram's `date` is whole seconds. A message with the same `date` as the one just
+    answered, sent while its conversation is still open and again just after the run ended,
+    is answered all the same: the whole path, from getUpdates through the orchestrator and the
+    real container runner (over a fake engine whose containers answer like the agent runner,
+    tests/fake_engine.py's chat_agent) to sendMessage through the outbox."""
+    from fake_engine import FakeEngine, chat_agent
+    from mdclaw.config import load_config
+    from mdclaw.orchestrator import Orchestrator
+    from mdclaw.reconcile import reconcile
+    from mdclaw.runner import ContainerRunner
+
+    cfg = load_config(write_config(SAME_SECOND_CONFIG))
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    engine = FakeEngine(default=chat_agent(
+        lambda text: "answer to " + " ".join(re.findall(r"tok\d+", text))))
+
+    async def main() -> list[str]:
+        api = FakeBotApi()
+        await api.start()
+        runner = ContainerRunner(cfg, engine)
+        worker = OutboxWorker(db, policy=RetryPolicy(base_delay=0.05, jitter=0))
+        orch = Orchestrator(cfg, db, runner=runner, wake_outbox=worker.wake)
+        orch.engine_ready.set()
+        ch = TelegramChannel(TOKEN, api_base=api.base, on_inbound=orch.on_inbound,
+                             poll_timeout=1, db=db)
+        orch.channels = [ch]
+        worker.set_channels([ch])
+        me = {"id": 99, "type": "private", "first_name": "Bob"}
+
+        def say(i: int) -> None:
+            api.push({"message_id": i, "date": 1_767_225_600, "chat": me,
+                      "from": {"id": 99, "first_name": "Bob"}, "text": f"tok{i}"})
+
+        def answered() -> list[str]:
+            return [p["text"] for p in api.of("sendMessage")]
+
+        try:
+            await ch.connect()
+            await worker.start()
+            say(1)
+            await wait_until_async(lambda: len(answered()) == 1)
+            say(2)  # the conversation is still open: fed into it
+            await wait_until_async(lambda: len(answered()) == 2)
+            handle = runner.active("main")
+            assert handle is not None
+            handle.close()  # as the idle timer would: the run ends
+            await wait_until_async(lambda: runner.active("main") is None
+                             and not orch.queue.running_groups())
+            say(3)  # just after the turn, the same second
+            await wait_until_async(lambda: len(answered()) == 3)
+            return answered()
+        finally:
+            orch.accepting = False
+            orch.close_conversations()
+            await orch.queue.shutdown(grace=5)
+            await runner.aclose()
+            await worker.stop()
+            await ch.disconnect()
+            await api.stop()
+
+    try:
+        assert asyncio.run(main()) == ["answer to tok1", "answer to tok2", "answer to tok3"]
     finally:
         db.close()

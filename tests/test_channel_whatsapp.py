@@ -44,6 +44,7 @@ from mdclaw.channels.whatsapp import (  # noqa: E402
     Pairing,
     WhatsAppChannel,
     link_state,
+    message_time,
 )
 from mdclaw.outbox import OutboxWorker, RetryPolicy  # noqa: E402
 from mdclaw.retry import Backoff  # noqa: E402
@@ -309,6 +310,23 @@ def test_text_in_a_group(tmp_path: Path) -> None:
         assert m.timestamp == "2025-06-15T15:06:40.000Z"
         await ch.disconnect()
     asyncio.run(main())
+
+
+def test_a_timestamp_in_milliseconds_keeps_its_milliseconds(tmp_path: Path) -> None:
+    """What WhatsApp gives is kept: a time in milliseconds is not rounded to the second (two
+    messages of one second keep their order in time)."""
+    async def main() -> None:
+        ch, c = await connected(tmp_path)
+        got = collect(ch)
+        await c.emit(message_event(E.Message(conversation="one"), msg_id="A1",
+                                   ts=1_750_000_000_007))
+        await c.emit(message_event(E.Message(conversation="two"), msg_id="A2",
+                                   ts=1_750_000_000_999))
+        assert [m.timestamp for m in got] == ["2025-06-15T15:06:40.007Z",
+                                              "2025-06-15T15:06:40.999Z"]
+        await ch.disconnect()
+    asyncio.run(main())
+    assert message_time(1_750_000_000) == "2025-06-15T15:06:40.000Z"  # seconds
 
 
 def test_own_messages_status_and_empty_messages_are_ignored(tmp_path: Path) -> None:

@@ -144,6 +144,24 @@ def test_bad_folder_names(write_config, folder) -> None:
     assert any(repr(folder) in e for e in errs), errs
 
 
+@pytest.mark.parametrize("second", ["FAMILY", "Family", "Main"])
+def test_folders_differing_only_in_case_are_refused(write_config, cli, second) -> None:
+    """On a case-insensitive file system (macOS) `family` and `FAMILY` are one folder."""
+    path = write_config(f"""\
+        groups:
+          main: {{name: A, jid: "x:1", main: true}}
+          family: {{name: B, jid: "x:2"}}
+          "{second}": {{name: C, jid: "x:3"}}
+    """)
+    first = "main" if second == "Main" else "family"
+    errs = errors_of(path)
+    (err,) = [e for e in errs if "but for case" in e]
+    assert f"groups.{second}: '{second}' is the folder of group '{first}' but for case" in err
+    assert ":4:" in err and "casefold()" in err and "rename one of the two" in err
+    r = cli("check-config", "--config", str(path))
+    assert r.returncode == 1 and "but for case" in r.stderr
+
+
 def test_unknown_timezone(write_config) -> None:
     errs = errors_of(write_config("assistant:\n  timezone: Mars/Olympus\n"))
     assert "assistant.timezone" in errs[0] and "Mars/Olympus" in errs[0] and ":2:" in errs[0]

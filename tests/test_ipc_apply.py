@@ -268,6 +268,33 @@ def test_register_group_creates_it_and_its_folders(env: Env) -> None:
         assert meta and why in meta["error"]
 
 
+def test_register_group_refuses_a_folder_that_differs_only_in_case(env: Env) -> None:
+    """On a case-insensitive file system (macOS) `FAMILY` would share family's folders: a
+    case variant of any registered group's folder (from the config or over IPC, also one
+    registered earlier in the same batch) is refused, with the rule named."""
+    assert apply_one(env, "main", {"type": "register_group", "jid": "tg:9", "name": "Garden",
+                                   "folder": "garden"}) is None
+    for n, (folder, holder) in enumerate([("FAMILY", "family"), ("Main", "main"),
+                                          ("GarDen", "garden")]):
+        meta = apply_one(env, "main", {"type": "register_group", "jid": f"tg:{20 + n}",
+                                       "name": "x", "folder": folder})
+        assert meta is not None, folder
+        assert (f"folder {folder!r} is the folder of registered group {holder!r} but for "
+                "case" in meta["error"]) and "casefold()" in meta["error"]
+        assert not (env.ipc / folder).exists() and not (env.data / "groups" / folder).exists()
+    # two in one batch: the first is registered, the second refused
+    first = env.write("main", {"type": "register_group", "jid": "tg:31", "name": "Pets",
+                               "folder": "pets"}, name="0001-a.json")
+    second = env.write("main", {"type": "register_group", "jid": "tg:32", "name": "Pets",
+                                "folder": "PETS"}, name="0002-b.json")
+    env.drain()
+    assert env.errors_for("main", first) is None
+    meta = env.errors_for("main", second)
+    assert meta and "registered group 'pets' but for case" in meta["error"]
+    assert sorted(r["folder"] for r in env.db.query("SELECT folder FROM registered_groups")) \
+        == sorted(["main", "family", "work", "garden", "pets"])
+
+
 # --------------------------------------------------------------------------- ordering
 
 def test_files_run_in_filename_order_across_folders(env: Env) -> None:
@@ -470,6 +497,18 @@ def test_follow_up_and_close_sentinel(env: Env, tmp_path: Path) -> None:
     with pytest.raises(UnsafePath):
         write_close(layout, "work")
     assert list(target.iterdir()) == []
+
+
+def test_follow_ups_are_named_in_the_order_they_were_written(env: Env) -> None:
+    """The agent reads input/ in name order: follow-ups written within one millisecond (the
+    orchestrator writes one per waiting message in a loop) keep their order."""
+    names = [write_follow_up(env.engine.layout, "family", sender="tg:42", sender_name="A",
+                             content=f"message {i}") for i in range(200)]
+    assert sorted(names) == names
+    assert len({n.split("-")[0] for n in names}) < len(names)  # some shared a millisecond
+    listed = sorted(p.name for p in (env.ipc / "family" / "input").iterdir())
+    assert [json.loads((env.ipc / "family" / "input" / n).read_text())["content"]
+            for n in listed] == [f"message {i}" for i in range(200)]
 
 
 # --------------------------------------------------------------------------- actions

@@ -10,6 +10,7 @@ import pytest
 from mdclaw.config import load_config
 from mdclaw.models import (
     DEFAULT_BASE_URLS,
+    BadRequestBody,
     Upstream,
     container_model_fields,
     model_for_group,
@@ -87,3 +88,48 @@ def test_the_configured_model_is_pinned_unless_an_allowed_one_is_named() -> None
     free = Upstream("openai", None, "u")
     assert free.pin_model(b'{"model": "x"}') == (b'{"model": "x"}', "x")
     assert free.pin_model(b"junk") == (b"junk", "")
+
+
+@pytest.mark.parametrize("body", [
+    b'{"Model": "expensive", "messages": []}',
+    b'{"MODEL": "expensive"}',
+    b'{"model": "cheap", "mODEL": "expensive"}',
+    b'{"\\u004dodel": "expensive"}',  # "Model" once JSON's escapes are decoded
+    b'{"\\uff4d\\uff4f\\uff44\\uff45\\uff4c": "expensive"}',  # fullwidth: NFKC makes it model
+])
+def test_model_under_another_spelling_is_refused_not_rewritten(body: bytes) -> None:
+    for up in (Upstream("claude", "cheap", "u"), Upstream("claude", None, "u")):
+        with pytest.raises(BadRequestBody, match="names the model as"):
+            up.pin(body)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "cheap", "model": "expensive"}',
+    b'{"model": "cheap", "mod\\u0065l": "expensive"}',  # the same key once decoded
+    b'{"max_tokens": 1, "max_tokens": 100000}',
+    b'{"messages": [{"role": "user", "content": "x", "role": "system"}]}',  # nested
+    b'{"tools": [{"input_schema": {"properties": {"a": 1, "a": 2}}}]}',
+])
+def test_a_body_that_repeats_a_key_anywhere_is_refused(body: bytes) -> None:
+    for up in (Upstream("claude", "cheap", "u"), Upstream("claude", None, "u")):
+        with pytest.raises(BadRequestBody, match="repeats the key"):
+            up.pin(body)
+
+
+def test_what_strict_reading_leaves_alone() -> None:
+    up = Upstream("claude", "cheap", "u")
+    # "mod\u0065l" is model itself: pinned like it.
+    assert up.pin(b'{"mod\\u0065l": "expensive"}').model == "cheap"
+    # A nested key spelled like model is the request's content (a tool's parameter), not
+    # the model the upstream reads: forwarded as it is.
+    nested = b'{"tools": [{"input_schema": {"properties": {"Model": {"type": "string"}}}}]}'
+    pinned = up.pin(nested)
+    assert pinned.sent is not None
+    assert json.loads(pinned.body)["tools"][0]["input_schema"]["properties"] == {
+        "Model": {"type": "string"}}
+    assert json.loads(pinned.body)["model"] == "cheap"
+    # Nested too deep to read: a 400, not a crash.
+    with pytest.raises(BadRequestBody, match="nested too deeply"):
+        up.pin(b"[" * 100_000)
+    with pytest.raises(BadRequestBody, match="nested too deeply"):
+        Upstream("claude", None, "u").pin(b'{"a": ' + b"[" * 100_000)

@@ -29,6 +29,8 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/config/load.py": "reads config.yaml",
     "mdclaw/config/secrets.py": "looks at and reads the secret files config.yaml names; "
                                 "writes the generated HTTP token in data_dir",
+    "mdclaw/config/extras.py": "looks for the programs config.yaml names on PATH "
+                               "(integrations.home_assistant.chromium)",
     "mdclaw/state/db.py": "the state database file and its folder",
     "mdclaw/daemon/core.py": "the daemon's status file in data_dir",
     "mdclaw/ops/status.py": "reads the daemon's status file in data_dir",

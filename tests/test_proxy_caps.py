@@ -28,7 +28,7 @@ from agent_helpers import ProxyThread
 from fake_models import FakeAnthropic, say
 from mdclaw.models import Upstream
 from mdclaw.paths import Layout
-from mdclaw.proxy import BUSY_RESPONSE
+from mdclaw.proxy_socket import BUSY_RESPONSE
 from waiting import wait_until
 
 FLOOD = textwrap.dedent("""\

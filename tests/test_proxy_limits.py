@@ -71,8 +71,6 @@ def test_the_upstream_sees_only_the_configured_model(env) -> None:
         sock = proxy.start_group("family", Upstream("claude", "claude-cheap", up.url))
         asked = [
             b'{"model": "claude-opus-expensive", "max_tokens": 10, "messages": []}',
-            # Duplicate keys: the upstream might read the first, Python the last.
-            b'{"model": "claude-cheap", "model": "claude-opus-expensive", "messages": []}',
             b'{"messages": []}',  # no model at all
             b'{"model": ["claude-opus-expensive"], "messages": []}',
         ]
@@ -82,16 +80,46 @@ def test_the_upstream_sees_only_the_configured_model(env) -> None:
         # count_tokens takes a model too.
         raw_http(sock, "POST", "/v1/messages/count_tokens",
                  b'{"model": "claude-opus-expensive", "messages": []}')
-        # Not a JSON object: refused here, never forwarded.
-        for bad in (b"model=claude-opus-expensive", b'["claude-opus-expensive"]', b""):
+        # Not a JSON object: refused here, never forwarded. Nor is one that repeats a key
+        # (the upstream might read the first, Python the last): once rewritten, now
+        # refused (test_model_pin_refuses_case_games_and_repeated_keys has the variants).
+        for bad in (b"model=claude-opus-expensive", b'["claude-opus-expensive"]', b"",
+                    b'{"model": "claude-cheap", "model": "claude-opus-expensive"}'):
             status, _, raw = raw_http(sock, "POST", "/v1/messages", bad)
             assert status == 400 and json.loads(raw)["error"]["type"] == "mdclaw_bad_request"
         seen = [r.body["model"] for r in up.requests]
         raws = [r.body for r in up.requests]
-    assert seen == ["claude-cheap"] * 5
+    assert seen == ["claude-cheap"] * 4
     assert all(json.dumps(b).count('"model"') == 1 for b in raws)
     proxy.flush()
     assert {r["model"] for r in db.query("SELECT model FROM model_usage")} == {"claude-cheap"}
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"Model": "claude-opus-expensive", "messages": []}', 'names the model as "Model"'),
+    (b'{"model": "claude-cheap", "MODEL": "claude-opus-expensive"}',
+     'names the model as "MODEL"'),
+    (b'{"\\u004dODEL": "claude-opus-expensive"}', 'names the model as "MODEL"'),
+    (b'{"model": "claude-cheap", "model": "claude-opus-expensive"}', 'repeats the key "model"'),
+    (b'{"model": "claude-cheap", "mod\\u0065l": "claude-opus-expensive"}',
+     'repeats the key "model"'),
+    (b'{"max_tokens": 1, "max_tokens": 64000, "messages": []}', 'repeats the key "max_tokens"'),
+    (b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}',
+     'repeats the key "role"'),
+])
+def test_model_pin_refuses_case_games_and_repeated_keys(env, body, says) -> None:
+    """An upstream that matches keys without case, or keeps the first of two equal keys,
+    would read a model (or a max_tokens) other than the one checked: such bodies are
+    refused with 400 naming the problem, and nothing reaches the upstream."""
+    layout, db, proxy = env
+    with FakeAnthropic() as up:
+        sock = proxy.start_group("family", Upstream("claude", "claude-cheap", up.url))
+        status, _, raw = raw_http(sock, "POST", "/v1/messages", body)
+        forwarded = list(up.requests)
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["type"] == "mdclaw_bad_request"
+    assert says in err["message"]
+    assert forwarded == []
 
 
 def test_allow_models_lets_named_models_through(env, tmp_path, write_config) -> None:

@@ -143,3 +143,81 @@ def test_mode_drift_is_fixed(setup, data_dir) -> None:
     p = reconcile(cfg, db)
     assert [(a.kind, a.detail["was"]) for a in p.actions] == [("fix_mode", "0777")]
     assert stat.S_IMODE(d.stat().st_mode) == 0o2770
+
+
+def test_folders_that_differ_only_in_case(setup, write_config) -> None:
+    """A database that already holds `family` and `FAMILY` (registered before the rule) is
+    reconciled anyway, the pair reported; a config group that would newly share a runtime
+    group's folder but for case is a conflict; renaming a config group's case is not."""
+    cfg, db = setup()
+    reconcile(cfg, db)
+    upsert_group(db, GroupRow(folder="FAMILY", name="F", jid="tg:555", trigger="@A",
+                              requires_trigger=True, is_main=False, source="ipc"))
+    p = reconcile(cfg, db)
+    assert p.conflicts == []
+    (warning,) = p.warnings
+    assert "'FAMILY' (source ipc), 'family' (source config) differ only in case" in warning
+    assert "casefold()" in warning and "unregister" in warning
+    assert p.as_dict()["warnings"] == [warning]
+    # a config change applies as usual meanwhile
+    cfg2 = load_config(write_config("""\
+        data_dir: {data_dir}
+        groups:
+          main: {name: Admin chat, jid: "tg:123456", main: true, requires_trigger: false}
+          family: {name: The Family, jid: "tg:-1001234"}
+          Friends: {name: Friends, jid: "tg:8"}
+    """))
+    p = reconcile(cfg2, db)
+    assert get_group(db, "family").name == "The Family" and len(p.warnings) == 1
+    # a new config group against a runtime group's folder: refused, nothing applied
+    upsert_group(db, GroupRow(folder="pets", name="P", jid="tg:556", trigger="@A",
+                              requires_trigger=True, is_main=False, source="ipc"))
+    cfg3 = load_config(write_config("""\
+        data_dir: {data_dir}
+        groups:
+          main: {name: Admin chat, jid: "tg:123456", main: true, requires_trigger: false}
+          family: {name: Family again, jid: "tg:-1001234"}
+          PETS: {name: Pets, jid: "tg:9"}
+    """))
+    with pytest.raises(ReconcileError, match="group 'PETS': the folder is that of registered "
+                                             "group 'pets' .source ipc. but for case"):
+        reconcile(cfg3, db)
+    assert get_group(db, "PETS") is None and get_group(db, "family").name == "The Family"
+    # a config group replaced by its case variant: the old one is deregistered, no conflict
+    cfg4 = load_config(write_config("""\
+        data_dir: {data_dir}
+        groups:
+          main: {name: Admin chat, jid: "tg:123456", main: true, requires_trigger: false}
+          family: {name: The Family, jid: "tg:-1001234"}
+          FRIENDS: {name: Friends, jid: "tg:10"}
+    """))
+    p = reconcile(cfg4, db)
+    assert ("deregister_group", "Friends") in kinds(p) and ("add_group", "FRIENDS") in kinds(p)
+    assert p.conflicts == [] and len(p.warnings) == 1
+
+
+def test_the_daemon_starts_on_a_database_with_a_case_pair(tmp_path, write_config,
+                                                          data_dir) -> None:
+    """`mdclaw run` on such a database: it starts, serves, and its log names the pair."""
+    from operator_helpers import free_port, running_daemon
+
+    port = free_port()
+    path = write_config(f"""\
+        data_dir: {{data_dir}}
+        groups:
+          main: {{name: Admin, jid: "hl:main", main: true}}
+          family: {{name: Family, jid: "tg:-1001234"}}
+        server: {{listen: "127.0.0.1:{port}"}}
+    """)
+    cfg = load_config(path)
+    db = Database(Layout(cfg.data_dir).db_path)
+    reconcile(cfg, db)
+    upsert_group(db, GroupRow(folder="Family", name="F", jid="tg:555", trigger="@A",
+                              requires_trigger=True, is_main=False, source="ipc"))
+    db.close()
+    with running_daemon(path, port) as proc:
+        assert proc.poll() is None
+    log = (path.parent / "daemon.log").read_text()
+    assert "reconcile: registered groups 'Family' (source ipc), 'family' (source config) " \
+           "differ only in case" in log
+    assert "Traceback" not in log

@@ -236,6 +236,12 @@ async def _tokens(d: Daemon, changed: bool) -> None:
     assert [c["tokens_per_day"] for c in await _caps(d)] == [1000 if changed else 0] * 2
 
 
+@live("answer_tokens_estimate", "1000")
+async def _answer_estimate(d: Daemon, changed: bool) -> None:
+    assert [c["answer_tokens_estimate"] for c in await _caps(d)] == \
+        [1000 if changed else 4096] * 2
+
+
 # --------------------------------------------------------------------------- the tests
 
 def test_every_limit_has_a_decision() -> None:

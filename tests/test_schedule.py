@@ -232,3 +232,19 @@ def test_first_run_is_in_the_future() -> None:
     for stype, value in (("cron", "0 8 * * *"), ("interval", "1000"),
                          ("once", "2026-06-01T12:00:01Z")):
         assert schedule.first_run(stype, value, "Europe/Berlin", NOW) > NOW
+
+
+def test_a_repeated_hour_at_the_end_of_the_day_fires() -> None:
+    # Chile goes from -03:00 back to -04:00 at midnight: 23:00-23:59 of April 1, 2023 comes
+    # twice, the second time on the same date. An every-minute job of that date fires in it
+    # (a job that runs every hour follows real time); croniter alone jumped to next year.
+    after = datetime(2023, 4, 2, 2, 59, tzinfo=UTC)  # 23:59 local, the first time (-03:00)
+    got = schedule.next_cron("* * 1 4 *", "America/Santiago", after)
+    assert got == datetime(2023, 4, 2, 3, 0, tzinfo=UTC)  # 23:00 local again (-04:00)
+    n = schedule.count_cron_slots("* * 1 4 *", "America/Santiago", after,
+                                  datetime(2023, 4, 2, 4, 0, tzinfo=UTC))
+    assert n == 60  # the whole repeated hour, each minute once
+    # A job with a fixed hour still fires once: the repeated 23:30 is skipped.
+    got = schedule.next_cron("30 23 * * *", "America/Santiago",
+                             datetime(2023, 4, 2, 2, 35, tzinfo=UTC))
+    assert got == datetime(2023, 4, 3, 3, 30, tzinfo=UTC)

@@ -24,6 +24,7 @@ from mdclaw.turns import (
     Conversation,
     End,
     Ending,
+    Reaction,
     Settle,
     given_up,
     outcome_for,
@@ -45,18 +46,20 @@ NO_KEY = TurnFailure("key_missing")  # configuration
 @dataclass(frozen=True)
 class M:
     id: str
-    timestamp: str
+    seq: int
+    timestamp: str = "2026-01-01T00:00:07.000Z"  # one second for all: the rules never read it
 
 
 def m(i: int) -> M:
-    return M(f"m{i}", f"2026-01-01T00:00:{i:02d}.000Z")
+    return M(f"m{i}", 10 + i)
 
 
-def ts(i: int) -> str:
-    return m(i).timestamp
+def ts(i: int) -> int:
+    """The position of message `i`."""
+    return m(i).seq
 
 
-def conversation(*decided: tuple[M, Decision], cursor: str | None = None) -> Conversation:
+def conversation(*decided: tuple[M, Decision], cursor: int | None = None) -> Conversation:
     conv = Conversation.begin(cursor, list(decided))
     assert conv is not None
     return conv
@@ -73,8 +76,8 @@ def test_messages_without_a_trigger_start_no_turn_and_wait_as_context() -> None:
 
 def test_a_turn_takes_every_message_after_the_cursor_once_one_of_them_runs() -> None:
     conv = conversation((m(2), CHAT), (m(3), OTHER), (m(4), RUNS), cursor=ts(1))
-    assert conv.start_cursor == conv.answered_ts == ts(1)
-    assert conv.last_ts == conv.seen_upto == ts(4)  # the context before the trigger too
+    assert conv.start_cursor == conv.answered_pos == ts(1)
+    assert conv.last_pos == conv.seen_upto == ts(4)  # the context before the trigger too
     assert conv.sent_ids == {"m2", "m3", "m4"}
     assert conv.busy and conv.turns_open == 1 and conv.unanswered
     assert conv.accepts_follow_ups and not conv.scheduled
@@ -96,10 +99,10 @@ def test_a_message_arriving_mid_turn_is_fed_with_the_context_before_it() -> None
     # m1 was in the prompt; m2 rides with m3; an allowed sender's message is a follow-up of
     # its own even without a trigger; m5 (not allowed) alone waits for the next prompt.
     assert batches == [[m(2), m(3)], [m(4)]]
-    assert conv.last_ts == ts(1) and conv.turns_open == 1  # asking changes nothing
+    assert conv.last_pos == ts(1) and conv.turns_open == 1  # asking changes nothing
     for batch in batches:
         conv.fed(batch)
-    assert conv.last_ts == ts(4) and conv.sent_ids == {"m1", "m2", "m3", "m4"}
+    assert conv.last_pos == ts(4) and conv.sent_ids == {"m1", "m2", "m3", "m4"}
     assert conv.turns_open == 3
     assert conv.follow_ups(waiting) == []  # m5 still waits: nothing is fed twice
 
@@ -133,7 +136,7 @@ def test_an_answer_moves_the_cursor_past_every_message_given() -> None:
     conv.fed([m(2)])
     settle, cursor = conv.on_answer()
     assert settle is None and cursor == ts(2)
-    assert conv.answered_ts == ts(2) and not conv.unanswered
+    assert conv.answered_pos == ts(2) and not conv.unanswered
     assert conv.end() == End(Ending.DONE, cursor=ts(2), next_after=ts(2))
 
 
@@ -145,6 +148,24 @@ def test_an_answer_after_a_transient_failure_sets_the_failed_turn_aside_to_resen
     assert settle == Settle(DOWN, after=ts(0), upto=ts(1), outcome="resend")
     assert cursor == ts(2) and conv.pending is None
     assert conv.end().ending is Ending.DONE  # nothing left to retry
+
+
+def test_a_transient_failure_after_an_answer_covered_every_message_leaves_nothing_pending(
+        ) -> None:
+    # Two turns given; the first block answers (covering both messages), the second is a
+    # transient error: nothing is left to retry, and nothing to set aside later.
+    conv = conversation((m(1), RUNS), cursor=ts(0))
+    conv.fed([m(2)])
+    conv.on_block()
+    assert conv.on_answer() == (None, ts(2))
+    conv.on_block()
+    reaction = conv.on_error(DOWN)
+    assert reaction == Reaction(close=True) and conv.pending is None
+    assert conv.end() == End(Ending.DONE, cursor=ts(2), next_after=ts(2))  # no retry
+    # A later turn that is answered sets no empty range aside (the chat is told nothing).
+    conv.fed([m(3)])
+    conv.on_block()
+    assert conv.on_answer() == (None, ts(3))
 
 
 # --------------------------------------------------------------------------- failures
@@ -180,7 +201,7 @@ def test_a_deterministic_failure_sets_the_turn_aside_and_the_conversation_goes_o
     conv = conversation((m(1), RUNS), cursor=ts(0))
     reaction = conv.on_error(REFUSED)
     assert reaction.settle == Settle(REFUSED, after=ts(0), upto=ts(1), outcome="dropped")
-    assert not reaction.close and conv.answered_ts == ts(1)
+    assert not reaction.close and conv.answered_pos == ts(1)
     conv.fed([m(2)])
     conv.on_answer()
     assert conv.end() == End(Ending.DONE, cursor=ts(2), next_after=ts(2))
@@ -264,7 +285,7 @@ def test_no_message_is_set_aside_twice_and_the_cursor_never_passes_what_was_give
         events, cursor, ok, cause) -> None:  # noqa: ANN001
     conv = conversation((m(1), RUNS), cursor=cursor)
     settled: list[Settle] = []
-    cursors: list[str | None] = []
+    cursors: list[int | None] = []
     n = 1
     for kind, arg in events:
         if kind == "feed":
@@ -286,18 +307,16 @@ def test_no_message_is_set_aside_twice_and_the_cursor_never_passes_what_was_give
     end = conv.end(cause if conv.needs_cause(ok) else None)
     settled += [end.settle] if end.settle else []
     cursors.append(end.cursor)
-    newest = conv.last_ts or ""
+    newest = conv.given
     # Set-aside ranges follow one another: no message is in two of them.
     for before, after in zip(settled, settled[1:], strict=False):
-        assert (after.after or "") >= before.upto
+        assert (after.after or 0) >= before.upto
     for s in settled:
-        # Empty only for a transient failure reported after an answer that already covered
-        # every message given (an answer moves the cursor past all of them): no message is
-        # marked then.
-        assert (s.after or "") < s.upto <= newest or (s.outcome == "resend"
-                                                      and s.after == s.upto)
+        # Never empty: a range set aside holds a message (the chat is told to send it again).
+        assert (s.after or 0) < s.upto <= newest
     # The cursor only ever names a message the agent was given (or where it started).
     for c in cursors:
         assert c is None or c == cursor or ts(1) <= c <= newest
     if end.ending is Ending.RETRY:
-        assert end.cursor == conv.answered_ts
+        # A retry is only for messages no answer covered.
+        assert end.cursor == conv.answered_pos and conv.unanswered

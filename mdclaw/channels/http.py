@@ -16,7 +16,10 @@ Endpoints (JSON unless noted):
 - `POST /upload` — multipart (`jid`, `sender_name`?, `text`? as the caption, one `file`): a
   person sends a file; it reaches the host as the message's attachment (saved in the group's
   inbox like any channel's). 413 when the file is over the upload limit (checked while the
-  body streams in), else as `/message`.
+  body streams in), else as `/message`. Any file name becomes safe text
+  (`upload_file_name`: bytes that are not UTF-8 replaced, control and format characters
+  "_", the last part of a path); a part whose headers are not valid HTTP (NUL or CR in the
+  name, a line over 8 KB) or whose `filename*` cannot be decoded is a 400 that says so.
 - `GET /file?jid=hl:x&id=<message id>` — a file the assistant sent to that chat (its
   transcript row carries this link as `download`): images the page shows inline (PNG, JPEG,
   GIF, WebP), anything else as a download (`Content-Disposition: attachment`, octet-stream),
@@ -57,12 +60,14 @@ import mimetypes
 import re
 import shutil
 import time
+import unicodedata
 import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from mdclaw.channels.base import (
     Attachment,
@@ -96,6 +101,8 @@ PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css"}
 _FILE_CSP = "default-src 'none'; img-src 'self'; sandbox"
 INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 FILE_KEY_RE = re.compile(r"^[0-9a-f]{32}\Z")
+_MIME_PART = r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}"
+MIME_RE = re.compile(rf"^{_MIME_PART}/{_MIME_PART}\Z")
 
 
 def normalize_jid(value: str) -> str:
@@ -124,6 +131,25 @@ async def _read_at_most(request: web.Request, limit: int) -> bytes | None:
         if len(buf) > limit:
             return None
     return bytes(buf)
+
+
+def upload_file_name(raw: str) -> str:
+    """The name an upload gives its file, as safe text whatever bytes the client sent: bytes
+    that are not UTF-8 (aiohttp keeps them as surrogates) become U+FFFD, a path its last
+    part, control and format characters (NUL, an RTL override...) "_", and it is at most
+    MAX_FIELD characters. May be empty: the inbox then names the file itself (the saved
+    name is made safe once more, mdclaw.media.safe_name)."""
+    text = raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    text = unicodedata.normalize("NFC", text).replace("\\", "/").rsplit("/", 1)[-1]
+    text = "".join("_" if unicodedata.category(c)[0] == "C" else c for c in text)
+    return text.strip()[:MAX_FIELD]
+
+
+def upload_mime(raw: str | None) -> str | None:
+    """A part's Content-Type as `type/subtype` (parameters dropped), or None when it is not
+    one."""
+    mime = (raw or "").split(";", 1)[0].strip().lower()
+    return mime if MIME_RE.match(mime) else None
 
 
 class HttpChannel(Channel):
@@ -484,6 +510,13 @@ class HttpChannel(Channel):
             while (part := await reader.next()) is not None:
                 if not isinstance(part, BodyPartReader):
                     return _error(400, "nested multipart bodies are not taken")
+                if part.name in ("file", None) and part.filename is None and "filename" in (
+                        part.headers.get(hdrs.CONTENT_DISPOSITION, "").lower()):
+                    # aiohttp drops a filename* it cannot decode (RFC 5987), or the whole
+                    # header when it cannot parse it
+                    return _error(400, "the file's name cannot be read: send it as "
+                                       "filename=\"...\" or as filename*=UTF-8''<the name's "
+                                       "UTF-8 bytes, percent-encoded>")
                 if part.name == "file" and part.filename is not None:
                     if data is not None:
                         return _error(400, "send one file per upload")
@@ -492,8 +525,8 @@ class HttpChannel(Channel):
                         buf += chunk
                         if len(buf) > limit:  # stop reading: nothing more is held
                             return too_large
-                    data, file_name = bytes(buf), part.filename
-                    mime = part.headers.get("Content-Type")
+                    data, file_name = bytes(buf), upload_file_name(part.filename)
+                    mime = upload_mime(part.headers.get(hdrs.CONTENT_TYPE))
                 elif part.name in ("jid", "text", "sender", "sender_name"):
                     raw = bytearray()
                     while chunk := await part.read_chunk(8192):
@@ -506,6 +539,13 @@ class HttpChannel(Channel):
                     await part.release()
         except ValueError as e:
             return _error(400, f"malformed multipart body: {e}")
+        except HttpProcessingError as e:
+            # A part's head aiohttp refuses: a control character (NUL, CR...) in a header,
+            # a header line over 8190 bytes (a 10 KB file name)...
+            return _error(400, "malformed multipart body: a part's headers are not valid "
+                               f"HTTP ({(e.message or type(e).__name__)[:200]!s}); send the "
+                               "file name percent-encoded (filename*=UTF-8''...) and under "
+                               "8 KB")
         if data is None or file_name is None:
             return _error(400, "field 'file' (a file) is missing")
         for key in ("sender", "sender_name"):
@@ -530,7 +570,7 @@ class HttpChannel(Channel):
 
         return await self._accept(
             jid, fields, caption, file_name=file_name,
-            attachment=Attachment(kind=kind_for_mime(mime), name=file_name, mime=mime,
+            attachment=Attachment(kind=kind_for_mime(mime), name=file_name or None, mime=mime,
                                   size=len(data), fetch=fetch, caption=caption or None))
 
     async def _accept(self, jid: str, fields: dict[str, str], text: str, *,

@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,6 +56,7 @@ from mdclaw.channels.base import (
     InboundMessage,
     read_upload,
 )
+from mdclaw.config import EXTRAS, MissingExtra
 from mdclaw.markup import split_message, to_whatsapp
 from mdclaw.retry import Backoff
 from mdclaw.retry import wait as backoff_wait
@@ -215,9 +216,9 @@ def _neonize() -> Any:
         from neonize.proto.waE2E import WAWebProtobufsE2E_pb2 as e2e
         from neonize.utils import enum
     except ImportError as e:
-        raise ChannelError("the WhatsApp channel needs neonize: install mdclaw with the "
-                           f"`whatsapp` extra (pip install 'mdclaw[whatsapp]'); {e}",
-                           permanent=True) from None
+        missing = MissingExtra("channels.whatsapp", EXTRAS["whatsapp"],
+                               f"cannot be imported ({e})")
+        raise ChannelError(missing.message, permanent=True) from None
 
     return SimpleNamespace(client=aclient, events=events, types=types, common=common, e2e=e2e,
                            enum=enum)
@@ -232,6 +233,16 @@ def real_client(session_path: Path) -> Any:
 def jid_of(jid: Any) -> str:
     """A neonize JID as `user@server` (without device)."""
     return f"{jid.User}@{jid.Server}" if jid.User else ""
+
+
+def message_time(ts: int) -> str:
+    """A message's time as WhatsApp gave it, in the database's form: seconds since the epoch,
+    or milliseconds (neonize versions differ), kept to the millisecond (integer arithmetic:
+    no float rounds a millisecond away). Now when it has none."""
+    if ts <= 0:
+        return now_iso()
+    ms = ts if ts > 10**12 else ts * 1000
+    return now_iso(datetime.fromtimestamp(ms // 1000, UTC) + timedelta(milliseconds=ms % 1000))
 
 
 def user_of(jid_text: str) -> str:
@@ -615,10 +626,7 @@ class WhatsAppChannel(Channel):
         if addressed and self.trigger and not re.search(
                 rf"(?<!\w){re.escape(self.trigger)}(?!\w)", text, re.IGNORECASE):
             text = f"{self.trigger} {text}"
-        ts = info.Timestamp
-        if ts > 10**12:  # milliseconds
-            ts //= 1000
-        timestamp = now_iso(datetime.fromtimestamp(ts, UTC)) if ts > 0 else now_iso()
+        timestamp = message_time(int(info.Timestamp))
         is_group = src.IsGroup or src.Chat.Server == "g.us"
         chat_name = self._group_names.get(jid) if is_group else (info.Pushname or None)
         return InboundMessage(
@@ -861,4 +869,4 @@ class WhatsAppChannel(Channel):
 
 
 __all__ = ["LINKED", "LINK_FIX", "LOGGED_OUT", "UNLINKED", "Pairing", "WhatsAppChannel",
-           "link_state", "prepare_session", "session_jid"]
+           "link_state", "message_time", "prepare_session", "session_jid"]

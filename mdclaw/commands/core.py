@@ -14,6 +14,8 @@ from mdclaw.config import (
     Config,
     ConfigError,
     ConfigIssue,
+    check_extras,
+    check_programs,
     file_key_lines,
     find_config_path,
     issue_at,
@@ -31,8 +33,10 @@ from mdclaw.state.groups import Refusals, list_groups, refusals
 
 # Checks beyond the schema; areas add theirs here. Each yields problems, as ConfigIssue or as
 # "key.path: message" lines (reported at that key's line). They may look at this machine
-# (paths exist, ...), so `check-config --skip-host-checks` leaves them out.
-CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = []
+# (paths exist, ...), so `check-config --skip-host-checks` leaves them out. Here: a setting
+# whose optional dependency (an extra) this install lacks, a program a setting names.
+CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [check_extras,
+                                                                       check_programs]
 
 GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
 
@@ -165,6 +169,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             print(f"{verb}: {a.describe()}")
         for c in plan.conflicts:
             print(f"conflict: {c}")
+        for w in plan.warnings:
+            print(f"warning: {w}")
     return 1 if plan.conflicts else 0
 
 

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import segno
 
+from mdclaw.config import ExtraMissing, require_extra
 from mdclaw.ops.console import fail, load_or_exit
 from mdclaw.ops.status import daemon_running
 
@@ -100,6 +101,10 @@ def cmd_link(args: argparse.Namespace) -> int:
     if wa is None:
         fail("WhatsApp is not configured: add `channels: {whatsapp: {enabled: true}}` to the "
              "config first")
+    try:
+        require_extra("whatsapp", "channels.whatsapp")
+    except ExtraMissing as e:
+        fail(str(e))
     if daemon_running(cfg):
         fail("the daemon is running and holds the WhatsApp session: stop it first (or scan "
              "the code on the operator page)")
@@ -113,6 +118,6 @@ def cmd_link(args: argparse.Namespace) -> int:
         return 0
     try:
         channel = WhatsAppChannel.from_config(wa, cfg.whatsapp_session_path)
+        return asyncio.run(run_link(channel, phone=args.phone, timeout=args.timeout))
     except ChannelError as e:
         fail(str(e))
-    return asyncio.run(run_link(channel, phone=args.phone, timeout=args.timeout))

@@ -19,6 +19,16 @@ a file that holds the secret; it is read only when needed and never logged.
 `from mdclaw.config import X` works for every public name of these modules.
 """
 
+from mdclaw.config.extras import (
+    EXTRAS,
+    Extra,
+    ExtraMissing,
+    MissingExtra,
+    check_extras,
+    check_programs,
+    missing_extras,
+    require_extra,
+)
 from mdclaw.config.live import RESTART_ONLY, LiveConfig, reload_config, restart_only_changes
 from mdclaw.config.load import (
     DEFAULT_CONFIG_PATHS,
@@ -83,6 +93,7 @@ from mdclaw.config.secrets import (
 from mdclaw.config.types import (
     CREDENTIALS_VAR,
     FLOOR_PATTERN,
+    FOLDER_CASE_RULE,
     FOLDER_RE,
     RESERVED_FOLDERS,
     SIZE_PATTERN,
@@ -96,6 +107,8 @@ from mdclaw.config.types import (
     SizeOrPercent,
     TimeZone,
     floor_bytes,
+    folder_clash,
+    folder_key,
     format_duration,
     format_size,
     in_service_credentials,
@@ -105,7 +118,9 @@ from mdclaw.config.types import (
 )
 
 __all__ = [
-    "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "FLOOR_PATTERN", "FOLDER_RE", "HTTP_SECRET_NAME",
+    "CREDENTIALS_VAR", "DEFAULT_CONFIG_PATHS", "EXTRAS", "Extra", "ExtraMissing", "MissingExtra",
+    "check_extras", "check_programs", "missing_extras", "require_extra", "FLOOR_PATTERN",
+    "FOLDER_CASE_RULE", "FOLDER_RE", "HTTP_SECRET_NAME",
     "RESERVED_FOLDERS", "RESTART_ONLY", "SERVER_KEYS", "SIZE_PATTERN", "AllowSenders",
     "AllowedRoot", "Assistant", "Channels", "Config", "ConfigError", "ConfigIssue", "CrossKeyError",
     "Duration", "Folder", "Frozen", "Group", "GroupMount", "HomeAssistant",
@@ -115,7 +130,8 @@ __all__ = [
     "ServiceCredential", "Size", "SizeOrPercent", "TaskSpec", "TelegramChannel", "TimeZone",
     "Transcription", "Web", "WebSearch", "WhatsAppChannel", "check_secret_files",
     "config_for_display", "cross_key_problems", "ensure_http_secret", "file_key_lines",
-    "find_config_path", "floor_bytes", "format_duration", "format_size", "http_secret_path",
+    "find_config_path", "floor_bytes", "folder_clash", "folder_key", "format_duration",
+    "format_size", "http_secret_path",
     "in_service_credentials", "issue_at", "iter_secret_files", "key_lines", "line_of",
     "load_config", "network_problem", "old_server_key_warnings", "old_server_keys",
     "parse_duration", "parse_size", "read_secret",

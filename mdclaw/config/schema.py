@@ -45,6 +45,7 @@ from mdclaw.config.schema_services import (
     WhatsAppChannel,
 )
 from mdclaw.config.types import (
+    FOLDER_CASE_RULE,
     CrossKeyError,
     Duration,
     Folder,
@@ -52,6 +53,7 @@ from mdclaw.config.types import (
     Problem,
     Size,
     SizeOrPercent,
+    folder_key,
     format_duration,
     parse_size,
     short_repr,
@@ -120,8 +122,24 @@ class Limits(Frozen):
         None, ge=1, description="Model tokens (input + output, as the API reports them) one "
         "group may use per UTC day through the credential proxy. Past it every model request "
         "of the group is refused (HTTP 429, `mdclaw_over_budget`) until midnight UTC, and its "
-        "chat is told when the budget resets. null: no budget. Per group: "
-        "`groups.<g>.tokens_per_day`.")
+        "chat is told when the budget resets. A request is sent only when the budget left "
+        "covers the requests in flight plus its own reservation (see "
+        "`limits.answer_tokens_estimate`), so a group spends at most its budget plus one "
+        "answer. null: no budget. Per group: `groups.<g>.tokens_per_day`.")
+    answer_tokens_estimate: int = Field(
+        4096, ge=1, le=1_000_000, description="With a token budget (`tokens_per_day`): the "
+        "tokens reserved for the answer of a model request whose body does not bound it "
+        "(no `max_tokens`, `max_completion_tokens` or `max_output_tokens`). From the moment "
+        "a request is sent upstream until its answer ends, it holds a reservation: its "
+        "body's size in bytes for its input (a token stands for at least one byte) plus its "
+        "`max_tokens` (at most 1,000,000) or this estimate for its answer. Requests go side "
+        "by side only while the day's budget left covers all their reservations, else they "
+        "wait for one in flight to end; one request alone goes while any budget is left. "
+        "So a day's spend stays within the budget plus one answer, as long as each answer "
+        "stays within its reservation: an unbounded answer longer than this estimate adds "
+        "what it ran past. An answer cut short before the API reported its usage (the "
+        "group stopped, the upstream broken off) counts as its reservation for what was "
+        "not reported; when the agent hangs up, the answer is read on and counted.")
     action_jobs: int = Field(
         8, ge=1, le=256, description="Off-loop actions (web_fetch, web_search...) run at once, "
         "all groups together; more wait in the queue.")
@@ -213,8 +231,10 @@ class Config(_Settings):
         "info", description="Least severe log level written to stderr.")
     assistant: Assistant = Field(default_factory=Assistant,
                                  description="Who the assistant is and where it lives.")
-    groups: dict[Folder, Group] = Field(default_factory=dict,
-                                        description="Key: the group's folder name.")
+    groups: dict[Folder, Group] = Field(
+        default_factory=dict, description="Key: the group's folder name (1-64 letters, digits, "
+        "'_' or '-'; not global or errors; unique without regard to case: `family` and "
+        "`FAMILY` would share one folder on a case-insensitive file system).")
     limits: Limits = Field(default_factory=Limits,
                            description="Resource limits and timeouts. A reload (SIGHUP) applies "
                            "every one; those of a container from its group's next run.")
@@ -381,7 +401,13 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
         add(("groups",), "exactly one group must have main: true; found 0: add main: true to "
             "the admin group", ("groups",))
     seen: dict[str, str] = {}
+    folders: dict[str, str] = {}  # folder_key -> the first group's folder
     for folder, g in cfg.groups.items():
+        first = folders.setdefault(folder_key(folder), folder)
+        if first != folder:
+            add(("groups", folder),
+                f"{folder!r} is the folder of group {first!r} but for case: "
+                f"{FOLDER_CASE_RULE}; rename one of the two")
         if g.jid in seen:
             add(("groups", folder, "jid"),
                 f"{g.jid!r} is also the jid of group {seen[g.jid]!r}: a chat belongs to one "

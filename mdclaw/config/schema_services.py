@@ -51,6 +51,32 @@ class Server(Frozen):
         "`<data_dir>/http-secret` (mode 0600) on the daemon's first start and require it, so "
         "no other local user can post as the main group. `mdclaw send` and `mdclaw "
         "http-token` (for the chat page) read it. The NixOS module turns this on.")
+    # Slow and greedy clients (mdclaw.listener); also for the /metrics listener.
+    header_timeout: Duration = Field(
+        timedelta(seconds=10), description="Longest a client may take to send a request's "
+        "headers, counted from its first byte; a slower connection is closed (a "
+        "\"slowloris\" client holds connections open by sending a byte now and then). Also "
+        "the /metrics listener's.")
+    body_timeout: Duration = Field(
+        timedelta(seconds=30), description="Longest a request's body (an upload) may take, "
+        "plus one second for every KiB that arrived: a slow but steady upload goes on, a "
+        "trickle is closed. Also the /metrics listener's.")
+    idle_timeout: Duration = Field(
+        timedelta(seconds=60), description="A connection that sends no request for this long "
+        "(a new one, or a kept-alive one between requests), or stops reading its answer for "
+        "this long, is closed. Also the /metrics listener's.")
+    max_connections_per_client: int = Field(
+        64, ge=1, le=100_000, description="Most connections one client address may hold "
+        "open at once (an IPv6 client counted by its /64); more are answered 503 and closed "
+        "at once. Behind a reverse proxy every client has the proxy's address: raise it "
+        "there. Also the /metrics listener's.")
+
+    @field_validator("header_timeout", "body_timeout", "idle_timeout")
+    @classmethod
+    def _positive(cls, v: timedelta) -> timedelta:
+        if v.total_seconds() <= 0 or v > timedelta(hours=1):
+            raise ValueError("must be more than 0 seconds and at most 1h")
+        return v
 
 
 class HttpChannel(Frozen):

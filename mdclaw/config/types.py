@@ -13,6 +13,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import unicodedata
+from collections.abc import Iterable
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -160,9 +162,27 @@ def _check_folder(name: str) -> str:
             f"folder name {name!r} is not allowed: use 1-64 letters, digits, '_' or '-', "
             "starting with a letter or digit"
         )
-    if name.lower() in RESERVED_FOLDERS:
+    if folder_key(name) in RESERVED_FOLDERS:
         raise ValueError(f"folder name {name!r} is reserved (global and errors are used by mdclaw)")
     return name
+
+
+FOLDER_CASE_RULE = ("group folders must differ by more than case (compared after NFC "
+                    "normalisation and casefold()): on a case-insensitive file system (macOS) "
+                    "two such groups would share their groups/, ipc/ and sessions/ folders")
+
+
+def folder_key(name: str) -> str:
+    """What no two group folders may share: the name NFC-normalised and case-folded, as a
+    case-insensitive file system (macOS's APFS, by default) compares names."""
+    return unicodedata.normalize("NFC", name).casefold()
+
+
+def folder_clash(folder: str, others: Iterable[str]) -> str | None:
+    """The first of `others` that is `folder` but for case or normalisation (never `folder`
+    itself), or None. The rule is FOLDER_CASE_RULE."""
+    key = folder_key(folder)
+    return next((o for o in others if o != folder and folder_key(o) == key), None)
 
 
 def validate_folder(name: str) -> str:

@@ -145,6 +145,8 @@ class Daemon:
             return 1
         log.info("reconciled: %d change(s); %d group(s) configured", len(plan.actions),
                  len(self.cfg.groups))
+        for warning in plan.warnings:
+            log.warning("reconcile: %s", warning)
         try:
             self.gate = server_gate(self.cfg)
         except WebServerSetupError as e:
@@ -423,6 +425,8 @@ class Daemon:
                 error = None
                 self.apply_config(new)
                 log.info("reloaded: %d change(s)", len(plan.actions))
+                for warning in plan.warnings:
+                    log.warning("reconcile: %s", warning)
             self.reload_error = error
             self.last_reload = ({"at": to_iso(utc_now()), "ok": True,
                                  "changes": [a.describe() for a in plan.actions]}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mdclaw.config import Config, ensure_http_secret, read_secret
 from mdclaw.errors import ConfigProblem
-from mdclaw.webserver import TokenGate, WebServer
+from mdclaw.webserver import TokenGate, WebServer, connection_limits
 
 
 class WebServerSetupError(ConfigProblem):
@@ -41,6 +41,7 @@ def server_gate(cfg: Config) -> TokenGate:
 
 def build_web_server(cfg: Config, gate: TokenGate) -> WebServer | None:
     """The web server on `server.listen` guarded by `gate`, not listening yet (None for
-    `server: null`)."""
+    `server: null`), its connections held to `server:`'s limits (mdclaw.listener)."""
     server = cfg.web_server
-    return WebServer(server.listen, gate) if server is not None else None
+    return (WebServer(server.listen, gate, connection_limits(cfg)) if server is not None
+            else None)

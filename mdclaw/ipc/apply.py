@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from mdclaw import agentfs, metrics, schedule
-from mdclaw.config import Config, LiveConfig
+from mdclaw.config import FOLDER_CASE_RULE, Config, LiveConfig, folder_clash
 from mdclaw.errors import IpcError
 from mdclaw.ipc import protocol as P
 from mdclaw.ipc.actions import (
@@ -616,6 +616,12 @@ class IpcEngine:
             if cmd.folder in self.rows or conn.execute(
                     "SELECT 1 FROM registered_groups WHERE folder = ?", (cmd.folder,)).fetchone():
                 raise ApplyError(f"register_group: folder {cmd.folder!r} is already registered")
+            # Every registered group, from the config or over IPC (also this batch's).
+            registered = {r[0] for r in conn.execute("SELECT folder FROM registered_groups")}
+            other = folder_clash(cmd.folder, sorted(registered | set(self.rows)))
+            if other is not None:
+                raise ApplyError(f"register_group: folder {cmd.folder!r} is the folder of "
+                                 f"registered group {other!r} but for case: {FOLDER_CASE_RULE}")
             if cmd.jid in jid_to_folder or conn.execute(
                     "SELECT 1 FROM registered_groups WHERE jid = ?", (cmd.jid,)).fetchone():
                 raise ApplyError(f"register_group: chat {cmd.jid!r} is already registered")

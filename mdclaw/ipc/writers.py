@@ -71,13 +71,38 @@ def write_in_group(layout: Layout, folder: str, sub: str | None, name: str, data
         os.close(fd)
 
 
+class _FollowUpNames:
+    """File names for follow-ups that sort in the order they were written. The agent reads
+    `input/` in name order: a name is the millisecond (never going back within this process,
+    whatever the clock does), then a counter for names of the same millisecond, then a
+    random part (two hosts never share a folder; it keeps a name unguessable all the same)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms = 0
+        self._n = 0
+
+    def next(self) -> str:
+        with self._lock:
+            ms = time.time_ns() // 1_000_000
+            if ms > self._ms:
+                self._ms, self._n = ms, 0
+            else:
+                self._n += 1
+            return f"{self._ms:013d}-{self._n:06d}-{secrets.token_hex(4)}.json"
+
+
+_follow_up_names = _FollowUpNames()
+
+
 def write_follow_up(layout: Layout, folder: str, *, sender: str, sender_name: str,
                     content: str, timestamp: str | None = None) -> str:
-    """Queue a follow-up message for the group's running agent in ipc/<folder>/input/.
+    """Queue a follow-up message for the group's running agent in ipc/<folder>/input/; the
+    agent reads follow-ups in the order they were written.
 
     Returns the file name. Raises UnsafePath (input/ swapped for a symlink) or OSError.
     """
-    name = f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(4)}.json"
+    name = _follow_up_names.next()
     body = {"sender": sender, "sender_name": sender_name, "content": content,
             "timestamp": timestamp or to_iso(utc_now())}
     write_in_group(layout, folder, "input", name, _dump(body), 0o660)

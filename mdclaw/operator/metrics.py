@@ -24,10 +24,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mdclaw import metrics
+from mdclaw.listener import ConnectionGuard
 from mdclaw.operator.access import Access, Handler
 from mdclaw.ops.view import DaemonView
 from mdclaw.state import Database
-from mdclaw.webserver import TokenGate, WebServer, parse_listen
+from mdclaw.webserver import TokenGate, WebServer, connection_limits, parse_listen
 
 log = logging.getLogger("mdclaw.metrics")
 
@@ -144,12 +145,15 @@ async def start_listener(d: DaemonView, gate: TokenGate) -> web.AppRunner | None
         return None
     host, port = parse_listen(section.listen)
     access = Access(gate)
-    app = web.Application()
+    # Slow and greedy clients: the web server's limits (server:), mdclaw.listener.
+    guard = ConnectionGuard(connection_limits(d.cfg), name="metrics")
+    app = web.Application(middlewares=[guard.middleware])
     app.router.add_get(PATH, access.protect(handler(d)))
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0,
+                           keepalive_timeout=guard.keepalive_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await guard.site(runner, host, port).start()
     except OSError:
         await runner.cleanup()
         raise

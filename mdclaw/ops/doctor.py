@@ -20,11 +20,13 @@ from mdclaw.config import (
     in_service_credentials,
     iter_secret_files,
     load_config,
+    missing_extras,
     read_secret,
     secret_file_issues,
 )
 from mdclaw.diskguard import GROUP_FULL, OK, TOO_MANY_FILES, UNREADABLE
 from mdclaw.failures import redact, server_name
+from mdclaw.integrations.ha_screenshot import ScreenshotError, find_chromium
 from mdclaw.integrations.home_assistant import probe
 from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
@@ -113,7 +115,10 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
                    f"make {path} readable by this user (and by no one else)")
     asyncio.run(_check_endpoints(results, cfg, used))
     _check_http_port(results, cfg)
-    _check_whatsapp(results, cfg)
+    missing = _check_extras(results, cfg)
+    if "whatsapp" not in missing:
+        _check_whatsapp(results, cfg)
+    _check_chromium(results, cfg)
     _check_mcp(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
@@ -341,16 +346,40 @@ def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
         _check(results, name, level, detail, fix)
 
 
-def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
-    """WhatsApp: neonize installed, the device linked, the session file private."""
-    wa = whatsapp_status(cfg)
-    if wa is None:
+# The check each extra's failure is reported under.
+EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription"}
+
+
+def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:
+    """Every setting whose optional dependency is missing or does not load (imported, so a
+    broken native library shows): a failure with the extra to install. Returns the names of
+    the missing extras."""
+    missing = missing_extras(cfg, load=True)
+    for m in missing:
+        _check(results, EXTRA_CHECKS.get(m.extra.name, m.extra.name), "fail",
+               f"{m.problem} ({m.key})", m.fix)
+    return {m.extra.name for m in missing}
+
+
+def _check_chromium(results: list[dict[str, str]], cfg: Config) -> None:
+    """Home Assistant: the Chromium that ha_capture_screenshot runs on the host (a program,
+    not a Python extra: a warning, the other HA actions work without it)."""
+    ha = cfg.integrations.home_assistant
+    if ha is None:
         return
     try:
-        import neonize  # noqa: F401 - an optional dependency: is it installed?
-    except ImportError:
-        _check(results, "whatsapp", "fail", "neonize is not installed",
-               "install mdclaw with the whatsapp extra: pip install 'mdclaw[whatsapp]'")
+        _check(results, "chromium", "ok", find_chromium(ha.chromium))
+    except ScreenshotError as e:
+        _check(results, "chromium", "fail" if ha.chromium else "warn",
+               f"{e} (ha_capture_screenshot cannot take screenshots)",
+               "install Chromium on the host (NixOS: environment.systemPackages = "
+               "[ pkgs.chromium ]) or set integrations.home_assistant.chromium to its path")
+
+
+def _check_whatsapp(results: list[dict[str, str]], cfg: Config) -> None:
+    """WhatsApp (its extra installed): the device linked, the session file private."""
+    wa = whatsapp_status(cfg)
+    if wa is None:
         return
     if wa["link_state"] == "linked":
         _check(results, "whatsapp", "ok", f"linked to {wa['account']}")

@@ -1,9 +1,13 @@
 """Chat messages, per-group cursors and agent sessions.
 
-Inbound messages are stored once (a message id is unique per chat: the primary key is the
-channel's id, which channels make unique by prefixing it with the chat). A group's cursor is
-the timestamp of the last message its agent has seen; it moves only when a run succeeded or
-its output was delivered, so a failed run is retried with the same messages.
+Inbound messages are stored once (a message id is unique: it is the channel's id, which
+channels make unique by prefixing it with the chat). Each stored message gets the host's
+sequence number, `seq`, when it is stored: a chat's messages are in the order of their seq,
+never of the chat service's clock (whole seconds for Telegram and WhatsApp, and a phone's
+clock may step). A group's cursor is the seq of the newest message of its chat whose turn is
+done; it moves only when a run succeeded or its output was delivered, so a failed run is
+retried with the same messages. Every message stored after the cursor moved has a higher
+seq, so none can fall behind it.
 
 A message whose files are still being downloaded is stored at once with `files_pending`
 set (so a redelivery is a duplicate, and a restart finds it), but it and every later message
@@ -36,6 +40,8 @@ class StoredMessage:
     #: What became of each file that came with the message (see mdclaw.media.Saved.as_dict).
     attachments: tuple[Mapping[str, Any], ...] = ()
     files_pending: bool = False
+    #: The host's sequence number, given when the message is stored (0: not stored yet).
+    seq: int = 0
 
 
 def upsert_chat(conn: sqlite3.Connection, jid: str, name: str | None, channel: str,
@@ -91,30 +97,34 @@ def settle_files(db: Database, message_id: str,
 def pending_files(db: Database) -> list[StoredMessage]:
     """Messages whose files were still being downloaded (e.g. when mdclaw stopped)."""
     return [_row(r) for r in db.query(
-        "SELECT * FROM messages WHERE files_pending = 1 ORDER BY timestamp, id")]
+        "SELECT * FROM messages WHERE files_pending = 1 ORDER BY seq")]
 
 
 def _row(r: sqlite3.Row) -> StoredMessage:
     return StoredMessage(r["id"], r["chat_jid"], r["sender"], r["sender_name"], r["content"],
                          r["timestamp"], bool(r["is_from_me"]), bool(r["is_bot_message"]),
-                         _load_attachments(r["attachments"]), bool(r["files_pending"]))
+                         _load_attachments(r["attachments"]), bool(r["files_pending"]),
+                         int(r["seq"]))
 
 
-def messages_since(db: Database, chat_jid: str, after: str | None,
+# The newest `limit` messages of a chat after the cursor, newest first: a range seek in
+# idx_messages_chat_jid (chat_jid, seq), read backwards; the first message whose files are
+# pending is a seek in idx_messages_files_pending. tests/test_query_plans.py holds both.
+MESSAGES_SINCE_SQL = """\
+SELECT * FROM messages WHERE chat_jid = :chat AND seq > :after AND is_bot_message = 0
+  AND seq < COALESCE((SELECT MIN(seq) FROM messages WHERE chat_jid = :chat
+                      AND files_pending = 1), 9223372036854775807)
+ORDER BY seq DESC LIMIT :limit"""
+
+
+def messages_since(db: Database, chat_jid: str, after: int | None,
                    limit: int = 200) -> list[StoredMessage]:
-    """Inbound (non-bot) messages of `chat_jid` newer than `after`, oldest first; the newest
-    `limit` when there are more. Messages from the oldest one whose files are still being
-    downloaded on are left out (see the module's notes)."""
-    rows = db.query(
-        """SELECT * FROM (SELECT * FROM messages WHERE chat_jid = ? AND timestamp > ?
-               AND is_bot_message = 0
-               AND timestamp < COALESCE((SELECT MIN(timestamp) FROM messages
-                   WHERE chat_jid = ? AND files_pending = 1), char(1114111))
-               ORDER BY timestamp DESC, id DESC LIMIT ?)
-           ORDER BY timestamp, id""",
-        (chat_jid, after or "", chat_jid, limit),
-    )
-    return [_row(r) for r in rows]
+    """Inbound (non-bot) messages of `chat_jid` after position `after` (a seq; None: from
+    the start), oldest first; the newest `limit` when there are more. Messages from the
+    oldest one whose files are still being downloaded on are left out (see the module's
+    notes)."""
+    rows = db.query(MESSAGES_SINCE_SQL, {"chat": chat_jid, "after": after or 0, "limit": limit})
+    return [_row(r) for r in reversed(rows)]
 
 
 def _get_state(db: Database, key: str) -> str | None:
@@ -141,12 +151,20 @@ def set_router_value(db: Database, key: str, value: str | None) -> None:
     _set_state(db, key, value)
 
 
-def get_cursor(db: Database, folder: str) -> str | None:
-    return _get_state(db, f"last_agent_timestamp:{folder}")
+def _cursor_key(folder: str) -> str:
+    return f"agent_cursor:{folder}"
 
 
-def set_cursor(db: Database, folder: str, timestamp: str) -> None:
-    _set_state(db, f"last_agent_timestamp:{folder}", timestamp)
+def get_cursor(db: Database, folder: str) -> int | None:
+    """The group's cursor: the seq of the newest message whose turn is done (None: no
+    turn has been done yet)."""
+    value = _get_state(db, _cursor_key(folder))
+    return int(value) if value is not None else None
+
+
+def set_cursor(db: Database, folder: str, seq: int | None) -> None:
+    """Move the group's cursor to `seq` (None: back to before the first message)."""
+    _set_state(db, _cursor_key(folder), None if seq is None else str(int(seq)))
 
 
 def get_session(db: Database, folder: str) -> str | None:

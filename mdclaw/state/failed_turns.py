@@ -3,35 +3,63 @@
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass
 from typing import Any
 
 from mdclaw.state.db import Database, now_iso
 
 
-def mark_messages_failed(conn: sqlite3.Connection, chat_jid: str, after: str | None,
-                         upto: str, cause: str) -> tuple[int, str | None]:
-    """Mark the inbound messages of `chat_jid` newer than `after`, up to `upto`, as failed
-    with `cause` (in the caller's transaction); return (how many, the oldest's timestamp)."""
-    row = conn.execute(
-        "SELECT COUNT(*), MIN(timestamp) FROM messages WHERE chat_jid = ? AND timestamp > ? "
-        "AND timestamp <= ? AND is_bot_message = 0", (chat_jid, after or "", upto)).fetchone()
-    conn.execute(
-        "UPDATE messages SET failed_cause = ? WHERE chat_jid = ? AND timestamp > ? "
-        "AND timestamp <= ? AND is_bot_message = 0", (cause, chat_jid, after or "", upto))
-    return int(row[0] or 0), row[1]
+@dataclass(frozen=True)
+class Marked:
+    """The messages a failed turn set aside: how many, the first one's seq, and the times of
+    the first and the last (for people to read)."""
+
+    messages: int
+    first_seq: int | None
+    first_at: str | None
+    last_at: str | None
+
+
+def message_time(conn: sqlite3.Connection, seq: int | None) -> str | None:
+    """The timestamp of the message at `seq` (None when there is none)."""
+    if seq is None:
+        return None
+    row = conn.execute("SELECT timestamp FROM messages WHERE seq = ?", (seq,)).fetchone()
+    return row[0] if row else None
+
+
+def mark_messages_failed(conn: sqlite3.Connection, chat_jid: str, after: int | None,
+                         upto: int, cause: str) -> Marked:
+    """Mark the inbound messages of `chat_jid` after position `after` (a seq; None: from the
+    start) up to `upto`, as failed with `cause` (in the caller's transaction)."""
+    where = "chat_jid = ? AND seq > ? AND seq <= ? AND is_bot_message = 0"
+    args = (chat_jid, after or 0, upto)
+    count, first, last = conn.execute(
+        f"SELECT COUNT(*), MIN(seq), MAX(seq) FROM messages WHERE {where}",  # noqa: S608
+        args).fetchone()
+    if count:
+        conn.execute(f"UPDATE messages SET failed_cause = ? WHERE {where}",  # noqa: S608
+                     (cause, *args))
+    return Marked(int(count or 0), first, message_time(conn, first), message_time(conn, last))
 
 
 def record_failed_turn(conn: sqlite3.Connection, *, group_folder: str, chat_jid: str | None,
                        cause: str, policy: str, outcome: str, attempts: int = 1,
                        detail: str = "", first_message_at: str | None = None,
                        last_message_at: str | None = None, messages: int = 0,
-                       told: str | None = None) -> int:
+                       told: str | None = None, first_message_seq: int | None = None,
+                       last_message_seq: int | None = None) -> int:
+    """Record one failed turn (in the caller's transaction); return its id. The messages it
+    was about are `first_message_seq`..`last_message_seq` (their times, for people, in the
+    *_at fields)."""
     cur = conn.execute(
         """INSERT INTO failed_turns (group_folder, chat_jid, cause, policy, outcome, attempts,
-               detail, first_message_at, last_message_at, messages, told, created_at)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+               detail, first_message_at, last_message_at, messages, told, created_at,
+               first_message_seq, last_message_seq)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         (group_folder, chat_jid, cause, policy, outcome, attempts, detail[:500],
-         first_message_at, last_message_at, messages, told, now_iso()))
+         first_message_at, last_message_at, messages, told, now_iso(), first_message_seq,
+         last_message_seq))
     return int(cur.lastrowid or 0)
 
 

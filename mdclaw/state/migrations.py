@@ -483,6 +483,77 @@ CREATE TRIGGER transcript_messages_files_au AFTER UPDATE OF files_pending ON mes
 WHEN OLD.files_pending = 1 AND NEW.files_pending = 0 BEGIN
 """ + _MESSAGE_TRANSCRIPT_ROW + """END;
 """),
+    (12, "messages ordered by the host's sequence; indexes for the cursor and open outbox rows",
+     """
+-- A message's place in its chat is a sequence the host assigns when it stores the message
+-- (`seq`), never the chat service's clock: Telegram's and WhatsApp's timestamps are whole
+-- seconds, and a cursor that is a timestamp skips a message stored after it moved to that
+-- same second. AUTOINCREMENT: a seq is never given twice (not even after the newest message
+-- is deleted), and as the rowid it survives VACUUM. `id` (the channel's id) stays unique.
+-- SQLite cannot add a primary key in place, so the table is rebuilt; its triggers and
+-- indexes go with the old table and are made again below.
+CREATE TABLE messages_v12 (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  id TEXT NOT NULL UNIQUE,
+  chat_jid TEXT NOT NULL,
+  sender TEXT NOT NULL,
+  sender_name TEXT NOT NULL,
+  content TEXT NOT NULL,
+  timestamp TEXT NOT NULL,
+  is_from_me INTEGER DEFAULT 0,
+  is_bot_message INTEGER DEFAULT 0,
+  failed_cause TEXT,
+  attachments TEXT,
+  files_pending INTEGER NOT NULL DEFAULT 0,
+  FOREIGN KEY (chat_jid) REFERENCES chats(jid)
+);
+-- Stored messages are numbered in the order the cursor read them until now (timestamp,
+-- then the order they were stored in), so "after the cursor" keeps its meaning for them.
+INSERT INTO messages_v12 (id, chat_jid, sender, sender_name, content, timestamp, is_from_me,
+    is_bot_message, failed_cause, attachments, files_pending)
+  SELECT id, chat_jid, sender, sender_name, content, timestamp, is_from_me, is_bot_message,
+         failed_cause, attachments, files_pending
+  FROM messages ORDER BY timestamp, rowid;
+DROP TABLE messages;
+ALTER TABLE messages_v12 RENAME TO messages;
+-- A chat's messages in the host's order: the cursor's range seek (chat, seq > cursor).
+CREATE INDEX idx_messages_chat_jid ON messages(chat_jid, seq);
+CREATE INDEX idx_messages_timestamp ON messages(timestamp);
+CREATE INDEX idx_messages_files_pending ON messages(chat_jid, seq) WHERE files_pending = 1;
+CREATE TRIGGER transcript_messages_ai AFTER INSERT ON messages WHEN NEW.files_pending = 0
+BEGIN
+""" + _MESSAGE_TRANSCRIPT_ROW + """END;
+CREATE TRIGGER transcript_messages_files_au AFTER UPDATE OF files_pending ON messages
+WHEN OLD.files_pending = 1 AND NEW.files_pending = 0 BEGIN
+""" + _MESSAGE_TRANSCRIPT_ROW + """END;
+CREATE TRIGGER transcript_messages_ad AFTER DELETE ON messages BEGIN
+  DELETE FROM transcript WHERE source = 'messages' AND source_id = OLD.id;
+END;
+
+-- Each group's cursor becomes the seq of the last message at or before its timestamp (in
+-- the group's chat; for a group without a chat, in any chat: seqs were given in timestamp
+-- order above, so both name the same place), under a key of its own. A cursor of '' (the
+-- start) becomes 0. Old keys are removed, so running this again changes nothing.
+INSERT OR REPLACE INTO router_state (key, value)
+  SELECT 'agent_cursor:' || substr(r.key, 22), CAST(COALESCE(
+           (SELECT MAX(m.seq) FROM messages m
+              WHERE m.chat_jid = (SELECT g.jid FROM registered_groups g
+                                  WHERE g.folder = substr(r.key, 22))
+                AND m.timestamp <= r.value),
+           (SELECT MAX(m.seq) FROM messages m WHERE m.timestamp <= r.value),
+           0) AS TEXT)
+  FROM router_state r WHERE substr(r.key, 1, 21) = 'last_agent_timestamp:';
+DELETE FROM router_state WHERE substr(key, 1, 21) = 'last_agent_timestamp:';
+
+-- A failed turn's messages by their place too (the *_message_at columns keep their times,
+-- for people to read).
+ALTER TABLE failed_turns ADD COLUMN first_message_seq INTEGER;
+ALTER TABLE failed_turns ADD COLUMN last_message_seq INTEGER;
+
+-- The outbox's look for a chat's next open row seeks the chat's open rows alone, never the
+-- rows already sent (a chat's whole history).
+CREATE INDEX idx_outbox_open ON outbox(chat_jid, id) WHERE status IN ('pending', 'sending');
+"""),  # noqa: S608 - fixed text: the message's transcript row, no value from outside
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
