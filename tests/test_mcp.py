@@ -170,6 +170,16 @@ def test_results_are_converted_redacted_and_capped() -> None:
     assert out["content"][1]["path"] == "/workspace/group/mcp/day/s-t-2.png"
     assert saved[0][0] == b"PNG"
     assert len(out["content"][2]["text"]) < 50
+    # The secret's other spellings: inside base64 text, percent-encoded; a short one.
+    echo = "x-token: hunter22-secret".encode()
+    forms = {"content": [{"type": "text", "text": base64.b64encode(echo).decode()},
+                         {"type": "text", "text": "?t=hunter22%2Fsecret&pin=4711"}]}
+    out = convert("s", "t", forms, max_chars=1000, save=None,
+                  redact=redactor(["hunter22-secret", "hunter22/secret", "4711", "ab"]))
+    assert "hunter22" not in str(out) and "4711" not in str(out)
+    assert "[secret]" in out["content"][0]["text"]
+    assert out["content"][1]["text"] == "?t=[secret]&pin=[secret]"
+    assert redactor(["ab"])("ab cd") == "ab cd"  # too short to be told from text
     structured = convert("s", "t", {"content": [], "structuredContent": {"a": 1}},
                          max_chars=100, save=None, redact=redactor([]))
     assert structured["content"] == [{"type": "text", "text": '{"a": 1}'}]

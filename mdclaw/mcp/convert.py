@@ -25,6 +25,8 @@ import mimetypes
 from collections.abc import Callable
 from typing import Any
 
+from mdclaw.redact import MIN_SECRET, all_forms
+
 Save = Callable[[bytes, str, str], str]  # (data, mime type, file stem) -> container path
 MAX_BLOCKS = 100
 
@@ -105,16 +107,20 @@ def convert(server: str, tool: str, result: dict[str, Any], *, max_chars: int,
 
 
 def redactor(secrets: list[str]) -> Callable[[str], str]:
-    """A function that replaces each secret value (and its JSON-escaped form) by
-    `[secret]`. Values shorter than 4 characters are left alone (they would match
+    """A function that replaces each secret value by `[secret]`, in every form
+    mdclaw.redact looks for (as it is, JSON-escaped, percent-encoded, inside base64 text at
+    each alignment); a value of 4 to 7 characters (below redact.MIN_SECRET) as it is and
+    JSON-escaped only. Values shorter than 4 characters are left alone (they would match
     everywhere)."""
-    forms = sorted({f for s in secrets if len(s) >= 4
-                    for f in (s, json.dumps(s)[1:-1])}, key=len, reverse=True)
-    if not forms:
+    forms = {f.decode("utf-8", "surrogateescape") for f in all_forms(secrets)}
+    forms |= {f for s in secrets if 4 <= len(s) and len(s.encode()) < MIN_SECRET
+              for f in (s, json.dumps(s)[1:-1])}
+    ordered = sorted(forms, key=len, reverse=True)
+    if not ordered:
         return lambda s: s
 
     def redact(value: str) -> str:
-        for f in forms:
+        for f in ordered:
             if f in value:
                 value = value.replace(f, "[secret]")
         return value
