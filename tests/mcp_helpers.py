@@ -42,9 +42,12 @@ def git_repo(path: Path) -> Path:
     return path
 
 
-def servers_yaml(bin_dir: Path, tmp: Path, *, hostile_timeout: str = "3s",
+def servers_yaml(bin_dir: Path, tmp: Path, *, hostile_timeout: str = "60s",
                  secret_file: Path | None = None, repo: Path | None = None) -> str:
-    """The `mcp_servers:` section: time, hostile (stdio) and, given a repository, git."""
+    """The `mcp_servers:` section: time, hostile (stdio), stuck (the same server with a
+    timeout of 3 s, for its `hang` tool: the other tools get a timeout a loaded machine
+    cannot reach, a 50 MB answer taking the SDK's server seconds to write) and, given a
+    repository, git."""
     work = tmp / "mcp-work"
     work.mkdir(exist_ok=True)
     lines = [
@@ -55,6 +58,8 @@ def servers_yaml(bin_dir: Path, tmp: Path, *, hostile_timeout: str = "3s",
         f"timeout: {hostile_timeout}, max_result_bytes: 1MiB, cwd: \"{work}\""
         + (f", env_files: {{SECRET_TOKEN: \"{secret_file}\"}}" if secret_file else "")
         + ", env: {PLAIN: visible}}",
+        f"  stuck: {{command: \"{bin_dir / 'python'}\", args: [\"{HOSTILE}\"], "
+        f"timeout: 3s, cwd: \"{work}\"}}",
     ]
     if repo is not None:
         lines.append(f"  git: {{command: \"{bin_dir / 'mcp-server-git'}\", "

@@ -31,7 +31,8 @@ WRAPPER = ("import sys\n"
            "sys.exit(main(sys.argv[1:]))\n")
 # What each subcommand's required arguments get (a new one must be added here).
 ARGUMENTS = {"task_id": ["t1"], "row_id": ["1"], "name": ["main.tasks.x.json.error"],
-             "tarball": ["/nonexistent/image.tar"], "text": ["hello"], "group": ["main"]}
+             "tarball": ["/nonexistent/image.tar"], "text": ["hello"], "group": ["main"],
+             "server": ["time"], "tool": ["get_current_time"], "arguments": ["{}"]}
 # Subcommands that need an extra, and the extras their failure names.
 NEEDS = {("check-config",): {"whatsapp", "transcribe"}, ("doctor",): {"whatsapp", "transcribe"},
          ("whatsapp", "link"): {"whatsapp"}}

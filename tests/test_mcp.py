@@ -171,7 +171,7 @@ def test_results_are_converted_redacted_and_capped() -> None:
     assert saved[0][0] == b"PNG"
     assert len(out["content"][2]["text"]) < 50
     # The secret's other spellings: inside base64 text, percent-encoded; a short one.
-    echo = "x-token: hunter22-secret".encode()
+    echo = b"x-token: hunter22-secret"
     forms = {"content": [{"type": "text", "text": base64.b64encode(echo).decode()},
                          {"type": "text", "text": "?t=hunter22%2Fsecret&pin=4711"}]}
     out = convert("s", "t", forms, max_chars=1000, save=None,
@@ -197,7 +197,7 @@ def hub_config(tmp_path: Path, **kw: object) -> Config:
     text = (f"data_dir: {tmp_path / 'data'}\n"
             "groups:\n"
             "  main: {name: A, jid: 'hl:1', main: true, mcp: {time: ['*'], git: ['git_status',"
-            " 'git_log'], hostile: ['*']}}\n"
+            " 'git_log'], hostile: ['*'], stuck: [hang]}}\n"
             "  kids: {name: K, jid: 'hl:2', mcp: {time: [get_current_time]}}\n"
             + servers_yaml(bin_dir, tmp_path, secret_file=secret, repo=repo, **kw))
     path = tmp_path / "config.yaml"
@@ -253,10 +253,10 @@ def test_real_servers_through_the_hub(tmp_path: Path) -> None:
             ticker.cancel()
             assert max(lags) < 0.25, max(lags)
             assert text_of(await call(hub, "main", "hostile", "echo", text="still"))== "still"
-            # Never answers: a clear timeout at mcp_servers.hostile.timeout (3 s).
+            # Never answers: a clear timeout at mcp_servers.stuck.timeout (3 s).
             started = time.monotonic()
-            with pytest.raises(CallTimeout, match="within 3 s"):
-                await call(hub, "main", "hostile", "hang")
+            with pytest.raises(CallTimeout, match=r"within 3 s \(mcp_servers.stuck.timeout"):
+                await call(hub, "main", "stuck", "hang")
             assert time.monotonic() - started < 6
             # Garbage on stdout before the answer: the answer still comes.
             r = await call(hub, "main", "hostile", "garbage")
@@ -433,6 +433,9 @@ def test_the_cli_lists_and_calls_with_the_agents_rules(tmp_path: Path) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["timezone"] == "Asia/Tokyo"
     r = mdclaw("mcp", "call", "-g", "family", "time", "convert_time", "{}")
     assert r.returncode == 1 and "groups.family.mcp.time (get_current_time)" in r.stderr
+    r = mdclaw("mcp", "call", "-g", "family", "nope", "get_current_time", "{}")
+    assert r.returncode == 1 and "there is no MCP server 'nope'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
     r = mdclaw("mcp", "call", "-g", "family", "time", "get_current_time", '{"timezone": 5}')
     assert r.returncode == 1 and "break its input schema" in r.stderr
     r = mdclaw("doctor", "--json")

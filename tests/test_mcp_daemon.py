@@ -31,7 +31,8 @@ data_dir: {data}
 assistant: {{name: Andy, timezone: UTC}}
 groups:
   main: {{name: Admin, jid: "hl:main", main: true,
-          mcp: {{time: ['*'], hostile: ['*'], git: [git_status]}}}}
+          mcp: {{time: ['*'], hostile: ['*'], stuck: [hang],
+                     git: [git_status]}}}}
   family: {{name: Family, jid: "hl:family", mcp: {{time: [get_current_time]}},
             actions: []}}
   work: {{name: Work, jid: "hl:work"}}
@@ -131,7 +132,7 @@ def test_mcp_through_a_real_daemon(tmp_path: Path, caplog: pytest.LogCaptureFixt
                 assert body["status"] == "error" and words in body["error"], (what, body)
             # Hostile servers: each a clear result, the daemon fine.
             big = request(data, "main", "big", "hostile", megabytes=50)
-            hang = request(data, "main", "hang", "hostile")
+            hang = request(data, "main", "hang", "stuck")
             garbage = request(data, "main", "garbage", "hostile")
             leak = request(data, "main", "env", "hostile", name="SECRET_TOKEN")
             assert text(await result(data, "main", garbage)) == "answered after garbage"

@@ -35,11 +35,12 @@ def server_rows(cfg: Config) -> list[dict[str, Any]]:
 
 async def _with_hub(cfg: Config, names: list[str], fn: Any) -> Any:
     # One try each: a command reports what it found, it does not wait out a backoff.
+    names = [n for n in names if n in cfg.mcp_servers]
     hub = McpHub(cfg, snapshots=False, backoff=Backoff(base=3600.0, jitter=0))
     await hub.start(only=names)
     try:
         timeout = max((cfg.mcp_servers[n].start_timeout.total_seconds() for n in names),
-                      default=1.0)
+                      default=0.0)
         await hub.wait_settled(timeout + 1)
         return await fn(hub)
     finally:
