@@ -3,7 +3,8 @@ what, approval, result conversion), then real servers started by the hub: mcp-se
 mcp-server-git from the package registry, and tests/mcp_servers/hostile.py for every failure
 path (a tool not allowed, a server not assigned, arguments that break the schema, a 50 MB
 result, a server that never answers, one that dies mid-call, one that prints garbage on
-stdout, one that echoes its secret environment, one that asks for the model)."""
+stdout, one that echoes its secret environment, one that asks for the model, one that
+floods unasked messages)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from mcp_helpers import git_repo, servers_bin, servers_yaml
+from mcp_helpers import HOSTILE, git_repo, servers_bin, servers_yaml
 from mdclaw.config import Config, load_config
 from mdclaw.mcp import policy
+from mdclaw.mcp.client import McpClient
 from mdclaw.mcp.convert import convert, redactor
 from mdclaw.mcp.hub import McpHub
 from mdclaw.mcp.policy import ToolEntry
+from mdclaw.mcp.transport import StdioTransport
 from mdclaw.mcp.wire import (
     CallTimeout,
     LineFramer,
     Oversize,
+    ProtocolFailure,
     Refused,
     ServerCrashed,
     TooLarge,
@@ -358,6 +362,36 @@ def test_the_runner_offers_the_snapshot_as_tools(tmp_path: Path) -> None:
     assert written[0]["action"] == "mcp_call"
     assert written[0]["params"] == {"server": "time", "tool": "get_current_time",
                                     "arguments": {"timezone": "UTC"}}
+
+
+def test_unasked_messages_are_bounded_and_a_flood_disconnects() -> None:
+    """A server that sends notifications without end: past the bound they are dropped
+    unread (the call's answer still comes), far past it the server is disconnected and
+    the call in flight fails at once."""
+    bin_dir = servers_bin()
+
+    async def go() -> None:
+        transport = StdioTransport(str(bin_dir / "python"), [str(HOSTILE)],
+                                   {"PATH": os.environ.get("PATH", "")}, None, 1 << 20)
+        client = McpClient("hostile", transport, unsolicited_limit=50)
+        await client.start(30)
+        try:
+            r = await client.call_tool("flood", {"count": 300}, 30)
+            assert r["content"][0]["text"] == "flooded 300"
+            assert client.stats["unsolicited"] >= 300, client.stats
+            assert client.stats["dropped"] >= 250, client.stats
+            assert client.is_up
+            started = time.monotonic()
+            with pytest.raises(ProtocolFailure, match="more than 500 unasked messages in "
+                               "10 s; it was disconnected"):
+                await client.call_tool("flood", {"count": 100_000}, 60)
+            assert time.monotonic() - started < 30
+            await asyncio.wait_for(client.transport.closed.wait(), 10)
+            assert client.stats["unsolicited"] < 100_000, client.stats
+        finally:
+            await client.close()
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize("kind", ["http"])

@@ -76,6 +76,7 @@ class McpClient:
         self._window_start = time.monotonic()
         self._window_count = 0
         self._replies: set[asyncio.Task[None]] = set()
+        self._flooded = False
         self._watch: asyncio.Task[None] | None = None
         # What the server sent unasked, for the operator page.
         self.stats = {"unsolicited": 0, "dropped": 0, "garbage": 0, "oversize": 0,
@@ -283,8 +284,15 @@ class McpClient:
         if self._window_count == self.unsolicited_limit + 1:
             log.warning("mcp: %s sends more than %d unasked messages in %g s (%s); the rest "
                         "are dropped", self.name, self.unsolicited_limit, WINDOW, what)
-        if self._window_count > 10 * self.unsolicited_limit and self.is_up:
+        if self._window_count > 10 * self.unsolicited_limit and self.is_up \
+                and not self._flooded:
+            self._flooded = True
             log.warning("mcp: %s floods unasked messages; disconnecting it", self.name)
+            # The calls in flight fail with the reason now, before the server's own answer
+            # to its connection closing could reach them.
+            self._fail_all(ProtocolFailure(
+                f"{self.name} sent more than {10 * self.unsolicited_limit} unasked messages "
+                f"in {WINDOW:g} s; it was disconnected (and is started again)"))
             self._spawn(self.transport.close())
         return False
 
