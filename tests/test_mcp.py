@@ -25,7 +25,7 @@ from mdclaw.mcp.client import McpClient
 from mdclaw.mcp.convert import convert, redactor
 from mdclaw.mcp.hub import McpHub
 from mdclaw.mcp.policy import ToolEntry
-from mdclaw.mcp.transport import StdioTransport
+from mdclaw.mcp.transport import READ_CHUNK, STDERR_TAIL, StdioTransport
 from mdclaw.mcp.wire import (
     CallTimeout,
     LineFramer,
@@ -364,10 +364,11 @@ def test_the_runner_offers_the_snapshot_as_tools(tmp_path: Path) -> None:
                                     "arguments": {"timezone": "UTC"}}
 
 
-def test_unasked_messages_are_bounded_and_a_flood_disconnects() -> None:
-    """A server that sends notifications without end: past the bound they are dropped
-    unread (the call's answer still comes), far past it the server is disconnected and
-    the call in flight fails at once."""
+def test_unasked_messages_and_stderr_are_bounded_and_a_flood_disconnects() -> None:
+    """A server that writes megabytes to stderr: drained, its tail kept. One that sends
+    notifications without end: past the bound they are dropped unread (the call's answer
+    still comes), far past it the server is disconnected and the call in flight fails at
+    once."""
     bin_dir = servers_bin()
 
     async def go() -> None:
@@ -381,6 +382,14 @@ def test_unasked_messages_are_bounded_and_a_flood_disconnects() -> None:
             assert client.stats["unsolicited"] >= 300, client.stats
             assert client.stats["dropped"] >= 250, client.stats
             assert client.is_up
+            # 20 MB on stderr: drained as it comes (the server would block on a full pipe),
+            # only the tail kept.
+            r = await client.call_tool("shout", {"megabytes": 20}, 60)
+            assert r["content"][0]["text"] == "shouted"
+            assert transport.stderr_bytes > 20_000_000
+            tail = transport.stderr_tail()
+            assert tail.endswith("last words\n") and len(tail) <= STDERR_TAIL
+            assert sum(map(len, transport._stderr)) <= STDERR_TAIL + READ_CHUNK
             started = time.monotonic()
             with pytest.raises(ProtocolFailure, match="more than 500 unasked messages in "
                                "10 s; it was disconnected"):

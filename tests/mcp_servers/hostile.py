@@ -72,6 +72,17 @@ def die() -> str:
 
 
 @server.tool(annotations=READ_ONLY)
+def shout(megabytes: float) -> str:
+    """Writes this many megabytes to stderr (a pipe holds 64 KiB), then answers."""
+    line = "complaining loudly " * 50 + "\n"
+    for _ in range(int(megabytes * 1_000_000) // len(line) + 1):
+        sys.stderr.write(line)
+    sys.stderr.write("last words\n")
+    sys.stderr.flush()
+    return "shouted"
+
+
+@server.tool(annotations=READ_ONLY)
 def garbage() -> str:
     """Prints garbage on stdout (where the protocol goes), then answers."""
     os.write(WIRE, b"\x00\xff this is not JSON {{{\n[1, 2\nplain words\n")
