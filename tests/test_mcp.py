@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mcp_helpers import HOSTILE, git_repo, servers_bin, servers_yaml
-from mdclaw.config import Config, load_config
+from mdclaw.config import Config, check_programs, load_config
 from mdclaw.mcp import policy
 from mdclaw.mcp.client import McpClient
 from mdclaw.mcp.convert import convert, redactor
@@ -150,6 +150,17 @@ def test_a_config_names_only_servers_that_exist(tmp_path: Path) -> None:
                     " mcp: {nope: ['*']}}\nmcp_servers:\n  time: {command: x}\n")
     with pytest.raises(Exception, match="'nope' is not in mcp_servers \\(known: time\\)"):
         load_config(path)
+    # A stdio server's program must be there (check-config's host check, as for Chromium).
+    bin_dir = servers_bin()
+    path.write_text(f"data_dir: {tmp_path / 'd'}\ngroups: {{}}\nmcp_servers:\n"
+                    f"  time: {{command: \"{bin_dir / 'mcp-server-time'}\"}}\n"
+                    "  gone: {command: /nonexistent/mcp-server}\n"
+                    "  named: {command: no-such-mcp-server-here}\n"
+                    "  web: {url: 'http://127.0.0.1:1/mcp'}\n")
+    problems = check_programs(load_config(path))
+    assert [p.split(":")[0] for p in problems] == ["mcp_servers.gone.command",
+                                                   "mcp_servers.named.command"], problems
+    assert "install the server, or give its path" in problems[0]
 
 
 # --------------------------------------------------------------------------- conversion
