@@ -95,6 +95,9 @@
           attr = pythonAttr.${name} or name;
         in
         ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
+      # Chat channels whose library nixpkgs has: their extras of pyproject.toml are part of the
+      # package (WhatsApp's neonize is not in nixpkgs: `pip install 'mdclaw[whatsapp]'`).
+      channelExtras = [ "email" ];
       # Backends the image can do without: if nixpkgs lacks one, the image is built without
       # it (with a warning) rather than not at all; groups using it then fail with a clear error.
       optionalInImage = [ "claude-agent-sdk" ];
@@ -205,6 +208,9 @@
       lib = {
         inherit parseRequirements imageRequirements claudeRequirements;
         hostRequirements = map requirementName pyproject.project.dependencies;
+        channelRequirements = lib.concatMap (
+          extra: map requirementName (pyproject.project.optional-dependencies.${extra} or [ ])
+        ) channelExtras;
       };
 
       overlays.default = final: prev: {
@@ -221,7 +227,9 @@
 
             build-system = [ setuptools ];
             dependencies =
-              map (pythonPackage final.python3Packages) self.lib.hostRequirements
+              map (pythonPackage final.python3Packages) (
+                self.lib.hostRequirements ++ self.lib.channelRequirements
+              )
               # zoneinfo's data where the system has none (build sandbox, minimal images).
               ++ [ final.python3Packages.tzdata ];
             nativeCheckInputs = map (pythonPackage final.python3Packages) (

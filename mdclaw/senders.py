@@ -82,11 +82,14 @@ def jid_is_group_chat(jid: str) -> bool | None:
     shape alone: True or False where the shape tells, None where it does not.
 
     Telegram chat ids of groups, supergroups and channels are negative; those of private
-    chats are positive. The local HTTP channel's chats say nothing either way.
+    chats are positive. A mail chat (`mail:<address>`) is one person's. The local HTTP
+    channel's chats say nothing either way.
     """
     prefix, _, rest = jid.partition(":")
     if prefix == "tg" and rest.lstrip("-").isdigit():
         return rest.startswith("-")
+    if prefix == "mail" and "@" in rest:
+        return False
     return None
 
 

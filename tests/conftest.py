@@ -8,6 +8,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -106,3 +107,16 @@ def _no_ambient_mdclaw_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
         if k.startswith("MDCLAW_"):
             monkeypatch.delenv(k)
+
+
+@pytest.fixture(scope="session")
+def mail_world() -> Iterator[Any]:
+    """Dovecot and an SMTP server on loopback, one for the session (tests/mailserver.py);
+    each test makes its own users."""
+    import mailserver
+
+    world = mailserver.start_world()
+    try:
+        yield world
+    finally:
+        mailserver.stop_world(world)

@@ -1,8 +1,9 @@
 """Settings whose optional dependency (a pyproject extra) is not installed: every subcommand
 of `mdclaw`, found by walking the CLI's parser, run in a subprocess on a config with
-`channels.whatsapp` and `transcription.provider: local` while neonize and faster-whisper
-cannot be imported. None ends in a traceback; those that need an extra fail naming it and
-the fix; `mdclaw run` starts anyway, without the WhatsApp channel, and says why.
+`channels.whatsapp`, `channels.email` and `transcription.provider: local` while neonize,
+imapclient and faster-whisper cannot be imported. None ends in a traceback; those that need
+an extra fail naming it and the fix; `mdclaw run` starts anyway, without the WhatsApp and
+email channels, and says why.
 
 Also the CLI's last resort: an MdclawError no command caught ends in one line (its traceback
 with MDCLAW_DEBUG=1), and any other exception, a bug, keeps its traceback."""
@@ -22,7 +23,7 @@ import pytest
 from mdclaw.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCKED = ("neonize", "faster_whisper")
+BLOCKED = ("neonize", "faster_whisper", "imapclient")
 # Runs mdclaw's CLI with the optional modules unimportable (`import neonize` raises).
 WRAPPER = ("import sys\n"
            f"for name in {BLOCKED!r}:\n"
@@ -34,8 +35,8 @@ ARGUMENTS = {"task_id": ["t1"], "row_id": ["1"], "name": ["main.tasks.x.json.err
              "tarball": ["/nonexistent/image.tar"], "text": ["hello"], "group": ["main"],
              "server": ["time"], "tool": ["get_current_time"], "arguments": ["{}"]}
 # Subcommands that need an extra, and the extras their failure names.
-NEEDS = {("check-config",): {"whatsapp", "transcribe"}, ("doctor",): {"whatsapp", "transcribe"},
-         ("whatsapp", "link"): {"whatsapp"}}
+NEEDS = {("check-config",): {"whatsapp", "transcribe", "email"},
+         ("doctor",): {"whatsapp", "transcribe", "email"}, ("whatsapp", "link"): {"whatsapp"}}
 
 
 def subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
@@ -65,10 +66,16 @@ def subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
 @pytest.fixture
 def extras_config(tmp_path: Path) -> dict[str, str]:
     cfg = tmp_path / "config.yaml"
+    password = tmp_path / "mail.password"
+    password.write_text("secret\n")
+    password.chmod(0o600)
     cfg.write_text(f"data_dir: {tmp_path / 'data'}\n"
                    "groups: {main: {name: Main, jid: 'hl:main', main: true}}\n"
                    "server: {listen: '127.0.0.1:0'}\n"
-                   "channels: {http: {enabled: true}, whatsapp: {enabled: true}}\n"
+                   "channels: {http: {enabled: true}, whatsapp: {enabled: true},\n"
+                   "  email: {address: bot@example.org, imap_host: 127.0.0.1, imap_port: 9,\n"
+                   "          smtp_host: 127.0.0.1, smtp_port: 9, authserv_id: mx.example.org,\n"
+                   f"          password_file: {password}}}}}\n"
                    "transcription: {provider: local}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
     env.update(MDCLAW_CONFIG=str(cfg), PYTHONPATH=str(REPO), HOME=str(tmp_path),
@@ -131,6 +138,8 @@ def test_the_daemon_runs_without_the_extras_and_says_why(extras_config: dict[str
     assert "Traceback" not in log
     assert "channel whatsapp did not start: the WhatsApp channel needs neonize" in log
     assert "pip install 'mdclaw[whatsapp]'" in log
+    assert "channel email did not start: the email channel needs imapclient" in log
+    assert "pip install 'mdclaw[email]'" in log
 
 
 def test_an_uncaught_mdclaw_error_is_one_line_and_a_bug_keeps_its_traceback(
@@ -179,6 +188,10 @@ def test_which_settings_need_which_extra(tmp_path: Path, monkeypatch: pytest.Mon
     assert missing("transcription: {provider: openai}\n") == []
     assert missing("channels: {whatsapp: {}}\ntranscription: {provider: local}\n") == [
         ("channels.whatsapp", "whatsapp"), ("transcription.provider", "transcribe")]
+    email = ("channels: {email: {address: a@example.org, imap_host: h, smtp_host: h, "
+             f"password_file: {tmp_path / 'pw'}, authserv_id: mx.example.org%s}}}}\n")
+    assert missing(email % "") == [("channels.email", "email")]
+    assert missing(email % ", enabled: false") == []
     # from the Nix store pip cannot help: what the package offers instead
     assert "pip install 'mdclaw[whatsapp]'" in fix_for(EXTRAS["whatsapp"], nix=False)
     assert "Telegram or the local chat" in fix_for(EXTRAS["whatsapp"], nix=True)

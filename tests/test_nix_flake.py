@@ -58,7 +58,11 @@ def test_package_is_the_pyproject(flake: dict) -> None:
     # every runtime dependency of pyproject.toml, from nixpkgs (plus zoneinfo's data)
     assert flake["lib"]["hostRequirements"] == [
         _name(d) for d in pyproject["project"]["dependencies"]]
-    assert pkg["dependencies"] == [f"python3.12-{n}" for n in flake["lib"]["hostRequirements"]] \
+    # and the libraries of the chat channels nixpkgs has (their extras)
+    assert flake["lib"]["channelRequirements"] == [
+        _name(d) for d in pyproject["project"]["optional-dependencies"]["email"]]
+    assert pkg["dependencies"] == [f"python3.12-{n}" for n in flake["lib"]["hostRequirements"]
+                                   + flake["lib"]["channelRequirements"]] \
         + ["python3.12-tzdata"]
     assert "python3.12-pytestCheckHook" in pkg["checkInputs"]
     # tests run in checkPhase, except the ones that need an engine (the VM test has one)

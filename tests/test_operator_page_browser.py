@@ -41,6 +41,13 @@ tasks:
     cron: "0 8 * * *"
 channels:
   http: {{listen: "127.0.0.1:{port}"}}
+  email:
+    address: andy@example.test
+    password_file: {key}
+    imap_host: 127.0.0.1
+    imap_port: {closed}
+    smtp_host: 127.0.0.1
+    smtp_port: {closed}
 """
 
 SIZES = {"desktop": (1280, 900), "phone": (390, 844)}
@@ -112,7 +119,8 @@ def test_every_view_in_chromium(tmp_path: Path, cli) -> None:
     key.chmod(0o600)
     cfg_path = tmp_path / "config.yaml"
     data_dir = tmp_path / "data"
-    cfg_path.write_text(CONFIG.format(data_dir=data_dir, key=key, port=port,
+    # The email channel's servers are not there: its card says what is wrong and the fix.
+    cfg_path.write_text(CONFIG.format(data_dir=data_dir, key=key, port=port, closed=free_port(),
                                       name=json.dumps(XSS_NAME), prompt=json.dumps(XSS_PROMPT)))
     shots = tmp_path / "shots"
     shots.mkdir()
@@ -141,6 +149,10 @@ def test_every_view_in_chromium(tmp_path: Path, cli) -> None:
                 engine = await page.js("document.getElementById('engine').innerText")
                 assert "unreachable" in engine or "checking" in engine, engine
                 assert "http" in text and "connected" in text
+                await page.wait_for("document.getElementById('channels').innerText"
+                                    ".includes('fix: check channels.email.imap_host')")
+                mail = await page.js("document.getElementById('channels').innerText")
+                assert "IMAP 127.0.0.1:" in mail and "ConnectionRefusedError" in mail, mail
                 assert "no container is running" in text
                 extra = fail_row(db, "one more", "timed out")
                 await page.wait_for("document.getElementById('outbox-counts').innerText"

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
+from mdclaw.channels.email import EmailChannel  # imports imapclient only when it connects
 from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
@@ -45,7 +46,19 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
         channels.append(WhatsAppChannel.from_config(
             wa, cfg.whatsapp_session_path, on_inbound=on_inbound,
             trigger=f"@{cfg.assistant.name}", db=db))
+    em = cfg.channels.email
+    if em is not None and em.enabled:
+        channels.append(EmailChannel.from_config(
+            em, on_inbound=on_inbound, db=db, display_name=cfg.assistant.name,
+            trigger=f"@{cfg.assistant.name}", max_mail_bytes=max_mail_bytes(cfg)))
     return channels
+
+
+def max_mail_bytes(cfg: Config) -> int:
+    """The largest mail the email channel reads whole: room for a few files of
+    `media.max_bytes` (base64 makes each a third larger); of a larger one only the header is
+    read, and the agent is told."""
+    return max(10 * 1024 * 1024, 4 * cfg.media.limit)
 
 
 def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
@@ -56,7 +69,7 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
         if isinstance(ch, HttpChannel):
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
-        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional)
+        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 

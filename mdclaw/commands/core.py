@@ -26,6 +26,7 @@ from mdclaw.config import (
     sorted_issues,
 )
 from mdclaw.ops.console import fail, load_or_exit
+from mdclaw.ops.email import unanswered_groups
 from mdclaw.ops.groups import GROUP_FIELDS, group_listing
 from mdclaw.reconcile import ReconcileError, reconcile
 from mdclaw.senders import jid_is_group_chat, main_group_warning
@@ -56,7 +57,7 @@ def open_main_group(cfg: Config) -> Iterable[str]:
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
 CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [
-    open_main_group, old_server_key_warnings]
+    open_main_group, old_server_key_warnings, unanswered_groups]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

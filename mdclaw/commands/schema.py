@@ -198,6 +198,9 @@ Sender ids are what the channel reports as the sender:
 - Telegram (`tg:`): the user id, a number (`123456789`, without `tg:`). To find yours, write
   `/chatid` in a private chat with the bot: it answers `tg:<your user id>`. A message sent on
   behalf of a chat (an anonymous group admin, a linked channel) carries that chat's id.
+- Email (`mail:`): the sender's address, lower-cased (`alice@example.org`). Mail reaches a
+  group only from the addresses in `channels.email.allow_from`, checked as docs/security.md
+  says ("Who may write by mail"); `allow_senders` narrows that per group.
 - Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
   `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
   is decided by the channel's `secret_file` and `listen` address.

@@ -54,10 +54,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         ch = s.get("channels") or {}
         print("channels: " + (", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in ch.items())
                               or "none"))
+        for name, info in (s.get("channel_details") or {}).items():
+            print(f"  {name}: {info.get('detail', '')}"
+                  + (f" — fix: {info['fix']}" if info.get("fix") else ""))
         if s.get("reload_error"):
             print(f"last reload failed: {s['reload_error']}")
     else:
         print("daemon: not running")
+    mail = s.get("email")
+    if mail:
+        print(f"email: {mail['address']} (IMAP {mail['imap']}, SMTP {mail['smtp']}); "
+              f"{mail['senders']}")
     wa = s.get("whatsapp")
     if wa:
         print(f"whatsapp: {wa['link_state']}"

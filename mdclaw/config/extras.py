@@ -1,13 +1,13 @@
 """The optional dependencies a setting needs (pyproject.toml's extras), and whether this
 install has them.
 
-A setting that needs an extra (`channels.whatsapp`: neonize; `transcription.provider:
-local`: faster-whisper) is valid config, but cannot work on an install without it. One
-definition says so everywhere, always with the fix: `check-config` refuses the setting (a
-check of this machine, left out by `--skip-host-checks`), `doctor` fails it, a command that
-needs it (`mdclaw whatsapp link`) stops with the same line, and the daemon's channel or
-transcriber that finds it missing says the same. The claude extra is the agent image's (its
-agent runner), never imported by the host.
+A setting that needs an extra (`channels.whatsapp`: neonize; `channels.email`: imapclient;
+`transcription.provider: local`: faster-whisper) is valid config, but cannot work on an
+install without it. One definition says so everywhere, always with the fix: `check-config`
+refuses the setting (a check of this machine, left out by `--skip-host-checks`), `doctor`
+fails it, a command that needs it (`mdclaw whatsapp link`) stops with the same line, and the
+daemon's channel or transcriber that finds it missing says the same. The claude extra is the
+agent image's (its agent runner), never imported by the host.
 
 A program a setting names (`integrations.home_assistant.chromium`) is checked the same way
 (`check_programs`). A module is looked for only (`importlib.util.find_spec`); `load=True`
@@ -50,6 +50,10 @@ EXTRAS: dict[str, Extra] = {
         "transcribe", "faster_whisper", "faster-whisper", "local transcription",
         "the NixOS package has no faster-whisper: use transcription.provider: openai with an "
         "OpenAI-compatible endpoint"),
+    "email": Extra(
+        "email", "imapclient", "imapclient", "the email channel",
+        "the NixOS package includes imapclient: update mdclaw, or report a package without "
+        "it as a bug"),
 }
 
 
@@ -106,6 +110,9 @@ def settings_needing(cfg: Config) -> list[tuple[str, Extra]]:
     wa = cfg.channels.whatsapp
     if wa is not None and wa.enabled:
         out.append(("channels.whatsapp", EXTRAS["whatsapp"]))
+    em = cfg.channels.email
+    if em is not None and em.enabled:
+        out.append(("channels.email", EXTRAS["email"]))
     if cfg.transcription is not None and cfg.transcription.provider == "local":
         out.append(("transcription.provider", EXTRAS["transcribe"]))
     return out

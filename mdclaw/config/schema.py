@@ -27,6 +27,7 @@ from mdclaw import schedule
 from mdclaw.config.schema_groups import AllowSenders, Assistant, Group, GroupMount, TaskSpec
 from mdclaw.config.schema_services import (
     Channels,
+    EmailChannel,
     HomeAssistant,
     HomeAssistantAllow,
     HttpChannel,
@@ -528,7 +529,8 @@ def _choices(names: list[str], what: str) -> str:
     return f"known: {', '.join(names)}" if names else f"no {what} are configured"
 
 
-__all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "Group",
+__all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "EmailChannel",
+           "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
            "Limits", "McpApprove", "McpServer", "McpServerName", "Media", "Metrics",
            "ModelSpec", "MountPolicy", "Runtime", "TaskSpec",

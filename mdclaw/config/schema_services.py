@@ -5,12 +5,14 @@ for agents, the MCP servers the host runs for them (`mcp_servers`) and the Prome
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from mdclaw.config.types import (
     LISTEN_PATTERN,
@@ -24,6 +26,7 @@ from mdclaw.config.types import (
     SecretFile,
     Size,
     parse_size,
+    short_repr,
 )
 
 
@@ -113,6 +116,129 @@ class WhatsAppChannel(Frozen):
         "(WhatsApp bans accounts that send in bursts).")
 
 
+_ADDRESS = re.compile(r"^[^@\s<>(),;:\"\[\]\\]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]+$")
+
+
+def _mail_address(value: Any) -> str:
+    """An e-mail address, lower-cased (as the email channel compares senders)."""
+    text = str(value).strip().lower() if isinstance(value, str) else ""
+    if not _ADDRESS.match(text):
+        raise ValueError(f"{short_repr(value)} is not a mail address such as "
+                         "alice@example.org")
+    return text
+
+
+MailAddress = Annotated[str, BeforeValidator(_mail_address)]
+MailSecurity = Literal["tls", "starttls", "none"]
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class EmailChannel(Frozen):
+    enabled: bool = Field(True, description="Read the mailbox and send the assistant's answers "
+                          "by mail (jids mail:<address>; docs/channels.md: Email).")
+    address: MailAddress = Field(
+        description="The assistant's own address: the From of its mail. Mail from it is "
+        "never answered.")
+    display_name: str | None = Field(
+        None, min_length=1, max_length=100,
+        description="The name shown with `address` in the From of its mail (default: the "
+        "assistant's name).")
+    user: str | None = Field(
+        None, min_length=1, description="Login name on the IMAP and SMTP servers (default: "
+        "`address`).")
+    password_file: SecretFile = Field(
+        description="File holding the password (Gmail: an app password) for IMAP, and for "
+        "SMTP unless `smtp_password_file` is set.")
+    imap_host: str = Field(min_length=1, pattern=r"^[^\s/]+$",
+                           description="The IMAP server, e.g. imap.gmail.com.")
+    imap_port: int | None = Field(None, ge=1, le=65535,
+                                  description="Default: 993 with `imap_security: tls`, 143 "
+                                  "otherwise.")
+    imap_security: MailSecurity = Field(
+        "tls", description="tls: TLS from the first byte (port 993); starttls: plain, then "
+        "STARTTLS before the login (port 143); none: no encryption, only to a server on this "
+        "machine (localhost).")
+    mailbox: str = Field("INBOX", min_length=1,
+                         description="The folder whose new mail reaches the assistant.")
+    poll_interval: Duration = Field(
+        timedelta(seconds=60), description="How often the mailbox is looked at when the "
+        "server has no IMAP IDLE (with IDLE, new mail comes at once).")
+    smtp_host: str = Field(min_length=1, pattern=r"^[^\s/]+$",
+                           description="The SMTP server mail is sent through, e.g. "
+                           "smtp.gmail.com.")
+    smtp_port: int | None = Field(None, ge=1, le=65535,
+                                  description="Default: 465 with `smtp_security: tls`, 587 "
+                                  "with starttls, 25 with none.")
+    smtp_security: MailSecurity = Field(
+        "tls", description="tls: TLS from the first byte (port 465); starttls: STARTTLS "
+        "before the login (port 587); none: no encryption, only to a server on this machine.")
+    smtp_user: str | None = Field(None, min_length=1,
+                                  description="SMTP login name, when it is not `user`.")
+    smtp_password_file: SecretFile | None = Field(
+        None, description="File holding the SMTP password, when it is not `password_file`'s.")
+    ca_file: Path | None = Field(
+        None, description="PEM file of the certificate authorities to trust for both servers "
+        "(a self-hosted server with a certificate of its own CA); default: the system's.")
+    allow_from: tuple[MailAddress, ...] = Field(
+        (), description="Senders whose mail reaches the assistant; mail from anyone else is "
+        "left unread in the mailbox and never answered. Empty: no one's.")
+    authserv_id: str | None = Field(
+        None, min_length=1, pattern=r"^[^\s;]+$",
+        description="The name your mail server signs its Authentication-Results header with "
+        "(Gmail: mx.google.com). Set: a mail reaches the assistant only when that header says "
+        "its sender passed DMARC, or DKIM or SPF for the From address's domain. Required "
+        "with `allow_from`, unless `trust_from` says the From address alone is believed "
+        "(docs/security.md).")
+    trust_from: bool = Field(
+        False, description="Believe a mail's From address without `authserv_id`'s check: "
+        "anyone who knows an allowed address can then write as that person. Only for a "
+        "mailbox that receives nothing but mail already authenticated (a server that takes "
+        "mail only from its own logged-in users); doctor warns while it is set.")
+
+    @property
+    def login(self) -> str:
+        return self.user or self.address
+
+    @property
+    def smtp_login(self) -> str:
+        return self.smtp_user or self.login
+
+    @property
+    def imap_port_used(self) -> int:
+        return self.imap_port or (993 if self.imap_security == "tls" else 143)
+
+    @property
+    def smtp_port_used(self) -> int:
+        return self.smtp_port or {"tls": 465, "starttls": 587, "none": 25}[self.smtp_security]
+
+    @model_validator(mode="after")
+    def _plain_only_here(self) -> EmailChannel:
+        bad: list[tuple[tuple[str, ...], str]] = []
+        for kind, host, sec in (("imap", self.imap_host, self.imap_security),
+                                ("smtp", self.smtp_host, self.smtp_security)):
+            if sec == "none" and not _is_loopback(host):
+                bad.append(((f"{kind}_security",), f"`none` sends the password unencrypted: "
+                            f"only for a server on this machine, and {kind}_host is {host!r}; "
+                            "use tls or starttls"))
+        if self.allow_from and self.authserv_id is None and not self.trust_from:
+            bad.append((("authserv_id",), "mail from allow_from reaches the agent only when "
+                        "its sender is verified: set authserv_id to the name your mail "
+                        "server writes in its Authentication-Results header (Gmail: "
+                        "mx.google.com), or trust_from: true where the mailbox takes only "
+                        "authenticated mail (docs/security.md)"))
+        if bad:
+            raise CrossKeyError(bad)
+        return self
+
+
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
@@ -122,6 +248,9 @@ class Channels(Frozen):
     whatsapp: WhatsAppChannel | None = Field(
         None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
         "wa:120363012345678901@g.us for a group, wa:4915112345678@s.whatsapp.net for a person).")
+    email: EmailChannel | None = Field(
+        None, description="Mail through an IMAP mailbox and an SMTP server (jids "
+        "mail:<address>, one chat per person).")
 
 
 class Media(Frozen):

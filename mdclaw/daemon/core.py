@@ -360,6 +360,7 @@ class Daemon:
             "outbox": outbox_counts(self.db),
             "next_task": to_iso(nxt) if nxt else None,
             "channels": {ch.name: ch.is_connected() for ch in self.channels},
+            "channel_details": channel_details(self.channels),
             "reload_error": self.reload_error,
             "timings": self.orch.timings[-10:] if self.orch else [],
             "disk": self.diskguard.status() if self.diskguard else None,
@@ -502,6 +503,18 @@ class Daemon:
             await self.runner.aclose()
         with contextlib.suppress(OSError):
             status_path(self.cfg).unlink()
+
+
+def channel_details(channels: list[Channel]) -> dict[str, dict[str, str]]:
+    """What each channel says of its state beyond up/down (`detail`, and the `fix` while
+    something is wrong), for `mdclaw status`."""
+    out = {}
+    for ch in channels:
+        info = ch.status_info()
+        kept = {k: info[k] for k in ("detail", "fix") if isinstance(info.get(k), str)}
+        if kept:
+            out[ch.name] = kept
+    return out
 
 
 def apply_log_level(level: str) -> None:

@@ -30,6 +30,7 @@ from mdclaw.integrations.ha_screenshot import ScreenshotError, find_chromium
 from mdclaw.integrations.home_assistant import probe
 from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
+from mdclaw.ops.email import email_checks
 from mdclaw.ops.status import daemon_running, disk_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.runtime import create_runtime, engine_errors
@@ -273,7 +274,8 @@ def _check_backends(results: list[dict[str, str]], cfg: Config,
 async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                            used: dict[str, list[str]]) -> None:
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
-    Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token."""
+    Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token; the
+    email channel's IMAP and SMTP servers take its TLS and its login."""
 
     async def one(key: str) -> None:
         up = Upstream.from_spec(cfg.models[key])
@@ -335,7 +337,11 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         level, detail, fix = await probe(ha)
         _check(results, "home assistant", level, detail, fix)
 
-    await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant())
+    async def email() -> None:
+        for check in await email_checks(cfg):
+            _check(results, *check)
+
+    await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant(), email())
 
 
 def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
@@ -347,7 +353,7 @@ def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
 
 
 # The check each extra's failure is reported under.
-EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription"}
+EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription", "email": "email"}
 
 
 def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:

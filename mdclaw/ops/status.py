@@ -14,6 +14,7 @@ from typing import Any
 from mdclaw.config import Config
 from mdclaw.diskguard import check_all
 from mdclaw.ops.database import READ_TIMEOUT, database_fields, recheck
+from mdclaw.ops.email import email_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.schedule import from_iso, to_iso, utc_now
 from mdclaw.state import Database, inspect_database
@@ -54,7 +55,8 @@ def gather_status(cfg: Config) -> dict[str, Any]:
         if _pid_alive(int(live["pid"])) and age < STALE_AFTER:
             out["daemon"] = "running"
             out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
-                                             "queue", "channels", "reload_error", "mcp")
+                                             "queue", "channels", "channel_details",
+                                             "reload_error", "mcp")
                         if k in live})
     except (OSError, ValueError, KeyError):
         pass
@@ -62,6 +64,9 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     wa = whatsapp_status(cfg)
     if wa is not None:
         out["whatsapp"] = wa
+    mail = email_status(cfg)
+    if mail is not None:
+        out["email"] = mail
     info = inspect_database(cfg.db_path)
     if info.state == "ready":
         try:

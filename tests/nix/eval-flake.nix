@@ -99,7 +99,12 @@ in
     (builtins.tryEval (builtins.deepSeq (buildInputsOf withOverlay.mdclaw-agent-image-claude) true))
     .success;
   lib = {
-    inherit (outputs.lib) imageRequirements hostRequirements claudeRequirements;
+    inherit (outputs.lib)
+      imageRequirements
+      hostRequirements
+      channelRequirements
+      claudeRequirements
+      ;
     parsed = outputs.lib.parseRequirements ''
       # the agent image
       inotify_simple>=1.3  # wake-ups

@@ -164,6 +164,8 @@ const views = {
       const parts = [el("p", { class: c.connected ? "ok" : "bad", text: c.connected ? "connected" : "not connected" })];
       if (c.link_state) parts.push(el("p", { class: c.link_state === "linked" ? "ok" : "warn", text: "link: " + c.link_state }));
       if (c.error) parts.push(el("p", { class: "error", text: c.error }));
+      if (c.detail) parts.push(el("p", { class: c.fix ? "warn" : "muted", text: c.detail }));
+      if (c.fix) parts.push(el("p", { text: "fix: " + c.fix }));
       if (c.qr_svg) {
         parts.push(el("p", { text: "Scan this code with the phone to link it:" }));
         parts.push(el("div", { class: "qr" }, el("img", { src: c.qr_svg, alt: "QR code to link " + c.name })));

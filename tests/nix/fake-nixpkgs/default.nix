@@ -25,10 +25,12 @@ let
 
   pythonNames = [
     "aiohttp"
+    "aiosmtpd"
     "claude-agent-sdk"
     "croniter"
     "docker"
     "hypothesis"
+    "imapclient"
     "inotify-simple"
     "jsonschema"
     "markdown-it-py"
