@@ -20,6 +20,10 @@ and lengths in UTF-16 code units, as the Bot API counts); nothing in it can fail
 Telegram's side. `split_telegram` cuts that at 4096 units, at a paragraph, line or word break
 no entity crosses; a code block too long for one message becomes several `pre` entities.
 
+`to_slack` renders Slack's mrkdwn (the WhatsApp marks, `&`, `<` and `>` escaped, links as
+`<url|text>`); `split_slack` cuts it at Slack's length without cutting a ``` block, a link, an
+escape or an inline code span.
+
 `to_html` is the web chat's rendering: markdown-it-py with raw HTML off (written HTML shows as
 text), then an nh3 allow-list (tags, attributes, and only http, https and mailto links, which
 open in a new tab with `rel="noopener noreferrer"`).
@@ -28,6 +32,7 @@ open in a new tab with `rel="noopener noreferrer"`).
 from __future__ import annotations
 
 import html as _html
+import re
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
@@ -58,6 +63,8 @@ RULE = "———"
 
 class _WhatsApp:
     """Renders a tree in WhatsApp's text formatting."""
+
+    bullet = BULLET
 
     def __init__(self) -> None:
         self.open: set[str] = set()  # styles in force (nested same styles are not repeated)
@@ -98,7 +105,7 @@ class _WhatsApp:
                     if c.type == "paragraph")
         out = []
         for i, item in enumerate(node.children):
-            marker = f"{start + i}. " if ordered else BULLET
+            marker = f"{start + i}. " if ordered else self.bullet
             body = self.blocks(item.children, tight=tight)
             pad = " " * len(marker)
             lines = body.split("\n") if body else [""]
@@ -189,6 +196,116 @@ def to_whatsapp(markdown: str) -> str:
     if not (markdown or "").strip():
         return markdown or ""
     return _WhatsApp().blocks(parse(markdown).children).strip("\n")
+
+
+# ---------------------------------------------------------------------- Slack
+
+SLACK_LIMIT = 4000  # Slack's advice for a message's text (it truncates at 40,000)
+SLACK_BULLET = "• "
+_SLACK_SCHEMES = ("http://", "https://", "mailto:")
+
+
+def slack_escape(text: str) -> str:
+    """`text` with the three characters Slack reads as markup escaped (&, <, >)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _slack_url(href: str) -> str:
+    """A link target as Slack takes it inside <...>: escaped, and no `|` or space that
+    would end it early."""
+    return slack_escape(href).replace("|", "%7C").replace(" ", "%20")
+
+
+class _Slack(_WhatsApp):
+    """Renders a tree in Slack's mrkdwn: WhatsApp's marks (*bold*, _italic_, ~strike~,
+    `code`, ``` blocks, > quotes), with the text escaped and links as <url|text>."""
+
+    bullet = SLACK_BULLET
+
+    def block(self, node: SyntaxTreeNode) -> str:
+        t = node.type
+        if t in ("fence", "code_block"):
+            return f"```\n{slack_escape(node.content.rstrip(chr(10)))}\n```"
+        if t == "html_block":
+            return slack_escape(node.content.rstrip("\n"))
+        return super().block(node)
+
+    def span(self, node: SyntaxTreeNode) -> str:
+        t = node.type
+        if t in ("text", "text_special", "html_inline"):
+            return slack_escape(node.content)
+        if t == "code_inline":
+            return f"`{slack_escape(node.content)}`"
+        if t in ("link", "image"):
+            text = self.inline(node.children)
+            href = str(node.attrs.get("href" if t == "link" else "src", ""))
+            if not href:
+                return text
+            if not href.lower().startswith(_SLACK_SCHEMES):
+                return f"{text} ({slack_escape(href)})" if text else slack_escape(href)
+            plain = slack_escape(href)
+            if node.markup == "autolink" or not text or text in (plain, f"mailto:{text}") \
+                    or plain == f"mailto:{text}":
+                return f"<{_slack_url(href)}>"
+            # The label ends at the first `>`; it is escaped already, `|` is fine in it.
+            return f"<{_slack_url(href)}|{text.replace(chr(10), ' ')}>"
+        return super().span(node)
+
+
+def to_slack(markdown: str) -> str:
+    """`markdown` in Slack's mrkdwn: *bold*, _italic_, ~strike~, `code`, ``` blocks, "• "
+    and "1. " lists, "> " quotes, links as <url|text>; &, < and > escaped everywhere."""
+    if not (markdown or "").strip():
+        return slack_escape(markdown or "")
+    return _Slack().blocks(parse(markdown).children).strip("\n")
+
+
+# Spans of rendered mrkdwn a cut must not fall into: a link or mention, an escape, inline
+# code, a styled run (on one line).
+_SLACK_ATOMS = re.compile(r"<[^<>\n]*>|&(?:amp|lt|gt);|`[^`\n]+`|(?<!\w)\*[^*\n]+\*(?!\w)"
+                          r"|(?<!\w)_[^_\n]+_(?!\w)|(?<!\w)~[^~\n]+~(?!\w)")
+
+
+def _split_slack_plain(text: str, limit: int) -> list[str]:
+    """Cut mrkdwn without ``` blocks at a paragraph, line or word break outside the spans
+    above (hard, outside them if it can, when there is none)."""
+    pieces: list[str] = []
+    rest = text
+    while len(rest) > limit:
+        spans = []
+        for m in _SLACK_ATOMS.finditer(rest):
+            if m.start() >= limit:
+                break
+            spans.append((m.start(), m.end()))
+
+        def inside(i: int, spans: list[tuple[int, int]] = spans) -> bool:
+            return any(s < i < e for s, e in spans)
+
+        cut, skip = -1, 0
+        for sep in ("\n\n", "\n", " "):
+            i = rest.rfind(sep, 0, limit)
+            while i > 0 and inside(i):
+                i = rest.rfind(sep, 0, i)
+            if i >= max(1, limit // 4):
+                cut, skip = i, len(sep)
+                break
+        if cut <= 0:
+            cut = limit
+            while cut > limit // 2 and inside(cut):
+                cut -= 1
+            if inside(cut):
+                cut = limit
+        pieces.append(rest[:cut])
+        rest = rest[cut + skip:]
+    if rest or not pieces:
+        pieces.append(rest)
+    return pieces
+
+
+def split_slack(text: str, limit: int = SLACK_LIMIT) -> list[str]:
+    """Rendered mrkdwn `text` in pieces of at most `limit` characters: ``` blocks whole or
+    closed and opened again, other text cut outside links, escapes and styled runs."""
+    return split_message(text, limit, split_plain=_split_slack_plain)
 
 
 # ---------------------------------------------------------------------- splitting
@@ -737,5 +854,5 @@ def to_html(markdown: str) -> str:
                      set_tag_attribute_values={"a": {"target": "_blank"}}).strip()
 
 
-__all__ = ["parse", "split_message", "split_telegram", "split_text", "to_html", "to_telegram",
-           "to_whatsapp", "utf16_len"]
+__all__ = ["parse", "slack_escape", "split_message", "split_slack", "split_telegram",
+           "split_text", "to_html", "to_slack", "to_telegram", "to_whatsapp", "utf16_len"]

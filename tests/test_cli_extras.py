@@ -192,10 +192,31 @@ def test_which_settings_need_which_extra(tmp_path: Path, monkeypatch: pytest.Mon
              f"password_file: {tmp_path / 'pw'}, authserv_id: mx.example.org%s}}}}\n")
     assert missing(email % "") == [("channels.email", "email")]
     assert missing(email % ", enabled: false") == []
+    monkeypatch.setitem(sys.modules, "slack_bolt", None)
+    assert missing("channels: {slack: {bot_token_file: /b, app_token_file: /a}}\n") == [
+        ("channels.slack", "slack")]
+    assert missing("channels: {slack: {enabled: false, bot_token_file: /b, "
+                   "app_token_file: /a}}\n") == []
     # from the Nix store pip cannot help: what the package offers instead
     assert "pip install 'mdclaw[whatsapp]'" in fix_for(EXTRAS["whatsapp"], nix=False)
     assert "Telegram or the local chat" in fix_for(EXTRAS["whatsapp"], nix=True)
     assert "provider: openai" in fix_for(EXTRAS["transcribe"], nix=True)
+    assert "pip install 'mdclaw[slack]'" in fix_for(EXTRAS["slack"], nix=False)
+
+
+def test_the_slack_channel_without_its_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from mdclaw.channels.base import ChannelError
+    from mdclaw.channels.slack import SlackChannel
+
+    # Unimportable, also where another test imported it already.
+    for name in [n for n in sys.modules if n.startswith("slack_bolt.")] + ["slack_bolt"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    ch = SlackChannel("xoxb-1", "xapp-1")
+    with pytest.raises(ChannelError, match=r"needs slack-bolt.*mdclaw\[slack\]") as e:
+        asyncio.run(ch.connect())
+    assert e.value.permanent and not ch.is_connected()
 
 
 def test_the_chromium_a_setting_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -300,3 +300,50 @@ def test_to_html_renders_markdown_and_keeps_nothing_unsafe() -> None:
     assert "&lt;script&gt;" in html  # written HTML is shown as text
     assert '<a href="https://e.org/p.png" target="_blank" rel="noopener noreferrer">pic</a>' \
         in html
+
+
+# ---------------------------------------------------------------------- Slack mrkdwn
+
+from mdclaw.markup import split_slack, to_slack  # noqa: E402
+
+
+@pytest.mark.parametrize(("md", "mrkdwn"), [
+    ("**bold** and *it* and ~~gone~~", "*bold* and _it_ and ~gone~"),
+    ("# Title", "*Title*"),
+    ("a < b & c > d", "a &lt; b &amp; c &gt; d"),
+    ("`x<y>` then", "`x&lt;y&gt;` then"),
+    ("```js\nif (a < b && c) {}\n```", "```\nif (a &lt; b &amp;&amp; c) {}\n```"),
+    ("[the docs](https://d.io/a?x=1&y=2)", "<https://d.io/a?x=1&amp;y=2|the docs>"),
+    ("[pipe](https://d.io/a|b)", "<https://d.io/a%7Cb|pipe>"),
+    ("<https://auto.link/x>", "<https://auto.link/x>"),
+    ("[get](ftp://f.io/x)", "get (ftp://f.io/x)"),
+    ("- one\n- two", "• one\n• two"),
+    ("> quoted <b>", "> quoted &lt;b&gt;"),
+    ("<@U123> <!channel>", "&lt;@U123&gt; &lt;!channel&gt;"),  # no mention by accident
+])
+def test_markdown_becomes_slack_mrkdwn(md: str, mrkdwn: str) -> None:
+    assert to_slack(md) == mrkdwn
+
+
+@given(st.lists(st.sampled_from(["word", "**bold words here**", "[a link](https://x.io)",
+                                 "a&b<c>", "`co de`", "\n", "\n\n", "\n\n```\nx < 1\n```\n\n"]),
+                max_size=120).map(" ".join), st.integers(60, 400))
+@settings(max_examples=150, deadline=None)
+def test_split_slack_never_cuts_a_link_an_escape_or_a_code_block(md: str, limit: int) -> None:
+    rendered = to_slack(md)
+    pieces = split_slack(rendered, limit)
+    for p in pieces:
+        assert len(p) <= limit
+        assert p.count("```") % 2 == 0
+        # every < opens a whole link, every & a whole escape
+        assert re.fullmatch(r"(?:[^<>&]|<[^<>]+>|&(?:amp|lt|gt);)*", p, re.S), p
+    letters = re.sub(r"[\s`]", "", rendered)
+    assert re.sub(r"[\s`]", "", "".join(pieces)) == letters
+
+
+def test_split_slack_keeps_a_long_link_whole_across_the_limit() -> None:
+    label = "w " * 150  # spaces inside the link, on both sides of the limit
+    rendered = to_slack("x " * 1975 + f"[{label.strip()}](https://e.io/a) " + "y " * 100)
+    pieces = split_slack(rendered, 4000)
+    assert len(pieces) == 2
+    assert f"<https://e.io/a|{label.strip()}>" in pieces[1]

@@ -254,6 +254,48 @@ def test_doctor_checks_the_telegram_token_with_getme(write_config, monkeypatch,
         loop.call_soon_threadsafe(loop.stop)
 
 
+def test_doctor_checks_both_slack_tokens(write_config, monkeypatch, tmp_path) -> None:
+    import asyncio
+    import threading
+
+    from slack_fake import APP_TOKEN, BOT_TOKEN, FakeSlack
+
+    fake = FakeSlack()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        files = {}
+        for name, value in (("bot", BOT_TOKEN), ("app", APP_TOKEN), ("badbot", "xoxb-WRONG"),
+                            ("badapp", "xapp-WRONG")):
+            files[name] = tmp_path / name
+            files[name].write_text(value)
+            files[name].chmod(0o600)
+        text = """\
+            data_dir: {data_dir}
+            groups: {main: {name: A, jid: "slack:C1", main: true}}
+            channels: {http: {enabled: false}, slack: {bot_token_file: BOT,
+                       app_token_file: APP, api_base: "BASE"}}
+        """.replace("BASE", fake.api_base)
+
+        def doctor(bot: str, app: str) -> dict[str, dict[str, str]]:
+            return _doctor(write_config, monkeypatch, text.replace("BOT", str(files[bot]))
+                           .replace("APP", str(files[app])))
+
+        c = doctor("bot", "app")
+        assert c["slack"]["level"] == "ok" and "@andy" in c["slack"]["detail"]
+        c = doctor("badbot", "app")
+        assert c["slack"]["level"] == "fail" and "bot token" in c["slack"]["detail"]
+        assert "bot_token_file" in c["slack"]["fix"]
+        c = doctor("bot", "badapp")
+        assert c["slack"]["level"] == "fail" and "Socket Mode" in c["slack"]["detail"]
+        assert "connections:write" in c["slack"]["fix"]
+        assert "WRONG" not in json.dumps(c)
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def test_repeated_failures_of_a_group_warn_in_doctor_and_show_in_status(write_config, cli,
                                                                       monkeypatch) -> None:
     from mdclaw.config import load_config

@@ -9,6 +9,7 @@ from typing import Any, cast
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.email import EmailChannel  # imports imapclient only when it connects
 from mdclaw.channels.http import HttpChannel
+from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when it connects
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config
@@ -51,6 +52,10 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
         channels.append(EmailChannel.from_config(
             em, on_inbound=on_inbound, db=db, display_name=cfg.assistant.name,
             trigger=f"@{cfg.assistant.name}", max_mail_bytes=max_mail_bytes(cfg)))
+    sl = cfg.channels.slack
+    if sl is not None and sl.enabled:
+        channels.append(SlackChannel.from_config(sl, on_inbound=on_inbound,
+                                                 trigger=f"@{cfg.assistant.name}", db=db))
     return channels
 
 
@@ -69,7 +74,7 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
         if isinstance(ch, HttpChannel):
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
-        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email
+        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email, Slack
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 

@@ -2,12 +2,13 @@
 install has them.
 
 A setting that needs an extra (`channels.whatsapp`: neonize; `channels.email`: imapclient;
-`transcription.provider: local`: faster-whisper) is valid config, but cannot work on an
-install without it. One definition says so everywhere, always with the fix: `check-config`
-refuses the setting (a check of this machine, left out by `--skip-host-checks`), `doctor`
-fails it, a command that needs it (`mdclaw whatsapp link`) stops with the same line, and the
-daemon's channel or transcriber that finds it missing says the same. The claude extra is the
-agent image's (its agent runner), never imported by the host.
+`channels.slack`: slack-bolt; `transcription.provider: local`: faster-whisper) is valid config,
+but cannot work on an install without it. One definition says so everywhere, always with the
+fix: `check-config` refuses the setting (a check of this machine, left out by
+`--skip-host-checks`), `doctor` fails it, a command that needs it (`mdclaw whatsapp link`)
+stops with the same line, and the daemon's channel or transcriber that finds it missing says
+the same. The claude extra is the agent image's (its agent runner), never imported by the
+host.
 
 A program a setting names (`integrations.home_assistant.chromium`) is checked the same way
 (`check_programs`). A module is looked for only (`importlib.util.find_spec`); `load=True`
@@ -46,6 +47,10 @@ EXTRAS: dict[str, Extra] = {
         "whatsapp", "neonize", "neonize", "the WhatsApp channel",
         "nixpkgs has no neonize, so the NixOS package has no WhatsApp channel: remove "
         "channels.whatsapp (or set enabled: false) and use Telegram or the local chat"),
+    "slack": Extra(
+        "slack", "slack_bolt", "slack-bolt and slack-sdk", "the Slack channel",
+        "the NixOS package does not bring slack-bolt yet: remove channels.slack (or set "
+        "enabled: false) and use Telegram or the local chat"),
     "transcribe": Extra(
         "transcribe", "faster_whisper", "faster-whisper", "local transcription",
         "the NixOS package has no faster-whisper: use transcription.provider: openai with an "
@@ -113,6 +118,9 @@ def settings_needing(cfg: Config) -> list[tuple[str, Extra]]:
     em = cfg.channels.email
     if em is not None and em.enabled:
         out.append(("channels.email", EXTRAS["email"]))
+    sl = cfg.channels.slack
+    if sl is not None and sl.enabled:
+        out.append(("channels.slack", EXTRAS["slack"]))
     if cfg.transcription is not None and cfg.transcription.provider == "local":
         out.append(("transcription.provider", EXTRAS["transcribe"]))
     return out

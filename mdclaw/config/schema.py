@@ -39,6 +39,7 @@ from mdclaw.config.schema_services import (
     Metrics,
     ModelSpec,
     Server,
+    SlackChannel,
     TelegramChannel,
     Transcription,
     Web,
@@ -533,7 +534,7 @@ __all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "Em
            "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
            "Limits", "McpApprove", "McpServer", "McpServerName", "Media", "Metrics",
-           "ModelSpec", "MountPolicy", "Runtime", "TaskSpec",
+           "ModelSpec", "MountPolicy", "Runtime", "SlackChannel", "TaskSpec",
            "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
 

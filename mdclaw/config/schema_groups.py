@@ -41,8 +41,8 @@ class AllowSenders(Frozen):
     ids: tuple[SenderId, ...] = Field(
         description="Sender ids that may drive the agent, as the channel reports the sender: "
         "Telegram user ids (e.g. '123456789', without 'tg:'), WhatsApp jids (e.g. "
-        "'4915112345678@s.whatsapp.net', without 'wa:'), the local HTTP channel's "
-        "`sender` field. An empty list lets no one.")
+        "'4915112345678@s.whatsapp.net', without 'wa:'), Slack user ids (e.g. 'U0123ABCD'), "
+        "the local HTTP channel's `sender` field. An empty list lets no one.")
 
 
 class Group(Frozen):

@@ -239,6 +239,18 @@ class EmailChannel(Frozen):
         return self
 
 
+class SlackChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to Slack (Socket Mode: no public URL "
+                          "needed).")
+    bot_token_file: SecretFile = Field(
+        description="File holding the bot token (xoxb-...; OAuth & Permissions).")
+    app_token_file: SecretFile = Field(
+        description="File holding the app-level token (xapp-..., scope connections:write; "
+        "Basic Information → App-Level Tokens), for Socket Mode.")
+    api_base: str = Field("https://slack.com/api/", pattern=r"^https?://",
+                          description="Web API base URL (for tests).")
+
+
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
@@ -251,6 +263,9 @@ class Channels(Frozen):
     email: EmailChannel | None = Field(
         None, description="Mail through an IMAP mailbox and an SMTP server (jids "
         "mail:<address>, one chat per person).")
+    slack: SlackChannel | None = Field(
+        None, description="Slack app in Socket Mode (jids slack:<channel id>, e.g. "
+        "slack:C0123456789; a direct message's channel id starts with D).")
 
 
 class Media(Frozen):

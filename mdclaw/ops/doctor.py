@@ -9,6 +9,7 @@ import socket
 import sqlite3
 import tempfile
 from datetime import datetime, timedelta
+from typing import Any
 
 import aiohttp
 
@@ -274,7 +275,8 @@ def _check_backends(results: list[dict[str, str]], cfg: Config,
 async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                            used: dict[str, list[str]]) -> None:
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
-    Telegram's getMe accepts the bot token; Home Assistant's GET /api/ accepts its token; the
+    Telegram's getMe accepts the bot token; Slack's auth.test the bot token and
+    apps.connections.open the app token; Home Assistant's GET /api/ accepts its token; the
     email channel's IMAP and SMTP servers take its TLS and its login."""
 
     async def one(key: str) -> None:
@@ -330,6 +332,47 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                    f"Telegram rejected the bot token ({desc or r.status})",
                    "put the token @BotFather gave you into channels.telegram.token_file")
 
+    async def slack() -> None:
+        sl = cfg.channels.slack
+        if sl is None or not sl.enabled:
+            return
+        try:
+            bot, app = read_secret(sl.bot_token_file), read_secret(sl.app_token_file)
+        except OSError:
+            return  # the secret file check says so
+        if not bot or not app:
+            return
+        base = sl.api_base.rstrip("/")
+        answers: dict[str, Any] = {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                             trust_env=True) as session:
+                for method, token in (("auth.test", bot), ("apps.connections.open", app)):
+                    async with session.post(f"{base}/{method}",
+                                            headers={"Authorization": f"Bearer {token}"}) as r:
+                        answers[method] = await r.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            text = f"{type(e).__name__}: {e}".replace(bot, "***").replace(app, "***")
+            _check(results, "slack", "warn", f"Slack did not answer: {text[:200]}",
+                   "check the network (or channels.slack.api_base); mdclaw keeps trying")
+            return
+        me, sock = answers["auth.test"], answers["apps.connections.open"]
+        if not (isinstance(me, dict) and me.get("ok")):
+            err = me.get("error") if isinstance(me, dict) else None
+            _check(results, "slack", "fail", f"Slack rejected the bot token ({err or '?'})",
+                   "put the app's Bot User OAuth Token (xoxb-…, OAuth & Permissions) into "
+                   "channels.slack.bot_token_file")
+        elif not (isinstance(sock, dict) and sock.get("ok")):
+            err = sock.get("error") if isinstance(sock, dict) else None
+            _check(results, "slack", "fail",
+                   f"Slack refused to open Socket Mode with the app token ({err or '?'})",
+                   "turn on Socket Mode for the app and put an app-level token (xapp-…, scope "
+                   "connections:write; Basic Information → App-Level Tokens) into "
+                   "channels.slack.app_token_file")
+        else:
+            _check(results, "slack", "ok", f"the tokens are accepted (@{me.get('user', '?')} "
+                   f"in {me.get('team', '?')}; Socket Mode opens)")
+
     async def home_assistant() -> None:
         ha = cfg.integrations.home_assistant
         if ha is None:
@@ -341,7 +384,8 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         for check in await email_checks(cfg):
             _check(results, *check)
 
-    await asyncio.gather(*(one(k) for k in used), telegram(), home_assistant(), email())
+    await asyncio.gather(*(one(k) for k in used), telegram(), slack(), home_assistant(),
+                         email())
 
 
 def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
@@ -353,7 +397,8 @@ def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
 
 
 # The check each extra's failure is reported under.
-EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription", "email": "email"}
+EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription", "email": "email",
+                "slack": "slack"}
 
 
 def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:
