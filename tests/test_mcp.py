@@ -62,6 +62,10 @@ def test_ids_are_read_only_before_any_nested_object() -> None:
     assert id_in_head(b'{"jsonrpc":"2.0","id":"a-1","result":{}}') == "a-1"
     assert id_in_head(b'{"result":{"id":5},"id":6}') is None
     assert id_in_head(b"garbage") is None
+    # Garbage a server printed without a newline, then the answer on the same line: the
+    # answer's id is still found (else every call in flight would get its oversize error).
+    assert id_in_head(b'half a line: {"jsonrpc":"2.0","id":9,"result":{"content":[') == 9
+    assert id_in_head(b'junk {"jsonrpc":"2.0","result":{"id":5},"id":6}') is None
 
 
 def test_lines_split_anywhere_come_out_whole() -> None:

@@ -85,8 +85,12 @@ _ID = re.compile(rb'^\s*\{(?:[^{}]*?,)?\s*"id"\s*:\s*(-?\d+|"(?:[^"\\]|\\.){0,20
 
 def id_in_head(head: bytes) -> int | str | None:
     """The top-level `id` of a JSON-RPC message from its first bytes, if it comes before any
-    nested object."""
+    nested object. A line that starts with garbage (a server that printed to stdout without
+    a newline) is read from its first `{"jsonrpc"`, as the client reads a short one."""
     m = _ID.match(head)
+    if not m:
+        at = head.find(b'{"jsonrpc"', 1)
+        m = _ID.match(head[at:]) if at > 0 else None
     if not m:
         return None
     raw = m.group(1)
