@@ -87,6 +87,7 @@
       # The agent runner itself is built from container/agent-runner, not taken from here.
       pythonAttr = {
         pytest = "pytestCheckHook";
+        discord-py = "discordpy";
       };
       skipInImage = [ "mdclaw-agent" ];
       pythonPackage =
@@ -96,8 +97,12 @@
         in
         ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
       # Chat channels whose library nixpkgs has: their extras of pyproject.toml are part of the
-      # package (WhatsApp's neonize is not in nixpkgs: `pip install 'mdclaw[whatsapp]'`).
-      channelExtras = [ "email" ];
+      # package (imapclient; discord.py as nixpkgs' discordpy). WhatsApp's neonize is not in
+      # nixpkgs: `pip install 'mdclaw[whatsapp]'`.
+      channelExtras = [
+        "email"
+        "discord"
+      ];
       # Backends the image can do without: if nixpkgs lacks one, the image is built without
       # it (with a warning) rather than not at all; groups using it then fail with a clear error.
       optionalInImage = [ "claude-agent-sdk" ];

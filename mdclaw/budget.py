@@ -51,6 +51,8 @@ ANSWER_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens
 # The most one answer reserves whatever its body asks (no model answers more in one go; a
 # larger number only makes the request go alone, which this keeps sane to print).
 MAX_ANSWER_TOKENS = 1_000_000
+# The most answers one request may ask for (OpenAI's `n`: the API refuses more).
+MAX_CHOICES = 128
 DEFAULT_ANSWER_ESTIMATE = 4096
 
 
@@ -115,12 +117,16 @@ def request_need(body_size: int, body: Any, estimate: int = DEFAULT_ANSWER_ESTIM
     its answer the largest positive whole `max_tokens` / `max_completion_tokens` /
     `max_output_tokens` its JSON object `body` names (at most MAX_ANSWER_TOKENS), else
     `estimate`. Anything else in those fields (a string, a float, a negative number, a
-    boolean) is not a bound: the estimate is reserved (the API refuses such a body anyway)."""
-    named = [v for k in ANSWER_LIMIT_FIELDS
-             if isinstance(v := (body.get(k) if isinstance(body, dict) else None), int)
-             and not isinstance(v, bool) and v > 0]
-    answer = max(named) if named else max(1, estimate)
-    return Need(max(0, body_size), min(answer, MAX_ANSWER_TOKENS))
+    boolean) is not a bound: the estimate is reserved (the API refuses such a body anyway).
+    A request for `n` answers (OpenAI's choices, each bounded alone) reserves `n` times as
+    much, `n` counted up to MAX_CHOICES."""
+    def whole(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    fields = body if isinstance(body, dict) else {}
+    named = [v for k in ANSWER_LIMIT_FIELDS if (v := whole(fields.get(k))) is not None]
+    answer = min(max(named) if named else max(1, estimate), MAX_ANSWER_TOKENS)
+    return Need(max(0, body_size), answer * min(whole(fields.get("n")) or 1, MAX_CHOICES))
 
 
 class Reservation:

@@ -392,7 +392,12 @@ def _split_code(block: str, limit: int, measure: Callable[[str], int]) -> list[s
     body = lines[1:-1] if lines[-1].strip() == FENCE else lines[1:]
     if lines[-1].strip() != FENCE and lines[-1].rstrip().endswith(FENCE):
         body = lines[1:-1] + [lines[-1].rstrip()[:-3]]
-    room = limit - measure(f"{FENCE}\n\n{FENCE}")
+    # Each piece opens the way the block did ("```python" keeps its highlighting).
+    opener = lines[0].strip() if lines[0].strip().startswith(FENCE) else FENCE
+    room = limit - measure(f"{opener}\n\n{FENCE}")
+    if room < 1:
+        opener = FENCE
+        room = limit - measure(f"{FENCE}\n\n{FENCE}")
     if room < 1:
         raise ValueError("limit too small for a code block")
     pieces: list[str] = []
@@ -400,7 +405,7 @@ def _split_code(block: str, limit: int, measure: Callable[[str], int]) -> list[s
 
     def flush() -> None:
         if cur:
-            pieces.append(f"{FENCE}\n" + "\n".join(cur) + f"\n{FENCE}")
+            pieces.append(f"{opener}\n" + "\n".join(cur) + f"\n{FENCE}")
             cur.clear()
 
     for line in body:
@@ -409,7 +414,7 @@ def _split_code(block: str, limit: int, measure: Callable[[str], int]) -> list[s
             cut = room
             while cut > 1 and measure(line[:cut]) > room:
                 cut -= 1
-            pieces.append(f"{FENCE}\n{line[:cut]}\n{FENCE}")
+            pieces.append(f"{opener}\n{line[:cut]}\n{FENCE}")
             line = line[cut:]
         if measure("\n".join([*cur, line])) > room:
             flush()
@@ -818,6 +823,235 @@ def split_telegram(text: str, entities: Sequence[dict[str, Any]],
     return pieces
 
 
+# ---------------------------------------------------------------------- Discord
+
+DISCORD_LIMIT = 2000
+#: Characters Discord's Markdown reads as markers anywhere in a line.
+_DC_SPECIAL = re.compile(r"([\\*_~`|])")
+#: A line start Discord reads as a block (heading, quote, list, subtext).
+_DC_LINE_START = re.compile(r"^(#{1,3} |-# |>>> |> |[-*+] |\d+\. )", re.MULTILINE)
+_DC_URL = re.compile(r"https?://[^\s<>]+")
+#: The inline markers whose pairs must end in the piece they start in.
+_DC_PAIRS = ("**", "__", "~~", "||", "*", "_", "`")
+
+
+def _dc_escape(text: str) -> str:
+    """`text` with Discord's Markdown markers escaped, addresses left as they are (Discord
+    links a bare URL; a backslash in it would break the link)."""
+    out: list[str] = []
+    pos = 0
+    for m in _DC_URL.finditer(text):
+        out.append(_DC_SPECIAL.sub(r"\\\1", text[pos:m.start()]))
+        out.append(m.group(0))
+        pos = m.end()
+    out.append(_DC_SPECIAL.sub(r"\\\1", text[pos:]))
+    return "".join(out)
+
+
+class _Discord:
+    """Renders a tree in Discord's Markdown: **bold**, *italic*, ~~strike~~, `code`, ```lang
+    blocks, # headings (Discord has three levels), "- " lists, "> " quotes, [text](url)."""
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+
+    def blocks(self, nodes: list[SyntaxTreeNode], tight: bool = False) -> str:
+        parts = [self.block(n) for n in nodes]
+        return ("\n" if tight else "\n\n").join(p for p in parts if p != "")
+
+    def block(self, node: SyntaxTreeNode) -> str:
+        t = node.type
+        if t == "paragraph":
+            return _DC_LINE_START.sub(lambda m: "\\" + m.group(1), self.inline_of(node))
+        if t == "heading":
+            level = int(node.tag[1:]) if node.tag[1:].isdigit() else 1
+            text = self.inline_of(node).replace("\n", " ")
+            return f"{'#' * level} {text}" if level <= 3 else f"**{text}**"
+        if t in ("bullet_list", "ordered_list"):
+            return self.list_(node)
+        if t == "blockquote":
+            inner = self.blocks(node.children)
+            return "\n".join(f"> {line}" if line else "> " for line in inner.split("\n"))
+        if t in ("fence", "code_block"):
+            lang = _language(node.info) if t == "fence" else None
+            body = node.content.rstrip("\n").replace(FENCE, "`\u200b``")
+            return f"{FENCE}{lang or ''}\n{body}\n{FENCE}"
+        if t == "hr":
+            return RULE
+        if t == "html_block":
+            return _dc_escape(node.content.rstrip("\n"))
+        if t == "table":
+            return self.table(node)
+        if t == "inline":
+            return self.inline(node.children)
+        return self.blocks(node.children) if node.children else _dc_escape(node.content)
+
+    def list_(self, node: SyntaxTreeNode) -> str:
+        ordered = node.type == "ordered_list"
+        start = int(node.attrs.get("start", 1) or 1) if ordered else 1
+        tight = all(c.hidden for item in node.children for c in item.children
+                    if c.type == "paragraph")
+        out = []
+        for i, item in enumerate(node.children):
+            marker = f"{start + i}. " if ordered else BULLET
+            body = self.blocks(item.children, tight=tight)
+            lines = body.split("\n") if body else [""]
+            out.append(marker + lines[0] + "".join(
+                f"\n  {line}" if line else "\n" for line in lines[1:]))
+        return ("\n" if tight else "\n\n").join(out)
+
+    def table(self, node: SyntaxTreeNode) -> str:
+        """Discord has no tables: the cells in a monospace block, columns aligned."""
+        rows: list[list[str]] = []
+        for section in node.children:
+            for tr in section.children:
+                rows.append([_WhatsApp().inline_of(cell).replace("\n", " ")
+                             for cell in tr.children])
+        widths = [max(len(r[i]) if i < len(r) else 0 for r in rows)
+                  for i in range(max(len(r) for r in rows))]
+        lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()
+                 for r in rows]
+        if len(lines) > 1:
+            lines.insert(1, "-+-".join("-" * w for w in widths))
+        body = "\n".join(lines).replace(FENCE, "`\u200b``")
+        return f"{FENCE}\n{body}\n{FENCE}"
+
+    def inline_of(self, node: SyntaxTreeNode) -> str:
+        return "".join(self.inline(c.children) if c.type == "inline" else self.block(c)
+                       for c in node.children)
+
+    def inline(self, nodes: list[SyntaxTreeNode]) -> str:
+        return "".join(self.span(n) for n in nodes)
+
+    def styled(self, mark: str, style: str, node: SyntaxTreeNode) -> str:
+        if style in self.open:
+            return self.inline(node.children)
+        self.open.add(style)
+        try:
+            inner = self.inline(node.children)
+        finally:
+            self.open.discard(style)
+        if not inner.strip():
+            return inner
+        core = inner.strip()
+        lead = inner[:len(inner) - len(inner.lstrip())]
+        trail = inner[len(inner.rstrip()):]
+        return f"{lead}{mark}{core}{mark}{trail}"
+
+    def span(self, node: SyntaxTreeNode) -> str:
+        t = node.type
+        if t in ("text", "text_special"):
+            return _dc_escape(node.content)
+        if t in ("softbreak", "hardbreak"):
+            return "\n"
+        if t == "strong":
+            return self.styled("**", "strong", node)
+        if t == "em":
+            return self.styled("*", "em", node)
+        if t == "s":
+            return self.styled("~~", "s", node)
+        if t == "code_inline":
+            code = node.content
+            return f"`` {code} ``" if "`" in code else f"`{code}`"
+        if t == "link":
+            text = self.inline(node.children)
+            href = str(node.attrs.get("href", ""))
+            if node.markup == "autolink" or not href or href in (node.children[0].content
+                                                                 if node.children else "",):
+                return href or text
+            if not href.startswith(_LINK_SCHEMES):
+                return f"{text} ({href})"
+            return f"[{text}](<{href}>)"
+        if t == "image":
+            alt = self.inline(node.children)
+            src = str(node.attrs.get("src", ""))
+            return f"[{alt}](<{src}>)" if alt and src.startswith(_LINK_SCHEMES) else \
+                (f"{alt} ({src})" if alt else src)
+        if t == "html_inline":
+            return _dc_escape(node.content)
+        return self.inline(node.children) if node.children else _dc_escape(node.content)
+
+
+def to_discord(markdown: str) -> str:
+    """`markdown` in Discord's Markdown (see `_Discord`); text that is not Markdown is
+    escaped, so nothing the agent did not mean as formatting becomes formatting."""
+    if not (markdown or "").strip():
+        return markdown or ""
+    return _Discord().blocks(parse(markdown).children).strip("\n")
+
+
+def _dc_open_marks(text: str) -> bool:
+    """True if `text` (Discord Markdown) leaves an inline marker open: cutting after it
+    would show the marker as text in both pieces."""
+    i = 0
+    stack: list[str] = []
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "`":
+            run = len(text[i:]) - len(text[i:].lstrip("`"))
+            close = text.find("`" * run, i + run)
+            if close < 0:
+                return True
+            i = close + run
+            continue
+        for mark in _DC_PAIRS[:-1]:
+            if text.startswith(mark, i):
+                if stack and stack[-1] == mark:
+                    stack.pop()
+                else:
+                    stack.append(mark)
+                i += len(mark)
+                break
+        else:
+            i += 1
+    return bool(stack)
+
+
+def _split_discord_plain(text: str, limit: int) -> list[str]:
+    """Text too long for one message cut at a paragraph, line or word break that no inline
+    marker spans (cut hard only when there is none)."""
+    pieces: list[str] = []
+    rest = text
+    while utf16_len(rest) > limit:
+        window = rest[:limit]
+        while utf16_len(window) > limit:
+            window = window[:-1]
+        cut = -1
+        for sep in ("\n\n", "\n", " "):
+            i = len(window)
+            while True:
+                i = window.rfind(sep, 0, i)
+                if i <= len(window) // 4:
+                    break
+                if not _dc_open_marks(rest[:i]):
+                    cut = i
+                    break
+            if cut > 0:
+                pieces.append(rest[:cut])
+                rest = rest[cut + len(sep):]
+                break
+        else:
+            end = len(window)
+            if end > 1 and window[end - 1] == "\\":  # never cut an escape in two
+                end -= 1
+            pieces.append(rest[:end])
+            rest = rest[end:]
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
+def split_discord(text: str, limit: int = DISCORD_LIMIT) -> list[str]:
+    """Discord Markdown `text` in messages of at most `limit` characters (UTF-16 units, the
+    way Discord counts): paragraphs and ``` blocks whole when they fit, a longer block
+    closed and opened again (with its language), other text cut where no inline style
+    spans the cut."""
+    return split_message(text, limit, measure=utf16_len, split_plain=_split_discord_plain)
+
+
 # ---------------------------------------------------------------------- web chat HTML
 
 HTML_TAGS = frozenset({
@@ -854,5 +1088,6 @@ def to_html(markdown: str) -> str:
                      set_tag_attribute_values={"a": {"target": "_blank"}}).strip()
 
 
-__all__ = ["parse", "slack_escape", "split_message", "split_slack", "split_telegram",
-           "split_text", "to_html", "to_slack", "to_telegram", "to_whatsapp", "utf16_len"]
+__all__ = ["parse", "slack_escape", "split_discord", "split_message", "split_slack",
+           "split_telegram", "split_text", "to_discord", "to_html", "to_slack", "to_telegram",
+           "to_whatsapp", "utf16_len"]

@@ -95,6 +95,7 @@ class Upstream:
     base_url: str
     api_key_file: Path | None = None
     allow_models: tuple[str, ...] = ()
+    allow_server_tools: bool = False
 
     def url_for(self, path: str, query: str) -> str:
         base = self.base_url.rstrip("/")
@@ -120,7 +121,8 @@ class Upstream:
             return cls(backend="claude", model=None, base_url=DEFAULT_BASE_URLS["claude"])
         return cls(backend=spec.backend, model=spec.model,
                    base_url=spec.base_url or DEFAULT_BASE_URLS[spec.backend],
-                   api_key_file=spec.api_key_file, allow_models=spec.allow_models)
+                   api_key_file=spec.api_key_file, allow_models=spec.allow_models,
+                   allow_server_tools=spec.allow_server_tools)
 
     def pin(self, body: bytes) -> Pinned:
         """A request body of the agent as it goes upstream: read strictly (read_request),

@@ -16,6 +16,9 @@ proxy:
   another spelling, is refused with 400), and its `model` is set to the configured one
   unless it names one of the entry's `allow_models` (the key is paid for the models the
   operator chose, not the ones the agent prefers);
+- refuses (403 `mdclaw_server_tools_refused`) a request that would make the model API run
+  tools or fetch URLs itself — server tools, `mcp_servers`, images by URL — unless the
+  model's entry has `allow_server_tools` (the rule: mdclaw.toolpolicy);
 - asks the budget (mdclaw.budget) whether the request may go: when it arrives, every
   request of a group that used its daily token budget (`limits.tokens_per_day`) is refused
   with HTTP 429 `mdclaw_over_budget`, saying when it resets; when a request that makes the
@@ -78,6 +81,7 @@ from mdclaw.paths import PROXY_DIR_MODE, PROXY_SOCKET_NAME, Layout
 from mdclaw.proxy_socket import CLOSE_GRACE, GroupCaps, GroupListener
 from mdclaw.redact import MIN_SECRET, Redactor, all_forms
 from mdclaw.state import Database
+from mdclaw.toolpolicy import refusal, server_side_use
 from mdclaw.usage import UsageCounter, UsageLedger
 
 log = logging.getLogger("mdclaw.proxy")
@@ -311,6 +315,9 @@ class CredentialProxy:
             log.warning("group %s: the model proxy refused %d request(s) over the daily "
                         "budget of %d tokens", folder, site.caps.over_budget,
                         site.caps.tokens_per_day or 0)
+        if site.caps.server_tools:
+            log.warning("group %s: the model proxy refused %d request(s) asking the API to run "
+                        "tools or fetch URLs itself", folder, site.caps.server_tools)
         if site.caps.refused or site.caps.limited:
             log.warning("group %s: the model proxy closed %d connection(s) over the cap of %d "
                         "and answered %d request(s) over %d a minute with 429", folder,
@@ -352,6 +359,7 @@ class CredentialProxy:
         return {"max_connections": c.max_connections, "open": c.open, "refused": c.refused,
                 "requests_per_minute": c.per_minute, "limited": c.limited,
                 "tokens_per_day": c.tokens_per_day or 0, "over_budget": c.over_budget,
+                "server_tools_refused": c.server_tools,
                 "answer_tokens_estimate": c.answer_estimate,
                 "reserved_requests": in_flight, "reserved_tokens": reserved}
 
@@ -411,6 +419,18 @@ class CredentialProxy:
             status=429, headers={"retry-after": str(refused.retry_after),
                                  "x-should-retry": "false"})
 
+    def _server_tools(self, folder: str, caps: GroupCaps, found: str) -> web.Response:
+        """Refuse a request that makes the API run tools or fetch URLs itself
+        (mdclaw.toolpolicy): before the key is read or the budget asked, so it costs nothing."""
+        caps.server_tools += 1
+        if caps.server_tools == 1:
+            log.warning("group %s: refused a model request that asks the API to run tools or "
+                        "fetch URLs itself (%s); allow_server_tools is off for its model",
+                        folder, found)
+        return web.json_response(
+            {"type": "error", "error": {"type": "mdclaw_server_tools_refused",
+                                        "message": refusal(found)}}, status=403)
+
     async def _forward(self, request: web.Request, folder: str, upstream: Upstream,
                        caps: GroupCaps) -> web.StreamResponse:
         body = await request.read()
@@ -426,6 +446,10 @@ class CredentialProxy:
                                                            "forwards JSON objects only"}},
                     status=400)
             body, model, sent = pinned.body, pinned.model, pinned.sent
+            if (sent is not None and not upstream.allow_server_tools
+                    and (request.method, request.path) in ANSWERING_ROUTES
+                    and (found := server_side_use(upstream.backend, sent)) is not None):
+                return self._server_tools(folder, caps, found)
         else:
             body = b""  # GET /v1/models: nothing for the upstream to read
         try:

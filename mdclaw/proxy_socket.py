@@ -54,6 +54,7 @@ class GroupCaps:
         self.refused = 0  # connections closed at accept time
         self.limited = 0  # requests answered 429
         self.over_budget = 0  # requests refused for the daily token budget
+        self.server_tools = 0  # requests refused for asking the API to run tools itself
         self._tokens = float(per_minute)
         self._at = time.monotonic()
 

@@ -82,7 +82,10 @@ def json_error(status: int, message: str, **headers: str) -> web.Response:
 def token_matches(secret: bytes | None, token: str) -> bool:
     """`token` is `secret` (constant-time); False when there is no secret. The one
     comparison of the web server's token; requests go through `TokenGate`."""
-    return secret is not None and hmac.compare_digest(token.strip().encode(), secret)
+    # A header's bytes that are not UTF-8 arrive as surrogates (aiohttp), a JSON token may
+    # spell one: "surrogatepass" encodes them too, so that they mismatch rather than raise.
+    return secret is not None and hmac.compare_digest(
+        token.strip().encode("utf-8", "surrogatepass"), secret)
 
 
 def bearer_token(request: web.BaseRequest) -> str | None:

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from mdclaw.budget import (
     DEFAULT_ANSWER_ESTIMATE,
     MAX_ANSWER_TOKENS,
+    MAX_CHOICES,
     Budget,
     Need,
     OverBudget,
@@ -93,6 +94,16 @@ def test_what_a_request_reserves() -> None:
     # A hostile bound is clamped to something a model could answer in one go.
     assert request_need(10, {"max_tokens": 10**30}).output == MAX_ANSWER_TOKENS
     assert Need(3, 4).total == 7
+
+
+def test_a_request_for_n_answers_reserves_n_of_them() -> None:
+    """OpenAI's `n`: that many choices, each bounded by max_tokens alone."""
+    assert request_need(10, {"max_tokens": 20, "n": 50}) == Need(10, 1000)
+    assert request_need(10, {"n": 3}, estimate=100).output == 300
+    for bad in ("50", 2.0, 0, -1, True, None):
+        assert request_need(10, {"max_tokens": 20, "n": bad}).output == 20
+    assert request_need(10, {"max_tokens": 20, "n": 10**9}).output == 20 * MAX_CHOICES
+    assert request_need(10, {"max_tokens": 10**30, "n": 2}).output == 2 * MAX_ANSWER_TOKENS
 
 
 def test_requests_go_side_by_side_only_while_the_budget_covers_all_of_them() -> None:

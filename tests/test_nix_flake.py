@@ -60,8 +60,11 @@ def test_package_is_the_pyproject(flake: dict) -> None:
         _name(d) for d in pyproject["project"]["dependencies"]]
     # and the libraries of the chat channels nixpkgs has (their extras)
     assert flake["lib"]["channelRequirements"] == [
-        _name(d) for d in pyproject["project"]["optional-dependencies"]["email"]]
-    assert pkg["dependencies"] == [f"python3.12-{n}" for n in flake["lib"]["hostRequirements"]
+        _name(d) for extra in ("email", "discord")
+        for d in pyproject["project"]["optional-dependencies"][extra]]
+    nix_attr = {"discord-py": "discordpy"}  # nixpkgs' name where it differs
+    assert pkg["dependencies"] == [f"python3.12-{nix_attr.get(n, n)}"
+                                   for n in flake["lib"]["hostRequirements"]
                                    + flake["lib"]["channelRequirements"]] \
         + ["python3.12-tzdata"]
     assert "python3.12-pytestCheckHook" in pkg["checkInputs"]

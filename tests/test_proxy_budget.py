@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from agent_helpers import ProxyThread
-from fake_models import FakeAnthropic, _Server
+from fake_models import FakeAnthropic, FakeOpenAI, _Server
 from mdclaw.models import Upstream
 from mdclaw.paths import Layout
 from mdclaw.state import Database
@@ -123,6 +123,47 @@ def test_a_burst_spends_at_most_the_budget_plus_one_answer(env, n, budget, strea
     proxy.flush()
     [row] = usage_rows(db, group="family")
     assert (row["requests"], row["input_tokens"] + row["output_tokens"]) == (answered, spent)
+
+
+class ChoosingOpenAI(FakeOpenAI):
+    """A Chat Completions API that answers `n` choices of 20 tokens each (40 in)."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        n = body.get("n", 1) if isinstance(body, dict) else 1
+        await asyncio.sleep(0.2)
+        return web.json_response({
+            "id": "c", "object": "chat.completion", "model": body.get("model"),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": "x"},
+                         "finish_reason": "length"} for i in range(n)],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 20 * n}})
+
+
+def test_a_burst_of_requests_for_many_answers_is_bounded_too(env) -> None:
+    """OpenAI's `n`: 50 answers of at most 20 tokens each. Before, each request reserved
+    one answer, so 8 went side by side: 8,320 tokens spent of 1,000."""
+    layout, db, proxy = env
+    body = {"model": "gpt-x", "max_tokens": 20, "n": 50,
+            "messages": [{"role": "user", "content": "hi"}]}
+    one = 40 + 20 * 50
+    with ChoosingOpenAI() as up:
+        sock = proxy.call(proxy.proxy.start_group(
+            "family", Upstream("openai", "gpt-x", up.url + "/v1"), tokens_per_day=1000,
+            max_connections=1024, requests_per_minute=100_000))
+
+        async def go() -> list[int]:
+            conn = aiohttp.UnixConnector(path=str(sock), limit=0)
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async def post() -> int:
+                    async with s.post("http://proxy/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        return r.status
+                return await asyncio.gather(*(post() for _ in range(10)))
+
+        statuses = asyncio.run(go())
+        answered = len(up.requests)
+    assert statuses.count(200) == answered and statuses.count(429) == 10 - answered
+    assert 1000 <= answered * one <= 1000 + one  # one request alone, and the day is spent
 
 
 def test_requests_that_fit_go_side_by_side(env) -> None:

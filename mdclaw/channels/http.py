@@ -433,6 +433,11 @@ class HttpChannel(Channel):
             return _error(400, "body is not valid JSON")
         if not isinstance(data, dict):
             return _error(400, "body must be a JSON object")
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # "\ud800": JSON may spell it, no text holds it
+            return _error(400, "body holds a lone surrogate escape (\\ud800-\\udfff), "
+                               "which is not a character")
         text = data.get("text", data.get("content"))
         if not isinstance(text, str) or not text.strip():
             return _error(400, "field 'text' (or 'content') is missing or empty")

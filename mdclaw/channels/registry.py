@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
+from mdclaw.channels.discord import DiscordChannel  # imports discord.py only when it connects
 from mdclaw.channels.email import EmailChannel  # imports imapclient only when it connects
 from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when it connects
@@ -42,6 +43,10 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
     if tg is not None and tg.enabled:
         channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,
                                                     trigger=f"@{cfg.assistant.name}", db=db))
+    dc = cfg.channels.discord
+    if dc is not None and dc.enabled:
+        channels.append(DiscordChannel.from_config(dc, on_inbound=on_inbound,
+                                                   trigger=f"@{cfg.assistant.name}", db=db))
     wa = cfg.channels.whatsapp
     if wa is not None and wa.enabled:
         channels.append(WhatsAppChannel.from_config(
@@ -74,7 +79,8 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
         if isinstance(ch, HttpChannel):
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
-        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email, Slack
+        elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email,
+            # Slack, Discord
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 

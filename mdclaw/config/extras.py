@@ -2,13 +2,13 @@
 install has them.
 
 A setting that needs an extra (`channels.whatsapp`: neonize; `channels.email`: imapclient;
-`channels.slack`: slack-bolt; `transcription.provider: local`: faster-whisper) is valid config,
-but cannot work on an install without it. One definition says so everywhere, always with the
-fix: `check-config` refuses the setting (a check of this machine, left out by
-`--skip-host-checks`), `doctor` fails it, a command that needs it (`mdclaw whatsapp link`)
-stops with the same line, and the daemon's channel or transcriber that finds it missing says
-the same. The claude extra is the agent image's (its agent runner), never imported by the
-host.
+`channels.slack`: slack-bolt; `channels.discord`: discord.py; `transcription.provider:
+local`: faster-whisper) is valid config, but cannot work on an install without it. One
+definition says so everywhere, always with the fix: `check-config` refuses the setting (a
+check of this machine, left out by `--skip-host-checks`), `doctor` fails it, a command that
+needs it (`mdclaw whatsapp link`) stops with the same line, and the daemon's channel or
+transcriber that finds it missing says the same. The claude extra is the agent image's (its
+agent runner), never imported by the host.
 
 A program a setting names (`integrations.home_assistant.chromium`) is checked the same way
 (`check_programs`). A module is looked for only (`importlib.util.find_spec`); `load=True`
@@ -47,6 +47,10 @@ EXTRAS: dict[str, Extra] = {
         "whatsapp", "neonize", "neonize", "the WhatsApp channel",
         "nixpkgs has no neonize, so the NixOS package has no WhatsApp channel: remove "
         "channels.whatsapp (or set enabled: false) and use Telegram or the local chat"),
+    "discord": Extra(
+        "discord", "discord", "discord.py", "the Discord channel",
+        "the flake's package brings discord.py (nixpkgs' discordpy): run mdclaw from it, or "
+        "remove channels.discord (or set enabled: false)"),
     "slack": Extra(
         "slack", "slack_bolt", "slack-bolt and slack-sdk", "the Slack channel",
         "the NixOS package does not bring slack-bolt yet: remove channels.slack (or set "
@@ -115,6 +119,9 @@ def settings_needing(cfg: Config) -> list[tuple[str, Extra]]:
     wa = cfg.channels.whatsapp
     if wa is not None and wa.enabled:
         out.append(("channels.whatsapp", EXTRAS["whatsapp"]))
+    dc = cfg.channels.discord
+    if dc is not None and dc.enabled:
+        out.append(("channels.discord", EXTRAS["discord"]))
     em = cfg.channels.email
     if em is not None and em.enabled:
         out.append(("channels.email", EXTRAS["email"]))

@@ -42,6 +42,7 @@ class AllowSenders(Frozen):
         description="Sender ids that may drive the agent, as the channel reports the sender: "
         "Telegram user ids (e.g. '123456789', without 'tg:'), WhatsApp jids (e.g. "
         "'4915112345678@s.whatsapp.net', without 'wa:'), Slack user ids (e.g. 'U0123ABCD'), "
+        "Discord user ids (e.g. '123456789012345678'; Developer Mode → Copy User ID), "
         "the local HTTP channel's `sender` field. An empty list lets no one.")
 
 
@@ -103,6 +104,19 @@ class Group(Frozen):
                  f"{i!r} is not a Telegram user id; write the number alone (e.g. '123456789', "
                  "not 'tg:123456789'): in a private chat with the bot, /chatid answers "
                  "tg:<your user id>") for n, i in bad])
+        return self
+
+    @model_validator(mode="after")
+    def _discord_sender_ids(self) -> Group:
+        if self.allow_senders is None or not self.jid.startswith("dc:"):
+            return self
+        bad = [(n, i) for n, i in enumerate(self.allow_senders.ids) if not i.isdigit()]
+        if bad:
+            raise CrossKeyError([
+                (("allow_senders", "ids", str(n)),
+                 f"{i!r} is not a Discord user id; write the number (Discord: User Settings → "
+                 "Advanced → Developer Mode, then a person's name → Copy User ID), never a "
+                 "name") for n, i in bad])
         return self
 
     def effective_trigger(self, assistant: Assistant) -> str:

@@ -41,6 +41,13 @@ class ModelSpec(Frozen):
         "credential proxy sends every request with `model` set to this entry's `model`, "
         "unless the request names one of these (the claude CLI asks for a small model for "
         "side tasks, e.g. `claude-haiku-4-5`).")
+    allow_server_tools: bool = Field(
+        False, description="Let agents make the model API run tools or fetch URLs itself "
+        "with this entry's key: Anthropic's server tools (web search and fetch, code "
+        "execution, `mcp_servers`, `container`...), OpenAI's `web_search_options` and hosted "
+        "tools, images and documents by URL. Off: the credential proxy refuses such a "
+        "request with 403 `mdclaw_server_tools_refused` (they bypass the host's web rules "
+        "and the container's lack of network); only tools the agent runs itself go.")
 
 
 class Server(Frozen):
@@ -102,6 +109,16 @@ class TelegramChannel(Frozen):
     token_file: SecretFile = Field(description="File holding the bot token.")
     api_base: str = Field("https://api.telegram.org", pattern=r"^https?://",
                           description="Bot API base URL (for a local Bot API server or tests).")
+
+
+class DiscordChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to Discord as a bot (needs the `discord` "
+                          "extra).")
+    token_file: SecretFile = Field(description="File holding the bot token (Developer Portal "
+                                   "→ your application → Bot → Reset Token).")
+    api_base: str = Field("https://discord.com/api/v10", pattern=r"^https?://",
+                          description="REST API base URL, version included (for tests); the "
+                          "gateway's address is asked of it.")
 
 
 class WhatsAppChannel(Frozen):
@@ -257,6 +274,9 @@ class Channels(Frozen):
         description="Local HTTP chat (jids hl:<id>), on by default, served by the daemon's "
         "web server (`server`).")
     telegram: TelegramChannel | None = Field(None, description="Telegram bot (jids tg:<chat id>).")
+    discord: DiscordChannel | None = Field(
+        None, description="Discord bot (jids dc:<channel id>; a thread belongs to its "
+        "channel).")
     whatsapp: WhatsAppChannel | None = Field(
         None, description="WhatsApp linked device (jids wa:<jid>, e.g. "
         "wa:120363012345678901@g.us for a group, wa:4915112345678@s.whatsapp.net for a person).")

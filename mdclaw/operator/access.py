@@ -128,7 +128,7 @@ class Access:
         for key in [k for k, s in self._sessions.items() if s.expires <= now]:
             del self._sessions[key]
         for key, s in self._sessions.items():
-            if hmac.compare_digest(key.encode(), sid.encode()):
+            if hmac.compare_digest(key.encode(), sid.encode("utf-8", "surrogatepass")):
                 return s
         return None
 
@@ -198,7 +198,7 @@ class Access:
             return _json_error(403, "cross-origin requests are not allowed")
         if got.csrf is not None:
             sent = request.headers.get("X-CSRF-Token", "")
-            if not hmac.compare_digest(sent.encode(), got.csrf.encode()):
+            if not hmac.compare_digest(sent.encode("utf-8", "surrogatepass"), got.csrf.encode()):
                 return _json_error(403, "missing or wrong CSRF token (reload the page)")
         return got
 

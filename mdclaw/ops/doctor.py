@@ -332,6 +332,19 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
                    f"Telegram rejected the bot token ({desc or r.status})",
                    "put the token @BotFather gave you into channels.telegram.token_file")
 
+    async def discord() -> None:
+        dc = cfg.channels.discord
+        if dc is None or not dc.enabled:
+            return
+        try:
+            token = read_secret(dc.token_file)
+        except OSError:
+            return  # the secret file check says so
+        if not token:
+            return
+        level, detail, fix = await probe_discord(dc.api_base, token)
+        _check(results, "discord", level, detail, fix)
+
     async def slack() -> None:
         sl = cfg.channels.slack
         if sl is None or not sl.enabled:
@@ -384,8 +397,47 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         for check in await email_checks(cfg):
             _check(results, *check)
 
-    await asyncio.gather(*(one(k) for k in used), telegram(), slack(), home_assistant(),
-                         email())
+    await asyncio.gather(*(one(k) for k in used), telegram(), slack(), discord(),
+                         home_assistant(), email())
+
+
+#: The application flags saying the Message Content Intent is on (GATEWAY_MESSAGE_CONTENT,
+#: and _LIMITED for a bot in fewer than 100 servers).
+DISCORD_MESSAGE_CONTENT = (1 << 18) | (1 << 19)
+DISCORD_PORTAL = "https://discord.com/developers/applications"
+
+
+async def probe_discord(api_base: str, token: str) -> tuple[str, str, str]:
+    """(level, detail, fix) of the Discord bot: GET /users/@me accepts the token, and the
+    application has the Message Content Intent (without it every message arrives empty)."""
+    base = api_base.rstrip("/")
+    headers = {"Authorization": f"Bot {token}"}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
+                                         trust_env=True, headers=headers) as session:
+            async with session.get(f"{base}/users/@me") as r:
+                me = await r.json(content_type=None) if r.status == 200 else None
+                status = r.status
+            app = None
+            if me is not None:
+                async with session.get(f"{base}/oauth2/applications/@me") as r:
+                    app = await r.json(content_type=None) if r.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        text = f"{type(e).__name__}: {e}".replace(token, "***")
+        return ("warn", f"Discord did not answer: {text[:200]}",
+                "check the network (or channels.discord.api_base); mdclaw keeps trying")
+    if not isinstance(me, dict):
+        return ("fail", f"Discord rejected the bot token (HTTP {status})",
+                f"put the bot's token ({DISCORD_PORTAL} → your application → Bot → Reset "
+                "Token) into channels.discord.token_file")
+    name = me.get("username", "?")
+    flags = app.get("flags") if isinstance(app, dict) else None
+    if isinstance(flags, int) and not flags & DISCORD_MESSAGE_CONTENT:
+        return ("fail", f"the bot {name} is accepted, but its Message Content Intent is off "
+                "(messages would arrive empty)",
+                f"{DISCORD_PORTAL} → your application → Bot → Privileged Gateway Intents: "
+                "turn on Message Content Intent")
+    return ("ok", f"the bot token is accepted ({name})", "")
 
 
 def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
@@ -398,7 +450,7 @@ def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
 
 # The check each extra's failure is reported under.
 EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription", "email": "email",
-                "slack": "slack"}
+                "slack": "slack", "discord": "discord"}
 
 
 def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:

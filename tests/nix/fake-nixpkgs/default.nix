@@ -28,6 +28,7 @@ let
     "aiosmtpd"
     "claude-agent-sdk"
     "croniter"
+    "discordpy"
     "docker"
     "hypothesis"
     "imapclient"
