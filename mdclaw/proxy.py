@@ -392,6 +392,9 @@ class CredentialProxy:
                                           "API path this proxy forwards"}}, status=404)
             refused = await self.budget.check(folder, caps.tokens_per_day, caps.timezone)
             if refused is not None:
+                # Read the body first (it is capped): an answer sent while the client still
+                # writes ends in a reset it reads as a broken connection, not as the 429.
+                await request.read()
                 return self._over_budget(folder, caps, refused)
             task = asyncio.current_task()
             inflight = self._inflight.setdefault(folder, set())

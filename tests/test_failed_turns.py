@@ -315,7 +315,11 @@ def test_open_conversation_deterministic_failure_is_told_while_it_runs(write_con
         await wait_until_async(lambda: "first answer" in texts(db))
         await orch.on_inbound(msg(2, "x" * 100))
         await wait_until_async(still_open.is_set, 5)
-        assert any("too long for the model (limit 4096 tokens)" in t for t in texts(db))
+        # The container is still open (it waits for its next input); the host tells the chat
+        # once it has read the error, which may come a moment after the script went on.
+        await wait_until_async(
+            lambda: any("too long for the model (limit 4096 tokens)" in t for t in texts(db)))
+        assert orch.queue.running_count == 1  # told while the conversation still runs
         await orch.on_inbound(msg(3, "third"))
         await asyncio.wait_for(orch.queue.join(), 10)
 
