@@ -64,8 +64,10 @@ def start(proxy: ProxyThread, url: str, budget: int, **kw) -> Path:  # noqa: ANN
 
 
 async def burst(sock: Path, n: int, body: dict) -> list[tuple[int, dict[str, str], bytes]]:
-    """`n` requests at once, each on its own connection."""
-    conn = aiohttp.UnixConnector(path=str(sock), limit=0)
+    """`n` requests at once, each on its own connection (none reused: a kept-alive one can be
+    closed by the server just as the client sends on it, which the SDKs retry and this test
+    would not)."""
+    conn = aiohttp.UnixConnector(path=str(sock), limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=120)) as s:
         async def one() -> tuple[int, dict[str, str], bytes]:
@@ -152,7 +154,7 @@ def test_a_burst_of_requests_for_many_answers_is_bounded_too(env) -> None:
             max_connections=1024, requests_per_minute=100_000))
 
         async def go() -> list[int]:
-            conn = aiohttp.UnixConnector(path=str(sock), limit=0)
+            conn = aiohttp.UnixConnector(path=str(sock), limit=0, force_close=True)
             async with aiohttp.ClientSession(connector=conn) as s:
                 async def post() -> int:
                     async with s.post("http://proxy/v1/chat/completions", json=body) as r:
@@ -278,7 +280,7 @@ def test_counting_tokens_and_listing_models_reserve_nothing(env) -> None:
         sock = start(proxy, up.url, 100)
 
         async def go() -> tuple[int, float]:
-            conn = aiohttp.UnixConnector(path=str(sock), limit=0)
+            conn = aiohttp.UnixConnector(path=str(sock), limit=0, force_close=True)
             async with aiohttp.ClientSession(connector=conn) as s:
                 big = asyncio.ensure_future(s.post(
                     "http://p/v1/messages", json={"model": "claude-x", "max_tokens": 5000}))
