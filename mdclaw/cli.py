@@ -23,11 +23,13 @@ from types import ModuleType
 from mdclaw import __version__
 from mdclaw.commands import (
     agent,
+    approvals,
     channels,
     containers,
     core,
     ipc,
     mcp,
+    people,
     schema,
     status,
     tasks,
@@ -40,7 +42,8 @@ DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's tracebac
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
-    core, run_command, tasks, channels, whatsapp, containers, ipc, mcp, schema, agent, status,
+    core, run_command, tasks, channels, whatsapp, containers, ipc, mcp, people, approvals,
+    schema, agent, status,
 ]
 
 

@@ -16,21 +16,34 @@ from mdclaw.config import format_size
 _INTERNAL = re.compile(r"<internal>.*?(?:</internal>|\Z)", re.DOTALL | re.IGNORECASE)
 
 
-@lru_cache(maxsize=256)
-def trigger_regex(trigger: str) -> re.Pattern[str]:
-    """A case-insensitive whole-word pattern for `trigger`.
+# Words a person may put before the name when addressing someone ("Hey Andy, ...").
+_GREETINGS = ("hey", "hi", "hello", "ok", "okay", "yo", "dear", "hallo", "hej")
 
-    "@Andy" and "Andy" configure the same trigger: either matches "@Andy hi", "hey andy," but
-    not "Andyman" or "email@andy.com". Regex characters in the name are taken literally.
-    """
+
+@lru_cache(maxsize=256)
+def address_regexes(trigger: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """The two written forms of addressing the assistant named by `trigger`: "@Name"
+    anywhere (as a word), and the name first (after an optional greeting) followed by ","
+    or ":" or ending the message ("Andy, ...", "hey andy: ...", "Andy?")."""
     name = trigger.strip().lstrip("@").strip()
     if not name:
         raise ValueError("empty trigger")
-    return re.compile(rf"(?<![\w@.])@?{re.escape(name)}(?![\w@])", re.IGNORECASE)
+    at = re.compile(rf"(?<![\w@.])@{re.escape(name)}(?![\w@])", re.IGNORECASE)
+    greeting = "|".join(_GREETINGS)
+    first = re.compile(
+        rf"^\W*(?:(?:{greeting})\b[\s,!]*)?{re.escape(name)}(?![\w@])"
+        rf"\s*(?:[,:]|[!?.]*\s*\Z)", re.IGNORECASE)
+    return at, first
 
 
-def mentions_trigger(text: str, trigger: str) -> bool:
-    return bool(trigger_regex(trigger).search(text or ""))
+def addresses(text: str, trigger: str) -> bool:
+    """True if `text` addresses the assistant by its trigger: "@Andy" anywhere, or "Andy,"
+    / "Andy:" / "Hey Andy, ..." / "Andy?" at the start. A passing mention ("I told andy
+    yesterday", "andy's bike") does not. Replies to the assistant and the chat service's
+    own mention of the bot are the channel's to say (InboundMessage.addressed)."""
+    at, first = address_regexes(trigger)
+    text = text or ""
+    return bool(at.search(text) or first.match(text))
 
 
 def strip_internal(text: str) -> str:

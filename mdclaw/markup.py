@@ -1088,6 +1088,48 @@ def to_html(markdown: str) -> str:
                      set_tag_attribute_values={"a": {"target": "_blank"}}).strip()
 
 
-__all__ = ["parse", "slack_escape", "split_discord", "split_message", "split_slack",
-           "split_telegram", "split_text", "to_discord", "to_html", "to_slack", "to_telegram",
-           "to_whatsapp", "utf16_len"]
+# ---------------------------------------------------------------------- Matrix HTML
+
+#: What Matrix clients render of `formatted_body` (the spec's recommended tags): strike as
+#: <del> (the spec's list has no <s>), code blocks keep their `language-x` class.
+MATRIX_TAGS = frozenset(HTML_TAGS - {"s"})
+MATRIX_ATTRIBUTES = {"a": {"href"}, "ol": {"start"}, "code": {"class"}}
+
+
+def _del_open(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    return "<del>"
+
+
+def _del_close(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    return "</del>"
+
+
+@lru_cache(maxsize=1)
+def _matrix_parser() -> MarkdownIt:
+    md = MarkdownIt("commonmark", {"html": False}).enable(["strikethrough", "table"])
+    md.add_render_rule("image", _image_as_link)
+    md.add_render_rule("s_open", _del_open)
+    md.add_render_rule("s_close", _del_close)
+    return md
+
+
+@lru_cache(maxsize=512)
+def to_matrix_html(markdown: str) -> str:
+    """`markdown` as a Matrix message's `formatted_body` (org.matrix.custom.html): the same
+    parse as the web chat, raw HTML shown as text, links only to http, https and mailto,
+    images as links (nothing is loaded from elsewhere)."""
+    raw = _matrix_parser().render(markdown or "")
+    return nh3.clean(raw, tags=set(MATRIX_TAGS),
+                     attributes={k: set(v) for k, v in MATRIX_ATTRIBUTES.items()},
+                     url_schemes=set(URL_SCHEMES), link_rel=None).strip()
+
+
+def is_plain_html(markdown: str, html: str) -> bool:
+    """True when `html` says no more than `markdown` as plain text does (one paragraph of
+    text without markup): a Matrix message then needs no `formatted_body`."""
+    return html == f"<p>{_html.escape(markdown.strip(), quote=False)}</p>"
+
+
+__all__ = ["is_plain_html", "parse", "slack_escape", "split_discord", "split_message",
+           "split_slack", "split_telegram", "split_text", "to_discord", "to_html",
+           "to_matrix_html", "to_slack", "to_telegram", "to_whatsapp", "utf16_len"]

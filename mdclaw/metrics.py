@@ -71,6 +71,16 @@ SCHEDULER_LATENESS = Histogram(
     "mdclaw_scheduler_lateness_seconds",
     "Scheduled task runs: from the slot's time to the run being started.",
     buckets=_FAST[3:] + (10.0, 30.0, 60.0, 300.0, 3600.0), registry=REGISTRY)
+APPROVALS_DECIDED = Counter(
+    "mdclaw_approvals_decided",
+    "Approvals decided and carried out, by kind (command, action, admission, question) and "
+    "outcome (approved, denied, expired, answered).",
+    ["kind", "outcome"], registry=REGISTRY)
+APPROVAL_WAIT = Histogram(
+    "mdclaw_approval_decide_seconds",
+    "Approvals: from the request to the decision (expired ones included), by outcome.",
+    ["outcome"], buckets=(1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+                          7200.0, 86400.0), registry=REGISTRY)
 PROXY_REQUESTS = Counter(
     "mdclaw_proxy_requests",
     "Model requests through the credential proxy, by group, model and outcome (ok, error).",
@@ -124,6 +134,8 @@ container_starts = Labeled(CONTAINER_STARTS)
 container_run = Labeled(CONTAINER_RUN)
 outbox_delivery = Labeled(OUTBOX_DELIVERY)
 outbox_attempts = Labeled(OUTBOX_ATTEMPTS)
+approvals_decided = Labeled(APPROVALS_DECIDED)
+approval_wait = Labeled(APPROVAL_WAIT)
 proxy_requests = Labeled(PROXY_REQUESTS)
 proxy_tokens = Labeled(PROXY_TOKENS)
 mcp_calls = Labeled(MCP_CALLS)

@@ -1,14 +1,19 @@
 """From a chat message to the agent's reply.
 
-Inbound messages are stored once. A message is for the assistant when its group is main,
-when the group does not require a trigger, or when it mentions the trigger; other messages
-stay in the database as context and go into the next prompt. A group's `allow_senders`
-narrows this (mdclaw.senders.decide, asked for every message): a message from anyone else
-never starts a turn, and is either kept as context or not stored at all. If the group's
-conversation container is running, triggered messages are written into its `input/` as
-follow-ups; otherwise a run is queued. A run's prompt holds the messages since the group's
-cursor. The cursor moves past messages once their turn was answered. Files that come with a
-message are fetched by mdclaw.media.FileIntake, off the channel's path.
+Inbound messages are stored once. A message is for the assistant when its group does not
+require a trigger, or when it addresses the assistant (mdclaw.formatting.addresses: "@Andy"
+anywhere, "Andy," at the start, a reply to the assistant, the service's own mention of the
+bot); other messages stay in the database as context and go into the next prompt. Who may
+drive the agent narrows this, asked for every message: a group's `members` (people and
+roles, mdclaw.people; strangers by `unknown_senders`), else its `allow_senders`
+(mdclaw.senders.decide): a message from anyone else never starts a turn, and is either kept
+as context or not stored at all. Notes the host puts into a conversation (an approval's
+outcome) are context only; a person's answer to a card ("approve 7KQ2") is no message at
+all (mdclaw.decisions). If the group's conversation container is running, triggered
+messages are written into its `input/` as follow-ups; otherwise a run is queued. A run's
+prompt holds the messages since the group's cursor. The cursor moves past messages once
+their turn was answered. Files that come with a message are fetched by
+mdclaw.media.FileIntake, off the channel's path.
 
 A failed turn is handled by its cause (mdclaw/failures.py): a transient cause (the model
 server is down, the container was killed...) rolls the cursor back so the same messages are
@@ -40,11 +45,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from mdclaw import failures
+from mdclaw import failures, people
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, LiveConfig
+from mdclaw.decisions import Decider
 from mdclaw.failures import TurnFailure
-from mdclaw.formatting import PromptMessage, format_prompt, mentions_trigger
+from mdclaw.formatting import PromptMessage, addresses, format_prompt
 from mdclaw.ipc.writers import write_follow_up
 from mdclaw.launch import Launcher, RunFailed, RunRefused
 from mdclaw.media import FileIntake, announced, not_saved_note
@@ -55,7 +61,7 @@ from mdclaw.proxy import CredentialProxy
 from mdclaw.queue import GroupQueue, Job, MessageTurn
 from mdclaw.replies import Replies
 from mdclaw.runner import ContainerResult, ContainerRunner, RunHandle
-from mdclaw.senders import Decision, decide
+from mdclaw.senders import HOST_NOTE, HOST_SENDER, Decision, decide
 from mdclaw.state import Database, now_iso
 from mdclaw.state.conversations import (
     StoredMessage,
@@ -72,6 +78,7 @@ from mdclaw.state.groups import (
     get_group_by_jid,
     list_groups,
 )
+from mdclaw.state.people import is_admitted
 from mdclaw.state.tasks import TaskRow
 from mdclaw.taskruns import TaskRuns
 from mdclaw.transcribe import Transcriber, make_transcriber
@@ -140,6 +147,9 @@ class Orchestrator:
                               launcher=self.launcher, replies=self.replies,
                               conversations=self._conv,
                               engine_wait=lambda: self._engine_wait(first_try=False))
+        # People's answers to cards by reply code, and admit cards for unknown senders
+        # (mdclaw.decisions); the daemon sets it.
+        self.decider: Decider | None = None
         self.intake = FileIntake(db, config=lambda: self.cfg,
                                  transcriber=lambda: self.transcriber,
                                  send_text=self.replies.send_text, on_saved=self._files_saved)
@@ -165,13 +175,15 @@ class Orchestrator:
     # ------------------------------------------------------------------ inbound
     @staticmethod
     def _for_assistant(group: GroupRow, msg: InboundMessage | StoredMessage) -> bool:
-        """True if the group's trigger rules (not its allow-list) make `msg` a request."""
-        if group.is_main or not group.requires_trigger:
+        """True if the group's trigger rules (not who sent it) make `msg` a request: the
+        group requires no trigger, or the message addresses the assistant (the main group
+        too, when its config says requires_trigger: true)."""
+        if not group.requires_trigger:
             return True
         if getattr(msg, "addressed", False):
             return True
-        return mentions_trigger(msg.content, group.trigger) or any(
-            mentions_trigger(str(f.get("transcript") or ""), group.trigger)
+        return addresses(msg.content, group.trigger) or any(
+            addresses(str(f.get("transcript") or ""), group.trigger)
             for f in getattr(msg, "attachments", ()) if isinstance(f, dict))
 
     def decision(self, group: GroupRow | None,
@@ -179,8 +191,21 @@ class Orchestrator:
         """What to do with `msg` in `group` (None: a chat that is no registered group)."""
         if group is None:
             return _UNREGISTERED
-        return decide(group.allow_senders, msg.sender,
-                      triggered=self._for_assistant(group, msg))
+        if msg.sender == HOST_SENDER:
+            return HOST_NOTE
+        triggered = self._for_assistant(group, msg)
+        who = self.sender_verdict(group, msg)
+        if who is None:
+            return decide(group.allow_senders, msg.sender, triggered=triggered)
+        return people.decide(self.cfg, group.folder, who, triggered=triggered)
+
+    def sender_verdict(self, group: GroupRow,
+                       msg: InboundMessage | StoredMessage) -> people.Verdict | None:
+        """Who sent `msg` for `group` by its `members` (mdclaw.people.verdict); None when the
+        group has none."""
+        return people.verdict(self.cfg, group.folder,
+                              people.channel_of(msg.chat_jid, getattr(msg, "channel", "")),
+                              msg.sender, lambda c, s, f: is_admitted(self.db, c, s, f))
 
     def is_triggered(self, group: GroupRow, msg: InboundMessage | StoredMessage) -> bool:
         """True if `msg` starts a turn of `group`'s agent (or joins the running one)."""
@@ -207,8 +232,12 @@ class Orchestrator:
         settled the message, and every later one of its chat, is held back from the agent
         (mdclaw.state.conversations), so the agent reads the chat in order."""
         t0 = time.perf_counter()
+        if self.decider is not None and self.decider.take_reply(msg):
+            return  # a person's answer to a card: not a message of the chat
         group = get_group_by_jid(self.db, msg.chat_jid)
         decision = self.decision(group, msg)
+        if not decision.store and group is not None:
+            self._ask_owner(group, msg)
         if decision.store:
             fetch = bool(msg.attachments) and group is not None
             files = (announced(msg.attachments) if fetch else
@@ -227,6 +256,23 @@ class Orchestrator:
                 self.intake.take(group, msg, t0)
                 return
         await self._after_stored(group, msg, decision, t0)
+
+    def _ask_owner(self, group: GroupRow, msg: InboundMessage) -> None:
+        """An unknown sender addressed the agent of a group with `unknown_senders:
+        ask_owner`: the owner gets an admit card (mdclaw.decisions)."""
+        spec = self.cfg.groups.get(group.folder)
+        if (self.decider is None or spec is None or spec.unknown_senders != "ask_owner"
+                or self.sender_verdict(group, msg) != "unknown"
+                or not self._for_assistant(group, msg)):
+            return
+        self.decider.ask_admission(group, msg)
+
+    def poke(self, folder: str) -> None:
+        """Run the group's agent if messages wait for it (an admitted sender's message)."""
+        group = get_group(self.db, folder)
+        if group is None or group.jid is None or not self.accepting:
+            return
+        self._release_held(group)
 
     async def _files_saved(self, group: GroupRow, stored: StoredMessage, t0: float) -> None:
         """A message's files are settled: it is released to the agent."""
@@ -274,8 +320,9 @@ class Orchestrator:
         key = (group.folder, msg.sender)
         level = logging.DEBUG if key in self._refusals_logged else logging.INFO
         self._refusals_logged.add(key)
-        log.log(level, "group %s: sender %r (%s) is not in allow_senders; message %s %s",
-                group.folder, msg.sender, msg.sender_name, msg.id,
+        rule = "members" if self.sender_verdict(group, msg) is not None else "allow_senders"
+        log.log(level, "group %s: sender %r (%s) is not in %s; message %s %s",
+                group.folder, msg.sender, msg.sender_name, rule, msg.id,
                 "kept as context" if decision.store else "dropped")
 
     def _handle(self, folder: str) -> RunHandle | None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import metrics
-from mdclaw.channels.base import Channel, ChannelError, channel_for
+from mdclaw.channels.base import Card, Channel, ChannelError, channel_for
 from mdclaw.config import Config, Limits, LiveConfig
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
@@ -534,7 +534,9 @@ class OutboxWorker:
                       (row_id, n))
 
     async def _send(self, ch: Channel, row: OutboxRow) -> None:
-        if row.kind == "text":
+        if row.card is not None:
+            await self._send_card(ch, row)
+        elif row.kind == "text":
             if not (row.text or "").strip():
                 raise ChannelError("the message is empty", permanent=True)
             parts = ch.message_parts(row.text or "")
@@ -557,6 +559,22 @@ class OutboxWorker:
             await ch.react(row.chat_jid, row.message_id, row.emoji)
         else:
             raise ChannelError(f"unknown outbox kind {row.kind!r}", permanent=True)
+
+    async def _send_card(self, ch: Channel, row: OutboxRow) -> None:
+        """A card row: a new card (the message it became is kept in the row's card, so a
+        decision can edit it), or the edit of the card message `message_id`."""
+        try:
+            card = Card.from_json(row.card or "")
+        except (ValueError, KeyError, TypeError):
+            raise ChannelError("the card of this row is unreadable", permanent=True) from None
+        if row.message_id:
+            await ch.edit_card(row.chat_jid, row.message_id, card)
+            return
+        sent = await ch.send_card(row.chat_jid, card)
+        if sent:
+            with self.db.transaction() as c:
+                c.execute("UPDATE outbox SET card = json_set(card, '$.sent', ?) WHERE id = ?",
+                          (sent, row.id))
 
     async def _deliver(self, ch: Channel | None, row: OutboxRow) -> tuple[bool, bool]:
         """One attempt at `row` (claimed: `sending`, its try counted), through `ch` (the

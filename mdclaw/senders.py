@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Mode = Literal["trigger", "drop"]
+#: The sender of notes the host itself puts into a group's conversation (an approval's
+#: outcome): context for the agent's next turn, never a turn of their own. No channel
+#: reports it: channel senders are user ids, jids and names without this prefix.
+HOST_SENDER = "mdclaw:host"
 MODES: tuple[Mode, ...] = ("trigger", "drop")
 
 
@@ -64,6 +68,10 @@ class Decision:
     direct: bool  # from an allowed sender: it may be fed into a running conversation
     run: bool  # it starts a turn, or joins the running one
     refused: bool  # count it against the group's refused messages
+
+
+#: What becomes of a host note: kept as context, never a turn, never counted.
+HOST_NOTE = Decision(store=True, direct=False, run=False, refused=False)
 
 
 def decide(policy: SenderPolicy | None, sender: str, *, triggered: bool) -> Decision:

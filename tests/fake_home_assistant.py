@@ -67,6 +67,7 @@ SERVICES = {
     "switch": {"turn_on", "turn_off", "toggle"},
     "climate": {"set_temperature", "set_hvac_mode", "turn_on", "turn_off"},
     "homeassistant": {"restart", "check_config", "reload_core_config"},
+    "lock": {"lock", "unlock", "open"},
 }
 
 
@@ -161,6 +162,8 @@ class FakeHomeAssistant:
                 s["state"] = "on" if domain != "climate" else "heat"
             elif service == "turn_off":
                 s["state"] = "off"
+            elif domain == "lock" and service in ("lock", "unlock"):
+                s["state"] = f"{service}ed"
             elif service == "set_temperature":
                 s["attributes"]["temperature"] = body.get("temperature")
             changed.append(s)

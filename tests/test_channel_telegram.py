@@ -16,134 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-from mdclaw.channels.base import ChannelError, InboundMessage
+from fake_telegram import TOKEN, FakeBotApi
+from mdclaw.channels.base import Card, ChannelError, InboundMessage
 from mdclaw.channels.telegram import TelegramChannel, utf16_len
 from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
 from mdclaw.retry import Backoff
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
 from waiting import wait_until_async
-
-TOKEN = "123456:SECRET-token_value"
-
-
-class FakeBotApi:
-    """Just enough of the Bot API: getMe, getUpdates (long poll with offset), the send
-    methods (recorded), getFile and the file download URL (files put in `files`), and
-    scripted failures per method."""
-
-    def __init__(self, token: str = TOKEN) -> None:
-        self.token = token
-        self.updates: list[dict[str, Any]] = []
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.offsets: list[int | None] = []
-        self.fail: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        self.new_update = asyncio.Event()
-        self.next_message_id = 1000
-        self.runner: web.AppRunner | None = None
-        self.base = ""
-        # file_id -> (file_path, content, file_size getFile announces or None)
-        self.files: dict[str, tuple[str, bytes, int | None]] = {}
-        self.downloads: list[str] = []
-        # file_path -> event: the download sends its first chunk, then waits for the event
-        self.gates: dict[str, asyncio.Event] = {}
-        self.download_started = asyncio.Event()
-
-    async def start(self, port: int = 0) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/bot{token}/{method}", self.handle)
-        app.router.add_get("/file/bot{token}/{path:.+}", self.download)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True)
-        await site.start()
-        self.base = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        if self.runner:
-            await self.runner.cleanup()
-            self.runner = None
-
-    def push(self, message: dict[str, Any]) -> None:
-        uid = 500 + len(self.updates)
-        self.updates.append({"update_id": uid, "message": message})
-        self.new_update.set()
-
-    def of(self, method: str) -> list[dict[str, Any]]:
-        return [p for m, p in self.calls if m == method]
-
-    async def handle(self, request: web.Request) -> web.Response:
-        if request.match_info["token"] != self.token:
-            return web.json_response({"ok": False, "error_code": 401,
-                                      "description": "Unauthorized"}, status=401)
-        method = request.match_info["method"]
-        if request.content_type.startswith("multipart/"):
-            params: dict[str, Any] = {}
-            reader = await request.multipart()
-            async for part in reader:
-                if part.filename:
-                    params[part.name] = (part.filename, bytes(await part.read()))
-                else:
-                    params[part.name] = await part.text()
-        else:
-            params = await request.json() if request.can_read_body else {}
-        if method == "getUpdates":
-            offset = params.get("offset")
-            self.offsets.append(offset)
-            deadline = time.monotonic() + min(params.get("timeout", 0), 0.5)
-            while True:
-                pending = [u for u in self.updates if offset is None or u["update_id"] >= offset]
-                if pending or time.monotonic() >= deadline:
-                    return web.json_response({"ok": True, "result": pending})
-                self.new_update.clear()
-                try:
-                    await asyncio.wait_for(self.new_update.wait(), deadline - time.monotonic())
-                except TimeoutError:
-                    pass
-        self.calls.append((method, params))
-        script = self.fail.get(method)
-        if script:
-            status, body = script.pop(0)
-            return web.json_response(body, status=status)
-        if method == "getMe":
-            return web.json_response({"ok": True, "result": {"id": 1, "is_bot": True,
-                                                             "username": "mdclaw_test_bot"}})
-        if method == "getFile":
-            entry = self.files.get(params.get("file_id", ""))
-            if entry is None:
-                return web.json_response({"ok": False, "error_code": 400,
-                                          "description": "Bad Request: invalid file_id"},
-                                         status=400)
-            path, content, announced = entry
-            return web.json_response({"ok": True, "result": {
-                "file_id": params["file_id"], "file_unique_id": "u" + params["file_id"],
-                "file_size": len(content) if announced is None else announced,
-                "file_path": path}})
-        if method in ("sendMessage", "sendDocument", "sendPhoto"):
-            self.next_message_id += 1
-            return web.json_response({"ok": True, "result": {"message_id": self.next_message_id}})
-        return web.json_response({"ok": True, "result": True})
-
-
-    async def download(self, request: web.Request) -> web.StreamResponse:
-        if request.match_info["token"] != self.token:
-            return web.Response(status=401)
-        path = request.match_info["path"]
-        self.downloads.append(path)
-        for fpath, content, _ in self.files.values():
-            if fpath == path:
-                resp = web.StreamResponse()  # chunked: no Content-Length to trust
-                await resp.prepare(request)
-                self.download_started.set()
-                for i in range(0, len(content), 4096):
-                    await resp.write(content[i:i + 4096])
-                    if path in self.gates:
-                        await self.gates[path].wait()
-                await resp.write_eof()
-                return resp
-        return web.Response(status=404)
 
 
 def run(coro_fn):
@@ -917,6 +798,91 @@ def test_an_older_offset_never_overwrites_a_newer_one(tmp_path) -> None:
         assert _stored_offset(path) == "700"
     finally:
         db.close()
+
+
+# --------------------------------------------------------------------------- cards
+
+
+def _card(text: str, *choices: tuple[str, str]) -> str:
+    return json.dumps({"text": text, "fallback": text + "\nReply \"approve 7KQ2\"",
+                       "choices": [{"label": label, "data": data} for label, data in choices]})
+
+
+def test_a_card_goes_out_with_an_inline_keyboard_and_a_press_is_its_pressers(
+        tmp_path: Path) -> None:
+    db = Database(tmp_path / "state.db")
+
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        presses: list[Any] = []
+
+        async def host(press: Any) -> str:
+            presses.append(press)
+            return "Approved: ha_call_service lock.unlock"
+
+        ch.on_press(host)
+        await ch.connect()
+        with db.transaction() as c:
+            row = enqueue(c, chat_jid="tg:111", kind="text", card=_card(
+                "Approval needed (#3): *not bold* `x` \\x1b",
+                ("Approve", "mdc:3:approve"), ("Deny", "mdc:3:deny"),
+                ("Show all", "mdc:3:show")))
+        worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=1))
+        assert await worker.run_once() == 1
+        (sent,) = api.of("sendMessage")
+        assert sent["text"] == "Approval needed (#3): *not bold* `x` \\x1b"  # as written
+        assert "entities" not in sent
+        assert sent["reply_markup"] == {"inline_keyboard": [
+            [{"text": "Approve", "callback_data": "mdc:3:approve"},
+             {"text": "Deny", "callback_data": "mdc:3:deny"}],
+            [{"text": "Show all", "callback_data": "mdc:3:show"}]]}
+        ((mid, _),) = api.keyboards(111)
+        card = json.loads(get_row(db, row).card)
+        assert card["sent"] == f"tg:111:{mid}"  # kept for the edit after the decision
+        # Bob (222) presses the button on the card in Alex's chat: the press is Bob's.
+        qid = api.push_press(from_id=222, chat_id=111, message_id=mid, data="mdc:3:approve",
+                             first_name="Bob")
+        await wait_until_async(lambda: qid in api.answered)
+        (press,) = presses
+        assert (press.channel, press.sender, press.sender_name, press.chat_jid,
+                press.message_id, press.data) == ("telegram", "222", "Bob", "tg:111",
+                                                  f"tg:111:{mid}", "mdc:3:approve")
+        assert api.answered[qid]["text"] == "Approved: ha_call_service lock.unlock"
+        assert len(api.of("answerCallbackQuery")) == 1
+
+        # the decision edits the card: the outcome, no keyboard
+        with db.transaction() as c:
+            enqueue(c, chat_jid="tg:111", kind="text", message_id=card["sent"],
+                    card=_card("Approved (#3) — by Bob (admin)"))
+            enqueue(c, chat_jid="tg:111", kind="text", message_id="tg:111:99999",
+                    card=_card("Denied (#4) — by Alex (owner)"))
+        assert await worker.run_once() == 2
+        edited = api.messages[(111, mid)]
+        assert edited["text"] == "Approved (#3) — by Bob (admin)"
+        assert edited["reply_markup"] is None and edited["edits"] == 1
+        assert api.keyboards(111) == []
+        # a card Telegram cannot find any more: the outcome comes as a new message
+        assert api.of("sendMessage")[-1]["text"] == "Denied (#4) — by Alex (owner)"
+        # the same edit again (a retry after a crash): "not modified" is no failure
+        await ch.edit_card("tg:111", card["sent"], Card.from_json(
+            _card("Approved (#3) — by Bob (admin)")))
+        assert api.messages[(111, mid)]["edits"] == 1
+
+    run(body)
+    db.close()
+
+
+def test_a_press_without_a_host_is_still_answered_and_a_message_still_comes(
+        tmp_path: Path) -> None:
+    async def body(api: FakeBotApi, ch: TelegramChannel, got: list[InboundMessage]) -> None:
+        await ch.connect()
+        qid = api.push_press(from_id=5, chat_id=5, message_id=1, data="mdc:1:approve")
+        api.push({"message_id": 9, "date": 1767225600, "chat": {"id": 5, "type": "private"},
+                  "from": {"id": 5, "first_name": "Eve"}, "text": "hello"})
+        await wait_until_async(lambda: got and qid in api.answered)
+        assert "text" not in api.answered[qid]
+        assert [m.content for m in got] == ["hello"]
+
+    run(body)
 
 
 SAME_SECOND_CONFIG = """\

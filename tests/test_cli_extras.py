@@ -33,7 +33,8 @@ WRAPPER = ("import sys\n"
 # What each subcommand's required arguments get (a new one must be added here).
 ARGUMENTS = {"task_id": ["t1"], "row_id": ["1"], "name": ["main.tasks.x.json.error"],
              "tarball": ["/nonexistent/image.tar"], "text": ["hello"], "group": ["main"],
-             "server": ["time"], "tool": ["get_current_time"], "arguments": ["{}"]}
+             "server": ["time"], "tool": ["get_current_time"], "arguments": ["{}"],
+             "channel": ["telegram"], "sender": ["12345"], "id": ["1"]}
 # Subcommands that need an extra, and the extras their failure names.
 NEEDS = {("check-config",): {"whatsapp", "transcribe", "email"},
          ("doctor",): {"whatsapp", "transcribe", "email"}, ("whatsapp", "link"): {"whatsapp"}}

@@ -8,36 +8,27 @@ from hypothesis import strategies as st
 
 from mdclaw.formatting import (
     PromptMessage,
+    addresses,
     format_prompt,
-    mentions_trigger,
     strip_internal,
 )
 
 
-@pytest.mark.parametrize("trigger", ["@Andy", "Andy", " @andy "])
-@pytest.mark.parametrize("text,hit", [
-    ("@Andy what's up", True), ("hey andy, help", True), ("ANDY!", True), ("ok @andy.", True),
-    ("Andyman is here", False), ("mail me at bob@andy.com", False), ("sandy beach", False),
-    ("", False),
-])
-def test_trigger_whole_word_case_insensitive(trigger, text, hit) -> None:
-    assert mentions_trigger(text, trigger) is hit
-
-
 def test_trigger_regex_characters_are_literal() -> None:
-    assert mentions_trigger("hi @C++bot!", "@C++bot")
-    assert not mentions_trigger("hi @Cbot", "@C++bot")
-    assert mentions_trigger("yo a.b", "a.b") and not mentions_trigger("yo axb", "a.b")
+    assert addresses("hi @C++bot!", "@C++bot")
+    assert not addresses("hi @Cbot", "@C++bot")
+    assert addresses("a.b, yo", "a.b") and not addresses("axb, yo", "a.b")
 
 
 @given(st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,15}", fullmatch=True),
        st.sampled_from(["", "@"]))
 def test_word_triggers_match_alone_but_not_inside_words(name, at) -> None:
     trigger = at + name
-    assert mentions_trigger(f"@{name} hello", trigger)
-    assert mentions_trigger(f"hello {name.upper()}?", trigger)
-    assert not mentions_trigger(f"x{name}", trigger)
-    assert not mentions_trigger(f"{name}x", trigger)
+    assert addresses(f"@{name} hello", trigger)
+    assert addresses(f"{name.upper()}, hello", trigger)
+    assert not addresses(f"x{name}, hi", trigger)
+    assert not addresses(f"{name}x, hi", trigger)
+    assert not addresses(f"hello @x{name}", trigger)
 
 
 def test_strip_internal() -> None:
@@ -67,3 +58,34 @@ def test_prompt_lists_failed_deliveries() -> None:
     out = format_prompt([PromptMessage("u", "hi", "2026-01-01T00:00:00Z")], "UTC",
                         failed=["reply 7: chat not found"])
     assert "<failed>reply 7: chat not found</failed>" in out
+
+
+# --------------------------------------------------------------------------- addressing
+
+
+@pytest.mark.parametrize("trigger", ["@Andy", "Andy"])
+@pytest.mark.parametrize("text", [
+    "@Andy what's up", "ok @andy.", "what do you think, @ANDY?",  # @Name anywhere
+    "Andy, what's the weather?", "andy: turn on the light", "ANDY!", "Andy?", "andy",
+    "Hey Andy, help me", "hi andy: quick one", "  Andy ,  hi",  # the name first, then , or :
+])
+def test_a_message_that_addresses_the_assistant_wakes_it(trigger, text) -> None:
+    assert addresses(text, trigger)
+
+
+@pytest.mark.parametrize("trigger", ["@Andy", "Andy"])
+@pytest.mark.parametrize("text", [
+    "I told andy yesterday", "andy is asleep", "andy's bike is broken", "ask Andy, he knows",
+    "Sandy, come here", "Andyman, hi", "mail me at bob@andy.com", "Hey Andy what now",
+    "we said Andy: no", "", "andy andy",
+])
+def test_a_passing_mention_does_not_wake_the_assistant(trigger, text) -> None:
+    assert not addresses(text, trigger)
+
+
+@given(st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,15}", fullmatch=True),
+       st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
+def test_the_name_inside_a_sentence_never_wakes_it(name, tail) -> None:
+    """Words before the name that are no greeting make it a mention, whatever follows."""
+    assert not addresses(f"I think {name}{tail}", name) or f"@{name}".lower() in \
+        f"I think {name}{tail}".lower()

@@ -266,6 +266,7 @@ class FakeWhisperApi:
 
     def __init__(self, status: int = 200) -> None:
         self.status = status
+        self.text = "  Buy milk,\n and call Andy  "  # what the voice note says
         self.got: list[dict[str, Any]] = []
         self.runner: web.AppRunner | None = None
         self.base = ""
@@ -297,7 +298,7 @@ class FakeWhisperApi:
         if self.status != 200:
             return web.json_response({"error": {"message": "model overloaded"}},
                                      status=self.status)
-        return web.json_response({"text": "  Buy milk,\n and call Andy  "})
+        return web.json_response({"text": self.text})
 
 
 def key_file(tmp_path: Path) -> Path:
@@ -346,8 +347,9 @@ def test_voice_notes_are_transcribed_by_an_openai_compatible_server(
         assert "sk-test" not in content
 
 
-def test_a_transcript_naming_the_trigger_starts_a_turn(write_config, tmp_path: Path) -> None:
-    async def main() -> list[str]:
+def test_a_transcript_addressing_the_assistant_starts_a_turn(write_config,
+                                                              tmp_path: Path) -> None:
+    async def main() -> list[list[str]]:
         api = FakeWhisperApi()
         await api.start()
         try:
@@ -355,17 +357,23 @@ def test_a_transcript_naming_the_trigger_starts_a_turn(write_config, tmp_path: P
                                           f"'{api.base}'}}\n")
             orch = Orchestrator(cfg, db, runner=None)
             orch.queue.max_concurrent = 0
-            await orch.on_inbound(InboundMessage(
-                id="hl:family:1", chat_jid="hl:family", sender="u1", sender_name="Alice",
-                content="", timestamp="2026-01-01T00:00:01.000Z", channel="http",
-                attachments=(attachment(b"v", kind="voice", name="n.ogg", mime="audio/ogg"),)))
-            await orch.files_settled()
+            seen = []
+            for n, said in enumerate(("Buy milk, and call Andy", "Andy, buy milk"), 1):
+                api.text = said
+                await orch.on_inbound(InboundMessage(
+                    id=f"hl:family:{n}", chat_jid="hl:family", sender="u1",
+                    sender_name="Alice", content="", timestamp=f"2026-01-01T00:00:0{n}.000Z",
+                    channel="http", attachments=(attachment(
+                        b"v", kind="voice", name="n.ogg", mime="audio/ogg"),)))
+                await orch.files_settled()
+                seen.append([j.id for j in orch.queue.pending()])
             assert api.got[0]["authorization"] is None  # no key file: no header
-            return [j.id for j in orch.queue.pending()]
+            return seen
         finally:
             await api.stop()
 
-    assert asyncio.run(main()) == ["msg:family"]  # "call Andy" is the trigger
+    # "call Andy" is a passing mention; "Andy, ..." addresses the assistant
+    assert asyncio.run(main()) == [[], ["msg:family"]]
 
 
 def test_local_transcription_without_faster_whisper_says_how_to_install(

@@ -243,5 +243,7 @@ def test_dashboard_asks_only_for_exported_series(tmp_path: Path) -> None:
                 "mdclaw_queue_jobs", "mdclaw_queue_wait_seconds", "mdclaw_container_starts",
                 "mdclaw_container_run_seconds", "mdclaw_outbox_rows",
                 "mdclaw_outbox_delivery_seconds", "mdclaw_scheduler_lateness_seconds",
-                "mdclaw_proxy_requests", "mdclaw_proxy_tokens", "mdclaw_budget_tokens_used"):
+                "mdclaw_proxy_requests", "mdclaw_proxy_tokens", "mdclaw_budget_tokens_used",
+                "mdclaw_approvals_pending", "mdclaw_approvals_decided",
+                "mdclaw_approval_decide_seconds"):
         assert fam in families, fam

@@ -35,7 +35,7 @@ HOST_ONLY: dict[str, str] = {
     "mdclaw/daemon/core.py": "the daemon's status file in data_dir",
     "mdclaw/ops/status.py": "reads the daemon's status file in data_dir",
     "mdclaw/ops/doctor.py": "doctor's checks: data_dir writable (a temp file, removed), the "
-                            "WhatsApp session file's mode",
+                            "WhatsApp session file's and the Matrix login's modes",
     "mdclaw/commands/channels.py": "the CLI checks the database path exists",
     "mdclaw/commands/core.py": "check-config reads the config file it checks (for line numbers)",
     "mdclaw/commands/containers.py": "the CLI checks files the operator names (image tarballs)",
@@ -48,6 +48,8 @@ HOST_ONLY: dict[str, str] = {
                                "(data_dir/http/files)",
     "mdclaw/channels/whatsapp.py": "the WhatsApp session file and link state in data_dir, "
                                    "and the host's spool copy of a file to upload",
+    "mdclaw/channels/matrix.py": "the Matrix login's session file in data_dir/matrix, and "
+                                 "the host's spool copy of a file to upload",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
     "mdclaw/webassets.py": "the web pages' packaged files (HTML, JavaScript, CSS)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",

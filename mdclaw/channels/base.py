@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -80,7 +81,52 @@ class InboundMessage:
         return d
 
 
+@dataclass(frozen=True)
+class CardChoice:
+    """A button on a card: what it says, and the data the press hands back (at most 64
+    bytes)."""
+
+    label: str
+    data: str
+
+
+@dataclass(frozen=True)
+class Card:
+    """A message that asks a person something (mdclaw.approvals): plain text (never
+    Markdown), buttons where the chat service has them, and the text for a channel without
+    buttons (it says which words to reply)."""
+
+    text: str
+    choices: tuple[CardChoice, ...] = ()
+    fallback: str = ""
+
+    @classmethod
+    def from_json(cls, raw: str) -> Card:
+        """The card of an outbox row's `card` column. Raises ValueError if it is none."""
+        d = json.loads(raw)
+        if not isinstance(d, dict) or not isinstance(d.get("text"), str):
+            raise ValueError("not a card")
+        choices = tuple(CardChoice(str(c["label"]), str(c["data"]))
+                        for c in d.get("choices") or [] if isinstance(c, dict))
+        return cls(d["text"], choices, str(d.get("fallback") or d["text"]))
+
+
+@dataclass(frozen=True)
+class CardPress:
+    """A person pressed a card's button: who (the sender the chat service authenticated),
+    where, which card message, and the button's data."""
+
+    channel: str
+    sender: str
+    sender_name: str
+    chat_jid: str
+    message_id: str | None
+    data: str
+
+
 InboundCallback = Callable[[InboundMessage], "Awaitable[None] | None"]
+#: Takes a button press; returns the short answer the person is shown (None: nothing).
+PressCallback = Callable[[CardPress], "Awaitable[str | None]"]
 #: Queues a channel's own answer: (jid, Markdown text, message id it answers or None).
 ServiceReply = Callable[[str, str, "str | None"], "Awaitable[None] | None"]
 
@@ -98,10 +144,13 @@ class Channel(abc.ABC):
     jid_prefix: str = ""
     #: Longest text one `send_message` call may carry, measured with `measure`.
     max_message_length: int = 4096
+    #: The chat service shows a card's choices as buttons (and reports presses).
+    buttons: bool = False
 
     def __init__(self, on_inbound: InboundCallback | None = None) -> None:
         self._on_inbound = on_inbound
         self._service_reply: ServiceReply | None = None
+        self._on_press: PressCallback | None = None
 
     # ------------------------------------------------------------------ inbound
     def on_inbound(self, callback: InboundCallback | None) -> None:
@@ -118,6 +167,19 @@ class Channel(abc.ABC):
         if inspect.isawaitable(result):
             await result
         return True
+
+    def on_press(self, callback: PressCallback | None) -> None:
+        """Set the function that takes button presses on cards (mdclaw.decisions)."""
+        self._on_press = callback
+
+    async def deliver_press(self, press: CardPress) -> str | None:
+        """Hand a button press to the host; returns what to show the person (None when no
+        handler is set: the press is ignored)."""
+        cb = getattr(self, "_on_press", None)
+        if cb is None:
+            log.warning("%s: a card's button press was ignored: no handler is set", self.name)
+            return None
+        return await cb(press)
 
     # ------------------------------------------------------------------ lifecycle
     @abc.abstractmethod
@@ -163,6 +225,21 @@ class Channel(abc.ABC):
     async def set_typing(self, jid: str, typing: bool) -> None:
         """Show (or stop showing) that the assistant is writing. Never raises for
         delivery problems: typing is a hint."""
+
+    # ------------------------------------------------------------------ cards
+    async def send_card(self, jid: str, card: Card) -> str | None:
+        """Send `card` to `jid`; return the new message's id. Without buttons (the
+        default): its fallback text (with the words to reply), shown literally. Raises
+        ChannelError."""
+        last = None
+        for part in self.message_parts(markdown_literal(card.fallback or card.text)):
+            last = await self.send_part(jid, part)
+        return last
+
+    async def edit_card(self, jid: str, message_id: str, card: Card) -> None:
+        """Show `card` in place of the card message `message_id` (its outcome, without
+        buttons). The default, for services that cannot edit: a new message."""
+        await self.send_card(jid, card)
 
     # ------------------------------------------------------------------ helpers
     def redact(self, text: str) -> str:
@@ -228,6 +305,15 @@ def read_upload(path: Path, limit: int, whose: str) -> bytes:
         raise ChannelError(f"file {path.name!r} is {size} bytes; {whose} {limit}",
                            permanent=True)
     return path.read_bytes()
+
+
+_MD_PUNCT = frozenset("\\`*_{}[]()#+-.!|<>~=")
+
+
+def markdown_literal(text: str) -> str:
+    """`text` with every Markdown punctuation character backslash-escaped, so a channel that
+    renders the assistant's Markdown shows it as written (a card is plain text)."""
+    return "".join(f"\\{c}" if c in _MD_PUNCT else c for c in text)
 
 
 def channel_for(channels: Iterable[Channel], jid: str) -> Channel | None:

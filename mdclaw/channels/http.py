@@ -24,6 +24,12 @@ Endpoints (JSON unless noted):
   transcript row carries this link as `download`): images the page shows inline (PNG, JPEG,
   GIF, WebP), anything else as a download (`Content-Disposition: attachment`, octet-stream),
   never rendered as a page (`nosniff`, a sandboxing CSP).
+- `POST /card` — a person presses a card's button (`{"jid", "id": the card's message id,
+  "data": the button's data, "sender"?, "sender_name"?}`): handed to the host, whose answer
+  comes back as `{"answer"}`. Who pressed is the sender, as for a message: the page's name,
+  behind the web server's token. Cards come in the transcript as `text` rows with `card:
+  {choices: [{label, data}], state}` (state `open`, or `closed` once decided); a decided
+  card's outcome follows as a row of its own.
 - `GET /groups` — the registered groups that answer in this channel.
 - `GET /health` — liveness, no auth.
 - `GET /` — a single-page chat (HTML, `GET /chat.js` and `GET /chat.css` beside it; no build
@@ -71,6 +77,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from mdclaw.channels.base import (
     Attachment,
+    Card,
+    CardPress,
     Channel,
     ChannelError,
     InboundCallback,
@@ -112,6 +120,17 @@ def normalize_jid(value: str) -> str:
         raise ValueError(f"chat {value!r} is not a local chat: use hl:<id> with letters, "
                          "digits, '_', '.', '@' or '-'")
     return jid
+
+
+def _card(raw: str | None) -> dict[str, Any] | None:
+    """A transcript row's card ({choices, state, outcome?}); None for a plain row."""
+    if not raw:
+        return None
+    try:
+        card = json.loads(raw)
+    except ValueError:
+        return None
+    return card if isinstance(card, dict) and isinstance(card.get("choices"), list) else None
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -159,6 +178,7 @@ class HttpChannel(Channel):
     name = "http"
     jid_prefix = "hl:"
     max_message_length = 32_000
+    buttons = True
 
     def __init__(self, db: Database, server: WebServer, *,
                  on_inbound: InboundCallback | None = None, assistant_name: str = "Andy",
@@ -188,6 +208,7 @@ class HttpChannel(Channel):
         server.add_route("GET", "/health", self._health)
         for method, path, handler in (
                 ("GET", "/groups", self._groups), ("POST", "/message", self._post_message),
+                ("POST", "/card", self._press),
                 ("POST", "/upload", self._upload), ("GET", "/file", self._get_file),
                 ("GET", "/messages", self._get_messages)):
             server.add_route(method, path, self._serving(self._private(handler)))
@@ -295,6 +316,26 @@ class HttpChannel(Channel):
                 except OSError as e:
                     log.warning("local HTTP channel: cannot remove a kept file: %s", e)
 
+    async def send_card(self, jid: str, card: Card) -> str | None:
+        """The card as a transcript row with its choices (the page shows them as buttons);
+        its text plain (the page shows it as text, never as Markdown)."""
+        self._check_jid(jid)
+        self._typing.pop(jid, None)
+        state = {"choices": [{"label": c.label, "data": c.data} for c in card.choices],
+                 "state": "open" if card.choices else "closed"}
+        return self._record(jid, "out", "text", content=card.text, sender="mdclaw",
+                            sender_name="mdclaw", card=json.dumps(state))[1]
+
+    async def edit_card(self, jid: str, message_id: str, card: Card) -> None:
+        """Close the card `message_id` (its buttons go) and show the outcome after it."""
+        self._check_jid(jid)
+        with self.db.transaction() as c:
+            c.execute("UPDATE http_messages SET card = ? WHERE chat_jid = ? AND message_id = ?"
+                      " AND card IS NOT NULL", (json.dumps({"choices": [], "state": "closed",
+                                                            "outcome": card.text}),
+                                                jid, message_id))
+        await self.send_card(jid, card)
+
     async def react(self, jid: str, message_id: str, emoji: str) -> None:
         self._check_jid(jid)
         self._record(jid, "out", "reaction", content=emoji, sender="assistant",
@@ -326,17 +367,17 @@ class HttpChannel(Channel):
 
     def _record(self, jid: str, direction: str, kind: str, *, content: str, sender: str,
                 sender_name: str, file_name: str | None = None, reply_to: str | None = None,
-                message_id: str | None = None) -> tuple[int, str]:
+                message_id: str | None = None, card: str | None = None) -> tuple[int, str]:
         """Append one transcript row; return (seq, message id)."""
         mid = message_id or f"{jid}:{uuid.uuid4().hex}"
         pruned: list[str] = []
         with self.db.transaction() as c:
             seq = int(c.execute(
                 """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
-                       sender_name, content, file_name, reply_to, created_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                       sender_name, content, file_name, reply_to, created_at, card)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
-                 now_iso())).lastrowid or 0)
+                 now_iso(), card)).lastrowid or 0)
             oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
                                 ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
             pruned = [r[0] for r in c.execute(
@@ -374,13 +415,14 @@ class HttpChannel(Channel):
     def _row(self, r: Any) -> dict[str, Any]:
         # What the assistant wrote is Markdown: the page shows it as sanitised HTML
         # (mdclaw.markup.to_html); what people write stays text.
-        html = (to_html(r["content"]) if r["direction"] == "out"
+        card = _card(r["card"])
+        html = (to_html(r["content"]) if r["direction"] == "out" and card is None
                 and r["kind"] in ("text", "file") and r["content"] else None)
         return {"seq": r["seq"], "id": r["message_id"], "direction": r["direction"],
                 "kind": r["kind"], "sender": r["sender"], "sender_name": r["sender_name"],
                 "content": r["content"], "html": html, "file_name": r["file_name"],
                 "reply_to": r["reply_to"], "timestamp": r["created_at"],
-                "download": self._download_link(r)}
+                "download": self._download_link(r), "card": card}
 
     def _download_link(self, row: Any) -> str | None:
         """The `/file` link of a file the assistant sent (None for any other row)."""
@@ -456,6 +498,42 @@ class HttpChannel(Channel):
         if self._on_inbound is None:
             return _error(503, "mdclaw is starting and not taking messages yet")
         return await self._accept(jid, fields, text)
+
+    async def _press(self, request: web.Request) -> web.Response:
+        """A press of a card's button; the presser is the sender, as for a message."""
+        raw = await _read_at_most(request, self.max_body_bytes)
+        if raw is None:
+            return _error(413, f"body over {self.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "body is not valid JSON")
+        if not isinstance(data, dict):
+            return _error(400, "body must be a JSON object")
+        fields: dict[str, str] = {}
+        for key in ("id", "data", "sender", "sender_name"):
+            value = data.get(key)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_FIELD):
+                return _error(400, f"field {key!r} must be a string of at most {MAX_FIELD} "
+                                   "characters")
+            if value:
+                fields[key] = value
+        if "id" not in fields or "data" not in fields:
+            return _error(400, "fields 'id' (the card's message id) and 'data' are needed")
+        try:
+            jid = self._jid_from(data)
+        except ValueError as e:
+            return _error(400, str(e))
+        row = self.db.query_one("SELECT card FROM http_messages WHERE chat_jid = ? AND "
+                                "message_id = ? AND card IS NOT NULL", (jid, fields["id"]))
+        card = _card(row["card"]) if row is not None else None
+        if card is None or fields["data"] not in {c["data"] for c in card["choices"]}:
+            return _error(404, "no such card, or no such choice on it")
+        sender = fields.get("sender") or fields.get("sender_name") or "local"
+        answer = await self.deliver_press(CardPress(
+            channel=self.name, sender=sender, sender_name=fields.get("sender_name") or sender,
+            chat_jid=jid, message_id=fields["id"], data=fields["data"]))
+        return _json({"answer": answer})
 
     async def _get_messages(self, request: web.Request) -> web.Response:
         q = request.query

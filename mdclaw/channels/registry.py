@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from mdclaw.channels.base import Channel, ChannelError, InboundCallback
 from mdclaw.channels.discord import DiscordChannel  # imports discord.py only when it connects
 from mdclaw.channels.email import EmailChannel  # imports imapclient only when it connects
 from mdclaw.channels.http import HttpChannel
+from mdclaw.channels.matrix import MatrixChannel  # imports matrix-nio only when it connects
 from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when it connects
 from mdclaw.channels.telegram import TelegramChannel
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
@@ -61,6 +62,11 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
     if sl is not None and sl.enabled:
         channels.append(SlackChannel.from_config(sl, on_inbound=on_inbound,
                                                  trigger=f"@{cfg.assistant.name}", db=db))
+    mx = cfg.channels.matrix
+    if mx is not None and mx.enabled:
+        channels.append(MatrixChannel.from_config(
+            mx, cfg.data_dir, invite_allowed=matrix_inviters(cfg), on_inbound=on_inbound,
+            trigger=f"@{cfg.assistant.name}", db=db))
     return channels
 
 
@@ -69,6 +75,17 @@ def max_mail_bytes(cfg: Config) -> int:
     `media.max_bytes` (base64 makes each a third larger); of a larger one only the header is
     read, and the agent is told."""
     return max(10 * 1024 * 1024, 4 * cfg.media.limit)
+
+
+def matrix_inviters(cfg: Config) -> Callable[[str], bool]:
+    """Whose invites the Matrix bot accepts: the user ids of channels.matrix.allow_invites_from,
+    and the Matrix identities of the config's people where it has them (`people.<p>.identities
+    .matrix`, the channel's name as the identity key)."""
+    allowed = set(cfg.channels.matrix.allow_invites_from if cfg.channels.matrix else ())
+    for person in (getattr(cfg, "people", None) or {}).values():
+        identities = getattr(person, "identities", None) or {}
+        allowed.update(identities.get(MatrixChannel.name, ()))
+    return frozenset(allowed).__contains__
 
 
 def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
@@ -80,7 +97,7 @@ def apply_config(channels: Iterable[Channel], cfg: Config) -> None:
             ch.assistant_name = cfg.assistant.name
             ch.max_upload_bytes = cfg.media.limit
         elif hasattr(ch, "trigger"):  # Telegram, WhatsApp (whose module is optional), email,
-            # Slack, Discord
+            # Slack, Discord, Matrix
             cast(Any, ch).trigger = f"@{cfg.assistant.name}"
 
 

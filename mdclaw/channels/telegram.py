@@ -17,6 +17,12 @@ without cutting an entity; `sendPhoto`/`sendDocument` (multipart, the caption wi
 `caption_entities`), `setMessageReaction`, `sendChatAction` (repeated every 4 s while typing
 is on).
 
+Cards (mdclaw.approvals): `sendMessage` with an inline keyboard (`reply_markup`), the text
+plain; a press comes as a `callback_query` update, whose `from.id` (the user Telegram
+authenticated, whoever else is in the chat) and `data` are handed to the host, answered with
+`answerCallbackQuery` (the host's short answer shown to that user); a decided card is edited
+with `editMessageText` to show the outcome, its keyboard removed.
+
 The token is part of every Bot API URL, so no URL is ever logged or put in an error: errors
 name the method and what the API said, with the token masked wherever it could appear.
 """
@@ -38,6 +44,8 @@ import aiohttp
 
 from mdclaw.channels.base import (
     Attachment,
+    Card,
+    CardPress,
     Channel,
     ChannelError,
     InboundCallback,
@@ -68,6 +76,7 @@ class TelegramChannel(Channel):
     name = "telegram"
     jid_prefix = "tg:"
     max_message_length = 4096
+    buttons = True
     # Waits after a failed getUpdates, and after an update the host did not take: 1 s
     # doubling to 60 s, equal jitter (after an outage of Telegram's, the bots it serves do
     # not all come back in the same second).
@@ -269,7 +278,7 @@ class TelegramChannel(Channel):
         while self._running:
             try:
                 params: dict[str, Any] = {"timeout": self.poll_timeout,
-                                          "allowed_updates": ["message"]}
+                                          "allowed_updates": ["message", "callback_query"]}
                 if self._offset is not None:
                     params["offset"] = self._offset
                 updates = await self.call("getUpdates", params,
@@ -300,6 +309,10 @@ class TelegramChannel(Channel):
             await self._save_offset()
 
     async def _handle_update(self, update: dict[str, Any]) -> None:
+        query = update.get("callback_query")
+        if isinstance(query, dict):
+            await self._handle_press(query)
+            return
         msg = update.get("message")
         if not isinstance(msg, dict):
             return
@@ -308,6 +321,34 @@ class TelegramChannel(Channel):
         msg_in = self.parse_message(msg)
         if msg_in is not None:
             await self.deliver_inbound(msg_in)
+
+    async def _handle_press(self, query: dict[str, Any]) -> None:
+        """A button press (CallbackQuery): the presser is `from.id`, as Telegram reports it;
+        the host's answer is shown to them (answerCallbackQuery, which Telegram wants for
+        every query: the button stops spinning)."""
+        qid = query.get("id")
+        user = query.get("from") or {}
+        msg = query.get("message") or {}
+        chat = msg.get("chat") or {}
+        data = query.get("data")
+        if not isinstance(qid, str) or not isinstance(user.get("id"), int):
+            return
+        answer = None
+        if isinstance(data, str) and isinstance(chat.get("id"), int):
+            name = " ".join(p for p in (user.get("first_name"), user.get("last_name")) if p)
+            jid = f"tg:{chat['id']}"
+            mid = msg.get("message_id")
+            answer = await self.deliver_press(CardPress(
+                channel=self.name, sender=str(user["id"]),
+                sender_name=name or user.get("username") or str(user["id"]), chat_jid=jid,
+                message_id=f"{jid}:{mid}" if isinstance(mid, int) else None, data=data))
+        params: dict[str, Any] = {"callback_query_id": qid}
+        if answer:
+            params["text"] = answer[:200]
+        try:
+            await self.call("answerCallbackQuery", params)
+        except ChannelError as e:  # the press was recorded; only the spinner keeps turning
+            log.warning("telegram: %s", e)
 
     async def _answer_chatid(self, msg: dict[str, Any]) -> bool:
         """Answer `/chatid` with the chat's JID (what a group's `jid` in config.yaml needs).
@@ -498,6 +539,53 @@ class TelegramChannel(Channel):
             result = await self.call("sendMessage", params)
         last = result.get("message_id") if isinstance(result, dict) else None
         return f"{jid}:{last}" if last is not None else None
+
+    @staticmethod
+    def _keyboard(card: Card) -> dict[str, Any]:
+        """The card's choices as an inline keyboard: short ones side by side in the first
+        row, longer ones (a question's long options, "Show all") a row each."""
+        first: list[dict[str, str]] = []
+        rows: list[list[dict[str, str]]] = []
+        for c in card.choices:
+            button = {"text": c.label, "callback_data": c.data}
+            if len(c.label) <= 12 and not c.data.endswith(":show"):
+                first.append(button)
+            else:
+                rows.append([button])
+        return {"inline_keyboard": ([first] if first else []) + rows}
+
+    async def send_card(self, jid: str, card: Card) -> str | None:
+        """The card's text, plain (no entities: what an agent wrote shows as written), with
+        its choices as an inline keyboard on the last piece."""
+        chat_id = self._chat_id(jid)
+        self._stop_typing(jid)
+        parts = self.split_text(card.text) or [card.text]
+        last = None
+        for i, part in enumerate(parts):
+            params: dict[str, Any] = {"chat_id": chat_id, "text": part}
+            if i == len(parts) - 1 and card.choices:
+                params["reply_markup"] = self._keyboard(card)
+            result = await self.call("sendMessage", params)
+            last = result.get("message_id") if isinstance(result, dict) else None
+        return f"{jid}:{last}" if last is not None else None
+
+    async def edit_card(self, jid: str, message_id: str, card: Card) -> None:
+        """Edit the card message to `card` (the outcome), its keyboard removed. A message
+        Telegram will not edit any more gets the outcome as a new message."""
+        params: dict[str, Any] = {
+            "chat_id": self._chat_id(jid), "message_id": self._message_id(message_id),
+            "text": card.text[:self.max_message_length],
+            "reply_markup": self._keyboard(card) if card.choices else {"inline_keyboard": []}}
+        try:
+            await self.call("editMessageText", params)
+        except ChannelError as e:
+            if e.code != 400:
+                raise
+            if "not modified" in str(e):
+                return
+            log.info("telegram: card %s cannot be edited (%s); sending the outcome", message_id,
+                     e)
+            await self.send_card(jid, card)
 
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
                         caption: str | None = None) -> str | None:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Literal
 
+from mdclaw.approvals.rules import effective_rules
 from mdclaw.commands.common import open_db_or_exit, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import (
@@ -54,10 +55,35 @@ def open_main_group(cfg: Config) -> Iterable[str]:
     return [warning] if warning else []
 
 
+_CARD_CHANNELS = {"tg:": "telegram", "wa:": "whatsapp", "hl:": "http", "mail:": "email",
+                  "slack:": "slack", "dc:": "discord"}
+
+
+def undeliverable_cards(cfg: Config) -> Iterable[str]:
+    """A warning for each person whose cards would go to a channel that is not enabled (or
+    who has no chat for cards at all): their approvals could only be decided on the operator
+    page or with the CLI."""
+    enabled = {name for name in ("telegram", "whatsapp", "http", "email", "slack", "discord")
+               if (section := getattr(cfg.channels, name)) is not None and section.enabled}
+    for key, p in cfg.people.items():
+        chat = p.card_chat()
+        if chat is None:
+            yield (f"people.{key}: no identity of a channel with chats (telegram, whatsapp, "
+                   "http, email; Slack and Discord need direct_chat: a DM's id is not the "
+                   "user's) and no direct_chat: this person's cards go nowhere (they can "
+                   "decide on the operator page or with `mdclaw approvals`)")
+            continue
+        channel = next((c for prefix, c in _CARD_CHANNELS.items() if chat.startswith(prefix)),
+                       None)
+        if channel is not None and channel not in enabled:
+            yield (f"people.{key}: cards go to {chat}, but channels.{channel} is not enabled: "
+                   f"enable it, or set people.{key}.direct_chat to a chat of an enabled channel")
+
+
 # Findings that deserve attention but leave the config valid: printed, exit status 0. They
 # look at the config only, so --skip-host-checks keeps them.
 CONFIG_WARNINGS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [
-    open_main_group, old_server_key_warnings, unanswered_groups]
+    open_main_group, old_server_key_warnings, unanswered_groups, undeliverable_cards]
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -143,7 +169,25 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"config ok: {len(cfg.groups)} group(s), main: {cfg.main_folder or '-'}, "
               f"{len(cfg.tasks)} task(s), data_dir: {cfg.data_dir}"
               + (f", secret files: {', '.join(secrets)}" if secrets else ""))
+        print_approvals(cfg)
     return 0
+
+
+def print_approvals(cfg: Config) -> None:
+    """What needs a person's yes, per group: the rules in force (the built-in defaults
+    counted, the config's own named), as `mdclaw approvals rules` lists them in full."""
+    if not cfg.people:
+        print("approvals: none (no people in the config: nothing waits for a person's yes)")
+        return
+    for folder in sorted(cfg.groups):
+        rules = effective_rules(cfg, folder)
+        defaults = sum(1 for r in rules if r.source.startswith("defaults"))
+        own = [r.describe() for r in rules if not r.source.startswith("defaults")]
+        print(f"approvals for {folder}: {len(rules)} rule(s), the last that matches decides"
+              + (f" ({defaults} built-in)" if defaults else "")
+              + f"; `mdclaw approvals rules -g {folder}` lists them")
+        for line in own:
+            print(f"  {line}")
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:

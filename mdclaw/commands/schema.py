@@ -170,24 +170,76 @@ WHO_MAY_DRIVE = """\
 ## Who may drive an agent
 
 By default everyone in a group's chat can drive its agent, which has a shell and the group's
-files; in the main group it also has admin powers. `allow_senders` names the people who may:
+files; in the main group it also has admin powers. Name the people who may, once, under
+`people:`, and list them (or their roles) as a group's `members:`:
 
 ```yaml
+people:
+  alex:
+    name: Alex
+    role: owner                  # owner | admin | member
+    identities:                  # per channel: the sender ids it reports for Alex
+      telegram: ["123456789"]    # the Telegram user id (/chatid in a private chat says it)
+      whatsapp: ["4915112345678@s.whatsapp.net"]
+      http: [alex]               # the web chat's sender name
+  sam: {name: Sam, identities: {telegram: ["987654321"]}}
+
+groups:
+  family:
+    name: Family
+    jid: "tg:-1001234567890"
+    members: [alex, sam, "role:admin"]   # people, or every person of a role
+    unknown_senders: ask_owner           # ignore (default) | ask_owner | allow
+```
+
+A message from a member drives the agent. A person who is no member of the group is context
+only: stored, shown to the agent with the next member's turn, never a turn of its own. A
+sender who is no person at all (an identity no person lists) is an **unknown sender**, and
+`unknown_senders` decides: `ignore` (the default) neither stores nor answers the message;
+`allow` treats them as a member; `ask_owner` sends the owner an admit card ("Grandma
+(Telegram 5551234) wants to talk to Family: Admit / Ignore"). The message that asked is kept
+with the card; once the owner admits the sender, it is stored and answered like any
+message, and later ones are too. Admitted senders are listed by `mdclaw people list` and
+revoked by `mdclaw people revoke telegram 5551234 [--group family]`. One card per sender and
+group is sent while it waits; an ignored request is forgotten (the sender may ask again).
+Without `members:` a group works as before (everyone, or `allow_senders`).
+
+### From allow_senders to members
+
+`allow_senders` keeps working exactly as before; a group may have it or `members`, not
+both (check-config names the keys). The same group, before and after:
+
+```yaml
+# before
 groups:
   main:
     name: Admin chat
     jid: "tg:-1001234567890"
     main: true
     allow_senders:
-      mode: trigger          # or drop
-      ids: ["123456789"]     # Telegram user ids; numbers may be written unquoted
+      mode: drop             # or trigger
+      ids: ["123456789"]
+
+# after
+people:
+  alex: {name: Alex, role: owner, identities: {telegram: ["123456789"]}}
+groups:
+  main:
+    name: Admin chat
+    jid: "tg:-1001234567890"
+    main: true
+    members: [alex]          # unknown_senders: ignore is mode: drop
 ```
 
-Messages from anyone else never start a turn, are never fed into a running conversation on
-their own, and are never answered. With `mode: trigger` they are stored and the agent sees
-them as context with the next turn an allowed sender starts; with `mode: drop` they are not
-stored at all. Pick `drop` when others' words must not reach the agent: in `trigger` mode it
-still reads them, instructions included, with an allowed sender's request.
+`mode: trigger` (others' messages kept as context) has its counterpart in people who are
+known but no members: list them under `people:` and leave them out of `members:`.
+
+With `allow_senders`, messages from anyone not on the list never start a turn, are never fed
+into a running conversation on their own, and are never answered. With `mode: trigger` they
+are stored and the agent sees them as context with the next turn an allowed sender starts;
+with `mode: drop` they are not stored at all. Pick `drop` (or `members:` with
+`unknown_senders: ignore`) when others' words must not reach the agent: in `trigger` mode
+it still reads them, instructions included, with an allowed sender's request.
 
 Each group counts the messages it refused (in `trigger` mode: those that would have started
 a turn), with the time of the latest: `mdclaw groups list` shows both. The log names each
@@ -198,18 +250,44 @@ Sender ids are what the channel reports as the sender:
 - Telegram (`tg:`): the user id, a number (`123456789`, without `tg:`). To find yours, write
   `/chatid` in a private chat with the bot: it answers `tg:<your user id>`. A message sent on
   behalf of a chat (an anonymous group admin, a linked channel) carries that chat's id.
+- WhatsApp (`wa:`): the sender's jid. mdclaw is a linked device of the owner's own account,
+  so the account's own messages are never inbound: that account is nobody's identity here.
 - Email (`mail:`): the sender's address, lower-cased (`alice@example.org`). Mail reaches a
   group only from the addresses in `channels.email.allow_from`, checked as docs/security.md
   says ("Who may write by mail"); `allow_senders` narrows that per group.
+- Matrix (`mx:`): the user id (`@alice:example.org`), as the homeserver vouches for it.
 - Local HTTP (`hl:`): the `sender` field of `POST /message` (else `sender_name`, else
   `local`). It is whatever the client sends, not proof of who wrote it: who may post at all
-  is decided by the channel's `secret_file` and `listen` address.
+  is decided by the web server's token (`server.secret_file`) and `listen` address.
 
 The rule is the same for every channel and applies to the main group too. Groups registered
-at runtime by the main agent (over IPC) have no allow-list: everyone in their chat may drive
+at runtime by the main agent (over IPC) have neither list: everyone in their chat may drive
 them, as before; to restrict one, unregister it and declare it in the config.
 `mdclaw check-config` and `mdclaw doctor` warn when the main group answers in a group chat
 without `allow_senders`.
+
+## Triggers: addressing the assistant
+
+In a group that requires a trigger (every group but main, unless `requires_trigger` says
+otherwise; the main group too with `requires_trigger: true`) a message wakes the agent only
+when it addresses the assistant. With `trigger: "@Andy"` (the default is `@` + the
+assistant's name; `Andy` and `@Andy` configure the same name):
+
+| form | wakes it | does not |
+|---|---|---|
+| `@Name` anywhere, as a word | `what do you think, @andy?` | `mail bob@andy.com` |
+| the name first, then `,` or `:` (a greeting may come first) | `Andy, lights off`, \
+`hey andy: dinner?` | `Andy lights off`, `ask Andy, he knows` |
+| the name alone | `Andy?` | `Andyman!` |
+| a reply to one of the assistant's messages (Telegram, WhatsApp) | | |
+| the service's own mention of the bot (`@mdclaw_bot` on Telegram, an @-mention on WhatsApp) | | |
+
+A passing mention does not wake it: `I told andy yesterday`, `andy's bike is fixed`. Such
+messages stay in the conversation as context. The name is matched case-insensitively and
+literally (regex characters in it are plain characters).
+
+Approval rules (`approvals:`, `groups.<g>.approvals`) and the cards that ask a person are
+described in [approvals.md](approvals.md).
 """
 
 

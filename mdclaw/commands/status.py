@@ -70,6 +70,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"whatsapp: {wa['link_state']}"
               + (f" ({wa['account']})" if wa.get("account") else "")
               + (f" — fix: {wa['fix']}" if wa.get("fix") else ""))
+    mx = s.get("matrix")
+    if mx:
+        print(f"matrix: {mx['account']} on {mx['homeserver']} ({mx['login']}"
+              + (f", device {mx['device']}" if mx.get("device") else "") + ")"
+              + (f" — fix: {mx['fix']}" if mx.get("fix") else ""))
     if s["database"] != "ready":
         print(s["database_detail"])
         _print_disk(s.get("disk") or {})

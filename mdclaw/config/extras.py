@@ -63,6 +63,10 @@ EXTRAS: dict[str, Extra] = {
         "email", "imapclient", "imapclient", "the email channel",
         "the NixOS package includes imapclient: update mdclaw, or report a package without "
         "it as a bug"),
+    "matrix": Extra(
+        "matrix", "nio", "matrix-nio", "the Matrix channel",
+        "the NixOS package built by mdclaw's flake includes matrix-nio: use it (the "
+        "services.mdclaw.package default), or remove channels.matrix (or set enabled: false)"),
 }
 
 
@@ -128,6 +132,9 @@ def settings_needing(cfg: Config) -> list[tuple[str, Extra]]:
     sl = cfg.channels.slack
     if sl is not None and sl.enabled:
         out.append(("channels.slack", EXTRAS["slack"]))
+    mx = cfg.channels.matrix
+    if mx is not None and mx.enabled:
+        out.append(("channels.matrix", EXTRAS["matrix"]))
     if cfg.transcription is not None and cfg.transcription.provider == "local":
         out.append(("transcription.provider", EXTRAS["transcribe"]))
     return out

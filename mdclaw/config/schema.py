@@ -25,6 +25,14 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from mdclaw import schedule
 from mdclaw.config.schema_groups import AllowSenders, Assistant, Group, GroupMount, TaskSpec
+from mdclaw.config.schema_people import (
+    ApprovalMatch,
+    ApprovalRule,
+    Approvals,
+    Person,
+    PersonKey,
+    people_problems,
+)
 from mdclaw.config.schema_services import (
     Channels,
     EmailChannel,
@@ -237,6 +245,12 @@ class Config(_Settings):
         default_factory=dict, description="Key: the group's folder name (1-64 letters, digits, "
         "'_' or '-'; not global or errors; unique without regard to case: `family` and "
         "`FAMILY` would share one folder on a case-insensitive file system).")
+    people: dict[PersonKey, Person] = Field(
+        default_factory=dict, description="The people mdclaw knows, by key (e.g. alex): "
+        "their role and their identities on each channel (docs/approvals.md).")
+    approvals: Approvals = Field(default_factory=Approvals,
+                                 description="What needs a person's yes before it happens "
+                                 "(docs/approvals.md).")
     limits: Limits = Field(default_factory=Limits,
                            description="Resource limits and timeouts. A reload (SIGHUP) applies "
                            "every one; those of a container from its group's next run.")
@@ -476,6 +490,8 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 "group mount", ("groups",))
     for path, msg in server_key_problems(cfg):
         add(path, msg, ("server",))
+    for (path, msg), needs in people_problems(cfg.people, cfg.approvals, cfg.groups):
+        add(path, msg, *needs)
     wa = cfg.channels.whatsapp
     if wa is not None and wa.session_file is not None:
         # The session file holds the linked device's keys: never where an agent can reach.
@@ -530,11 +546,11 @@ def _choices(names: list[str], what: str) -> str:
     return f"known: {', '.join(names)}" if names else f"no {what} are configured"
 
 
-__all__ = ["AllowSenders", "AllowedRoot", "Assistant", "Channels", "Config", "EmailChannel",
-           "Group",
+__all__ = ["AllowSenders", "AllowedRoot", "ApprovalMatch", "ApprovalRule", "Approvals",
+           "Assistant", "Channels", "Config", "EmailChannel", "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
            "Limits", "McpApprove", "McpServer", "McpServerName", "Media", "Metrics",
-           "ModelSpec", "MountPolicy", "Runtime", "SlackChannel", "TaskSpec",
+           "ModelSpec", "MountPolicy", "Person", "Runtime", "SlackChannel", "TaskSpec",
            "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
 

@@ -3,10 +3,12 @@ sections of config.yaml (the rules across sections are in mdclaw.config.schema).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
 
+from mdclaw.config.schema_people import ApprovalRule, Member
 from mdclaw.config.schema_services import McpToolGlob
 from mdclaw.config.types import (
     CrossKeyError,
@@ -43,6 +45,7 @@ class AllowSenders(Frozen):
         "Telegram user ids (e.g. '123456789', without 'tg:'), WhatsApp jids (e.g. "
         "'4915112345678@s.whatsapp.net', without 'wa:'), Slack user ids (e.g. 'U0123ABCD'), "
         "Discord user ids (e.g. '123456789012345678'; Developer Mode → Copy User ID), "
+        "Matrix user ids (e.g. '@alice:example.org'), "
         "the local HTTP channel's `sender` field. An empty list lets no one.")
 
 
@@ -51,10 +54,12 @@ class Group(Frozen):
     jid: str = Field(min_length=1, description="The chat this group answers in, e.g. tg:123456.")
     main: bool = Field(False, description="The admin group; exactly one group is main.")
     requires_trigger: bool | None = Field(
-        None, description="Only answer messages that mention the trigger (default: true, "
-        "false for the main group)."
+        None, description="Only answer messages that address the assistant: '@Name' "
+        "anywhere, the name first followed by ',' or ':', a reply to the assistant, or the "
+        "chat service's own mention of the bot (default: true, false for the main group)."
     )
-    trigger: str | None = Field(None, description="Trigger word; default '@' + assistant name.")
+    trigger: str | None = Field(None, description="The name a message addresses the "
+                                "assistant by; default '@' + assistant name.")
     mounts: tuple[GroupMount, ...] = Field((), description="Extra host folders for this group.")
     timeout: Duration | None = Field(None, description="Hard container timeout for this group.")
     tool_timeout: Duration | None = Field(
@@ -69,6 +74,19 @@ class Group(Frozen):
         None, description="Who may drive this group's agent, e.g. {mode: trigger, ids: "
         "['123456789']}; unset: everyone in the chat may (docs/configuration.md: 'Who may drive "
         "an agent').")
+    members: tuple[Member, ...] | None = Field(
+        None, description="Who may drive this group's agent: people (keys of `people`) and "
+        "roles (role:owner, role:admin, role:member). Unset: everyone in the chat (or "
+        "allow_senders). A person who is not a member is context only; anyone who is no "
+        "person at all is an unknown sender.")
+    unknown_senders: Literal["ignore", "ask_owner", "allow"] = Field(
+        "ignore", description="What happens to a message from someone who is no person of "
+        "`people` (needs members): ignore: not stored, never answered; ask_owner: the owner "
+        "gets an admit card, and once admitted the sender may talk (mdclaw people list|revoke); "
+        "allow: treated as a member.")
+    approvals: tuple[ApprovalRule, ...] = Field(
+        (), description="Approval rules for this group only, after the global ones (a later "
+        "matching rule wins; approver: none loosens), docs/approvals.md.")
     disk: Size | None = Field(
         None, description="Most disk space this group's files may take, e.g. `2GiB` (overrides "
         "`limits.disk`).")
@@ -116,6 +134,20 @@ class Group(Frozen):
                 (("allow_senders", "ids", str(n)),
                  f"{i!r} is not a Discord user id; write the number (Discord: User Settings → "
                  "Advanced → Developer Mode, then a person's name → Copy User ID), never a "
+                 "name") for n, i in bad])
+        return self
+
+    @model_validator(mode="after")
+    def _matrix_sender_ids(self) -> Group:
+        if self.allow_senders is None or not self.jid.startswith("mx:"):
+            return self
+        bad = [(n, i) for n, i in enumerate(self.allow_senders.ids)
+               if not re.match(r"^@[^:\s]+:\S+\Z", i)]
+        if bad:
+            raise CrossKeyError([
+                (("allow_senders", "ids", str(n)),
+                 f"{i!r} is not a Matrix user id; write @name:server (e.g. "
+                 "'@alice:example.org', as the person's profile shows it), never a display "
                  "name") for n, i in bad])
         return self
 

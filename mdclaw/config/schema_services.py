@@ -268,6 +268,51 @@ class SlackChannel(Frozen):
                           description="Web API base URL (for tests).")
 
 
+MATRIX_USER_ID = r"^@[^:\s]+:[^\s]+$"
+
+
+class MatrixChannel(Frozen):
+    enabled: bool = Field(True, description="Connect to the Matrix homeserver as the bot "
+                          "account `user_id`.")
+    homeserver: str = Field(pattern=r"^https?://", description="The homeserver's client API "
+                            "address, e.g. https://matrix.example.org (where `/_matrix/client` "
+                            "is served).")
+    user_id: str = Field(pattern=MATRIX_USER_ID, description="The bot account, e.g. "
+                         "@mdclaw:example.org (make it an account of its own, not yours).")
+    access_token_file: SecretFile | None = Field(
+        None, description="File holding the bot account's access token. Give this or "
+        "`password_file`.")
+    password_file: SecretFile | None = Field(
+        None, description="File holding the bot account's password: mdclaw logs in once and "
+        "keeps the access token it gets in data_dir/matrix/session.json (mode 0600), logging "
+        "in again only when the homeserver stops accepting it.")
+    device_name: str = Field("mdclaw", min_length=1, max_length=100,
+                             description="The name of the login's device, as the account's "
+                             "session list shows it (password login only).")
+    allow_invites_from: tuple[str, ...] = Field(
+        (), description="Matrix user ids (@alice:example.org) whose invites the bot accepts; "
+        "invites from anyone else are ignored. Rooms are chats `mx:<room id>`.")
+
+    @field_validator("allow_invites_from")
+    @classmethod
+    def _user_ids(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [u for u in v if not re.match(MATRIX_USER_ID, u)]
+        if bad:
+            raise ValueError(f"{', '.join(map(repr, bad))}: not a Matrix user id; write "
+                             "@name:server (e.g. @alice:example.org)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> MatrixChannel:
+        given = [k for k in ("access_token_file", "password_file")
+                 if getattr(self, k) is not None]
+        if len(given) != 1:
+            where = (given[1],) if given else ()
+            raise CrossKeyError([(where, "give exactly one of access_token_file, password_file "
+                                         f"(got {given or 'none'})")])
+        return self
+
+
 class Channels(Frozen):
     http: HttpChannel | None = Field(
         default_factory=HttpChannel,
@@ -286,6 +331,10 @@ class Channels(Frozen):
     slack: SlackChannel | None = Field(
         None, description="Slack app in Socket Mode (jids slack:<channel id>, e.g. "
         "slack:C0123456789; a direct message's channel id starts with D).")
+    matrix: MatrixChannel | None = Field(
+        None, description="Matrix bot account on your homeserver (jids mx:<room id>, e.g. "
+        "mx:!aBcDeFgHiJkLmNoP:example.org, or mx:!aBcDeFgHiJkLmNoPqRsTuVwXyZ012345678 in rooms "
+        "of version 12 and later).")
 
 
 class Media(Frozen):

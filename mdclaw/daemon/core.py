@@ -43,6 +43,7 @@ from mdclaw.config import (
     reload_config,
 )
 from mdclaw.daemon.web import WebServerSetupError, build_web_server, server_gate
+from mdclaw.decisions import Decider
 from mdclaw.diskguard import DiskGuard
 from mdclaw.integrations import load_all
 from mdclaw.ipc.watcher import IpcWatcher
@@ -103,6 +104,7 @@ class Daemon:
         self.runner: ContainerRunner | None = None
         self.proxy: CredentialProxy | None = None
         self.orch: Orchestrator | None = None
+        self.decider: Decider | None = None
         self.diskguard: DiskGuard | None = None
         # The web server (server:) and its token, which the metrics.listen listener shares.
         self.gate = TokenGate(None)
@@ -203,6 +205,11 @@ class Daemon:
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(live, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
+        # People's decisions (buttons, reply codes, admit cards): the IPC loop carries them
+        # out (engine.settle), the action worker runs or refuses what they released.
+        self.decider = Decider(live, db, decided=self.wake_approvals)
+        orch.decider = self.decider
+        self.watcher.engine.on_settled = self._after_settle
         loop = asyncio.get_running_loop()
 
         def files_ready() -> None:  # from the watcher's thread
@@ -224,9 +231,11 @@ class Daemon:
         self.web = build_web_server(cfg, self.gate)
         # Channels and delivery.
         self.channels = build_channels(cfg, db, self.web, on_inbound=self.orch.on_inbound)
-        # A channel's own answers (/chatid) go through the outbox like any reply.
+        # A channel's own answers (/chatid) go through the outbox like any reply; presses of
+        # cards' buttons are people's decisions.
         for ch in self.channels:
             ch.on_service_reply(service_replier(db, self.outbox.wake))
+            ch.on_press(self.decider.on_press)
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
         # A reload reaches the parts wired here (the rest read `live` themselves).
@@ -280,6 +289,24 @@ class Daemon:
             self.scheduler.wake()
 
     def wake_outbox(self) -> None:
+        if self.outbox is not None:
+            self.outbox.wake()
+
+    def wake_approvals(self) -> None:
+        """A decision was recorded (here, or by the operator page): carry it out now."""
+        if self.watcher is not None:
+            self.watcher.wake_settle()
+            self.watcher.actions.wake()
+        if self.outbox is not None:
+            self.outbox.wake()
+
+    def _after_settle(self, settled: list[Any]) -> None:
+        """Decided approvals were carried out: an admitted sender's message may run, cards
+        are to be edited."""
+        if self.orch is not None:
+            for a in settled:
+                if a.kind == "admission" and a.status == "approved":
+                    self.orch.poke(a.group_folder)
         if self.outbox is not None:
             self.outbox.wake()
 

@@ -89,14 +89,26 @@ class ActionContext:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """A person's decision on an approval a job waited for: status (approved, answered),
+    the chosen answer (a question's option), who decided ("Alex (owner)")."""
+    approval_id: int
+    status: str
+    choice: str | None
+    by: str | None
+
+
+@dataclass(frozen=True)
 class OffloopContext:
-    """What an off-loop handler gets: the caller, the running config, the request's id.
-    No database connection: an off-loop handler keeps its state outside the database or in
-    its own module's tables, through its own short transactions."""
+    """What an off-loop handler gets: the caller, the running config, the request's id, and
+    for a job that waited for a person, their decision. No database connection: an
+    off-loop handler keeps its state outside the database or in its own module's tables,
+    through its own short transactions."""
     caller: Caller
     cfg: Config
     layout: Layout
     request_id: str
+    decision: Decision | None = None
 
 
 Scope = Literal["all", "main"]
@@ -115,6 +127,7 @@ class ActionSpec:
     max_attempts: int = 1
     timeout: float = 120.0
     check: Check | None = None
+    asks: bool = False  # the request is a question to a person; the job runs on the answer
 
 
 ACTIONS: dict[str, ActionSpec] = {}
@@ -125,10 +138,14 @@ ALWAYS_ALLOWED = ("memory_search", "memory_get", "mcp_call")
 
 def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
            max_attempts: int = 1, timeout: float = 120.0,
-           check: Check | None = None) -> Callable[[Any], Any]:
-    """Register the decorated function as the handler of action `name` (see module doc)."""
+           check: Check | None = None, asks: bool = False) -> Callable[[Any], Any]:
+    """Register the decorated function as the handler of action `name` (see module doc).
+    `asks`: each request is a question to a person (params `question`, `options`, `who`),
+    and the handler runs once they answered, with their answer in `ctx.decision`."""
     if check is not None and not offloop:
         raise ValueError("check is for off-loop actions (an on-loop handler checks itself)")
+    if asks and not offloop:
+        raise ValueError("an action that asks a person waits: it must run off the loop")
     if default_scope not in ("all", "main"):
         raise ValueError(f"default_scope must be 'all' or 'main', not {default_scope!r}")
     if max_attempts < 1:
@@ -136,7 +153,7 @@ def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
 
     def deco(fn: Any) -> Any:
         ACTIONS[name] = ActionSpec(name, fn, offloop, default_scope, max_attempts, timeout,
-                                   check)
+                                   check, asks)
         return fn
     return deco
 
@@ -339,3 +356,45 @@ def memory_get(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]:
         if p == path:
             return {"path": path, "content": text}
     raise ActionFailed(f"{path} does not exist")
+
+
+# --------------------------------------------------------------------------- ask_person
+
+QUESTION_MAX = 1000
+OPTION_MAX = 100
+MAX_OPTIONS = 4
+
+
+def question_of(params: dict[str, Any]) -> dict[str, Any]:
+    """An ask_person request's question as stored for the card: {question, options, who}.
+    Raises ActionFailed saying what is wrong (nothing is asked)."""
+    question = params.get("question")
+    if not isinstance(question, str) or not question.strip() or len(question) > QUESTION_MAX:
+        raise ActionFailed(f"ask_person needs a 'question' of 1 to {QUESTION_MAX} characters")
+    options = params.get("options", ["Yes", "No"])
+    if (not isinstance(options, list) or not 1 <= len(options) <= MAX_OPTIONS
+            or not all(isinstance(o, str) and 0 < len(o.strip()) <= OPTION_MAX
+                       for o in options)):
+        raise ActionFailed(f"ask_person 'options' must be 1 to {MAX_OPTIONS} strings of at "
+                           f"most {OPTION_MAX} characters")
+    who = params.get("who", "owner")
+    if not isinstance(who, str) or not who:
+        raise ActionFailed("ask_person 'who' must be owner, admin or a person's key")
+    return {"question": question, "options": list(options), "who": who}
+
+
+def _check_question(caller: Caller, params: dict[str, Any]) -> None:
+    question_of(params)
+
+
+@action("ask_person", offloop=True, asks=True, check=_check_question, timeout=10)
+def ask_person(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, Any]:
+    """The person's answer to the question (the worker runs this once they answered; an
+    unanswered question gets its error result without it)."""
+    d = ctx.decision
+    if d is None or d.choice is None:
+        raise ActionFailed("ask_person: no answer was recorded")
+    options = question_of(params)["options"]
+    n = int(d.choice) if d.choice.isdigit() else 0
+    answer = options[n - 1] if 1 <= n <= len(options) else d.choice
+    return {"answer": answer, "option": n or None, "answeredBy": d.by}

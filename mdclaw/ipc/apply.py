@@ -7,6 +7,14 @@ file gets its own ledger row keyed by (group, sub/name, sha256@inode.ctime). Onl
 applied files removed and rejected ones quarantined. After a crash anywhere, a file whose
 ledger row exists is only finished (removed or quarantined), never applied again; a file
 without one was not applied and is processed normally.
+
+A command or action an approval rule matches (mdclaw.approvals.rules.rule_for, asked after
+every authorization check) is not applied: an approval is opened instead, in the same
+transaction, with the canonical command as stored and a card to each approver (an off-loop
+action's job waits in `awaiting_approval`, and its caller gets an interim result saying
+so). The file is consumed like any other. `settle` carries out decided approvals: an
+approved command is applied here, from the stored request, in the transaction that marks
+the approval settled, so it runs exactly once; notes and card edits go with it.
 """
 
 from __future__ import annotations
@@ -24,15 +32,20 @@ from datetime import timedelta
 from typing import Any
 
 from mdclaw import agentfs, metrics, schedule
+from mdclaw.approvals import flow as approvals
+from mdclaw.approvals import store as approval_store
+from mdclaw.approvals.rules import Request, Rule, effective_rules, rule_for
 from mdclaw.config import FOLDER_CASE_RULE, Config, LiveConfig, folder_clash
 from mdclaw.errors import IpcError
 from mdclaw.ipc import protocol as P
 from mdclaw.ipc.actions import (
     ActionContext,
     ActionFailed,
+    ActionSpec,
     action_refusal,
     check_request,
     get_spec,
+    question_of,
     run_action,
 )
 from mdclaw.ipc.auth import (
@@ -56,6 +69,7 @@ from mdclaw.ipc.quarantine import Quarantine
 from mdclaw.ipc.spool import check_source, spool_pending
 from mdclaw.ipc.writers import write_action_result, write_snapshots
 from mdclaw.paths import Layout
+from mdclaw.people import People
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
@@ -100,6 +114,7 @@ class Item:
     reason: str | None = None
     outcome: str = ""  # applied | rejected | gone | done (already in the ledger)
     ledger_outcome: str = ""
+    held: int | None = None  # the approval it waits for (consumed, not applied yet)
 
     @property
     def ledger_name(self) -> str:
@@ -116,6 +131,7 @@ class Effects:
     groups_changed: bool = False
     files: bool = False  # send_file rows wait for their host copy
     jobs: bool = False  # off-loop action jobs were queued
+    approvals: list[int] = field(default_factory=list)  # approvals opened (cards queued)
 
 
 @dataclass
@@ -173,6 +189,9 @@ class IpcEngine:
         self.on_commit: Callable[[list[Item]], None] | None = None
         # Called after a COMMIT that queued off-loop action jobs (the ActionWorker's wake).
         self.on_jobs: Callable[[], None] | None = None
+        # Called with the approvals a settle pass carried out (the daemon: admitted senders'
+        # messages to run, metrics).
+        self.on_settled: Callable[[list[approval_store.Approval]], None] | None = None
         self._db_mark: tuple[int, int] | None = None
         self.refresh_groups()
 
@@ -330,8 +349,10 @@ class IpcEngine:
                     continue
                 if it.reason is None:
                     # A command whose every check comes before its only statement (ONE_WRITE)
-                    # needs no SAVEPOINT: SQLite applies a statement whole or not at all.
-                    savepoint = not isinstance(it.cmd, ONE_WRITE)
+                    # needs no SAVEPOINT: SQLite applies a statement whole or not at all
+                    # (unless a rule may hold it: an approval is several).
+                    savepoint = (not isinstance(it.cmd, ONE_WRITE)
+                                 or bool(effective_rules(self.cfg, it.folder)))
                     if savepoint:
                         conn.execute("SAVEPOINT cmd")
                     try:
@@ -348,8 +369,9 @@ class IpcEngine:
                             conn.execute("ROLLBACK TO cmd")
                         conn.execute("RELEASE cmd")
                 it.outcome = "rejected" if it.reason is not None else "applied"
+                detail = it.reason if it.held is None else f"awaiting approval #{it.held}"
                 ledger.append((it.folder, it.ledger_name, it.key, it.ctype, it.outcome,
-                               it.reason, now))
+                               detail, now))
             # The batch's ledger rows in one call, in the same transaction as the effects.
             conn.executemany(
                 "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
@@ -443,16 +465,88 @@ class IpcEngine:
         if fx.groups_changed:
             self.snapshots({main} if main else set(), tasks=True, groups=True)
 
+    # ------------------------------------------------------------------ approvals
+    def settle(self) -> list[approval_store.Approval]:
+        """Expire the approvals whose time is up, then carry out every decided one not
+        carried out yet, each in one transaction with its `settled_at` (so exactly once,
+        also across a crash or a second process): an approved command is applied from the
+        stored request; the requesting agent gets a note; the cards are edited to show the
+        outcome. Returns the approvals settled."""
+        due = approval_store.due(self.db)
+        if due:
+            with self.db.transaction() as conn:
+                for approval_id in due:
+                    approvals.decide(conn, self.cfg, approval_id, status="expired", by=None,
+                                     label="nobody (no answer in time)", via="timeout")
+            log.info("approvals: %d expired (no answer in time)", len(due))
+            if self.on_jobs is not None:
+                self.on_jobs()  # jobs they held get their "expired" result
+        settled: list[approval_store.Approval] = []
+        for a in approval_store.unsettled(self.db):
+            fx = Effects()
+            with self.db.transaction() as conn:
+                if not approval_store.mark_settled(conn, a.id, None):
+                    continue  # another process settled it meanwhile
+                outcome = None
+                if a.kind == "command" and a.status == "approved":
+                    outcome = self._run_approved(conn, a, fx)
+                    conn.execute("UPDATE approvals SET outcome = ? WHERE id = ?",
+                                 (outcome, a.id))
+                group = self.rows.get(a.group_folder)
+                approvals.settle_effects(conn, self.cfg, a, outcome=outcome,
+                                         group_jid=group.jid if group else None)
+            settled.append(a)
+            metrics.approvals_decided.get(a.kind, a.status).inc()
+            wait = a.seconds_to_decide()
+            if wait is not None:
+                metrics.approval_wait.get(a.status).observe(max(0.0, wait))
+            log.info("approval #%d (%s of %s) %s by %s%s", a.id, a.summary, a.group_folder,
+                     a.status, a.decided_label or "-", f": {outcome}" if outcome else "")
+            self._after(fx)
+        if settled and self.on_settled is not None:
+            self.on_settled(settled)
+        return settled
+
+    def _run_approved(self, conn: sqlite3.Connection, a: approval_store.Approval,
+                      fx: Effects) -> str:
+        """Apply an approved command from its stored request, the checks of its group made
+        again as they stand now; returns "applied" or why it was not carried out."""
+        if a.group_folder not in self.rows:
+            return "not carried out: the group is no longer registered"
+        try:
+            cmd, _ = P.parse_command(a.request)
+        except P.ProtocolError as e:
+            return f"not carried out: {e}"
+        it = Item(a.group_folder, "approved", f"approval-{a.id}", -1, cmd=cmd)
+        jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
+        conn.execute("SAVEPOINT approved")
+        try:
+            self._apply(conn, it, fx, jid_to_folder, approved=True)
+        except (Unauthorized, ApplyError, TaskError, schedule.ScheduleError, UnsafePath) as e:
+            conn.execute("ROLLBACK TO approved")
+            conn.execute("RELEASE approved")
+            return f"not carried out: {_reason(e)}"
+        except Exception as e:  # noqa: BLE001 - a bug: the approval is settled with the reason
+            log.exception("ipc: internal error applying approval #%d", a.id)
+            conn.execute("ROLLBACK TO approved")
+            conn.execute("RELEASE approved")
+            return f"not carried out: internal error: {type(e).__name__}"
+        conn.execute("RELEASE approved")
+        return "applied"
+
     def drain(self, max_rounds: int | None = None) -> BatchResult:
-        """Process every pending file (in fair rounds) until none is left."""
+        """Process every pending file (in fair rounds) until none is left; carry out the
+        approvals decided meanwhile (settle) before and after."""
         total = BatchResult()
         rounds = 0
+        self.settle()
         while max_rounds is None or rounds < max_rounds:
             batch = self.take_fair(self.collect())
             if not batch:
                 break
             total.add(self.process(batch))
             rounds += 1
+        self.settle()
         return total
 
     def database_changed(self) -> bool:
@@ -523,16 +617,28 @@ class IpcEngine:
         return Caller(folder, g.is_main, g.jid)
 
     def _apply(self, conn: sqlite3.Connection, it: Item, fx: Effects,
-               jid_to_folder: dict[str, str]) -> None:
+               jid_to_folder: dict[str, str], *, approved: bool = False) -> None:
+        """Check and apply `it`'s command, or hold it for approval when a rule says so
+        (`approved`: it was approved already, and runs now)."""
         caller = self._caller(it.folder)
         check_identity(caller, it.claimed)
         cmd = it.cmd
+
+        def held(args: dict[str, Any], other_chat: bool = False) -> bool:
+            if approved:
+                return False
+            return self._hold(conn, it, fx, Request("command", cmd.type, args, other_chat))
+
         if isinstance(cmd, P.SendMessage):
             chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "message")
+            if held(P.to_canonical_json(cmd), chat != caller.jid):
+                return
             enqueue(conn, chat_jid=chat, kind="text", text=cmd.text, sender=cmd.sender,
                     reply_to=cmd.reply_to, source_group=caller.folder)
         elif isinstance(cmd, P.React):
             chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "react")
+            if held(P.to_canonical_json(cmd), chat != caller.jid):
+                return
             enqueue(conn, chat_jid=chat, kind="reaction", message_id=cmd.message_id,
                     emoji=cmd.emoji, source_group=caller.folder)
         elif isinstance(cmd, P.SendFile):
@@ -540,6 +646,8 @@ class IpcEngine:
             # Checked here (no read); copied by the spooler, off the loop and outside this
             # transaction.
             name = check_source(self.cfg, self.layout, caller.folder, cmd.file_path)
+            if held(P.to_canonical_json(cmd), chat != caller.jid):
+                return
             enqueue(conn, chat_jid=chat, kind="file", source_path=cmd.file_path,
                     file_name=cmd.file_name or name, text=cmd.caption,
                     source_group=caller.folder)
@@ -547,6 +655,8 @@ class IpcEngine:
         elif isinstance(cmd, P.ScheduleTask):
             chat, target = check_chat_target(caller, cmd.chat_jid, jid_to_folder,
                                              "schedule_task")
+            if held(P.to_canonical_json(cmd), target != caller.folder):
+                return
             tz = cmd.timezone or self.cfg.assistant.timezone
             insert_task(conn, group_folder=target, chat_jid=chat, prompt=cmd.prompt,
                         schedule_type=cmd.schedule_type, schedule_value=cmd.schedule_value,
@@ -555,19 +665,47 @@ class IpcEngine:
             fx.task_folders.add(target)
         elif isinstance(cmd, (P.UpdateTask, P.PauseTask, P.ResumeTask, P.CancelTask,
                               P.DeleteTask)):
+            task = get_task(conn, cmd.task_id)
+            check_task_access(caller, cmd.task_id, task.group_folder if task else None,
+                              cmd.type)
+            assert task is not None
+            if held(P.to_canonical_json(cmd), task.group_folder != caller.folder):
+                return
             self._task_op(conn, caller, cmd, fx)
         elif isinstance(cmd, (P.RegisterGroup, P.UnregisterGroup, P.RefreshGroups)):
             check_group_admin(caller, cmd.type)
+            if held(P.to_canonical_json(cmd)):
+                return
             self._group_op(conn, cmd, jid_to_folder)
             fx.groups_changed = True
         elif isinstance(cmd, P.ActionRequest):
-            self._action(conn, caller, cmd, fx)
+            self._action(conn, it, caller, cmd, fx, approved=approved)
         else:  # pragma: no cover - the union is exhaustive
             raise ApplyError(f"no handler for {cmd.type}")
 
+    def _hold(self, conn: sqlite3.Connection, it: Item, fx: Effects, request: Request,
+              rule: Rule | None = None) -> bool:
+        """Open an approval for `it` when a rule asks for one (True: it waits). Raises
+        ApplyError when the group has too many waiting already (a flood of cards is no way
+        to ask a person)."""
+        rule = rule or rule_for(self.cfg, it.folder, request)
+        if rule is None:
+            return False
+        self._room_for_approval(conn, it.folder)
+        canonical = P.to_canonical_json(it.cmd)
+        opened = approvals.open_approval(
+            conn, self.cfg, kind=request.kind, folder=it.folder,
+            group_name=self.rows[it.folder].name, request=canonical,
+            approver=rule.approver, timeout=rule.timeout, rule=rule.describe(),
+            request_id=canonical.get("request_id"))
+        it.held = opened.id
+        fx.approvals.append(opened.id)
+        log.info("ipc: %s from %s waits for approval #%d (%s)", request.name, it.folder,
+                 opened.id, rule.describe())
+        return True
+
     def _task_op(self, conn: sqlite3.Connection, caller: Caller, cmd: Any, fx: Effects) -> None:
-        task = get_task(conn, cmd.task_id)
-        check_task_access(caller, cmd.task_id, task.group_folder if task else None, cmd.type)
+        task = get_task(conn, cmd.task_id)  # the caller's access was checked (_apply)
         assert task is not None
         fx.task_folders.add(task.group_folder)
         if isinstance(cmd, P.DeleteTask):
@@ -658,8 +796,8 @@ class IpcEngine:
         except UnsafePath as e:  # the runner refuses the same folders again at its start
             log.warning("ipc: group %s: %s", folder, e)
 
-    def _action(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
-                fx: Effects) -> None:
+    def _action(self, conn: sqlite3.Connection, it: Item, caller: Caller,
+                cmd: P.ActionRequest, fx: Effects, *, approved: bool = False) -> None:
         body: dict[str, Any] = {"requestId": cmd.request_id}
         spec = None
         try:
@@ -669,19 +807,82 @@ class IpcEngine:
                 raise ActionFailed(refusal)
             if spec.offloop:  # Unauthorized from here on is quarantined, before queueing
                 check_request(spec, caller, cmd.params)
+            if spec.asks and not approved:
+                self._ask(conn, it, caller, cmd, spec, fx, body)
+                return
         except ActionFailed as e:
             body.update(status="error", error=str(e))
         else:
+            request = Request("action", cmd.action, cmd.params)
             if spec.offloop:
+                rule = None if approved or spec.asks else rule_for(self.cfg, caller.folder,
+                                                                    request)
+                if rule is not None:
+                    self._hold(conn, it, fx, request, rule)
+                    self._queue_job(conn, caller, cmd, spec.max_attempts, approval=it.held)
+                    fx.jobs = True
+                    self._interim(conn, caller, cmd, rule.approver, it.held)
+                    return
                 self._queue_job(conn, caller, cmd, spec.max_attempts)
                 fx.jobs = True
                 return
+            if not approved and self._hold(conn, it, fx, request):
+                return  # an on-loop action runs when approved, like a command
             self._run_inline(conn, caller, cmd, body)
         body["executedAt"] = to_iso(utc_now())
+        self._write_result(caller, cmd.request_id, body)
+
+    @staticmethod
+    def _room_for_approval(conn: sqlite3.Connection, folder: str) -> None:
+        waiting = approval_store.pending_count(conn, folder)
+        if waiting >= approval_store.MAX_PENDING_PER_GROUP:
+            raise ApplyError(f"{waiting} requests of group {folder!r} wait for a person "
+                             "already; ask again once they are answered")
+
+    def _ask(self, conn: sqlite3.Connection, it: Item, caller: Caller, cmd: P.ActionRequest,
+             spec: ActionSpec, fx: Effects, body: dict[str, Any]) -> None:
+        """An action that asks a person (ask_person): a question approval to `who`, its job
+        waiting for the answer. ActionFailed for a question nobody could answer."""
+        question = question_of(cmd.params)
+        try:
+            self._room_for_approval(conn, caller.folder)
+        except ApplyError as e:
+            raise ActionFailed(str(e)) from None
+        who = question["who"]
+        if who not in ("owner", "admin") and who not in self.cfg.people:
+            known = ", ".join(sorted(self.cfg.people)) or "none"
+            raise ActionFailed(f"{cmd.action}: who={who!r} is not owner, admin or a person "
+                               f"(people: {known})")
+        if not People.of(self.cfg).approvers(who):
+            raise ActionFailed(f"{cmd.action}: nobody is {who!r} here (people has no such "
+                               "person): the question cannot be asked")
+        opened = approvals.open_approval(
+            conn, self.cfg, kind="question", folder=caller.folder,
+            group_name=self.rows[caller.folder].name, request=question, approver=who,
+            timeout=self.cfg.approvals.timeout, request_id=cmd.request_id)
+        it.held = opened.id
+        fx.approvals.append(opened.id)
+        self._queue_job(conn, caller, cmd, spec.max_attempts, approval=opened.id)
+        fx.jobs = True
+        self._interim(conn, caller, cmd, who, opened.id)
+
+    def _interim(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
+                 approver: str, approval_id: int | None) -> None:
+        """The result the caller's tool reads while a person decides: it keeps waiting,
+        up to `expiresAt` (the action worker writes the final one over it). Written before
+        COMMIT, like every result of this loop: a crash before it makes the same file
+        again."""
+        assert approval_id is not None
+        a = approval_store.get(conn, approval_id)
+        self._write_result(caller, cmd.request_id, {
+            "requestId": cmd.request_id, "status": "pending_approval", "approver": approver,
+            "approvalId": approval_id, "expiresAt": a.expires_at if a else None})
+
+    def _write_result(self, caller: Caller, request_id: str, body: dict[str, Any]) -> None:
         gfd = self.dirs[caller.folder].group_fd
         if gfd is None:
             raise ApplyError("the group's IPC folder is not open")
-        write_action_result(gfd, cmd.request_id, body)
+        write_action_result(gfd, request_id, body)
 
     def _run_inline(self, conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
                     body: dict[str, Any]) -> None:
@@ -706,19 +907,22 @@ class IpcEngine:
 
     @staticmethod
     def _queue_job(conn: sqlite3.Connection, caller: Caller, cmd: P.ActionRequest,
-                   max_attempts: int) -> None:
+                   max_attempts: int, *, approval: int | None = None) -> None:
         """Record an off-loop request in this transaction (with its ledger row); the action
-        worker runs it. A requestId the group already used is refused, never run twice."""
+        worker runs it (one that waits for `approval` once it is decided). A requestId the
+        group already used is refused, never run twice."""
         if conn.execute("SELECT 1 FROM action_jobs WHERE group_folder = ? AND request_id = ?",
                         (caller.folder, cmd.request_id)).fetchone():
             raise ApplyError(f"duplicate requestId {cmd.request_id!r}: that request was "
                              "already made; use a new requestId")
         conn.execute(
             "INSERT INTO action_jobs (group_folder, request_id, action, params, is_main,"
-            " max_attempts, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            " max_attempts, created_at, status, approval_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
+            " ?)",
             (caller.folder, cmd.request_id, cmd.action,
              json.dumps(cmd.params, ensure_ascii=False), int(caller.is_main), max_attempts,
-             to_iso(utc_now())))
+             to_iso(utc_now()), "queued" if approval is None else "awaiting_approval",
+             approval))
 
 
 def remove_if_same(dir_fd: int, name: str, gen: str) -> None:

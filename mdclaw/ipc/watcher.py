@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 
@@ -97,6 +98,9 @@ class IpcWatcher:
         self._rotation_at = 0
         self._rotation_of: set[str] | None = None
         self.totals = BatchResult()
+        # Decided approvals to carry out (a person answered in this process); the poll
+        # tick looks for any other process's decisions and for expiries.
+        self._settle_due = True
         self.idle = asyncio.Event()  # set while nothing is known to be pending
         self.last_progress = time.monotonic()
         self.live.subscribe(self._config_changed)
@@ -318,6 +322,8 @@ class IpcWatcher:
         try:
             while not stop.is_set():
                 self.last_progress = time.monotonic()  # the daemon's watchdog reads this
+                if self._settle_due:
+                    self._settle()
                 busy = self._work_once()
                 if busy:
                     self.idle.clear()
@@ -327,6 +333,7 @@ class IpcWatcher:
                 now = time.monotonic()
                 if now >= self._next_poll:
                     self._poll()
+                    self._settle()
                     self._next_poll = now + self.poll_interval
                     if now >= next_prune:
                         self.engine.prune_ledger()
@@ -344,6 +351,20 @@ class IpcWatcher:
             if self.inotify is not None:
                 loop.remove_reader(self.inotify.fd)
             await self.actions.stop()
+
+    def wake_settle(self) -> None:
+        """A decision was recorded: carry it out at the loop's next turn (engine.settle)."""
+        self._settle_due = True
+        self._wake.set()
+
+    def _settle(self) -> None:
+        self._settle_due = False
+        try:
+            self.engine.settle()
+        except sqlite3.Error as e:  # a busy database: the next tick tries again
+            log.warning("ipc: could not settle approvals: %s", e)
+        except Exception:  # noqa: BLE001 - a bug must not stop the IPC loop; next tick again
+            log.exception("ipc: settling approvals failed")
 
     def _files_ready(self) -> None:
         if self.on_files_ready is not None:

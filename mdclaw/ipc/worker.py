@@ -16,6 +16,11 @@ Exactly one result per request:
   it gets the error result "interrupted by a restart"; rows left `queued` are simply run.
 On stop, jobs still running after a short grace are cancelled and left `running`: the next
 start finishes them the same way.
+
+A job an approval holds waits in `awaiting_approval` (never claimed). The decision makes it
+`queued` (mdclaw.approvals.flow.decide); the worker then runs it if the approval says
+approved or answered (the handler sees the decision in `ctx.decision`), and otherwise writes
+the result that says who denied it, or that nobody answered in time, without running it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,13 @@ from typing import Any, TypeVar
 from mdclaw import agentfs, metrics
 from mdclaw.agentfs import UnsafePath
 from mdclaw.config import Config, LiveConfig
-from mdclaw.ipc.actions import ActionFailed, OffloopContext, action_refusal, get_spec
+from mdclaw.ipc.actions import (
+    ActionFailed,
+    Decision,
+    OffloopContext,
+    action_refusal,
+    get_spec,
+)
 from mdclaw.ipc.auth import Caller, Unauthorized
 from mdclaw.ipc.writers import write_action_result
 from mdclaw.paths import Layout
@@ -64,6 +75,7 @@ class Job:
     is_main: bool
     jid: str | None
     attempt: int
+    decision: Decision | None = None  # the approval it waited for, decided
 
 
 def _now() -> str:
@@ -137,10 +149,10 @@ class ActionWorker:
         """Serve until no job is queued, running or unwritten (for `mdclaw ipc drain
         --run-actions` and tests, without a daemon); returns how many this worker finished.
         TimeoutError if jobs remain after `timeout` seconds (they stay for the next start)."""
-        def open_jobs() -> int:
+        def open_jobs() -> int:  # jobs waiting for a person are not this run's to wait for
             return int(self.db.query(
                 "SELECT count(*) FROM action_jobs WHERE status IN ('queued', 'running')"
-                " OR written_at IS NULL")[0][0])
+                " OR (status IN ('done', 'failed') AND written_at IS NULL)")[0][0])
 
         self.start()
         try:
@@ -213,8 +225,11 @@ class ActionWorker:
             refusal = action_refusal(self.cfg, job.folder, job.is_main, job.action)
             if refusal is not None:
                 raise ActionFailed(refusal)
+            not_approved = refused_by(job)
+            if not_approved is not None:
+                raise ActionFailed(not_approved)
             ctx = OffloopContext(Caller(job.folder, job.is_main, job.jid), self.cfg,
-                                 self.layout, job.request_id)
+                                 self.layout, job.request_id, job.decision)
             if inspect.iscoroutinefunction(spec.handler):
                 result = await asyncio.wait_for(spec.handler(ctx, job.params), timeout)
             else:
@@ -243,8 +258,11 @@ class ActionWorker:
         cap. Reads first (no lock taken when there is nothing to claim)."""
         rows = self.db.query(
             "SELECT j.id, j.group_folder, j.request_id, j.action, j.params, j.is_main,"
-            " j.attempts, g.jid FROM action_jobs j LEFT JOIN registered_groups g"
-            " ON g.folder = j.group_folder WHERE j.status = 'queued' ORDER BY j.id LIMIT 2000")
+            " j.attempts, g.jid, j.approval_id, a.status AS a_status, a.choice AS a_choice,"
+            " a.decided_label AS a_by, a.created_at AS a_created, a.expires_at AS a_expires"
+            " FROM action_jobs j LEFT JOIN registered_groups g ON g.folder = j.group_folder"
+            " LEFT JOIN approvals a ON a.id = j.approval_id"
+            " WHERE j.status = 'queued' ORDER BY j.id LIMIT 2000")
         by_group: dict[str, list[Any]] = {}
         for r in rows:
             by_group.setdefault(r["group_folder"], []).append(r)
@@ -274,9 +292,13 @@ class ActionWorker:
                     params = json.loads(r["params"])
                 except ValueError:
                     params = {}
+                decision = None
+                if r["approval_id"] is not None:
+                    decision = Decision(r["approval_id"], r["a_status"] or "expired",
+                                        r["a_choice"], r["a_by"])
                 jobs.append(Job(r["id"], r["group_folder"], r["request_id"], r["action"],
                                 params if isinstance(params, dict) else {},
-                                bool(r["is_main"]), r["jid"], r["attempts"] + 1))
+                                bool(r["is_main"]), r["jid"], r["attempts"] + 1, decision))
         return jobs
 
     def _finish(self, job: Job, body: dict[str, Any]) -> None:
@@ -350,3 +372,16 @@ class ActionWorker:
         """Jobs per status (for status pages)."""
         return {r[0]: r[1] for r in self.db.query(
             "SELECT status, count(*) FROM action_jobs GROUP BY status")}
+
+
+def refused_by(job: Job) -> str | None:
+    """Why a job that waited for a person does not run (None: it was approved or answered,
+    or it waited for nobody)."""
+    d = job.decision
+    if d is None or d.status in ("approved", "answered"):
+        return None
+    which = f"approval #{d.approval_id}"
+    if d.status == "denied":
+        return f"{job.action} was denied by {d.by or 'the operator'} ({which}); it did not run"
+    return (f"{job.action}: nobody answered in time ({which} expired), so it did not run; "
+            "ask again later if it is still needed")

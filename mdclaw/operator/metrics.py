@@ -34,7 +34,8 @@ log = logging.getLogger("mdclaw.metrics")
 
 PATH = "/metrics"
 OUTBOX_STATES = ("pending", "sending", "failed")
-JOB_STATES = ("queued", "running", "failed")
+JOB_STATES = ("awaiting_approval", "queued", "running", "failed")
+APPROVAL_KINDS = ("command", "action", "admission", "question")
 
 
 class _Snapshot(Collector):
@@ -53,8 +54,17 @@ def database_counts(db: Database) -> tuple[dict[str, int], list[tuple[str, str, 
               for s in OUTBOX_STATES}
     jobs = [(str(r[0]), str(r[1]), int(r[2])) for r in db.query(
         "SELECT action, status, COUNT(*) FROM action_jobs WHERE status IN "
-        "('queued', 'running', 'failed') GROUP BY action, status")]
+        "('awaiting_approval', 'queued', 'running', 'failed') GROUP BY action, status")]
     return outbox, jobs
+
+
+def pending_approvals(db: Database) -> dict[str, int]:
+    """Pending approvals per kind (the partial index of pending ones, nothing else)."""
+    counts = {k: 0 for k in APPROVAL_KINDS}
+    for r in db.query("SELECT kind, COUNT(*) FROM approvals WHERE status = 'pending' "
+                      "GROUP BY kind"):
+        counts[str(r[0])] = int(r[1])
+    return counts
 
 
 async def scrape_gauges(d: DaemonView) -> list[GaugeMetricFamily]:
@@ -68,9 +78,15 @@ async def scrape_gauges(d: DaemonView) -> list[GaugeMetricFamily]:
         g.add_metric([status], n)
     out.append(g)
     g = GaugeMetricFamily("mdclaw_action_jobs", "Off-loop action jobs by action and status "
-                          "(queued, running, failed).", labels=["action", "status"])
+                          "(awaiting_approval, queued, running, failed).",
+                          labels=["action", "status"])
     for action, status, n in jobs:
         g.add_metric([action, status], n)
+    out.append(g)
+    g = GaugeMetricFamily("mdclaw_approvals_pending", "Approvals waiting for a person, by "
+                          "kind (command, action, admission, question).", labels=["kind"])
+    for kind, n in (await asyncio.to_thread(pending_approvals, d.db)).items():
+        g.add_metric([kind], n)
     out.append(g)
     queue = d.queue
     if queue is not None:

@@ -22,6 +22,7 @@ from mdclaw.channels.base import Channel
 from mdclaw.config import config_for_display, find_config_path
 from mdclaw.ipc.quarantine import list_errors, read_error_payload
 from mdclaw.models import container_model_fields
+from mdclaw.ops.approvals import approval_detail, approval_rows, decide, rules_for_groups
 from mdclaw.ops.budgets import budget_rows, since_day
 from mdclaw.ops.groups import group_listing
 from mdclaw.ops.outbox import change_outbox_row
@@ -170,6 +171,24 @@ def outbox_change(d: DaemonView, row_id: int, action: str) -> dict[str, Any]:
     if action == "retry":
         d.wake_outbox()
     return {"id": row.id, "status": "pending" if action == "retry" else "dropped"}
+
+
+def approvals(d: DaemonView) -> dict[str, Any]:
+    """What waits for a person (each with its request as a card shows it) and the audit of
+    the latest decisions, as `mdclaw approvals list` has them."""
+    pending = [approval_detail(d.db, r["id"]) for r in approval_rows(d.db, status="pending")]
+    return {"pending": [p for p in pending if p is not None],
+            "recent": [r for r in approval_rows(d.db, limit=100) if r["status"] != "pending"],
+            "rules": rules_for_groups(d.cfg), "people": bool(d.cfg.people)}
+
+
+def approval_change(d: DaemonView, approval_id: int, action: str,
+                    option: int | None = None) -> dict[str, Any]:
+    """Approve (or answer) or deny a pending approval as the operator, as `mdclaw approvals
+    approve|deny`; the daemon carries it out at once. Raises ApprovalError."""
+    a = decide(d.db, d.cfg, approval_id, action, via="page", option=option)
+    d.wake_approvals()
+    return a.as_dict()
 
 
 def quarantine(d: DaemonView) -> list[dict[str, Any]]:

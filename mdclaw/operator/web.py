@@ -5,11 +5,13 @@ Routes (JSON unless noted; every `/api/...` route behind mdclaw.operator.access)
 - `GET /operator/` — the page (HTML; app.js and app.css beside it; no CDN, no build step).
 - `POST /operator/login` `{"token"}` — sets the session cookie; `POST /operator/logout`.
 - `GET /operator/api/session` — how the caller got in and the CSRF token for changes.
-- `GET /operator/api/overview|groups|tasks|outbox|quarantine|usage|mcp|config` — one view
-  each.
+- `GET /operator/api/overview|groups|tasks|approvals|outbox|quarantine|usage|mcp|config` —
+  one view each.
 - `GET /operator/api/tasks/{id}/runs` — a task's run history.
 - `POST /operator/api/tasks/{id}/{pause|resume|cancel|run-now}`.
 - `POST /operator/api/outbox/{id}/{retry|drop}`.
+- `GET /operator/api/approvals`; `POST /operator/api/approvals/{id}/{approve|deny}`
+  (`{"option": N}` answers a question).
 - `POST /operator/api/quarantine/delete` `{"name"}`.
 """
 
@@ -27,6 +29,7 @@ from mdclaw import schedule
 from mdclaw.ipc.quarantine import QuarantineError
 from mdclaw.operator import views
 from mdclaw.operator.access import GRANT, Access, Handler
+from mdclaw.ops.approvals import ApprovalError
 from mdclaw.ops.view import DaemonView
 from mdclaw.state.outbox import OutboxError
 from mdclaw.state.tasks import TaskError
@@ -130,6 +133,22 @@ def build_app(d: DaemonView, access: Access) -> web.Application:
         except ValueError as e:  # OutboxError, or an id that is not a number
             return _error(409 if isinstance(e, OutboxError) else 400, str(e))
 
+    async def approval_action(request: web.Request) -> web.Response:
+        action = request.match_info["action"]
+        if action not in ("approve", "deny"):
+            return _error(404, "unknown action")
+        try:
+            body = await _body(request)
+            option = body.get("option")
+            if option is not None and (not isinstance(option, int) or isinstance(option, bool)):
+                return _error(400, "option must be a whole number")
+            return _json(views.approval_change(d, int(request.match_info["approval_id"]),
+                                               action, option))
+        except ApprovalError as e:
+            return _error(409, str(e))
+        except ValueError:  # a body that is no JSON object, an id that is no number
+            return _error(400, "give the approval's number, and a JSON object body")
+
     async def quarantine_delete(request: web.Request) -> web.Response:
         try:
             name = (await _body(request)).get("name")
@@ -153,6 +172,8 @@ def build_app(d: DaemonView, access: Access) -> web.Application:
     r.add_get("/api/tasks", view(views.tasks))
     r.add_get("/api/tasks/{task_id}/runs", runs)
     r.add_post("/api/tasks/{task_id}/{action}", task_action)
+    r.add_get("/api/approvals", view(views.approvals))
+    r.add_post("/api/approvals/{approval_id}/{action}", approval_action)
     r.add_get("/api/outbox", view(views.outbox))
     r.add_post("/api/outbox/{row_id}/{action}", outbox_action)
     r.add_get("/api/quarantine", view(views.quarantine, blocking=True))

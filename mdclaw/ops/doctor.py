@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sqlite3
 import tempfile
@@ -32,6 +33,7 @@ from mdclaw.integrations.home_assistant import probe
 from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
 from mdclaw.ops.email import email_checks
+from mdclaw.ops.matrix import matrix_checks, matrix_status
 from mdclaw.ops.status import daemon_running, disk_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.runtime import create_runtime, engine_errors
@@ -277,7 +279,8 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
     """Each model in use answers GET /v1/models the way the credential proxy reaches it;
     Telegram's getMe accepts the bot token; Slack's auth.test the bot token and
     apps.connections.open the app token; Home Assistant's GET /api/ accepts its token; the
-    email channel's IMAP and SMTP servers take its TLS and its login."""
+    email channel's IMAP and SMTP servers take its TLS and its login; the Matrix homeserver
+    accepts the bot's token, and each group's room is one it is in and not encrypted."""
 
     async def one(key: str) -> None:
         up = Upstream.from_spec(cfg.models[key])
@@ -397,8 +400,15 @@ async def _check_endpoints(results: list[dict[str, str]], cfg: Config,
         for check in await email_checks(cfg):
             _check(results, *check)
 
+    async def matrix() -> None:
+        for name, level, detail, fix in await matrix_checks(cfg):
+            _check(results, name, level, detail, fix)
+        mx = matrix_status(cfg)
+        if mx and mx.get("session"):
+            _private_file(results, "matrix_session", mx["session"], "the bot's access token")
+
     await asyncio.gather(*(one(k) for k in used), telegram(), slack(), discord(),
-                         home_assistant(), email())
+                         home_assistant(), email(), matrix())
 
 
 #: The application flags saying the Message Content Intent is on (GATEWAY_MESSAGE_CONTENT,
@@ -448,9 +458,20 @@ def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
         _check(results, name, level, detail, fix)
 
 
+def _private_file(results: list[dict[str, str]], name: str, path: str, holds: str) -> None:
+    """Warn when `path` (a file of secrets mdclaw keeps) can be read by other users."""
+    try:
+        mode = os.stat(path).st_mode & 0o077
+    except OSError:
+        return
+    if mode:
+        _check(results, name, "warn", f"{path} can be read by other users (it holds {holds})",
+               f"chmod 600 {path}")
+
+
 # The check each extra's failure is reported under.
 EXTRA_CHECKS = {"whatsapp": "whatsapp", "transcribe": "transcription", "email": "email",
-                "slack": "slack", "discord": "discord"}
+                "slack": "slack", "discord": "discord", "matrix": "matrix"}
 
 
 def _check_extras(results: list[dict[str, str]], cfg: Config) -> set[str]:

@@ -15,6 +15,7 @@ from mdclaw.config import Config
 from mdclaw.diskguard import check_all
 from mdclaw.ops.database import READ_TIMEOUT, database_fields, recheck
 from mdclaw.ops.email import email_status
+from mdclaw.ops.matrix import matrix_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.schedule import from_iso, to_iso, utc_now
 from mdclaw.state import Database, inspect_database
@@ -67,6 +68,9 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     mail = email_status(cfg)
     if mail is not None:
         out["email"] = mail
+    mx = matrix_status(cfg)
+    if mx is not None:
+        out["matrix"] = mx
     info = inspect_database(cfg.db_path)
     if info.state == "ready":
         try:

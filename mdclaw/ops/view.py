@@ -60,6 +60,9 @@ class DaemonView(Protocol):
     def wake_outbox(self) -> None:
         """Look at the outbox again now (a row is to be sent again)."""
 
+    def wake_approvals(self) -> None:
+        """Carry out a decision recorded now (an approval the operator decided)."""
+
     def disk_blocked(self, folder: str) -> bool:
         """Whether the group is refused runs for its disk use (mdclaw.diskguard)."""
 

@@ -554,6 +554,124 @@ ALTER TABLE failed_turns ADD COLUMN last_message_seq INTEGER;
 -- rows already sent (a chat's whole history).
 CREATE INDEX idx_outbox_open ON outbox(chat_jid, id) WHERE status IN ('pending', 'sending');
 """),  # noqa: S608 - fixed text: the message's transcript row, no value from outside
+    (13, "people and approvals: admitted senders, approvals awaiting a person, cards", """
+-- Identities the owner admitted to a group through an admit card (groups with members and
+-- unknown_senders: ask_owner). mdclaw/state/people.py.
+CREATE TABLE admitted_senders (
+  channel TEXT NOT NULL,
+  sender TEXT NOT NULL,
+  group_folder TEXT NOT NULL,
+  sender_name TEXT,
+  admitted_by TEXT NOT NULL,
+  admitted_at TEXT NOT NULL,
+  approval_id INTEGER,
+  PRIMARY KEY (channel, sender, group_folder)
+);
+
+-- What waits for a person: an IPC command or an action a rule holds (kind command, action),
+-- an unknown sender asking to talk to a group (admission), an agent's ask_person question.
+-- `request` is the request as stored when it was made (the canonical command, the action's
+-- request, the held message): what the card shows and what runs, never read again from an
+-- agent's folder. A decision is a conditional UPDATE from 'pending' (one decision wins);
+-- `settled_at` is set in the transaction that carried out what the decision asks for.
+-- mdclaw/approvals/store.py.
+CREATE TABLE approvals (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  kind TEXT NOT NULL CHECK(kind IN ('command', 'action', 'admission', 'question')),
+  group_folder TEXT NOT NULL,
+  subject TEXT NOT NULL,
+  summary TEXT NOT NULL,
+  request TEXT NOT NULL,
+  rule TEXT,
+  approver TEXT NOT NULL,
+  approvers TEXT NOT NULL,
+  request_id TEXT,
+  status TEXT NOT NULL DEFAULT 'pending'
+    CHECK(status IN ('pending', 'approved', 'denied', 'expired', 'answered')),
+  choice TEXT,
+  decided_by TEXT,
+  decided_label TEXT,
+  decided_via TEXT,
+  created_at TEXT NOT NULL,
+  expires_at TEXT NOT NULL,
+  decided_at TEXT,
+  settled_at TEXT,
+  outcome TEXT,
+  wrong_codes INTEGER NOT NULL DEFAULT 0,
+  codes_locked INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX idx_approvals_pending ON approvals(expires_at) WHERE status = 'pending';
+CREATE INDEX idx_approvals_pending_group ON approvals(group_folder) WHERE status = 'pending';
+CREATE INDEX idx_approvals_unsettled ON approvals(id) WHERE settled_at IS NULL;
+CREATE INDEX idx_approvals_created ON approvals(created_at);
+CREATE INDEX idx_approvals_group ON approvals(group_folder, id);
+-- One admit card per (identity, group) while it waits.
+CREATE UNIQUE INDEX idx_approvals_one_admission ON approvals(group_folder, subject)
+  WHERE kind = 'admission' AND status = 'pending';
+
+-- The code each approver may answer with on a channel without buttons ("approve 7KQ2"):
+-- random, one per approver and approval, looked up by the approver's person key.
+CREATE TABLE approval_codes (
+  approval_id INTEGER NOT NULL REFERENCES approvals(id) ON DELETE CASCADE,
+  person TEXT NOT NULL,
+  code TEXT NOT NULL,
+  PRIMARY KEY (approval_id, person)
+);
+CREATE INDEX idx_approval_codes_person ON approval_codes(person, code);
+
+-- The cards sent for an approval (one per approver's chat): the outbox row of each, whose
+-- card keeps the message it became (`sent`), so a decision can edit every card to show the
+-- outcome.
+CREATE TABLE approval_cards (
+  approval_id INTEGER NOT NULL REFERENCES approvals(id) ON DELETE CASCADE,
+  chat_jid TEXT NOT NULL,
+  outbox_id INTEGER NOT NULL,
+  PRIMARY KEY (approval_id, chat_jid)
+);
+CREATE INDEX idx_approval_cards_outbox ON approval_cards(outbox_id);
+
+-- An outbox row with a card: `card` is JSON {text, choices: [{label, data}], ...}; such a
+-- row's `text` is NULL (cards stay out of every group's transcript). `message_id` set on a
+-- card row: edit that message to the card instead of sending a new one.
+ALTER TABLE outbox ADD COLUMN card TEXT;
+
+-- A card in the local web chat's transcript (JSON {choices, state}), on a 'text' row.
+ALTER TABLE http_messages ADD COLUMN card TEXT;
+
+-- Off-loop actions a rule holds wait in 'awaiting_approval' (the worker does not claim
+-- them); a decision sets them 'queued', and the worker writes what the approval says (the
+-- result, or "denied by ..."). SQLite cannot widen a CHECK in place: the table is rebuilt.
+CREATE TABLE action_jobs_v2 (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  group_folder TEXT NOT NULL,
+  request_id TEXT NOT NULL,
+  action TEXT NOT NULL,
+  params TEXT NOT NULL,
+  is_main INTEGER NOT NULL DEFAULT 0 CHECK(is_main IN (0, 1)),
+  status TEXT NOT NULL DEFAULT 'queued'
+    CHECK(status IN ('awaiting_approval', 'queued', 'running', 'done', 'failed')),
+  attempts INTEGER NOT NULL DEFAULT 0,
+  max_attempts INTEGER NOT NULL DEFAULT 1,
+  result TEXT,
+  error TEXT,
+  created_at TEXT NOT NULL,
+  started_at TEXT,
+  finished_at TEXT,
+  written_at TEXT,
+  approval_id INTEGER,
+  UNIQUE (group_folder, request_id)
+);
+INSERT INTO action_jobs_v2 (id, group_folder, request_id, action, params, is_main, status,
+    attempts, max_attempts, result, error, created_at, started_at, finished_at, written_at)
+  SELECT id, group_folder, request_id, action, params, is_main, status, attempts,
+         max_attempts, result, error, created_at, started_at, finished_at, written_at
+  FROM action_jobs;
+DROP TABLE action_jobs;
+ALTER TABLE action_jobs_v2 RENAME TO action_jobs;
+CREATE INDEX idx_action_jobs_status ON action_jobs(status, id);
+CREATE INDEX idx_action_jobs_finished ON action_jobs(finished_at);
+CREATE INDEX idx_action_jobs_approval ON action_jobs(approval_id) WHERE approval_id IS NOT NULL;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

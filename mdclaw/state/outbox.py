@@ -33,6 +33,7 @@ class OutboxRow:
     updated_at: str
     sent_at: str | None
     source_path: str | None = None  # set while the host copy of a sent file is being made
+    card: str | None = None  # a card (JSON: text, choices), sent with the channel's buttons
 
     @property
     def waiting_for_copy(self) -> bool:
@@ -46,19 +47,22 @@ def enqueue(conn: sqlite3.Connection, *, chat_jid: str, kind: str, text: str | N
             file_path: str | None = None, file_name: str | None = None,
             message_id: str | None = None, emoji: str | None = None,
             reply_to: str | None = None, sender: str | None = None,
-            source_group: str | None = None, source_path: str | None = None) -> int:
+            source_group: str | None = None, source_path: str | None = None,
+            card: str | None = None) -> int:
     """Add a pending row (in the caller's transaction) and return its id. A file row with
-    `source_path` waits until the host copy is made (see `mdclaw.ipc.spool`)."""
+    `source_path` waits until the host copy is made (see `mdclaw.ipc.spool`). A card row
+    (`card`: JSON text, choices; `text` None) is sent with the channel's buttons, or edits
+    the message `message_id` when that is given (mdclaw.approvals.flow)."""
     if kind not in OUTBOX_KINDS:
         raise ValueError(f"unknown outbox kind {kind!r}")
     now = now_iso()
     cur = conn.execute(
         """INSERT INTO outbox (chat_jid, kind, text, file_path, file_name, message_id, emoji,
                reply_to, sender, source_group, status, attempts, next_attempt_at, created_at,
-               updated_at, source_path)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)""",
+               updated_at, source_path, card)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?)""",
         (chat_jid, kind, text, file_path, file_name, message_id, emoji, reply_to, sender,
-         source_group, now, now, now, source_path),
+         source_group, now, now, now, source_path, card),
     )
     return int(cur.lastrowid or 0)
 

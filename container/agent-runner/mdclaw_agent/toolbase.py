@@ -12,6 +12,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +96,29 @@ def write_command(ctx: ToolContext, subdir: str, body: dict[str, Any]) -> Path:
         raise ToolError(f"could not write the {body.get('type')} request: {e.strerror}") from None
 
 
+# How long after an approval's expiry the tool still waits for the host's final answer.
+APPROVAL_GRACE = 30.0
+
+
+def _seconds_until(iso: Any) -> float | None:
+    """Seconds from now until the ISO time `iso` (None if it is not one)."""
+    if not isinstance(iso, str):
+        return None
+    try:
+        when = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (when - datetime.now(UTC)).total_seconds()
+
+
 def request_action(ctx: ToolContext, body: dict[str, Any],
                    timeout: float | None = None) -> dict[str, Any]:
     """Write an action request and wait for `action_results/<requestId>.json`.
 
     Returns the result envelope; raises ToolError on timeout. The result file is removed
-    once read.
+    once read. While the host's answer is the interim `{"status": "pending_approval",
+    "approver", "expiresAt"}` (a person must say yes first, or answer a question), the tool
+    keeps waiting until the expiry (plus a grace): the final answer replaces that file.
     """
     request_id = f"req-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
     results = ctx.ipc_dir / "action_results"
@@ -116,6 +134,14 @@ def request_action(ctx: ToolContext, body: dict[str, Any],
             envelope = None
         except (OSError, ValueError) as e:
             raise ToolError(f"the host's answer to {request_id} is unreadable: {e}") from None
+        if isinstance(envelope, dict) and envelope.get("status") == "pending_approval":
+            left = _seconds_until(envelope.get("expiresAt"))
+            if left is not None:
+                wait_more = max(0.0, left) + APPROVAL_GRACE
+                if time.monotonic() + wait_more > deadline:
+                    deadline = time.monotonic() + wait_more
+                    wait = max(wait, wait_more)
+            envelope = None  # not the answer yet: the host writes the final one over it
         if envelope is not None:
             try:
                 os.unlink(path)

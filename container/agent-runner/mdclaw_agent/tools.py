@@ -285,6 +285,18 @@ def _web_search(ctx: ToolContext, a: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ask_person(ctx: ToolContext, a: dict[str, Any]) -> str:
+    params: dict[str, Any] = {"question": a["question"],
+                              "options": a.get("options") or ["Yes", "No"],
+                              "who": a.get("who", "owner")}
+    env = request_action(ctx, {"action": "ask_person", "params": params})
+    result = action_result(env, "ask_person")
+    if isinstance(result, dict) and "answer" in result:
+        by = result.get("answeredBy")
+        return f"{by or 'They'} answered: {result['answer']}"
+    return json.dumps(result, ensure_ascii=False)
+
+
 # --------------------------------------------------------------------------- registry
 
 _TASK_ID = "The task id, as list_tasks shows it."
@@ -369,6 +381,17 @@ _IPC_TOOLS: tuple[Tool, ...] = (
                  count={"type": "integer", "minimum": 1, "maximum": 20,
                         "description": "How many results (default: the host's)."}),
          _web_search, action="web_search"),
+    Tool("ask_person", "Ask a person a question and wait for their answer (a card with "
+         "buttons in their own chat; they may take minutes). Use it before doing something "
+         "you are unsure they want. The answer, or that nobody answered in time, is the "
+         "result.",
+         _schema(["question"], question=_s("The question, in plain words.", maxLength=1000),
+                 options={"type": "array", "minItems": 1, "maxItems": 4,
+                          "items": {"type": "string", "minLength": 1, "maxLength": 100},
+                          "description": "The answers to offer (default Yes, No)."},
+                 who=_s("Who to ask: owner (default), admin, or a person's key.",
+                        maxLength=32)),
+         _ask_person, action="ask_person"),
     Tool("register_group", "Register a chat as a new group with its own folder (main only).",
          _command_schema("register_group", jid="The chat id, e.g. tg:-100123.",
                          name="Display name.", folder="Folder name: letters, digits, _ or -.",

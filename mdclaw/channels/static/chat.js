@@ -85,6 +85,7 @@ function render(m, before) {
     addCopyButtons(body);
   } else body.textContent = m.content;
   div.append(who, body);
+  if (m.card) showCard(div, m);
   if (m.kind === "file" && m.html) {
     const caption = document.createElement("div");
     caption.className = "body md caption";
@@ -98,6 +99,43 @@ function render(m, before) {
   const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
   log.append(div);
   if (atBottom || m.direction === "in") log.scrollTop = log.scrollHeight;
+}
+
+// A card (a request for a person's decision): its text as written, its choices as buttons.
+// Who presses is this page's name, as for a message; the host answers in a line below.
+function showCard(div, m) {
+  div.classList.add("card");
+  const choices = document.createElement("div");
+  choices.className = "choices";
+  for (const c of m.card.choices || []) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.textContent = c.label;
+    b.dataset.data = c.data;
+    b.addEventListener("click", async () => {
+      for (const other of choices.querySelectorAll("button")) other.disabled = true;
+      const note = document.createElement("span");
+      note.className = "who";
+      try {
+        const r = await api("/card", {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ jid: state.jid, id: m.id, data: c.data,
+                                 sender_name: $("name").value || "me" }),
+        });
+        note.textContent = r.answer || "";
+      } catch (err) {
+        note.textContent = "not recorded: " + (err.message || err);
+        for (const other of choices.querySelectorAll("button")) other.disabled = false;
+      }
+      div.append(note);
+    });
+    choices.append(b);
+  }
+  if (m.card.state !== "open") {
+    for (const b of choices.querySelectorAll("button")) b.disabled = true;
+  }
+  if (choices.childElementCount) div.append(choices);
 }
 
 function showOlder(more) { $("older").classList.toggle("shown", Boolean(more)); }

@@ -233,6 +233,48 @@ const views = {
     }
   },
 
+  async approvals(root) {
+    const a = await api("api/approvals");
+    root.append(el("h2", { text: "Approvals" }));
+    if (!a.people) root.append(el("p", { class: "muted", text: "No people are configured: nothing needs approval (docs/approvals.md)." }));
+    root.append(el("h3", { text: "Waiting for a person" }));
+    if (!a.pending.length) root.append(el("p", { class: "muted", text: "nothing waits" }));
+    const decide = (p, action, option) => async (ev) => {
+      ev.target.disabled = true;
+      try {
+        const r = await post("api/approvals/" + p.id + "/" + action, option ? { option } : {});
+        notice("#" + p.id + " " + r.status + " by " + r.decided_label);
+      } catch (e) { notice(e.message, true); }
+      refresh();
+    };
+    for (const p of a.pending) {
+      const buttons = [];
+      if (p.kind === "question") {
+        (p.request.options || []).forEach((o, i) => buttons.push(el("button", {
+          "data-approval": p.id, "data-action": "approve", onclick: decide(p, "approve", i + 1) }, o)));
+      } else {
+        buttons.push(el("button", { "data-approval": p.id, "data-action": "approve",
+          onclick: decide(p, "approve") }, p.kind === "admission" ? "Admit" : "Approve"));
+      }
+      buttons.push(el("button", { class: "danger", "data-approval": p.id, "data-action": "deny",
+        onclick: decide(p, "deny") }, p.kind === "admission" ? "Ignore" : "Deny"));
+      root.append(el("div", { class: "card", "data-pending": p.id },
+        el("h3", { text: "#" + p.id + " " + p.kind + " of " + p.group_folder }),
+        // The request as the cards show it: escaped by the host, put in as text.
+        el("pre", { class: "payload", text: p.shown.join("\n") }),
+        kv([["rule", p.rule || "-"], ["approver", p.approver], ["asked", p.created_at],
+            ["expires", p.expires_at], ["wrong codes", p.wrong_codes + (p.codes_locked ? " (codes locked)" : "")]]),
+        el("span", {}, ...buttons)));
+    }
+    root.append(el("h3", { text: "Decided (the audit)" }));
+    root.append(table([
+      { label: "id", key: "id" }, { label: "group", key: "group_folder" }, { label: "what", key: "summary" },
+      { label: "outcome", key: "status" }, { label: "by", cell: (r) => r.decided_label || "-" },
+      { label: "via", key: "decided_via" }, { label: "asked", key: "created_at" },
+      { label: "decided", key: "decided_at" }, { label: "result", cell: (r) => r.outcome || "-" },
+    ], a.recent.map((r) => Object.assign({ __attrs: { "data-decided": r.id } }, r)), "nothing decided yet"));
+  },
+
   async outbox(root) {
     const o = await api("api/outbox");
     root.append(el("h2", { text: "Outbox" }));

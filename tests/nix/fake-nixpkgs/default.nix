@@ -36,6 +36,7 @@ let
     "jsonschema"
     "markdown-it-py"
     "markdownify"
+    "matrix-nio"
     "nh3"
     "prometheus-client"
     "pydantic"
