@@ -119,6 +119,14 @@ def test_needs_approval_by_annotations_and_config() -> None:
     assert policy.needs_approval(cfg, "git", "git_commit", ro) is True  # tightened
     assert policy.needs_approval(cfg, "git", "git_add", {}) is False  # loosened
     assert policy.needs_approval(cfg, "nope", "t", ro) is True  # unknown server
+    # the reason names what says so: it is the rule name on the owner's card
+    assert policy.approval_reason(cfg, "time", "t", ro) is None
+    assert policy.approval_reason(cfg, "time", "t", {}) == \
+        "mcp_servers.time: tool annotations (not read-only)"
+    assert policy.approval_reason(cfg, "time", "t", {**ro, "destructiveHint": True}) == \
+        "mcp_servers.time: tool annotations (destructive)"
+    assert policy.approval_reason(cfg, "git", "git_commit", ro) == \
+        "mcp_servers.git.approve.always"
 
 
 def test_tools_a_model_api_would_refuse_are_not_offered() -> None:

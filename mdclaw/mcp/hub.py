@@ -448,11 +448,14 @@ class McpHub:
             out.append(st.view())
         return out
 
-    def needs_approval(self, server: str, tool: str) -> bool:
+    def annotations(self, server: str, tool: str) -> dict[str, Any]:
+        """The tool's annotations as the server last listed them ({}: not known)."""
         st = self.servers.get(server)
         entry = next((t for t in (st.tools or []) if t.name == tool), None) if st else None
-        return policy.needs_approval(self.cfg, server, tool,
-                                     entry.annotations if entry else {})
+        return entry.annotations if entry else {}
+
+    def needs_approval(self, server: str, tool: str) -> bool:
+        return policy.needs_approval(self.cfg, server, tool, self.annotations(server, tool))
 
 
 _current: McpHub | None = None

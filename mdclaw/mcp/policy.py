@@ -188,17 +188,27 @@ def argument_problems(schema: dict[str, Any], arguments: Any) -> list[str]:
 # --------------------------------------------------------------------------- approval
 
 
-def needs_approval(cfg: Config, server: str, tool: str, annotations: dict[str, Any]) -> bool:
-    """Whether a call of `tool` of `server` needs a person's approval: by default unless its
+def approval_reason(cfg: Config, server: str, tool: str,
+                    annotations: dict[str, Any]) -> str | None:
+    """Why a call of `tool` of `server` needs a person's approval, naming the key or the
+    annotations that say so; None when it does not. By default it does unless its
     annotations say `readOnlyHint: true` and not `destructiveHint: true`; a pattern in
-    `mcp_servers.<server>.approve.always` makes it need one, in `.never` not (`always` wins).
-    An unknown server always needs one."""
+    `mcp_servers.<server>.approve.always` makes it need one, in `.never` not (`always`
+    wins). An unknown server always needs one."""
     spec = cfg.mcp_servers.get(server)
     if spec is None:
-        return True
+        return f"mcp_servers has no {server!r}"
     if any(fnmatchcase(tool, p) for p in spec.approve.always):
-        return True
+        return f"mcp_servers.{server}.approve.always"
     if any(fnmatchcase(tool, p) for p in spec.approve.never):
-        return False
-    return annotations.get("readOnlyHint") is not True or \
-        annotations.get("destructiveHint") is True
+        return None
+    if annotations.get("destructiveHint") is True:
+        return f"mcp_servers.{server}: tool annotations (destructive)"
+    if annotations.get("readOnlyHint") is not True:
+        return f"mcp_servers.{server}: tool annotations (not read-only)"
+    return None
+
+
+def needs_approval(cfg: Config, server: str, tool: str, annotations: dict[str, Any]) -> bool:
+    """Whether a call of `tool` of `server` needs a person's approval (approval_reason)."""
+    return approval_reason(cfg, server, tool, annotations) is not None
