@@ -11,13 +11,25 @@ EXTRAS := test lint claude whatsapp email slack discord matrix age
 UV_VERSION := 0.13.9
 LOCK_ARGS ?= --upgrade
 
-.PHONY: run test lint e2e bench clean lock
+# The MCP servers the tests run (tests/mcp_servers/requirements.lock), in an environment of
+# their own: the host never imports them, it runs them.
+MCP_VENV := $(VENV)/mcp-servers
+
+.PHONY: run test lint e2e bench clean lock mcp-servers
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --require-hashes -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
+
+$(MCP_VENV)/.installed: tests/mcp_servers/requirements.lock
+	$(PYTHON) -m venv $(MCP_VENV)
+	$(MCP_VENV)/bin/python -m pip install --quiet --require-hashes \
+		-r tests/mcp_servers/requirements.lock
+	touch $@
+
+mcp-servers: $(MCP_VENV)/.installed
 
 # Every version the newest pyproject.toml allows (LOCK_ARGS= keeps the pins that still fit).
 lock:
@@ -27,11 +39,14 @@ lock:
 		| $(VENV)/bin/uv pip compile pyproject.toml - $(addprefix --extra ,$(EXTRAS)) \
 		--universal --python-version 3.11 --generate-hashes --quiet \
 		--custom-compile-command 'make lock' $(LOCK_ARGS) -o requirements.lock
+	$(VENV)/bin/uv pip compile tests/mcp_servers/requirements.in --universal \
+		--python-version 3.11 --generate-hashes --quiet --custom-compile-command 'make lock' \
+		$(LOCK_ARGS) -o tests/mcp_servers/requirements.lock
 
 run: $(VENV)/.installed
 	$(if $(DATA_DIR),MDCLAW_DATA_DIR=$(DATA_DIR) )$(VENV)/bin/mdclaw run --config config.example.yaml
 
-test: lint $(VENV)/.installed
+test: lint $(VENV)/.installed $(MCP_VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
@@ -39,7 +54,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
-e2e: $(VENV)/.installed
+e2e: $(VENV)/.installed $(MCP_VENV)/.installed
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 clean:

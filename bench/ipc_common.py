@@ -75,10 +75,11 @@ class Server:
     """The real IPC loop in a child process, recording when each file's batch committed
     (CLOCK_MONOTONIC, comparable across processes)."""
 
-    def __init__(self, cfg_path: Path, *, inotify: bool = True, poll: float = 1.0) -> None:
+    def __init__(self, cfg_path: Path, *, inotify: bool = True, poll: float = 1.0,
+                 template: str = SERVE) -> None:
         self.commits_file = cfg_path.parent / f"commits-{time.monotonic_ns()}.json"
-        code = SERVE.format(repo=str(REPO), cfg=str(cfg_path), inotify=inotify, poll=poll,
-                            commits_file=str(self.commits_file))
+        code = template.format(repo=str(REPO), cfg=str(cfg_path), inotify=inotify, poll=poll,
+                               commits_file=str(self.commits_file))
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                      text=True)
         assert self.proc.stdout is not None

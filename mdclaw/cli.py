@@ -30,6 +30,7 @@ from mdclaw.commands import (
     core,
     importer,
     ipc,
+    mcp,
     people,
     schema,
     status,
@@ -43,8 +44,8 @@ DEBUG_VAR = "MDCLAW_DEBUG"  # set (to anything but 0): an MdclawError's tracebac
 
 # Each module has `register(subparsers, common)`; order is the order in --help.
 COMMAND_MODULES: list[ModuleType] = [
-    core, run_command, tasks, channels, whatsapp, containers, ipc, people, approvals, schema,
-    agent, status, backup, importer,
+    core, run_command, tasks, channels, whatsapp, containers, ipc, mcp, people, approvals,
+    schema, agent, status, backup, importer,
 ]
 
 

@@ -90,6 +90,19 @@ PROXY_TOKENS = Counter(
     "Model tokens the API reported through the credential proxy, by group, model and "
     "direction (input, output).",
     ["group", "model", "direction"], registry=REGISTRY)
+MCP_CALLS = Counter(
+    "mdclaw_mcp_calls",
+    "MCP tool calls of agents and operators, by server, tool and outcome (ok, tool_error, "
+    "refused, timeout, too_large, server_down, crashed, protocol_error, error).",
+    ["server", "tool", "outcome"], registry=REGISTRY)
+MCP_CALL = Histogram(
+    "mdclaw_mcp_call_seconds",
+    "MCP tool calls from the host taking them to their result, by server and tool.",
+    ["server", "tool"], buckets=_FAST[2:] + (10.0, 30.0, 60.0, 300.0), registry=REGISTRY)
+MCP_RESTARTS = Counter(
+    "mdclaw_mcp_server_restarts",
+    "MCP servers started again after they stopped or could not start, by server.",
+    ["server"], registry=REGISTRY)
 HTTP_CONNECTIONS_CLOSED = Counter(
     "mdclaw_http_connections_closed",
     "HTTP connections the daemon closed on a slow or greedy client, by listener (web, "
@@ -125,6 +138,9 @@ approvals_decided = Labeled(APPROVALS_DECIDED)
 approval_wait = Labeled(APPROVAL_WAIT)
 proxy_requests = Labeled(PROXY_REQUESTS)
 proxy_tokens = Labeled(PROXY_TOKENS)
+mcp_calls = Labeled(MCP_CALLS)
+mcp_call = Labeled(MCP_CALL)
+mcp_restarts = Labeled(MCP_RESTARTS)
 http_connections_closed = Labeled(HTTP_CONNECTIONS_CLOSED)
 
 _models: set[str] = set()

@@ -12,6 +12,10 @@
 #   `mdclaw` group run the read-only commands as themselves.
 # - The config lives at /etc/mdclaw/config.yaml: changing only settings reloads the daemon
 #   (SIGHUP) instead of restarting it; a new package or image restarts it.
+# - `mcpServers`: each stdio MCP server as a sandboxed service of its own, started by systemd
+#   per connection of the daemon to its socket (Accept=yes: the connection is the server's
+#   stdin and stdout), with a user of its own (DynamicUser) and no network unless allowed;
+#   settings.mcp_servers.<name>.socket points the daemon at it.
 {
   config,
   lib,
@@ -165,7 +169,14 @@ let
           lib.concatLists (lib.mapAttrsToList (k: x: walk (path ++ [ k ]) x) v)
         else if builtins.isList v then
           lib.concatLists (lib.imap0 (i: x: walk (path ++ [ (toString i) ]) x) v)
-        else if lib.hasSuffix "_file" (lib.last ([ "" ] ++ path)) && builtins.isString v then
+        else if
+          builtins.isString v
+          && (
+            lib.hasSuffix "_file" (lib.last ([ "" ] ++ path))
+            # NAME = file maps of secrets: mcp_servers.<s>.env_files, .header_files
+            || lib.hasSuffix "_files" (lib.last ([ "" "" ] ++ lib.init ([ "" ] ++ path)))
+          )
+        then
           [
             {
               key = lib.concatStringsSep "." path;
@@ -330,6 +341,98 @@ let
       bk.expectEvery
     ]
   );
+  # MCP servers run as services of their own (mcpServers): one socket each, a service
+  # instance per connection (the daemon holds one).
+  mcpSocket = name: "/run/mdclaw-mcp/${name}.sock";
+  mcpNameOk = name: builtins.match "[a-z0-9]+([-_][a-z0-9]+)*" name != null && builtins.stringLength name <= 32;
+  mcpExec =
+    name: s:
+    let
+      exports = lib.concatStrings (
+        lib.mapAttrsToList (
+          var: _: "export ${var}=\"$(< \"$CREDENTIALS_DIRECTORY/${var}\")\"\n"
+        ) s.credentials
+      );
+    in
+    pkgs.writeShellScript "mdclaw-mcp-${name}" ''
+      set -eu
+      ${exports}exec ${lib.escapeShellArgs ([ s.command ] ++ s.args)}
+    '';
+  mcpHardening = {
+    NoNewPrivileges = true;
+    PrivateTmp = true;
+    PrivateDevices = true;
+    ProtectSystem = "strict";
+    ProtectHome = true;
+    ProtectKernelTunables = true;
+    ProtectKernelModules = true;
+    ProtectKernelLogs = true;
+    ProtectControlGroups = true;
+    ProtectClock = true;
+    ProtectHostname = true;
+    ProtectProc = "invisible";
+    ProcSubset = "pid";
+    RestrictNamespaces = true;
+    RestrictRealtime = true;
+    RestrictSUIDSGID = true;
+    LockPersonality = true;
+    RemoveIPC = true;
+    CapabilityBoundingSet = "";
+    AmbientCapabilities = "";
+    SystemCallArchitectures = "native";
+    SystemCallFilter = [
+      "@system-service"
+      "~@privileged"
+      "~@resources"
+    ];
+    SystemCallErrorNumber = "EPERM";
+    UMask = "0077";
+  };
+  mcpServiceConfig =
+    name: s:
+    mcpHardening
+    // {
+      ExecStart = "${mcpExec name s}";
+      StandardInput = "socket";
+      StandardOutput = "socket";
+      StandardError = "journal";
+      PrivateNetwork = !s.network;
+      RestrictAddressFamilies = if s.network then [ "AF_UNIX" "AF_INET" "AF_INET6" ] else [ "AF_UNIX" ];
+      ReadWritePaths = s.readWritePaths;
+      ReadOnlyPaths = s.readOnlyPaths;
+      LoadCredential = lib.mapAttrsToList (var: path: "${var}:${path}") s.credentials;
+      RuntimeMaxSec = "1d";
+    }
+    // (if s.user == null then { DynamicUser = true; } else { User = s.user; Group = s.user; })
+    // lib.optionalAttrs (s.workingDirectory != null) { WorkingDirectory = s.workingDirectory; }
+    // s.serviceConfig;
+
+  mcpConfig = {
+    systemd.sockets = lib.mapAttrs' (
+      name: _:
+      lib.nameValuePair "mdclaw-mcp-${name}" {
+        description = "mdclaw's MCP server ${name}: its socket";
+        wantedBy = [ "sockets.target" ];
+        listenStreams = [ (mcpSocket name) ];
+        socketConfig = {
+          Accept = true;
+          SocketUser = "mdclaw";
+          SocketGroup = "mdclaw";
+          SocketMode = "0600";
+          DirectoryMode = "0755";
+          MaxConnections = 4;
+        };
+      }
+    ) cfg.mcpServers;
+    systemd.services = lib.mapAttrs' (
+      name: s:
+      lib.nameValuePair "mdclaw-mcp-${name}@" {
+        description = "mdclaw's MCP server ${name}";
+        environment = s.environment;
+        serviceConfig = mcpServiceConfig name s;
+      }
+    ) cfg.mcpServers;
+  };
 
   groups = cfg.settings.groups;
   mainGroups = lib.attrNames (lib.filterAttrs (_: g: g.main == true) groups);
@@ -444,6 +547,96 @@ in
       '';
     };
 
+    mcpServers = mkOption {
+      type = types.attrsOf (
+        types.submodule {
+          options = {
+            command = mkOption {
+              type = types.str;
+              example = literalExpression ''"''${pkgs.mcp-server-git}/bin/mcp-server-git"'';
+              description = "The stdio MCP server's program (a store path, or a name on the service's PATH).";
+            };
+            args = mkOption {
+              type = types.listOf types.str;
+              default = [ ];
+              description = "Its arguments.";
+            };
+            environment = mkOption {
+              type = types.attrsOf types.str;
+              default = { };
+              description = "Environment variables (not secrets: they end up in the Nix store).";
+            };
+            credentials = mkOption {
+              type = types.attrsOf (
+                types.addCheck types.str (p: lib.hasPrefix "/" p && !inStore p)
+                // {
+                  description = "absolute path outside the Nix store";
+                }
+              );
+              default = { };
+              example = {
+                GITHUB_TOKEN = "/run/secrets/github-token";
+              };
+              description = ''
+                Secret environment variables: each NAME = PATH is handed to the server's
+                service with `LoadCredential` and exported as NAME when the server starts;
+                the daemon and the agents never see it.
+              '';
+            };
+            user = mkOption {
+              type = types.nullOr types.str;
+              default = null;
+              description = "null: a user of its own for each run (DynamicUser); or a user that exists, e.g. one that owns the files the server works on.";
+            };
+            network = mkOption {
+              type = types.bool;
+              default = false;
+              description = "Let the server reach the network (IPv4 and IPv6). Off: no network at all (PrivateNetwork).";
+            };
+            readWritePaths = mkOption {
+              type = types.listOf types.str;
+              default = [ ];
+              description = "Folders the server may change (everything else is read-only or hidden: ProtectSystem=strict, ProtectHome).";
+            };
+            readOnlyPaths = mkOption {
+              type = types.listOf types.str;
+              default = [ ];
+              description = "Folders made read-only for the server.";
+            };
+            workingDirectory = mkOption {
+              type = types.nullOr types.str;
+              default = null;
+              description = "Its working directory.";
+            };
+            serviceConfig = mkOption {
+              type = types.attrsOf types.anything;
+              default = { };
+              description = "Settings for the server's service unit, over the sandboxing mdclaw gives it.";
+            };
+          };
+        }
+      );
+      default = { };
+      example = literalExpression ''
+        {
+          git = {
+            command = "''${pkgs.mcp-server-git}/bin/mcp-server-git";
+            args = [ "--repository" "/srv/notes" ];
+            readWritePaths = [ "/srv/notes" ];
+            user = "notes";
+          };
+        }
+      '';
+      description = ''
+        Stdio MCP servers run as sandboxed services of their own instead of as the daemon's
+        children: each gets a socket, /run/mdclaw-mcp/NAME.sock (only the mdclaw user may
+        connect), and systemd starts the server for the daemon's connection with it as its
+        stdin and stdout. `settings.mcp_servers.NAME.socket` is set to it; the other keys
+        there (timeout, max_result_bytes, approve...) still apply, and `settings.groups.*.mcp`
+        says which groups get which tools (docs/mcp.md).
+      '';
+    };
+
     checkConfig = mkOption {
       type = types.bool;
       default = true;
@@ -515,7 +708,7 @@ in
     doc = ../docs/nixos.md;
   };
 
-  config = mkIf cfg.enable {
+  config = mkIf cfg.enable (lib.mkMerge [ mcpConfig {
     assertions = [
       {
         assertion = dataDirProblem == null;
@@ -582,6 +775,22 @@ in
         }. Use services.mdclaw.credentials and \"$CREDENTIALS_DIRECTORY/NAME\".";
       }
       {
+        assertion = lib.all mcpNameOk (lib.attrNames cfg.mcpServers);
+        message = "services.mdclaw.mcpServers: names are MCP server names: lower-case letters and digits, single '-' or '_' between them, at most 32 characters (got ${
+          lib.concatStringsSep ", " (builtins.filter (n: !mcpNameOk n) (lib.attrNames cfg.mcpServers))
+        }).";
+      }
+      {
+        assertion = lib.all (
+          n: (cfg.settings.mcp_servers.${n}.command or null) == null && (cfg.settings.mcp_servers.${n}.url or null) == null
+        ) (lib.attrNames cfg.mcpServers);
+        message = "services.mdclaw.mcpServers runs ${lib.concatStringsSep ", " (lib.attrNames cfg.mcpServers)} as services of their own; leave settings.mcp_servers.<name>.command and .url unset for them (the module sets .socket).";
+      }
+      {
+        assertion = lib.all (s: lib.all (n: builtins.match "[A-Za-z_][A-Za-z0-9_]*" n != null) (lib.attrNames s.credentials)) (lib.attrValues cfg.mcpServers);
+        message = "services.mdclaw.mcpServers.<name>.credentials: names are environment variable names (letters, digits, '_').";
+      }
+      {
         assertion = cfg.settings.runtime.engine == cfg.containerEngine;
         message = "services.mdclaw.settings.runtime.engine (${cfg.settings.runtime.engine}) differs from services.mdclaw.containerEngine (${cfg.containerEngine}); set containerEngine instead.";
       }
@@ -598,6 +807,7 @@ in
       # `sudo mdclaw http-token` shows it. (A secret_file wins over it; with the token's old
       # names under channels.http the user's choice stands alone.)
       server.generate_secret = mkIf (!oldTokenKeysSet) (mkDefault true);
+      mcp_servers = lib.mapAttrs (name: _: { socket = mkDefault (mcpSocket name); }) cfg.mcpServers;
       runtime = {
         engine = mkDefault cfg.containerEngine;
         socket = mkDefault "unix://${eng.socket}";
@@ -686,13 +896,14 @@ in
     systemd.services.mdclaw = {
       description = "mdclaw AI assistant host";
       wantedBy = [ "multi-user.target" ];
-      wants = [ "network-online.target" ];
+      wants = [ "network-online.target" ] ++ map (n: "mdclaw-mcp-${n}.socket") (lib.attrNames cfg.mcpServers);
       requires = [ eng.unit ] ++ lib.optional (cfg.image != null) "mdclaw-image.service";
       after = [
         "network-online.target"
         eng.unit
       ]
-      ++ lib.optional (cfg.image != null) "mdclaw-image.service";
+      ++ lib.optional (cfg.image != null) "mdclaw-image.service"
+      ++ map (n: "mdclaw-mcp-${n}.socket") (lib.attrNames cfg.mcpServers);
       # Only the config changed: reload (SIGHUP re-reads and reconciles, keeps the old config
       # running if the new one is bad). Package or unit changes restart.
       reloadTriggers = [ configFile ];
@@ -725,5 +936,5 @@ in
         LoadCredential = credentialSpecs;
       };
     };
-  };
+  } ]);
 }

@@ -16,7 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mdclaw.approvals import cards, flow, store
-from mdclaw.approvals.rules import DEFAULT_RULES, Request, effective_rules, rule_for, rules_listing
+from mdclaw.approvals.rules import (
+    DEFAULT_RULES,
+    Request,
+    effective_rules,
+    matching_rule,
+    rule_for,
+    rules_listing,
+)
 from mdclaw.config import load_config
 from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
@@ -73,6 +80,35 @@ def test_the_family_defaults(cfg) -> None:
         assert rule_for(cfg, "main", Request("command", ctype, {}, other_chat=True)) is not None
         assert rule_for(cfg, "main", Request("command", ctype, {}, other_chat=False)) is None
     assert rule_for(cfg, "main", Request("command", "pause_task", {})) is None
+
+
+def test_no_rule_matched_is_not_a_rule_that_says_none(cfg, tmp_path: Path) -> None:
+    asked: list[str] = []
+
+    def unmatched() -> str:
+        asked.append("asked")
+        return "mcp_servers.git: tool annotations (not read-only)"
+
+    # nothing matches: the action's own say holds it for the owner, under its reason
+    rule = rule_for(cfg, "main", act("mcp_call", server="git"), unmatched=unmatched)
+    assert rule is not None and rule.approver == "owner" and asked == ["asked"]
+    assert rule.source == "mcp_servers.git: tool annotations (not read-only)"
+    assert rule.describe().startswith("mcp_servers.git: tool annotations (not read-only): ")
+    assert rule.timeout == timedelta(minutes=30)
+    assert rule_for(cfg, "main", act("mcp_call"), unmatched=lambda: None) is None
+    # a matching rule with approver: none lets it go unasked; the action is not asked
+    m = matching_rule(cfg, "kids", act("ha_call_service", domain="light"))
+    assert m is not None and m.approver == "none"
+    asked.clear()
+    assert rule_for(cfg, "kids", act("ha_call_service", domain="light"),
+                    unmatched=unmatched) is None
+    assert asked == []
+    assert matching_rule(cfg, "main", act("mcp_call")) is None
+    # without an owner nobody could say yes: it is not held
+    p = tmp_path / "no-owner.yaml"
+    p.write_text(f"data_dir: {tmp_path / 'd2'}\ngroups: {{main: {{name: A, jid: 'tg:1', "
+                 "main: true}}\n")
+    assert rule_for(load_config(p), "main", act("mcp_call"), unmatched=unmatched) is None
 
 
 def test_later_rules_win_globs_and_argument_conditions(cfg) -> None:

@@ -24,6 +24,7 @@ from conftest import REPO
 from fake_home_assistant import FakeHomeAssistant, state
 from fake_telegram import TOKEN as TG_TOKEN
 from fake_telegram import FakeBotApi, ThreadedFake
+from mcp_helpers import git_repo, servers_bin
 from operator_helpers import free_ports, running_daemon
 from waiting import wait_until
 
@@ -40,7 +41,7 @@ class Setup:
     """The fakes, the config and the scripted agent of one test."""
 
     def __init__(self, tmp_path: Path, fakes: ThreadedFake, tg: FakeBotApi,
-                 ha: FakeHomeAssistant, extra: str) -> None:
+                 ha: FakeHomeAssistant, extra: str, main_extra: str = "") -> None:
         self.tmp, self.fakes, self.tg, self.ha = tmp_path, fakes, tg, ha
         self.data = tmp_path / "data"
         self.port, = free_ports(1)
@@ -69,7 +70,7 @@ people:
   bob: {{name: Bob, role: owner, identities: {{telegram: ["{SECOND}"]}}}}
   carol: {{name: Carol, role: admin, identities: {{http: [carol]}}}}
 groups:
-  main: {{name: Admin, jid: "tg:{OWNER}", main: true}}
+  main: {{name: Admin, jid: "tg:{OWNER}", main: true{main_extra}}}
   family: {{name: Family, jid: "tg:{FAMILY}", members: [alex, bob],
             unknown_senders: ask_owner}}
   web: {{name: Web, jid: "hl:web"}}
@@ -164,7 +165,7 @@ groups:
 def setup(tmp_path: Path) -> Iterator[Callable[..., Setup]]:
     made: list[ThreadedFake] = []
 
-    def make(extra: str = "") -> Setup:
+    def make(extra: str = "", main_extra: str = "") -> Setup:
         tg = FakeBotApi()
         ha = FakeHomeAssistant(HA_TOKEN)
         for door in ("front_door", "back_door"):
@@ -172,11 +173,18 @@ def setup(tmp_path: Path) -> Iterator[Callable[..., Setup]]:
         fakes = ThreadedFake(tg=tg, ha=ha.app)
         fakes.__enter__()
         made.append(fakes)
-        return Setup(tmp_path, fakes, tg, ha, extra)
+        return Setup(tmp_path, fakes, tg, ha, extra, main_extra)
 
     yield make
     for f in made:
         f.__exit__(None, None, None)
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.org"}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True, timeout=30).stdout
 
 
 UNLOCK = {"domain": "lock", "service": "unlock", "target": {"entity_id": "lock.front_door"}}
@@ -544,3 +552,93 @@ def test_the_operator_page_decides_and_metrics_count(setup) -> None:
         assert after["pending"] == [] and after["recent"][0]["decided_label"] == \
             "the operator (operator page)"
     assert s.unlock_calls() == ["lock.front_door"]
+
+
+def test_mcp_calls_that_write_wait_for_the_owner_read_only_ones_do_not(setup, tmp_path) -> None:
+    """Real MCP servers (mcp-server-time, mcp-server-git) under a real daemon: a tool whose
+    annotations say read-only, and one an `approver: none` rule names, run unasked; a write
+    (git_commit) waits for the owner's card, runs exactly once when approved (one commit),
+    and not at all when denied (the result names who denied)."""
+    bin_dir = servers_bin()
+    repo = git_repo(tmp_path / "repo")
+    s = setup(f"""\
+mcp_servers:
+  time: {{command: "{bin_dir / 'mcp-server-time'}", args: [--local-timezone, UTC]}}
+  git: {{command: "{bin_dir / 'mcp-server-git'}", args: [--repository, "{repo}"]}}
+approvals:
+  rules:
+    - match: {{action: mcp_call, args: {{server: git, tool: git_add}}}}
+      approver: none
+""", main_extra=", mcp: {time: ['*'], git: ['*']}")
+
+    def commits() -> list[str]:
+        return git(repo, "log", "--format=%s").splitlines()
+
+    def offered() -> set[str]:
+        try:
+            body = json.loads((s.data / "ipc" / "main" / "mcp_tools.json").read_text())
+        except (OSError, ValueError):
+            return set()
+        return {t["name"] for t in body["tools"]}
+
+    with s.daemon():
+        wait(lambda: {"time__get_current_time", "git__git_commit", "git__git_add"}
+             <= offered(), "both servers' tools offered")
+        # read-only (readOnlyHint: true): no card, the answer at once
+        rid, _ = s.ask("mcp_call", {"server": "time", "tool": "get_current_time",
+                                    "arguments": {"timezone": "Asia/Tokyo"}})
+        got = s.final(rid)
+        assert got["status"] == "success" and "Asia/Tokyo" in json.dumps(got["result"]), got
+        # a write an `approver: none` rule names: no card either
+        rid, _ = s.ask("mcp_call", {"server": "git", "tool": "git_add",
+                                    "arguments": {"repo_path": str(repo),
+                                                  "files": ["notes.txt"]}})
+        got = s.final(rid)
+        assert got["status"] == "success", got
+        assert git(repo, "diff", "--cached", "--name-only").split() == ["notes.txt"]
+        assert s.approvals() == [] and s.tg.keyboards(OWNER) == []
+
+        # a write no rule matched: held for the owner, by its annotations
+        message = "water the beans\x1b[2J\u202e"
+        rid, _ = s.ask("mcp_call", {"server": "git", "tool": "git_commit",
+                                    "arguments": {"repo_path": str(repo),
+                                                  "message": message}})
+        interim = wait(lambda: s.result(rid), "the interim result")
+        assert interim["status"] == "pending_approval" and interim["approver"] == "owner"
+        mid, card = s.card(OWNER)
+        text = card["text"]
+        assert "MCP tool git_commit of server git (mcp_call), with:" in text, text
+        assert f'  repo_path: "{repo}"' in text, text
+        assert '  message: "water the beans\\x1b[2J\\u202e"' in text, text  # escaped
+        assert "\x1b" not in text and "\u202e" not in text
+        assert "Rule: mcp_servers.git: tool annotations (not read-only)" in text, text
+        assert commits() == ["first notes"]  # it waits
+        approve = card["reply_markup"]["inline_keyboard"][0][0]["callback_data"]
+        assert s.answered(s.press(OWNER, OWNER, mid, approve))["text"].startswith("Approved #")
+        done = s.final(rid)
+        assert done["status"] == "success" and not done["result"]["isError"], done
+        assert commits() == [message, "first notes"]  # the server saw one call
+        wait(lambda: s.tg.keyboards(OWNER) == [] and s.tg.keyboards(SECOND) == [],
+             "the cards edited")
+        assert "git__git_commit" in s.tg.messages[(OWNER, mid)]["text"]
+
+        # denied: the server sees no call, the agent is told who denied
+        (repo / "notes.txt").write_text("plant the beans\nwater them\npick them\n")
+        git(repo, "add", "notes.txt")
+        rid2, _ = s.ask("mcp_call", {"server": "git", "tool": "git_commit",
+                                     "arguments": {"repo_path": str(repo),
+                                                   "message": "pick the beans"}})
+        mid2, card2 = s.card(OWNER)
+        assert "pick the beans" in card2["text"]
+        deny = card2["reply_markup"]["inline_keyboard"][0][1]["callback_data"]
+        assert s.answered(s.press(OWNER, OWNER, mid2, deny))["text"].startswith("Denied #")
+        denied = s.final(rid2)
+        assert denied["status"] == "error" and "denied by Alex (owner)" in denied["error"]
+        assert "mcp_call" in denied["error"]
+        assert commits() == [message, "first notes"]
+        assert git(repo, "diff", "--cached", "--name-only").split() == ["notes.txt"]
+        audit = s.approvals()
+        assert [(a["status"], a["decided_by"]) for a in audit] == \
+            [("approved", "alex"), ("denied", "alex")]
+        assert all("mcp_servers.git: tool annotations" in (a.get("rule") or "")
+                   for a in audit), audit

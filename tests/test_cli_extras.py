@@ -34,7 +34,8 @@ WRAPPER = ("import sys\n"
 ARGUMENTS = {"task_id": ["t1"], "row_id": ["1"], "name": ["main.tasks.x.json.error"],
              "tarball": ["/nonexistent/image.tar"], "text": ["hello"], "group": ["main"],
              "channel": ["telegram"], "sender": ["12345"], "id": ["1"],
-             "archive": ["/nonexistent/backup.tar.zst"], "dir": ["/nonexistent/nanoclaw"]}
+             "archive": ["/nonexistent/backup.tar.zst"], "dir": ["/nonexistent/nanoclaw"],
+             "server": ["time"], "tool": ["get_current_time"], "arguments": ["{}"]}
 # Subcommands that need an extra, and the extras their failure names.
 NEEDS = {("check-config",): {"whatsapp", "transcribe", "email"},
          ("doctor",): {"whatsapp", "transcribe", "email"}, ("whatsapp", "link"): {"whatsapp"}}

@@ -211,6 +211,7 @@ def exported_names(tmp_path: Path) -> set[str]:
         with Database(tmp_path / "state.db") as db:
             # the daemon as /metrics sees it (mdclaw.ops.view.DaemonView)
             d = SimpleNamespace(db=db, queue=GroupQueue(run_job, max_concurrent=2), channels=[],
+                                mcp=None,
                                 tokens_today=tokens_today,
                                 cfg=Config(data_dir=tmp_path, groups={"main": {
                                     "name": "A", "jid": "hl:a", "main": True}}))

@@ -414,3 +414,78 @@ def test_backup_defaults_and_a_calendar_without_a_known_period(lib: Path,
     assert "--every 12h" in r["backupUnit"]["serviceConfig"]["ExecStart"]
     r = eval_module_raw(lib, tmp_path, module(MAIN + " backup = { enable = true; keep = 0; };"))
     assert r.returncode != 0 and "keep" in r.stderr
+# --------------------------------------------------------------------------- MCP servers
+
+MCP = """
+{
+  services.mdclaw = {
+    enable = true;
+    settings = {
+      groups.main = { name = "Admin"; jid = "hl:main"; main = true; mcp = { git = [ "git_status" ]; }; };
+      mcp_servers.git.timeout = "30s";
+    };
+    mcpServers.git = {
+      command = "/nix/store/0000000000000000000000000000000a-mcp-server-git/bin/mcp-server-git";
+      args = [ "--repository" "/srv/notes dir" ];
+      credentials.GITHUB_TOKEN = "/run/secrets/gh";
+      readWritePaths = [ "/srv/notes dir" ];
+      user = "notes";
+    };
+    mcpServers.time.command = "mcp-server-time";
+  };
+}
+"""
+
+
+def test_each_mcp_server_is_a_socket_activated_sandboxed_service(lib: Path, tmp_path) -> None:
+    r = eval_module(lib, tmp_path, MCP)
+    # The daemon is pointed at each socket; the other keys stay the user's.
+    assert r["settings"]["mcp_servers"] == {
+        "git": {"socket": "/run/mdclaw-mcp/git.sock", "timeout": "30s"},
+        "time": {"socket": "/run/mdclaw-mcp/time.sock"}}
+    sock = r["mcpSockets"]["mdclaw-mcp-git"]
+    assert sock["listenStreams"] == ["/run/mdclaw-mcp/git.sock"]
+    assert sock["wantedBy"] == ["sockets.target"]
+    # Accept=yes: each connection is a server instance's stdin and stdout; only mdclaw
+    # may connect.
+    assert {"Accept": True, "SocketUser": "mdclaw", "SocketMode": "0600"}.items() <= \
+        sock["socketConfig"].items()
+    git = r["mcpUnits"]["mdclaw-mcp-git@"]["serviceConfig"]
+    assert git["StandardInput"] == "socket" and git["StandardOutput"] == "socket"
+    assert git["User"] == "notes" and "DynamicUser" not in git
+    assert git["PrivateNetwork"] is True and git["RestrictAddressFamilies"] == ["AF_UNIX"]
+    assert git["ProtectSystem"] == "strict" and git["NoNewPrivileges"] is True
+    assert git["CapabilityBoundingSet"] == ""
+    assert git["ReadWritePaths"] == ["/srv/notes dir"]
+    assert git["LoadCredential"] == ["GITHUB_TOKEN:/run/secrets/gh"]
+    assert git["ExecStart"].endswith("-mdclaw-mcp-git")
+    time_unit = r["mcpUnits"]["mdclaw-mcp-time@"]["serviceConfig"]
+    assert time_unit["DynamicUser"] is True  # a user of its own by default
+    unit = r["unit"]
+    assert "mdclaw-mcp-git.socket" in unit["wants"] and "mdclaw-mcp-time.socket" in \
+        unit["after"]
+    # The secret path never reaches the rendered config.
+    assert "/run/secrets/gh" not in json.dumps(r["settings"])
+
+
+@pytest.mark.parametrize("body, words", [
+    ('mcpServers."Bad__Name".command = "x";', "names are MCP server names"),
+    ('mcpServers.git.command = "x"; settings.mcp_servers.git.command = "y";',
+     "leave settings.mcp_servers.<name>.command and .url unset"),
+    ('mcpServers.git = { command = "x"; credentials."A-B" = "/run/s"; };',
+     "environment variable names"),
+    ('mcpServers.git = { command = "x"; credentials.A = "/nix/store/abc-secret"; };',
+     "absolute path outside the Nix store"),
+])
+def test_mcp_server_mistakes_fail_at_evaluation(lib: Path, tmp_path, body: str,
+                                                words: str) -> None:
+    r = eval_module_raw(lib, tmp_path, module(MAIN + body))
+    assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
+
+
+def test_mcp_secret_maps_must_not_be_in_the_store(lib: Path, tmp_path) -> None:
+    r = eval_module_raw(lib, tmp_path, module(MAIN + 'settings.mcp_servers.gh = { command = "x"; '
+                                              'env_files.TOKEN = "/nix/store/abc-token"; };'))
+    assert r.returncode != 0
+    assert "secret files must not be in the Nix store" in r.stderr
+    assert "mcp_servers.gh.env_files.TOKEN" in r.stderr

@@ -43,6 +43,16 @@ def _leaf() -> st.SearchStrategy[dict]:
                   st.integers(0, 2), st.integers(1, 4)),
         st.builds(lambda lo, hi: {"type": "number", "minimum": lo, "maximum": hi},
                   st.integers(-3, 0), st.integers(0, 3)),
+        st.builds(lambda p: {"type": "string", "pattern": p},
+                  st.sampled_from(["^a", "b$", "[0-9]", "^$"])),
+        st.builds(lambda lo, hi: {"type": "number", "exclusiveMinimum": lo,
+                                  "exclusiveMaximum": hi},
+                  st.integers(-3, 0), st.integers(0, 3)),
+        st.builds(lambda m: {"multipleOf": m}, st.sampled_from([1, 2, 0.5, 1.5])),
+        st.builds(lambda lo, hi: {"type": "object", "minProperties": lo, "maxProperties": hi},
+                  st.integers(0, 2), st.integers(1, 3)),
+        st.builds(lambda f: {"type": "string", "format": f, "examples": ["x"]},
+                  st.sampled_from(["date-time", "uri"])),
         st.just({}),
     )
 
@@ -58,6 +68,10 @@ schemas = st.recursive(
             st.dictionaries(KEYS, inner, max_size=3), st.lists(KEYS, max_size=2),
             st.booleans() | inner),
         st.builds(lambda alts: {"anyOf": alts}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda alts: {"allOf": alts}, st.lists(inner, min_size=1, max_size=2)),
+        st.builds(lambda alts: {"oneOf": alts}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda s: {"not": s}, inner),
+        st.builds(lambda it: {"type": "array", "items": it, "uniqueItems": True}, inner),
     ),
     max_leaves=6)
 
@@ -110,8 +124,15 @@ def test_messages_say_where_and_what() -> None:
         "unknown argument 'x'; expected tags, opts"]
     assert errors(schema, {}) == ["'tags' is required"]
     assert errors({"type": "integer"}, True) == ["the arguments must be integer"]
-    with pytest.raises(SchemaError, match="pattern"):
-        errors({"type": "string", "pattern": "^a"}, "a")
+    assert errors({"type": "string", "pattern": "^a"}, "b") == ["the arguments must match '^a'"]
+    with pytest.raises(SchemaError, match="patternProperties"):
+        errors({"type": "object", "patternProperties": {"^a": {"type": "string"}}}, {"a": 1})
+    # Not mdclaw's own schema (an MCP server's): what is known is checked, the rest left.
+    lenient = {"type": "object", "patternProperties": {"^a": {}},
+               "properties": {"n": {"type": "integer"}}}
+    assert errors(lenient, {"n": "x"}, strict=False) == ["n must be integer"]
+    assert errors({"definitions": {"N": {"type": "integer"}}, "$ref": "#/definitions/N"},
+                  "x") == ["the arguments must be integer"]
 
 
 CTX = ToolContext(ipc_dir=Path("/nonexistent"), group_folder="family", chat_jid="tg:2",

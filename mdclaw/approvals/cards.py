@@ -111,7 +111,14 @@ def what_lines(kind: str, request: Mapping[str, Any], *, full: bool = False
         lines, cut = argument_lines(body, limit=limit, most=most)
         return [f"command {escape(str(request.get('type', '?')))}", *lines], cut
     if kind == "action":
-        lines, cut = argument_lines(request.get("params") or {}, limit=limit, most=most)
+        params = request.get("params") or {}
+        server, tool = params.get("server"), params.get("tool")
+        if request.get("action") == "mcp_call" and isinstance(server, str) and \
+                isinstance(tool, str) and isinstance(params.get("arguments"), Mapping):
+            lines, cut = argument_lines(params["arguments"], limit=limit, most=most)
+            return [f"MCP tool {escape(tool)} of server {escape(server)} (mcp_call), with:",
+                    *lines], cut
+        lines, cut = argument_lines(params, limit=limit, most=most)
         return [f"action {escape(str(request.get('action', '?')))}", *lines], cut
     if kind == "admission":
         text, cut = shown(str(request.get("content", "")), limit)
@@ -191,6 +198,9 @@ def summary(kind: str, request: Mapping[str, Any]) -> str:
         entity = (target.get("entity_id") if isinstance(target, Mapping) else None) or \
             (params.get("entity_id") if isinstance(params, Mapping) else None)
         parts = [str(request.get("action", "?"))]
+        if isinstance(params, Mapping) and isinstance(params.get("server"), str) and \
+                isinstance(params.get("tool"), str):  # mcp_call: the tool's offered name
+            parts.append(f"{params['server']}__{params['tool']}")
         if isinstance(params, Mapping) and params.get("domain") and params.get("service"):
             parts.append(f"{params['domain']}.{params['service']}")
         if entity:

@@ -10,7 +10,7 @@ and `approver: none` means no approval.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from fnmatch import fnmatchcase
@@ -115,13 +115,36 @@ def _effective_rules(cfg: Config, folder: str) -> list[Rule]:
     return out
 
 
-def rule_for(cfg: Config, folder: str, request: Request) -> Rule | None:
-    """The rule that holds `request` of group `folder` for approval, or None when it may go
-    ahead (no rule matches, or the last one that does says `approver: none`)."""
+def matching_rule(cfg: Config, folder: str, request: Request) -> Rule | None:
+    """The last configured rule (defaults included) that matches `request` of group
+    `folder`, whoever it names (`approver: none` too); None when no rule matches."""
     hit = None
     for rule in effective_rules(cfg, folder):
         if matches(rule.rule.match, request):
             hit = rule
+    return hit
+
+
+# Asked when no rule matched: why the request needs a person by its own nature (e.g. an
+# MCP tool whose annotations do not say read-only), naming where that comes from; None
+# when it does not.
+Unmatched = Callable[[], "str | None"]
+
+
+def rule_for(cfg: Config, folder: str, request: Request, *,
+             unmatched: Unmatched | None = None) -> Rule | None:
+    """The rule that holds `request` of group `folder` for approval, or None when it may go
+    ahead. A matching rule decides (`approver: none`: it goes ahead unasked); when none
+    matches and people has an owner, `unmatched` may still hold it for the owner, with a
+    rule named by the reason it gives."""
+    hit = matching_rule(cfg, folder, request)
+    if hit is None and unmatched is not None and has_owner(cfg):
+        why = unmatched()
+        if why is not None:
+            match = ApprovalMatch(action=request.name) if request.kind == "action" else \
+                ApprovalMatch(command=request.name)
+            return Rule(why, ApprovalRule(match=match, approver="owner"),
+                        cfg.approvals.timeout)
     return hit if hit is not None and hit.approver != "none" else None
 
 

@@ -174,13 +174,21 @@ def check_extras(cfg: Config) -> list[str]:
 
 def check_programs(cfg: Config) -> list[str]:
     """check-config's check of the programs a setting names: `integrations.home_assistant.
-    chromium` (ha_capture_screenshot's browser) must be found. Left unset, the browser is
-    looked for when a screenshot is asked for, and doctor warns when there is none."""
+    chromium` (ha_capture_screenshot's browser) and each `mcp_servers.<s>.command` (a stdio
+    server the host starts) must be found. Left unset, the browser is looked for when a
+    screenshot is asked for, and doctor warns when there is none."""
+    out = []
     ha = cfg.integrations.home_assistant
-    if ha is None or ha.chromium is None or shutil.which(ha.chromium):
-        return []
-    return [f"integrations.home_assistant.chromium: {ha.chromium!r} is not a program on PATH "
-            "(ha_capture_screenshot runs it): install Chromium, or give its path"]
+    if ha is not None and ha.chromium is not None and not shutil.which(ha.chromium):
+        out.append(f"integrations.home_assistant.chromium: {ha.chromium!r} is not a program "
+                   "on PATH (ha_capture_screenshot runs it): install Chromium, or give its "
+                   "path")
+    for name, srv in cfg.mcp_servers.items():
+        if srv.command is not None and not shutil.which(srv.command):
+            out.append(f"mcp_servers.{name}.command: {srv.command!r} is not a program on "
+                       "PATH, or not executable (the host starts it): install the server, "
+                       "or give its path")
+    return out
 
 
 def require_extra(name: str, key: str) -> None:

@@ -40,6 +40,9 @@ from mdclaw.config.schema_services import (
     HomeAssistantAllow,
     HttpChannel,
     Integrations,
+    McpApprove,
+    McpServer,
+    McpServerName,
     Media,
     Metrics,
     ModelSpec,
@@ -281,6 +284,10 @@ class Config(_Settings):
     metrics: Metrics = Field(default_factory=Metrics,
                              description="Prometheus metrics for the operator, "
                              "docs/metrics.md (restart to apply).")
+    mcp_servers: dict[McpServerName, McpServer] = Field(
+        default_factory=dict, description="MCP servers the host runs (or reaches) for agents, "
+        "by name; each group gets the tools `groups.<g>.mcp` allows, as `<server>__<tool>` "
+        "(docs/mcp.md).")
 
     @field_validator("data_dir")
     @classmethod
@@ -458,6 +465,21 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
             # Only a `once` time is read in a timezone (the assistant's, unless its own).
             add(("tasks", str(n), t.schedule_type), f"{e}",
                 *([("assistant",)] if t.schedule_type == "once" and not t.timezone else []))
+    for folder, g in cfg.groups.items():
+        for server in (g.mcp or {}):
+            if server not in cfg.mcp_servers:
+                known = _choices(list(cfg.mcp_servers), "mcp_servers")
+                add(("groups", folder, "mcp", server),
+                    f"{server!r} is not in mcp_servers ({known}): name one of them or add "
+                    "it under mcp_servers", ("mcp_servers", server))
+    for name, srv in cfg.mcp_servers.items():
+        if srv.cwd is not None:
+            why = _container_tree_overlap(cfg, srv.cwd)
+            if why:
+                add(("mcp_servers", name, "cwd"),
+                    f"{str(srv.cwd)!r} {why}: an MCP server runs on the host with mdclaw's "
+                    "rights; give it a folder outside data_dir's groups/, ipc/, sessions/ and "
+                    "every group mount", ("groups",))
     ha = cfg.integrations.home_assistant
     if ha is not None and ha.dashboards_dir is not None:
         why = _container_tree_overlap(cfg, ha.dashboards_dir)
@@ -527,9 +549,9 @@ def _choices(names: list[str], what: str) -> str:
 __all__ = ["AllowSenders", "AllowedRoot", "ApprovalMatch", "ApprovalRule", "Approvals",
            "Assistant", "Channels", "Config", "EmailChannel", "Group",
            "GroupMount", "HomeAssistant", "HomeAssistantAllow", "HttpChannel", "Integrations",
-           "Limits", "Media", "Metrics", "ModelSpec", "MountPolicy", "Person", "Runtime",
-           "SlackChannel", "TaskSpec", "TelegramChannel", "Transcription", "Web", "WebSearch",
-           "WhatsAppChannel",
+           "Limits", "McpApprove", "McpServer", "McpServerName", "Media", "Metrics",
+           "ModelSpec", "MountPolicy", "Person", "Runtime", "SlackChannel", "TaskSpec",
+           "TelegramChannel", "Transcription", "Web", "WebSearch", "WhatsAppChannel",
            "cross_key_checks_deferred", "cross_key_problems", "network_problem"]
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from mdclaw.config.schema_people import ApprovalRule, Member
+from mdclaw.config.schema_services import McpToolGlob
 from mdclaw.config.types import (
     CrossKeyError,
     Duration,
@@ -104,6 +105,10 @@ class Group(Frozen):
         "(`web_*`, `memory_*`); memory_search and memory_get on its own memory are always "
         "allowed. Unset: each action's default applies (most: every group; some: the main "
         "group only). docs/integrations.md lists the actions.")
+    mcp: dict[str, tuple[McpToolGlob, ...]] | None = Field(
+        None, description="MCP tools this group's agent may call: for each server of "
+        "`mcp_servers`, fnmatch patterns of its tool names, e.g. {time: ['*'], git: "
+        "[git_status, git_log]}. Unset or {}: none (docs/mcp.md).")
 
     @model_validator(mode="after")
     def _telegram_sender_ids(self) -> Group:

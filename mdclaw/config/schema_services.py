@@ -1,6 +1,7 @@
 """The services mdclaw talks to: model backends (`models`), chat `channels`, the files people
 send (`media`) and their `transcription`, host `integrations` (Home Assistant), `web` access
-for agents and the Prometheus `metrics` endpoint."""
+for agents, the MCP servers the host runs for them (`mcp_servers`) and the Prometheus
+`metrics` endpoint."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from mdclaw.config.types import (
     Duration,
     Frozen,
     Glob,
+    Problem,
     SecretFile,
     Size,
     parse_size,
@@ -495,3 +497,105 @@ class Web(Frozen):
     user_agent: str = Field("mdclaw-web/0.1", description="User-Agent of the host's requests.")
     search: WebSearch | None = Field(None, description="The web_search provider; unset: "
                                      "web_search answers that no provider is configured.")
+
+
+# --------------------------------------------------------------------------- MCP servers
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+_HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
+# A server's name is the first half of the tool names agents see (`<server>__<tool>`): no
+# double underscore, so the split is never ambiguous.
+MCP_SERVER_NAME = r"^[a-z0-9]+(?:[-_][a-z0-9]+)*$"
+McpServerName = Annotated[str, Field(pattern=MCP_SERVER_NAME, max_length=32)]
+# An fnmatch pattern of an MCP server's tool names (`*`, `git_*`, `get_?ime`).
+McpToolGlob = Annotated[str, Field(min_length=1, max_length=128,
+                                   pattern=r"^[A-Za-z0-9_.*?!-]+$")]
+EnvName = Annotated[str, Field(pattern=_ENV_NAME)]
+HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
+
+
+class McpApprove(Frozen):
+    always: tuple[McpToolGlob, ...] = Field(
+        (), description="Tools (fnmatch patterns of the server's tool names) that always need "
+        "a person's approval, whatever their annotations say. Wins over `never`.")
+    never: tuple[McpToolGlob, ...] = Field(
+        (), description="Tools that never need approval, whatever their annotations say.")
+
+
+class McpServer(Frozen):
+    command: str | None = Field(
+        None, min_length=1, description="stdio server: the program the host starts (a path, "
+        "or a name on PATH), as mdclaw's own user, never in an agent container.")
+    args: tuple[str, ...] = Field((), description="stdio server: its arguments.")
+    url: str | None = Field(
+        None, pattern=r"^https?://", description="Streamable HTTP server: its endpoint, "
+        "e.g. http://127.0.0.1:8931/mcp.")
+    socket: Path | None = Field(
+        None, description="A unix socket that speaks the stdio framing (one JSON-RPC message "
+        "a line): a stdio server run as a service of its own (the NixOS module's "
+        "`mcpServers`). Absolute path.")
+    env: dict[EnvName, str] = Field(
+        {}, description="stdio server: environment variables (not secrets: these are in the "
+        "config). The server gets only these, the `env_files` ones, PATH, HOME, LANG and TZ.")
+    env_files: dict[EnvName, SecretFile] = Field(
+        {}, description="stdio server: environment variables whose values are secrets, each "
+        "read from a file (like every `*_file` key) on the host when the server starts.")
+    headers: dict[HeaderName, str] = Field(
+        {}, description="HTTP server: headers sent with every request.")
+    header_files: dict[HeaderName, SecretFile] = Field(
+        {}, description="HTTP server: headers whose values are secrets, each read from a file "
+        "(e.g. `Authorization` holding `Bearer <token>`).")
+    cwd: Path | None = Field(None, description="stdio server: its working directory "
+                             "(default: mdclaw's own). Absolute path.")
+    timeout: Duration = Field(timedelta(seconds=60), le=timedelta(hours=1),
+                              description="Longest one tool call may take, a wait for a free "
+                              "slot included; then the agent gets an error. At most 1h.")
+    start_timeout: Duration = Field(timedelta(seconds=30), le=timedelta(minutes=10),
+                                    description="Longest a start may take (the process, the "
+                                    "initialize handshake and the tool list).")
+    max_result_bytes: Size = Field(
+        "1MiB", description="Largest message the server may send (a tool result, a tool "
+        "list), counted at the transport before anything is parsed; a larger one is "
+        "dropped unread and the call gets an error.")
+    max_concurrent: int = Field(4, ge=1, le=64,
+                                description="Calls this server runs at once, all groups.")
+    max_concurrent_per_group: int = Field(2, ge=1, le=64,
+                                          description="Calls one group may have running on "
+                                          "this server at once.")
+    approve: McpApprove = Field(
+        default_factory=McpApprove, description="Which tools need a person's approval. By "
+        "default a tool does unless its annotations say it is read-only (`readOnlyHint`) and "
+        "not destructive.")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServer:
+        given = [k for k in ("command", "url", "socket") if getattr(self, k) is not None]
+        if len(given) != 1:
+            where = (given[1],) if given else ()
+            raise CrossKeyError([(where, "give exactly one of command (a stdio server the "
+                                  "host starts), url (a streamable HTTP server) or socket "
+                                  f"(got {given or 'none'})")])
+        problems: list[Problem] = []
+        if self.command is None:
+            problems += [((k,), f"{k} is for a stdio server (`command`)")
+                         for k in ("args", "env", "env_files", "cwd") if getattr(self, k)]
+        if self.url is None:
+            problems += [((k,), f"{k} is for an HTTP server (`url`)")
+                         for k in ("headers", "header_files") if getattr(self, k)]
+        for key in ("socket", "cwd"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).is_absolute():
+                problems.append(((key,), f"{key} must be an absolute path"))
+        if problems:
+            raise CrossKeyError(problems)
+        return self
+
+    @property
+    def kind(self) -> str:
+        """stdio, http or socket."""
+        return "stdio" if self.command else "http" if self.url else "socket"
+
+    @property
+    def result_limit(self) -> int:
+        """`max_result_bytes` in bytes."""
+        return parse_size(self.max_result_bytes)

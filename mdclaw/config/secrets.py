@@ -63,7 +63,10 @@ def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Path]]:
         for name in type(node).model_fields:
             value = getattr(node, name)
             if _is_secret_field(type(node), name):
-                if value is not None:
+                if isinstance(value, Mapping):  # NAME: file (mcp_servers.<s>.env_files)
+                    for key, item in value.items():
+                        yield ".".join(path + (name, str(key))), item
+                elif value is not None:
                     yield ".".join(path + (name,)), value
             else:
                 yield from _walk(value, path + (name,))

@@ -47,6 +47,8 @@ from mdclaw.decisions import Decider
 from mdclaw.diskguard import DiskGuard
 from mdclaw.integrations import load_all
 from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.mcp import hub as mcp_hub
+from mdclaw.mcp.hub import McpHub
 from mdclaw.operator import mount_operator
 from mdclaw.operator.metrics import mount_metrics, start_listener
 from mdclaw.ops.status import status_path
@@ -108,6 +110,7 @@ class Daemon:
         self.gate = TokenGate(None)
         self.web: WebServer | None = None
         self.metrics_runner: web.AppRunner | None = None  # the metrics.listen listener
+        self.mcp: McpHub | None = None  # the MCP servers the host runs for agents
         self._clock_offset = time.time() - time.monotonic()
 
     @property
@@ -187,6 +190,11 @@ class Daemon:
             self.engine_status = f"no container engine: {e}"
             log.error("%s", self.engine_status)
         self.proxy = CredentialProxy(Layout(cfg.data_dir), db)
+        # MCP servers: started here (never in a container), each restarted with backoff;
+        # the mcp_call action reaches them through the installed hub.
+        self.mcp = McpHub(live)
+        mcp_hub.install(self.mcp)
+        await self.mcp.start()
         clean = spool_cleaner(cfg.data_dir / "spool" / "outbox")
         # Failed deliveries are retried by the limits.delivery_* in force.
         self.outbox = outbox = OutboxWorker(db, cfg=live, on_sent=clean, on_failed=clean)
@@ -383,6 +391,9 @@ class Daemon:
             "reload_error": self.reload_error,
             "timings": self.orch.timings[-10:] if self.orch else [],
             "disk": self.diskguard.status() if self.diskguard else None,
+            "mcp": [{"server": s["server"], "state": s["state"], "detail": s["detail"],
+                     "tools": len(s["tools"]), "restarts": s["restarts"]}
+                    for s in self.mcp.status()] if self.mcp else [],
         }
 
     def status_line(self, s: dict[str, Any] | None = None) -> str:
@@ -508,6 +519,9 @@ class Daemon:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.mcp is not None:  # after the action worker: no call is left to answer
+            await self.mcp.stop()
+            mcp_hub.install(None)
         if self.watcher is not None:
             self.watcher.close()
         if self.proxy is not None:

@@ -1,4 +1,4 @@
-"""Host-side capabilities for agents (web access, Home Assistant...), each a module
+"""Host-side capabilities for agents (web access, Home Assistant, MCP tools...), each a module
 registering actions with `mdclaw/ipc/actions.py` when it is imported. This package imports
 them all, so whoever imports it (the daemon, the runner, `mdclaw ipc drain`) has their actions;
 `load_all()` says so where they are needed."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from mdclaw.integrations import home_assistant, web
+from mdclaw.integrations import home_assistant, mcp, web
 
-MODULES: tuple[ModuleType, ...] = (web, home_assistant)
+MODULES: tuple[ModuleType, ...] = (web, home_assistant, mcp)
 
 
 def load_all() -> tuple[ModuleType, ...]:

@@ -114,6 +114,9 @@ class OffloopContext:
 Scope = Literal["all", "main"]
 Handler = Callable[[ActionContext, dict[str, Any]], dict[str, Any]]
 Check = Callable[[Caller, dict[str, Any]], None]
+# Why a request needs a person when no approval rule matched it (the rule name for the card
+# and the audit, e.g. "mcp_servers.git: tool annotations"); None: it does not.
+NeedsPerson = Callable[[Config, Caller, dict[str, Any]], "str | None"]
 OffloopHandler = Callable[[OffloopContext, dict[str, Any]],
                           "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
@@ -128,19 +131,24 @@ class ActionSpec:
     timeout: float = 120.0
     check: Check | None = None
     asks: bool = False  # the request is a question to a person; the job runs on the answer
+    needs_person: NeedsPerson | None = None  # asked when no approval rule matched
 
 
 ACTIONS: dict[str, ActionSpec] = {}
-# Actions every group may always call on its own folder, whatever `groups.<g>.actions` says.
-ALWAYS_ALLOWED = ("memory_search", "memory_get")
+# Actions every group may always call, whatever `groups.<g>.actions` says: the memory ones on
+# its own folder, and mcp_call, which `groups.<g>.mcp` gates tool by tool.
+ALWAYS_ALLOWED = ("memory_search", "memory_get", "mcp_call")
 
 
 def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
            max_attempts: int = 1, timeout: float = 120.0,
-           check: Check | None = None, asks: bool = False) -> Callable[[Any], Any]:
+           check: Check | None = None, asks: bool = False,
+           needs_person: NeedsPerson | None = None) -> Callable[[Any], Any]:
     """Register the decorated function as the handler of action `name` (see module doc).
     `asks`: each request is a question to a person (params `question`, `options`, `who`),
-    and the handler runs once they answered, with their answer in `ctx.decision`."""
+    and the handler runs once they answered, with their answer in `ctx.decision`.
+    `needs_person(cfg, caller, params)`: asked (on the loop, after `check`) when no approval
+    rule matched the request: a reason holds it for the owner, None lets it run."""
     if check is not None and not offloop:
         raise ValueError("check is for off-loop actions (an on-loop handler checks itself)")
     if asks and not offloop:
@@ -152,7 +160,7 @@ def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
 
     def deco(fn: Any) -> Any:
         ACTIONS[name] = ActionSpec(name, fn, offloop, default_scope, max_attempts, timeout,
-                                   check, asks)
+                                   check, asks, needs_person)
         return fn
     return deco
 
@@ -173,7 +181,8 @@ def action_refusal(cfg: Config, folder: str, is_main: bool, name: str) -> str | 
     - `groups.<folder>.actions` unset (or the group is not in the config): the action's
       `default_scope` decides: "all" groups, or "main" only;
     - set: exactly the actions matching one of its fnmatch patterns (`web_*`, `ha.*`),
-      plus memory_search and memory_get, which every group may call on its own folder.
+      plus memory_search and memory_get, which every group may call on its own folder, and
+      mcp_call, whose permission is `groups.<g>.mcp` (mdclaw.mcp.policy).
     An unknown action is not refused here (the request gets "unknown action").
     """
     spec = ACTIONS.get(name)

@@ -12,7 +12,9 @@ A command or action an approval rule matches (mdclaw.approvals.rules.rule_for, a
 every authorization check) is not applied: an approval is opened instead, in the same
 transaction, with the canonical command as stored and a card to each approver (an off-loop
 action's job waits in `awaiting_approval`, and its caller gets an interim result saying
-so). The file is consumed like any other. `settle` carries out decided approvals: an
+so). An off-loop action no rule matched may still be held by its own `needs_person` (an MCP
+tool that is not read-only): for the owner, under the rule name it gives. The file is
+consumed like any other. `settle` carries out decided approvals: an
 approved command is applied here, from the stored request, in the transaction that marks
 the approval settled, so it runs exactly once; notes and card edits go with it.
 """
@@ -34,7 +36,7 @@ from typing import Any
 from mdclaw import agentfs, metrics, schedule
 from mdclaw.approvals import flow as approvals
 from mdclaw.approvals import store as approval_store
-from mdclaw.approvals.rules import Request, Rule, effective_rules, rule_for
+from mdclaw.approvals.rules import Request, Rule, Unmatched, effective_rules, rule_for
 from mdclaw.config import FOLDER_CASE_RULE, Config, LiveConfig, folder_clash
 from mdclaw.errors import IpcError
 from mdclaw.ipc import protocol as P
@@ -815,8 +817,9 @@ class IpcEngine:
         else:
             request = Request("action", cmd.action, cmd.params)
             if spec.offloop:
-                rule = None if approved or spec.asks else rule_for(self.cfg, caller.folder,
-                                                                    request)
+                rule = None if approved or spec.asks else rule_for(
+                    self.cfg, caller.folder, request,
+                    unmatched=self._needs_person(spec, caller, cmd.params))
                 if rule is not None:
                     self._hold(conn, it, fx, request, rule)
                     self._queue_job(conn, caller, cmd, spec.max_attempts, approval=it.held)
@@ -831,6 +834,15 @@ class IpcEngine:
             self._run_inline(conn, caller, cmd, body)
         body["executedAt"] = to_iso(utc_now())
         self._write_result(caller, cmd.request_id, body)
+
+    def _needs_person(self, spec: ActionSpec, caller: Caller,
+                      params: dict[str, Any]) -> Unmatched | None:
+        """The action's own say on whether a request no rule matched needs a person."""
+        hook = spec.needs_person
+        if hook is None:
+            return None
+        cfg = self.cfg
+        return lambda: hook(cfg, caller, params)
 
     @staticmethod
     def _room_for_approval(conn: sqlite3.Connection, folder: str) -> None:

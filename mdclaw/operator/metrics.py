@@ -122,6 +122,16 @@ async def scrape_gauges(d: DaemonView) -> list[GaugeMetricFamily]:
         if budget:
             limit.add_metric([folder], budget)
     out += [used, limit]
+    hub = d.mcp
+    if hub is not None:
+        up = GaugeMetricFamily("mdclaw_mcp_server_up", "1 when the MCP server is up (started, "
+                               "initialized, its tools listed).", labels=["server"])
+        tools = GaugeMetricFamily("mdclaw_mcp_tools", "Tools the MCP server offers (as last "
+                                  "listed).", labels=["server"])
+        for s in hub.status():
+            up.add_metric([s["server"]], 1 if s["state"] == "up" else 0)
+            tools.add_metric([s["server"]], len(s["tools"]))
+        out += [up, tools]
     return out
 
 

@@ -224,6 +224,22 @@ def usage(d: DaemonView, days: int = 14) -> dict[str, Any]:
     return {"since": since, "days": days, "rows": rows, "budgets": budgets, "today": today}
 
 
+def mcp(d: DaemonView) -> dict[str, Any]:
+    """The MCP servers: state, tools (and whether each needs approval), restarts, the tail of
+    stderr (secrets taken out), who may use them, and the last calls."""
+    hub = d.mcp
+    if hub is None:
+        return {"servers": [], "recent": []}
+    cfg = d.cfg
+    servers = hub.status()
+    for s in servers:
+        s["tools"] = [{"name": t, "needs_approval": hub.needs_approval(s["server"], t)}
+                      for t in s["tools"]]
+        s["groups"] = {f: list(g.mcp[s["server"]]) for f, g in cfg.groups.items()
+                       if g.mcp and s["server"] in g.mcp}
+    return {"servers": servers, "recent": list(hub.recent)}
+
+
 def config(d: DaemonView) -> dict[str, Any]:
     path: str | None
     try:

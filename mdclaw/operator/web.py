@@ -5,8 +5,8 @@ Routes (JSON unless noted; every `/api/...` route behind mdclaw.operator.access)
 - `GET /operator/` — the page (HTML; app.js and app.css beside it; no CDN, no build step).
 - `POST /operator/login` `{"token"}` — sets the session cookie; `POST /operator/logout`.
 - `GET /operator/api/session` — how the caller got in and the CSRF token for changes.
-- `GET /operator/api/overview|groups|tasks|approvals|outbox|quarantine|usage|config` — one
-  view each.
+- `GET /operator/api/overview|groups|tasks|approvals|outbox|quarantine|usage|mcp|config` —
+  one view each.
 - `GET /operator/api/tasks/{id}/runs` — a task's run history.
 - `POST /operator/api/tasks/{id}/{pause|resume|cancel|run-now}`.
 - `POST /operator/api/outbox/{id}/{retry|drop}`.
@@ -179,5 +179,6 @@ def build_app(d: DaemonView, access: Access) -> web.Application:
     r.add_get("/api/quarantine", view(views.quarantine, blocking=True))
     r.add_post("/api/quarantine/delete", quarantine_delete)
     r.add_get("/api/usage", usage)
+    r.add_get("/api/mcp", view(views.mcp))
     r.add_get("/api/config", view(views.config))
     return app

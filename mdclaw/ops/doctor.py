@@ -127,6 +127,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
     if "whatsapp" not in missing:
         _check_whatsapp(results, cfg)
     _check_chromium(results, cfg)
+    _check_mcp(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
     # clock and timezone
@@ -451,6 +452,14 @@ async def probe_discord(api_base: str, token: str) -> tuple[str, str, str]:
                 f"{DISCORD_PORTAL} → your application → Bot → Privileged Gateway Intents: "
                 "turn on Message Content Intent")
     return ("ok", f"the bot token is accepted ({name})", "")
+
+
+def _check_mcp(results: list[dict[str, str]], cfg: Config) -> None:
+    """Each MCP server started here (as the daemon would start it) and its tools listed."""
+    from mdclaw.ops.mcp import doctor_rows  # starts processes: only when servers are set
+
+    for name, level, detail, fix in doctor_rows(cfg):
+        _check(results, name, level, detail, fix)
 
 
 def _private_file(results: list[dict[str, str]], name: str, path: str, holds: str) -> None:

@@ -58,7 +58,7 @@ def gather_status(cfg: Config) -> dict[str, Any]:
             out["daemon"] = "running"
             out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
                                              "queue", "channels", "channel_details",
-                                             "reload_error")
+                                             "reload_error", "mcp")
                         if k in live})
     except (OSError, ValueError, KeyError):
         pass

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from mdclaw.channels.base import Channel
 from mdclaw.config import Config
+from mdclaw.mcp.hub import McpHub
 from mdclaw.queue import GroupQueue
 from mdclaw.state import Database
 
@@ -34,6 +35,10 @@ class DaemonView(Protocol):
     @property
     def queue(self) -> GroupQueue | None:
         """The container run queue (None before it exists)."""
+
+    @property
+    def mcp(self) -> McpHub | None:
+        """The MCP servers the daemon runs (None before they are started)."""
 
     @property
     def last_reload(self) -> dict[str, Any] | None:

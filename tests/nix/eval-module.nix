@@ -75,6 +75,7 @@ let
       mdclawClaudeCodeAllowed = allowClaudeCode;
     };
     writeShellScriptBin = name: text: fakeDrv name { inherit text; };
+    writeShellScript = name: text: fakeDrv name { inherit text; };
   };
 
   inherit (types)
@@ -208,6 +209,15 @@ let
             unitConfig = opt (attrsOf unitOption) { };
           };
         })) { };
+        systemd.sockets = opt (attrsOf (submodule {
+          options = {
+            enable = opt bool true;
+            description = opt str "";
+            wantedBy = unitNames;
+            listenStreams = opt (listOf str) [ ];
+            socketConfig = opt (attrsOf unitOption) { };
+          };
+        })) { };
         virtualisation.podman = {
           enable = opt bool false;
           dockerSocket.enable = opt bool false;
@@ -306,6 +316,8 @@ else
     imageUnit = config.systemd.services.mdclaw-image or null;
     backupUnit = config.systemd.services.mdclaw-backup or null;
     backupTimer = config.systemd.timers.mdclaw-backup or null;
+    mcpSockets = config.systemd.sockets;
+    mcpUnits = (lib.filterAttrs (n: _: lib.hasPrefix "mdclaw-mcp-" n) config.systemd.services);
     systemPackages = map (p: {
       inherit (p) name;
       text = p.text or null;

@@ -17,6 +17,7 @@ from pathlib import Path
 from mdclaw_agent.backends import BackendError, system_prompt
 from mdclaw_agent.forwarder import Forwarder
 from mdclaw_agent.ipc import InputWatcher
+from mdclaw_agent.mcptools import mcp_tools
 from mdclaw_agent.protocol import PLACEHOLDER_KEY, ContainerInput, InputError, Settings, emit
 from mdclaw_agent.tools import ToolContext, tools_for
 
@@ -38,7 +39,8 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
     if inp.backend == "openai":
         from mdclaw_agent.backends.openai import OpenAIBackend
 
-        tools = tools_for(inp.is_main, actions=settings.allowed_actions)
+        tools = tools_for(inp.is_main, actions=settings.allowed_actions) + mcp_tools(
+            settings.ipc_dir, settings.allowed_actions)
         return OpenAIBackend(base_url=base_url.rstrip("/") + "/v1", api_key=PLACEHOLDER_KEY,
                              model=inp.model or DEFAULT_OPENAI_MODEL, system=system,
                              tools=tools, ctx=ctx, max_tool_rounds=settings.max_tool_rounds,
@@ -70,7 +72,8 @@ def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noq
     }
     # Claude Code keeps its own file and shell tools; ours add the IPC, memory and web tools.
     tools = tools_for(inp.is_main, workspace=False,
-                      actions=settings.allowed_actions)
+                      actions=settings.allowed_actions) + mcp_tools(settings.ipc_dir,
+                                                                    settings.allowed_actions)
     return ClaudeBackend(model=inp.model, system=system, tools=tools, ctx=ctx,
                          cwd=settings.group_dir, session_id=inp.session_id, env=env,
                          extra_dirs=[settings.global_dir])

@@ -3,21 +3,31 @@ tools' parameters, the IPC commands and the host<->container wire contract.
 
 Keywords: `type` (string, integer, number, boolean, object, array, null, or a list of them),
 `enum`, `const`, `properties`, `required`, `additionalProperties` (true, false or a schema),
-`items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `minimum`, `maximum`, `anyOf`, and
-`$ref` to a schema of the document's `$defs` (`#/$defs/Name`, resolved in `root`). `title`,
-`description`, `default` and `x-...` keys are notes. Any other keyword in a schema is a
-programming error (`SchemaError`), so a schema can never promise more than is checked.
+`items`, `minItems`, `maxItems`, `uniqueItems`, `minLength`, `maxLength`, `pattern`,
+`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`,
+`minProperties`, `maxProperties`, `anyOf`, `allOf`, `oneOf`, `not`, and `$ref` to a schema of
+the document's `$defs` or `definitions` (`#/$defs/Name`, resolved in `root`). `title`,
+`description`, `default`, `format`, `examples`, `$schema`, `$id`, `$comment`, `readOnly`,
+`writeOnly`, `deprecated` and `x-...` keys are notes. Any other keyword in a schema is a
+programming error (`SchemaError`), so a schema can never promise more than is checked;
+`strict=False` checks what it knows and leaves other keywords alone, for schemas that are not
+mdclaw's own (an MCP server's tools: the host checks those arguments completely again).
 Booleans are not integers or numbers; integers are numbers; a float with no fraction is an
 integer, as JSON Schema says.
 """
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
+NOTES = frozenset({"description", "title", "default", "format", "examples", "$schema", "$id",
+                   "$comment", "readOnly", "writeOnly", "deprecated", "$defs", "definitions"})
 KNOWN = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties",
-                   "items", "minItems", "maxItems", "minLength", "maxLength", "minimum",
-                   "maximum", "anyOf", "$ref", "$defs", "description", "title", "default"})
+                   "items", "minItems", "maxItems", "uniqueItems", "minLength", "maxLength",
+                   "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                   "multipleOf", "minProperties", "maxProperties", "anyOf", "allOf", "oneOf",
+                   "not", "$ref"}) | NOTES
 
 
 class SchemaError(Exception):
@@ -64,32 +74,68 @@ def _where(path: str) -> str:
 
 
 def _resolve(ref: str, root: dict[str, Any]) -> dict[str, Any]:
-    prefix = "#/$defs/"
-    if not ref.startswith(prefix) or ref[len(prefix):] not in root.get("$defs", {}):
-        raise SchemaError(f"cannot resolve $ref {ref!r}")
-    target: dict[str, Any] = root["$defs"][ref[len(prefix):]]
-    return target
+    for key in ("$defs", "definitions"):
+        prefix = f"#/{key}/"
+        if ref.startswith(prefix) and ref[len(prefix):] in root.get(key, {}):
+            target: dict[str, Any] = root[key][ref[len(prefix):]]
+            return target
+    raise SchemaError(f"cannot resolve $ref {ref!r}")
+
+
+def _multiple(value: float, of: float) -> bool:
+    """Whether `value` is a multiple of `of`, as JSON Schema validators decide it."""
+    if isinstance(value, int) and isinstance(of, int):
+        return value % of == 0
+    try:
+        q = value / of
+    except OverflowError:
+        return False
+    return math.isfinite(q) and q == int(q)
 
 
 def errors(schema: dict[str, Any], value: Any, path: str = "", *,
-           root: dict[str, Any] | None = None) -> list[str]:
+           root: dict[str, Any] | None = None, strict: bool = True) -> list[str]:
     """Every way `value` breaks `schema`, as readable lines naming where; [] when it fits.
-    `root` is the document a `$ref` points into (`schema` itself unless given)."""
-    unknown = {k for k in schema if not k.startswith("x-")} - KNOWN
-    if unknown:
-        raise SchemaError(f"schema keyword(s) not checked: {', '.join(sorted(unknown))}")
+    `root` is the document a `$ref` points into (`schema` itself unless given). `strict`:
+    a keyword this check does not know is a SchemaError (else it is left alone)."""
+    if not isinstance(schema, dict):
+        if isinstance(schema, bool):  # JSON Schema's true / false schemas
+            return [] if schema else [f"{_where(path)} is not allowed"]
+        raise SchemaError(f"a schema must be an object, not {type(schema).__name__}")
+    if strict:
+        unknown = {k for k in schema if not k.startswith("x-")} - KNOWN
+        if unknown:
+            raise SchemaError(f"schema keyword(s) not checked: {', '.join(sorted(unknown))}")
     root = schema if root is None else root
+
+    def sub(s: Any, v: Any, p: str) -> list[str]:
+        return errors(s, v, p, root=root, strict=strict)
+
     out: list[str] = []
     if "$ref" in schema:
-        out += errors(_resolve(schema["$ref"], root), value, path, root=root)
+        out += sub(_resolve(schema["$ref"], root), value, path)
     if "anyOf" in schema:
         if not schema["anyOf"]:
             raise SchemaError("anyOf needs at least one schema")
-        found: list[list[str]] = [errors(alt, value, path, root=root)
-                                  for alt in schema["anyOf"]]
+        found: list[list[str]] = [sub(alt, value, path) for alt in schema["anyOf"]]
         if all(found):  # none fits: say what the closest one misses
             closest: list[str] = min(found, key=len)
             out += closest
+    if "allOf" in schema:
+        for alt in schema["allOf"]:
+            out += sub(alt, value, path)
+    if "oneOf" in schema:
+        if not schema["oneOf"]:
+            raise SchemaError("oneOf needs at least one schema")
+        found = [sub(alt, value, path) for alt in schema["oneOf"]]
+        fits = sum(1 for f in found if not f)
+        if fits == 0:
+            nearest: list[str] = min(found, key=len)
+            out += nearest
+        elif fits > 1:
+            out.append(f"{_where(path)} fits more than one of its alternatives (oneOf)")
+    if "not" in schema and not sub(schema["not"], value, path):
+        out.append(f"{_where(path)} must not fit the schema under `not`")
     kinds = schema.get("type")
     if kinds is not None:
         wanted = [kinds] if isinstance(kinds, str) else list(kinds)
@@ -105,20 +151,35 @@ def errors(schema: dict[str, Any], value: Any, path: str = "", *,
             out.append(f"{_where(path)} must be at least {schema['minLength']} characters")
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             out.append(f"{_where(path)} must be at most {schema['maxLength']} characters")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            out.append(f"{_where(path)} must match {schema['pattern']!r}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if "minimum" in schema and value < schema["minimum"]:
             out.append(f"{_where(path)} must be at least {schema['minimum']}")
         if "maximum" in schema and value > schema["maximum"]:
             out.append(f"{_where(path)} must be at most {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            out.append(f"{_where(path)} must be more than {schema['exclusiveMinimum']}")
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            out.append(f"{_where(path)} must be less than {schema['exclusiveMaximum']}")
+        if "multipleOf" in schema and not _multiple(value, schema["multipleOf"]):
+            out.append(f"{_where(path)} must be a multiple of {schema['multipleOf']}")
     if isinstance(value, list):
         if "minItems" in schema and len(value) < schema["minItems"]:
             out.append(f"{_where(path)} must have at least {schema['minItems']} items")
         if "maxItems" in schema and len(value) > schema["maxItems"]:
             out.append(f"{_where(path)} must have at most {schema['maxItems']} items")
+        if schema.get("uniqueItems") is True and any(
+                _equal(a, b) for i, a in enumerate(value) for b in value[i + 1:]):
+            out.append(f"{_where(path)} must not hold the same item twice")
         if "items" in schema:
             for i, item in enumerate(value):
-                out += errors(schema["items"], item, f"{path}[{i}]", root=root)
+                out += sub(schema["items"], item, f"{path}[{i}]")
     if isinstance(value, dict):
+        if "minProperties" in schema and len(value) < schema["minProperties"]:
+            out.append(f"{_where(path)} must have at least {schema['minProperties']} keys")
+        if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+            out.append(f"{_where(path)} must have at most {schema['maxProperties']} keys")
         props = schema.get("properties", {})
         for key in schema.get("required", []):
             if key not in value:
@@ -126,12 +187,12 @@ def errors(schema: dict[str, Any], value: Any, path: str = "", *,
         extra = schema.get("additionalProperties", True)
         for key, item in value.items():
             if key in props:
-                out += errors(props[key], item, _join(path, key), root=root)
+                out += sub(props[key], item, _join(path, key))
             elif extra is False:
                 out.append(f"unknown argument '{_join(path, key)}'"
                            + (f"; expected {', '.join(props)}" if props else ""))
             elif isinstance(extra, dict):
-                out += errors(extra, item, _join(path, key), root=root)
+                out += sub(extra, item, _join(path, key))
     return out
 
 

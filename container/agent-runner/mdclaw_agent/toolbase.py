@@ -54,6 +54,9 @@ class Tool:
     # The host action this tool asks for: when the host lists the actions this group may
     # call (MDCLAW_ACTIONS), the tool is given exactly when its action is listed.
     action: str | None = None
+    # False for a schema that is not mdclaw's own (an MCP server's): keywords the check does
+    # not know are left to the host, which checks those arguments completely.
+    strict_schema: bool = True
 
     def call(self, ctx: ToolContext, args: dict[str, Any]) -> str:
         """Run the tool after checking the arguments against its whole schema (types, enums,
@@ -63,7 +66,7 @@ class Tool:
         if not isinstance(args, dict):
             raise ToolError(f"{self.name}: arguments must be an object")
         given = {k: v for k, v in args.items() if v is not None and v != ""}
-        problems = errors(self.parameters, given)
+        problems = errors(self.parameters, given, strict=self.strict_schema)
         if problems:
             raise ToolError(f"{self.name}: {'; '.join(problems)}")
         return self.handler(ctx, given)

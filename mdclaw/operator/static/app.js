@@ -365,6 +365,29 @@ const views = {
     }
   },
 
+  async mcp(root) {
+    const m = await api("api/mcp");
+    root.append(el("h2", { text: "MCP servers" }));
+    if (!m.servers.length) root.append(el("p", { class: "muted", text: "no MCP servers are configured (mcp_servers)" }));
+    for (const s of m.servers) {
+      root.append(el("div", { class: "card", "data-server": s.server },
+        el("h3", { text: s.server + " (" + s.kind + ")" }),
+        kv([["state", s.state + (s.detail ? ": " + s.detail : ""), s.state === "up" ? "ok" : "error"],
+            ["up since", s.up_since || "-"], ["restarts", String(s.restarts)],
+            ["groups", Object.entries(s.groups).map(([g, p]) => g + " (" + p.join(", ") + ")").join("; ") || "none"]]),
+        table([{ label: "tool", key: "name" }, { label: "needs approval", cell: (t) => t.needs_approval ? "yes" : "no" }],
+          s.tools, "no tools listed"),
+        s.problems.length ? el("p", { class: "bad", text: "not offered: " + s.problems.join("; ") }) : "",
+        s.stderr_tail ? el("pre", { class: "payload", text: s.stderr_tail }) : ""));
+    }
+    root.append(el("h3", { text: "Recent calls" }));
+    root.append(table([
+      { label: "when", key: "at" }, { label: "group", key: "group" }, { label: "server", key: "server" },
+      { label: "tool", key: "tool" }, { label: "outcome", key: "outcome" },
+      { label: "seconds", key: "seconds" }, { label: "error", cell: (r) => el("span", { class: "error", text: r.error || "" }) },
+    ], m.recent.map((r) => Object.assign({ __attrs: { "data-call": r.tool } }, r)), "no calls yet"));
+  },
+
   async config(root) {
     const c = await api("api/config");
     root.append(el("h2", { text: "Config" }));
