@@ -2,7 +2,7 @@
 endpoints the Discord channel uses (with X-RateLimit-* headers and scripted 429s carrying
 `retry_after`) and the gateway (HELLO, IDENTIFY, READY, GUILD_CREATE, heartbeat/ACK,
 dispatches with sequence numbers, RESUME/RESUMED with the missed events replayed,
-INVALID_SESSION), zlib-stream compressed as the client asks.
+INVALID_SESSION), zlib-stream or zstd-stream compressed as the client asks.
 
 Messages people write go into the fake channel's history (GET /channels/{id}/messages) and
 are dispatched to the connected session; a session without a connection keeps them for a
@@ -49,6 +49,29 @@ class Session:
     ws: web.WebSocketResponse | None = None
     compress: Any = None
     resumable: bool = True
+
+
+class _ZlibStream:
+    """zlib-stream: one deflate stream, each message ending in a sync flush."""
+
+    def __init__(self) -> None:
+        self._c = zlib.compressobj()
+
+    def message(self, data: bytes) -> bytes:
+        return self._c.compress(data) + self._c.flush(zlib.Z_SYNC_FLUSH)
+
+
+class _ZstdStream:
+    """zstd-stream: one zstd stream, each message ending in a flushed block."""
+
+    def __init__(self) -> None:
+        import zstandard
+
+        self._flush = zstandard.COMPRESSOBJ_FLUSH_BLOCK
+        self._c = zstandard.ZstdCompressor().compressobj()
+
+    def message(self, data: bytes) -> bytes:
+        return self._c.compress(data) + self._c.flush(self._flush)
 
 
 class FakeDiscord:
@@ -349,10 +372,17 @@ class FakeDiscord:
     async def gateway(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(autoping=True)
         await ws.prepare(request)
-        compress = (zlib.compressobj() if request.query.get("compress") == "zlib-stream"
-                    else None)
-        if request.query.get("compress") not in (None, "zlib-stream"):
-            await ws.close(code=4000, message=b"this fake speaks zlib-stream only")
+        # The transport compressions the gateway offers: one stream per connection, each
+        # message flushed so it can be read on its own. discord.py asks for zstd-stream when
+        # a zstd module is installed (mdclaw's backups install zstandard), else zlib-stream.
+        asked = request.query.get("compress")
+        compress: Any = None
+        if asked == "zlib-stream":
+            compress = _ZlibStream()
+        elif asked == "zstd-stream":
+            compress = _ZstdStream()
+        elif asked is not None:
+            await ws.close(code=4000, message=b"unknown compression")
             return ws
         conn: dict[str, Any] = {"ws": ws, "compress": compress, "session": None}
         await self._send(conn, {"op": 10, "s": None, "t": None,
@@ -379,8 +409,7 @@ class FakeDiscord:
         ws: web.WebSocketResponse = conn["ws"]
         data = json.dumps(payload)
         if conn["compress"] is not None:
-            c = conn["compress"]
-            await ws.send_bytes(c.compress(data.encode()) + c.flush(zlib.Z_SYNC_FLUSH))
+            await ws.send_bytes(conn["compress"].message(data.encode()))
         else:
             await ws.send_str(data)
 
