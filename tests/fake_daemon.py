@@ -41,6 +41,7 @@ def main() -> int:
 
     import mdclaw.daemon.core as core
     from fake_engine import FakeEngine
+    from mdclaw.channels.base import SavedPosition
     from mdclaw.channels.email import EmailChannel
     from mdclaw.cli import main as cli_main
     from mdclaw.retry import Backoff
@@ -63,14 +64,14 @@ def main() -> int:
 
         EmailChannel._mark_seen = staticmethod(die_before_seen)  # type: ignore[method-assign]
     elif point == "before-uid":
-        write = EmailChannel._write_seen
+        write = SavedPosition._write  # the email channel's last UID is one of these
 
-        def die_before_uid(self: EmailChannel, ask: int, value: str) -> None:
-            if dying(int(value.split()[1])):
+        def die_before_uid(self: SavedPosition, ask: int, value: str) -> None:
+            if self.channel == "email" and dying(int(value.split()[1])):
                 _die()
             write(self, ask, value)
 
-        EmailChannel._write_seen = die_before_uid  # type: ignore[method-assign]
+        SavedPosition._write = die_before_uid  # type: ignore[method-assign]
     if args.fast_reconnect:
         EmailChannel.reconnect_backoff = Backoff(base=0.5, factor=2.0, cap=2.0)
     return cli_main(["run", "--config", args.config])

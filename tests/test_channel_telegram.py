@@ -791,10 +791,11 @@ def test_an_older_offset_never_overwrites_a_newer_one(tmp_path) -> None:
     db = Database(path)
     ch = TelegramChannel(TOKEN, api_base="http://127.0.0.1:9", db=db)
     try:
-        ch._write_offset(2, 600)
-        ch._write_offset(1, 500)  # asked for first, reaching the database last
+        # (mdclaw.channels.base.SavedPosition, which every channel's position uses)
+        ch._saved_offset._write(2, "600")
+        ch._saved_offset._write(1, "500")  # asked for first, reaching the database last
         assert _stored_offset(path) == "600"
-        ch._write_offset(3, 700)
+        ch._saved_offset._write(3, "700")
         assert _stored_offset(path) == "700"
     finally:
         db.close()

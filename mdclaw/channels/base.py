@@ -9,9 +9,12 @@ callback given to the channel. Channels never import each other.
 from __future__ import annotations
 
 import abc
+import asyncio
 import inspect
 import json
 import logging
+import sqlite3
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,6 +22,8 @@ from typing import Any
 
 from mdclaw.errors import ChannelError
 from mdclaw.markup import split_text
+from mdclaw.state import Database
+from mdclaw.state.conversations import get_router_value, set_router_value
 
 log = logging.getLogger("mdclaw.channels")
 
@@ -287,6 +292,60 @@ class Channel(abc.ABC):
                 await self.send_part(jid, part, reply_to=reply_to)
         except ChannelError as e:
             log.warning("%s: could not answer in %s: %s", self.name, jid, self.redact(str(e)))
+
+
+class SavedPosition:
+    """Where a channel is in its service's stream (Telegram's getUpdates offset, a Matrix sync
+    token, a mailbox's last UID, Discord's message cursors), kept in the state database's
+    router_state under `key()` so a restart neither loses nor repeats what came in.
+
+    Reads and writes run on a worker thread, never on the event loop. Writes are numbered in
+    the order the loop asked for them; one that finds a later one written already is dropped,
+    so an older position never overwrites a newer one (a poller's write and disconnect's can
+    overlap). A failure is logged (`what` names it), never raised: the position stays in the
+    channel's memory and is written with the next save. Without a database nothing is kept."""
+
+    def __init__(self, db: Database | None, key: Callable[[], str], *, channel: str,
+                 what: str) -> None:
+        self.db = db
+        self.key = key
+        self.channel = channel
+        self.what = what
+        self.saved: str | None = None  # the value last read or written
+        self._asks = 0
+        self._written = 0
+        self._lock = threading.Lock()
+
+    async def load(self) -> str | None:
+        """The saved value (None: nothing saved, no database, or the database failed)."""
+        if self.db is None:
+            return None
+        try:
+            value = await asyncio.to_thread(get_router_value, self.db, self.key())
+        except sqlite3.Error as e:
+            log.warning("%s: could not read the saved %s: %s", self.channel, self.what, e)
+            return None
+        if value is not None:
+            self.saved = value
+        return value
+
+    async def save(self, value: str) -> None:
+        """Keep `value` (nothing happens when it is what was saved last)."""
+        if self.db is None or value == self.saved:
+            return
+        self._asks += 1
+        try:
+            await asyncio.to_thread(self._write, self._asks, value)
+        except sqlite3.Error as e:  # kept in memory; saved with the next one
+            log.warning("%s: could not save the %s: %s", self.channel, self.what, e)
+
+    def _write(self, ask: int, value: str) -> None:
+        assert self.db is not None
+        with self._lock:
+            if ask <= self._written:
+                return
+            set_router_value(self.db, self.key(), value)
+            self._written, self.saved = ask, value
 
 
 def read_upload(path: Path, limit: int, whose: str) -> bytes:

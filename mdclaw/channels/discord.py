@@ -35,8 +35,6 @@ import contextlib
 import json
 import logging
 import re
-import sqlite3
-import threading
 from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +47,7 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
+    SavedPosition,
     kind_for_mime,
     read_upload,
 )
@@ -57,7 +56,6 @@ from mdclaw.config.extras import ExtraMissing, unavailable
 from mdclaw.markup import split_discord, to_discord, utf16_len
 from mdclaw.retry import Backoff
 from mdclaw.state import Database, now_iso
-from mdclaw.state.conversations import get_router_value, set_router_value
 
 if TYPE_CHECKING:
     import discord
@@ -147,9 +145,8 @@ class DiscordChannel(Channel):
         # Channels whose message the host refused: their later messages wait for the next
         # catch-up (which reads them from the history, in order) instead of passing it.
         self._behind: set[int] = set()
-        self._saves = 0
-        self._saved = 0
-        self._save_lock = threading.Lock()
+        self._saved = SavedPosition(db, lambda: self._cursor_key, channel="discord",
+                                    what="message cursors")
 
     @classmethod
     def from_config(cls, section: Any, *, on_inbound: InboundCallback | None = None,
@@ -193,13 +190,7 @@ class DiscordChannel(Channel):
         return f"discord_cursors:{self._token.split('.', 1)[0]}"
 
     async def _load_cursors(self) -> None:
-        if self.db is None:
-            return
-        try:
-            value = await asyncio.to_thread(get_router_value, self.db, self._cursor_key)
-        except sqlite3.Error as e:
-            log.warning("discord: could not read the saved message cursors: %s", e)
-            return
+        value = await self._saved.load()
         try:
             saved = json.loads(value) if value else {}
         except ValueError:
@@ -215,25 +206,10 @@ class DiscordChannel(Channel):
                 self._last_where.setdefault(str(k), v)
 
     async def _save_cursors(self) -> None:
-        if self.db is None:
-            return
-        self._saves += 1
         recent = sorted(self._cursors.items(), key=lambda kv: kv[1])[-REMEMBERED_CHANNELS:]
-        value = json.dumps({"cursors": {str(k): v for k, v in recent},
-                            "where": dict(list(self._last_where.items())[-REMEMBERED_CHANNELS:])})
-        try:
-            await asyncio.to_thread(self._write_cursors, self._saves, value)
-        except sqlite3.Error as e:  # kept in memory; saved with the next message
-            log.warning("discord: could not save the message cursors: %s", e)
-
-    def _write_cursors(self, ask: int, value: str) -> None:
-        """On a worker thread: store `value` unless a later ask was stored already."""
-        assert self.db is not None
-        with self._save_lock:
-            if ask <= self._saved:
-                return
-            set_router_value(self.db, self._cursor_key, value)
-            self._saved = ask
+        await self._saved.save(json.dumps(
+            {"cursors": {str(k): v for k, v in recent},
+             "where": dict(list(self._last_where.items())[-REMEMBERED_CHANNELS:])}))
 
     # ------------------------------------------------------------------ lifecycle
     def _make_client(self) -> discord.Client:

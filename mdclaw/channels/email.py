@@ -41,7 +41,6 @@ import smtplib
 import socket
 import sqlite3
 import ssl
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +56,7 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
+    SavedPosition,
     kind_for_mime,
     read_upload,
 )
@@ -389,9 +389,8 @@ class EmailChannel(Channel):
         self.smtp_problem: MailTrouble | None = None
         # (UIDVALIDITY, the last UID handled) of the mailbox, as saved.
         self._seen: tuple[int, int] | None = None
-        self._uid_asks = 0
-        self._uid_written = 0
-        self._uid_lock = threading.Lock()
+        self._saved_seen = SavedPosition(db, lambda: self._uid_key, channel="email",
+                                         what="last mail handled")
         self._threads: dict[str, dict[str, Any]] = {}  # address -> threads (cached)
         self._refused_logged: set[str] = set()
 
@@ -747,15 +746,10 @@ class EmailChannel(Channel):
 
     # ------------------------------------------------------------------ saved state
     async def _load_seen(self) -> None:
-        if self.db is None or self._seen is not None:
+        if self._seen is not None:
             return
-        try:
-            value = await asyncio.to_thread(get_router_value, self.db, self._uid_key)
-        except sqlite3.Error as e:
-            log.warning("email: could not read the last mail handled: %s", e)
-            return
-        parts = (value or "").split()
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
+        parts = (await self._saved_seen.load() or "").split()
+        if len(parts) == 2 and all(p.isdigit() for p in parts) and self._seen is None:
             self._seen = (int(parts[0]), int(parts[1]))
 
     async def _save_seen(self, uidvalidity: int, uid: int) -> None:
@@ -764,21 +758,7 @@ class EmailChannel(Channel):
         if self._seen == (uidvalidity, uid):
             return
         self._seen = (uidvalidity, uid)
-        if self.db is None:
-            return
-        self._uid_asks += 1
-        try:
-            await asyncio.to_thread(self._write_seen, self._uid_asks, f"{uidvalidity} {uid}")
-        except sqlite3.Error as e:  # kept in memory; written with the next mail
-            log.warning("email: could not save the last mail handled: %s", e)
-
-    def _write_seen(self, ask: int, value: str) -> None:
-        assert self.db is not None
-        with self._uid_lock:
-            if ask <= self._uid_written:
-                return
-            set_router_value(self.db, self._uid_key, value)
-            self._uid_written = ask
+        await self._saved_seen.save(f"{uidvalidity} {uid}")
 
     async def _threads_of(self, address: str) -> dict[str, Any]:
         """{"latest": thread, "mails": {message id: thread}} of `address` (cached)."""

@@ -57,7 +57,6 @@ import mimetypes
 import os
 import re
 import sqlite3
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -76,6 +75,7 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
+    SavedPosition,
     kind_for_mime,
     read_upload,
 )
@@ -295,12 +295,8 @@ class MatrixChannel(Channel):
         self._running = False
         self._connected = False
         self._since: str | None = None
-        self._saved_since: str | None = None
-        # Token writes run on a thread, numbered in the order asked; one that finds a later
-        # one written already is dropped (the syncer's and disconnect's can overlap).
-        self._since_asks = 0
-        self._since_written = 0
-        self._since_lock = threading.Lock()
+        self._saved_since = SavedPosition(db, lambda: self._since_key, channel="matrix",
+                                          what="sync token")
         # event id -> (room id, sender, thread root): whose a message was and where it is
         self._events: OrderedDict[str, tuple[str, str, str | None]] = OrderedDict()
         # room id -> (thread root, latest event of the thread) or None: where the room's
@@ -596,33 +592,16 @@ class MatrixChannel(Channel):
 
     # ------------------------------------------------------------------ the sync token
     async def _load_since(self) -> None:
-        if self.db is None or self._since is not None:
+        if self._since is not None:
             return
-        try:
-            value = await asyncio.to_thread(get_router_value, self.db, self._since_key)
-        except sqlite3.Error as e:
-            log.warning("matrix: could not read the saved sync token: %s", e)
-            return
+        value = await self._saved_since.load()
         if value and self._since is None:
-            self._since = self._saved_since = value
+            self._since = value
 
     async def _save_since(self) -> None:
         """Write the sync token to the database on a thread (never on the loop)."""
-        if self.db is None or self._since is None or self._since == self._saved_since:
-            return
-        self._since_asks += 1
-        try:
-            await asyncio.to_thread(self._write_since, self._since_asks, self._since)
-        except sqlite3.Error as e:  # kept in memory; saved with the next batch
-            log.warning("matrix: could not save the sync token: %s", e)
-
-    def _write_since(self, ask: int, token: str) -> None:
-        assert self.db is not None
-        with self._since_lock:
-            if ask <= self._since_written:
-                return
-            set_router_value(self.db, self._since_key, token)
-            self._since_written, self._saved_since = ask, token
+        if self._since is not None:
+            await self._saved_since.save(self._since)
 
     # ------------------------------------------------------------------ inbound
     async def _sync_loop(self) -> None:

@@ -34,8 +34,6 @@ import json
 import logging
 import mimetypes
 import re
-import sqlite3
-import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,13 +48,13 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
+    SavedPosition,
     read_upload,
 )
 from mdclaw.config import read_secret
 from mdclaw.markup import split_telegram, to_telegram, utf16_len
 from mdclaw.retry import Backoff
 from mdclaw.state import Database, now_iso
-from mdclaw.state.conversations import get_router_value, set_router_value
 
 log = logging.getLogger("mdclaw.channels.telegram")
 
@@ -97,14 +95,9 @@ class TelegramChannel(Channel):
         self._poller: asyncio.Task[None] | None = None
         self._typing: dict[str, asyncio.Task[None]] = {}
         self._offset: int | None = None
-        self._saved_offset: int | None = None  # the offset last written to the database
-        # Offset writes run on a thread, numbered in the order the loop asked for them; one
-        # that finds a later one already written is dropped, so an older offset never
-        # overwrites a newer one (the poller's write and disconnect's can overlap).
-        self._offset_asks = 0
-        self._offset_written = 0
-        self._offset_lock = threading.Lock()
         self.db = db  # where the getUpdates offset is kept across restarts (None: nowhere)
+        self._saved_offset = SavedPosition(db, lambda: self._offset_key, channel="telegram",
+                                           what="getUpdates offset")
         self._running = False  # between connect() and disconnect()
         self._connected = False  # running, and the last call reached Telegram
         self.bot_username: str | None = None
@@ -136,35 +129,16 @@ class TelegramChannel(Channel):
         return f"telegram_offset:{self._token.split(':', 1)[0]}"
 
     async def _load_offset(self) -> None:
-        if self.db is None or self._offset is not None:
+        if self._offset is not None:
             return
-        try:
-            value = await asyncio.to_thread(get_router_value, self.db, self._offset_key)
-        except sqlite3.Error as e:
-            log.warning("telegram: could not read the saved getUpdates offset: %s", e)
-            return
+        value = await self._saved_offset.load()
         if value is not None and value.lstrip("-").isdigit() and self._offset is None:
-            self._offset = self._saved_offset = int(value)
+            self._offset = int(value)
 
     async def _save_offset(self) -> None:
         """Write the current offset to the database on a thread (never on the loop)."""
-        if self.db is None or self._offset is None or self._offset == self._saved_offset:
-            return
-        self._offset_asks += 1
-        try:
-            await asyncio.to_thread(self._write_offset, self._offset_asks, self._offset)
-        except sqlite3.Error as e:  # kept in memory; saved with the next batch
-            log.warning("telegram: could not save the getUpdates offset: %s", e)
-
-    def _write_offset(self, ask: int, offset: int) -> None:
-        """On a worker thread: store `offset` (asked for as number `ask`) unless a later
-        ask was stored already."""
-        assert self.db is not None
-        with self._offset_lock:
-            if ask <= self._offset_written:
-                return
-            set_router_value(self.db, self._offset_key, str(offset))
-            self._offset_written, self._saved_offset = ask, offset
+        if self._offset is not None:
+            await self._saved_offset.save(str(self._offset))
 
     def redact(self, text: str) -> str:
         """`text` with the token replaced by ***."""
