@@ -283,6 +283,9 @@ def test_a_renumbered_mailbox_is_looked_at_again_for_unread_mail(
             w.send(make_mail(alice, bot, "handled", "token-r1"), as_user=alice)
             await wait_until_async(lambda: h.got)
             await wait_until_async(lambda: any(w.seen_flags(bot).values()))
+            # The UID is saved after the mail is marked seen: wait for it, not just the flag.
+            await wait_until_async(lambda: (h.ch._saved_seen.saved or " 0").split()[1] != "0",
+                                   what="the handled mail's UID saved")
         finally:
             await h.ch.disconnect()
 
