@@ -63,11 +63,17 @@ def start(proxy: ProxyThread, url: str, budget: int, **kw) -> Path:  # noqa: ANN
         max_connections=1024, requests_per_minute=100_000, timezone="Europe/Berlin", **kw))
 
 
+IN_FLIGHT = 100  # below the proxy socket's listen queue (agentfs: listen(128))
+
+
 async def burst(sock: Path, n: int, body: dict) -> list[tuple[int, dict[str, str], bytes]]:
     """`n` requests at once, each on its own connection (none reused: a kept-alive one can be
     closed by the server just as the client sends on it, which the SDKs retry and this test
-    would not)."""
-    conn = aiohttp.UnixConnector(path=str(sock), limit=0, force_close=True)
+    would not), at most IN_FLIGHT connecting at a time: the proxy's socket queues 128
+    connections it has not accepted yet, and a unix socket whose queue is full fails the
+    connect (asyncio then hands back a socket that was never connected), which a loaded
+    machine's accept loop lets happen to a thousand at once."""
+    conn = aiohttp.UnixConnector(path=str(sock), limit=IN_FLIGHT, force_close=True)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=120)) as s:
         async def one() -> tuple[int, dict[str, str], bytes]:
