@@ -133,12 +133,15 @@ def test_mcp_through_a_real_daemon(tmp_path: Path, caplog: pytest.LogCaptureFixt
                 body = await result(data, group, rid)
                 assert body["status"] == "error" and words in body["error"], (what, body)
             # Hostile servers: each a clear result, the daemon fine.
-            big = request(data, "main", "big", "hostile", megabytes=50)
             hang = request(data, "main", "hang", "stuck")
             garbage = request(data, "main", "garbage", "hostile")
             leak = request(data, "main", "env", "hostile", name="SECRET_TOKEN")
             assert text(await result(data, "main", garbage)) == "answered after garbage"
             assert text(await result(data, "main", leak)) == "SECRET_TOKEN=[secret]"
+            # After the garbage: stdout is one stream, so garbage printed while the 50 MB
+            # answer is written runs the two into one over-long line, and that line's error
+            # goes to the first call it names (the garbage one) instead.
+            big = request(data, "main", "big", "hostile", megabytes=50)
             body = await result(data, "main", big)
             assert body["status"] == "error" and "over its max_result_bytes" in body["error"]
             body = await result(data, "main", hang)
