@@ -156,7 +156,7 @@ class AgentAsks:
         texts: list[str] = []
         errors: list[TurnFailure] = []
         self.conversations[folder] = Conversation.for_task()
-        self._chains[folder] = run.chain + ()
+        self._chains[folder] = run.chain
         proxy = self.launcher.proxy
         if proxy is not None:
             proxy.charge_also(folder, [(g, cfg.token_budget(g)) for g in run.chain])
