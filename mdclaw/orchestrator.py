@@ -46,6 +46,7 @@ from dataclasses import replace
 from typing import Any
 
 from mdclaw import failures, people
+from mdclaw.agentasks import AgentAsks
 from mdclaw.channels.base import Channel, ChannelError, InboundMessage, channel_for
 from mdclaw.config import Config, LiveConfig
 from mdclaw.decisions import Decider
@@ -58,7 +59,7 @@ from mdclaw.outbox import describe_failures, failed_since
 from mdclaw.paths import Layout
 from mdclaw.preflight import DiskRule
 from mdclaw.proxy import CredentialProxy
-from mdclaw.queue import GroupQueue, Job, MessageTurn
+from mdclaw.queue import AgentAsk, GroupQueue, Job, MessageTurn
 from mdclaw.replies import Replies
 from mdclaw.runner import ContainerResult, ContainerRunner, RunHandle
 from mdclaw.senders import HOST_NOTE, HOST_SENDER, Decision, decide
@@ -145,6 +146,11 @@ class Orchestrator:
                                wake_outbox=lambda: self.wake_outbox(), diskguard=diskguard)
         self.tasks = TaskRuns(db, config=lambda: self.cfg, queue=self.queue,
                               launcher=self.launcher, replies=self.replies,
+                              conversations=self._conv,
+                              engine_wait=lambda: self._engine_wait(first_try=False))
+        # Other agents' questions (ask_agent): one turn each, through the same queue.
+        self.asks = AgentAsks(db, config=lambda: self.cfg, queue=self.queue,
+                              launcher=self.launcher, replies=self.replies, tasks=self.tasks,
                               conversations=self._conv,
                               engine_wait=lambda: self._engine_wait(first_try=False))
         # People's answers to cards by reply code, and admit cards for unknown senders
@@ -529,6 +535,8 @@ class Orchestrator:
         return await self.tasks.execute(task)
 
     async def run_job(self, job: Job) -> Any:
+        if isinstance(job.payload, AgentAsk):
+            return await self.asks.run(job)
         if job.kind == "task":
             return await self.tasks.run(job)
         return await self._run_messages(job)
@@ -538,6 +546,9 @@ class Orchestrator:
         and tell the chat."""
         failure = getattr(error, "failure", None) or TurnFailure(
             "agent_crash", detail=f"{type(error).__name__}: {error}")
+        if isinstance(job.payload, AgentAsk):
+            self.asks.abandon([job])
+            return
         if job.kind == "task":
             self.tasks.failed(job, error, failure)
             return
@@ -610,6 +621,7 @@ class Orchestrator:
     def abandon(self, jobs: list[Job]) -> None:
         """Jobs the queue dropped at shutdown: their scheduled runs end with that reason."""
         self.tasks.abandon(jobs)
+        self.asks.abandon(jobs)
 
     def close_conversations(self) -> int:
         """Stop waiting for the engine; write `_close` to every running conversation;

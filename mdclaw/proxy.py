@@ -187,6 +187,8 @@ class CredentialProxy:
                                               sock_read=read_timeout)
         self.ledger = UsageLedger(db, flush_interval=flush_interval)
         self.budget = Budget(self.ledger)
+        # folder -> (group, tokens_per_day) of the agents waiting for its answer (charge_also)
+        self._payers: dict[str, tuple[tuple[str, int | None], ...]] = {}
         # key file -> (mtime, inode, credential headers, the forms of the key to remove)
         self._keys: dict[Path, tuple[float, int, dict[str, str], list[bytes]]] = {}
         # folder -> (cause, time.monotonic()) of its latest request that failed here.
@@ -391,6 +393,9 @@ class CredentialProxy:
                                "message": f"{request.method} {request.path} is not a model "
                                           "API path this proxy forwards"}}, status=404)
             refused = await self.budget.check(folder, caps.tokens_per_day, caps.timezone)
+            for payer, budget in self._payers.get(folder, ()):
+                if refused is None:  # an agent asked by payer's: its budget counts too
+                    refused = await self.budget.check(payer, budget, caps.timezone)
             if refused is not None:
                 # Read the body first (it is capped): an answer sent while the client still
                 # writes ends in a reset it reads as a broken connection, not as the 429.
@@ -612,9 +617,22 @@ class CredentialProxy:
             self._keys[path] = cached
         return cached[2], cached[3]
 
+    def charge_also(self, folder: str, payers: list[tuple[str, int | None]]) -> None:
+        """While `folder`'s agent answers a question of other agents (mdclaw.agentasks),
+        its model use counts against each payer's daily budget too: [(group, its
+        tokens_per_day)]; their budgets are checked before each of its requests, and its
+        usage is counted for each as model `asked:<folder>/<model>`. [] ends it."""
+        if payers:
+            self._payers[folder] = tuple(payers)
+        else:
+            self._payers.pop(folder, None)
+
     def _count(self, folder: str, model: str, *, ok: bool, input_tokens: int = 0,
                output_tokens: int = 0) -> None:
         if folder in self._sites:
             self._sites[folder].requests += 1
         self.ledger.count(folder, model, ok=ok, input_tokens=input_tokens,
                           output_tokens=output_tokens)
+        for payer, _budget in self._payers.get(folder, ()):
+            self.ledger.count(payer, f"asked:{folder}/{model}", ok=ok,
+                              input_tokens=input_tokens, output_tokens=output_tokens)

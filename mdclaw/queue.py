@@ -64,7 +64,23 @@ class TaskRun:
     waits_for: str | None = None
 
 
-Payload = MessageTurn | TaskRun
+@dataclass
+class AgentAsk:
+    """What a question from another group's agent carries (ask_agent, mdclaw.agentasks): who
+    asks, the question, the chain of groups waiting for the answer (outermost first, the
+    caller last), the future the answer goes to, and when it was queued. `abandoned`: the
+    caller stopped waiting (timeout); a job not started yet is then skipped."""
+
+    caller: str
+    question: str
+    chain: tuple[str, ...]
+    request_id: str
+    future: asyncio.Future[str]
+    queued_at: float
+    abandoned: bool = False
+
+
+Payload = MessageTurn | TaskRun | AgentAsk
 
 
 @dataclass
@@ -135,8 +151,10 @@ class GroupQueue:
 
     # ----------------------------------------------------------------- enqueue
 
-    def enqueue_task(self, group: str, task_id: str, payload: TaskRun | None = None) -> bool:
-        """Queue scheduled task `task_id`; False if it is already queued or running."""
+    def enqueue_task(self, group: str, task_id: str,
+                     payload: TaskRun | AgentAsk | None = None) -> bool:
+        """Queue scheduled task `task_id` (or another agent's question, which goes with the
+        tasks); False if it is already queued or running."""
         return self._enqueue(Job(group, "task", task_id, payload))
 
     def enqueue_message(self, group: str, payload: MessageTurn | None = None,

@@ -81,12 +81,17 @@ class TaskRuns:
         the next message starts a new container with the same session), a busy one as soon
         as its turn is answered; a running task is single-turn and ends by itself.
         """
-        folder = task.group_folder
-        ahead = [j.id for j in self.queue.pending(folder) if j.kind == "task" and j.id != task.id]
+        return self.make_way_for(task.group_folder, task.id)
+
+    def make_way_for(self, folder: str, job_id: str) -> str | None:
+        """`make_way` for the task-kind job `job_id` of `folder` (a task, or another
+        agent's question: mdclaw.agentasks)."""
+        task_id = job_id
+        ahead = [j.id for j in self.queue.pending(folder) if j.kind == "task" and j.id != task_id]
         after = f" and for task(s) {', '.join(ahead)} queued before it" if ahead else ""
         job = self.queue.running_job(folder)
         if job is not None and job.kind == "task":
-            if job.id == task.id:
+            if job.id == task_id:
                 return None  # picked at once
             return f"for task {job.id} to finish{after}"
         if job is None:
@@ -103,11 +108,11 @@ class TaskRuns:
             return f"for the group's current run to finish{after}"
         if not conv.yield_for_task():
             log.info("group %s: task %s is due; the conversation ends after its turn",
-                     folder, task.id)
+                     folder, task_id)
             return f"for the conversation's turn to finish{after}"
         handle = self.launcher.handle(folder)
         if handle is not None:
-            log.info("group %s: task %s is due; closing the idle conversation", folder, task.id)
+            log.info("group %s: task %s is due; closing the idle conversation", folder, task_id)
             handle.close()
         return f"for the idle conversation, closed for it, to end{after}"
 

@@ -14,7 +14,12 @@ a real daemon's.
   sent, else 400 "message to edit not found"; the same text and markup again: 400 "message
   is not modified"): the kept message changes;
 - getFile and the file download URL (files put in `files`);
-- scripted failures per method (`fail`).
+- scripted failures per method (`fail`);
+- pool bots (`add_bot`): other tokens the same server answers, each its own bot with its own
+  name, which `setMyName` changes (`name` 0-64 characters, else 400; getMe's first_name and
+  getMyName show it) and which posts only in the chats it was added to (elsewhere
+  sendMessage is 403 "Forbidden: bot is not a member of the group chat"); every call and
+  sent message records which bot made it (`calls_by`, a message's `bot` and `bot_name`).
 
 `ThreadedFake` runs one (and any other aiohttp app) on a loop of its own thread, for tests
 whose daemon is another process.
@@ -83,6 +88,16 @@ class FakeBotApi:
         self.answered: dict[str, dict[str, Any]] = {}  # callback_query id -> the answer
         self._query_seq = 0
         self._lock = threading.Lock()  # tests on another thread push and read
+        # Pool bots: token -> {"id", "name", "chats" (None: every chat)}.
+        self.bots: dict[str, dict[str, Any]] = {}
+        self.calls_by: list[tuple[int, str, dict[str, Any]]] = []  # (bot id, method, params)
+
+    def add_bot(self, token: str, name: str, chats: set[int] | None = None) -> int:
+        """Another bot this server answers for (a pool bot); its id (the token's first
+        part). `chats`: where it is a member (None: everywhere)."""
+        bot_id = int(token.split(":", 1)[0])
+        self.bots[token] = {"id": bot_id, "name": name, "chats": chats}
+        return bot_id
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -145,10 +160,12 @@ class FakeBotApi:
                 if cid == chat_id and (m.get("reply_markup") or {}).get("inline_keyboard")]
 
     async def handle(self, request: web.Request) -> web.Response:
-        if request.match_info["token"] != self.token:
+        token = request.match_info["token"]
+        if token != self.token and token not in self.bots:
             return web.json_response({"ok": False, "error_code": 401,
                                       "description": "Unauthorized"}, status=401)
         method = request.match_info["method"]
+        pool = self.bots.get(token)
         if request.content_type.startswith("multipart/"):
             params: dict[str, Any] = {}
             reader = await request.multipart()
@@ -176,11 +193,15 @@ class FakeBotApi:
                     await asyncio.wait_for(self.new_update.wait(), deadline - time.monotonic())
                 except TimeoutError:
                     pass
-        self.calls.append((method, params))
+        if pool is None:
+            self.calls.append((method, params))
+        self.calls_by.append((pool["id"] if pool else BOT_ID, method, params))
         script = self.fail.get(method)
         if script:
             status, body = script.pop(0)
             return web.json_response(body, status=status)
+        if pool is not None:
+            return self._pool_call(pool, method, params)
         if method == "getMe":
             return web.json_response({"ok": True, "result": {"id": BOT_ID, "is_bot": True,
                                                              "username": BOT_USERNAME}})
@@ -203,7 +224,8 @@ class FakeBotApi:
             with self._lock:
                 self.next_message_id += 1
                 self.messages[(int(params["chat_id"]), self.next_message_id)] = {
-                    "text": text, "reply_markup": markup, "edits": 0}
+                    "text": text, "reply_markup": markup, "edits": 0, "bot": BOT_ID,
+                    "bot_name": BOT_USERNAME, "entities": params.get("entities")}
             return web.json_response({"ok": True, "result": {
                 "message_id": self.next_message_id, "date": int(time.time()),
                 "chat": {"id": int(params["chat_id"])}, "text": text}})
@@ -225,6 +247,39 @@ class FakeBotApi:
                 return _bad("MESSAGE_TOO_LONG")
             self.answered[qid] = params
             return web.json_response({"ok": True, "result": True})
+        return web.json_response({"ok": True, "result": True})
+
+    def _pool_call(self, bot: dict[str, Any], method: str,
+                   params: dict[str, Any]) -> web.Response:
+        if method == "getMe":
+            return web.json_response({"ok": True, "result": {
+                "id": bot["id"], "is_bot": True, "first_name": bot["name"],
+                "username": f"pool{bot['id']}_bot"}})
+        if method == "getMyName":
+            return web.json_response({"ok": True, "result": {"name": bot["name"]}})
+        if method == "setMyName":
+            name = params.get("name", "")
+            if not isinstance(name, str) or len(name) > 64:
+                return _bad("bot name is too long")
+            bot["name"] = name
+            return web.json_response({"ok": True, "result": True})
+        if method == "sendMessage":
+            chat = int(params["chat_id"])
+            if bot["chats"] is not None and chat not in bot["chats"]:
+                return web.json_response({"ok": False, "error_code": 403, "description":
+                                          "Forbidden: bot is not a member of the group chat"},
+                                         status=403)
+            text = params.get("text")
+            if not isinstance(text, str) or not 1 <= len(text) <= 4096:
+                return _bad("message text is empty" if not text else "message is too long")
+            with self._lock:
+                self.next_message_id += 1
+                self.messages[(chat, self.next_message_id)] = {
+                    "text": text, "reply_markup": None, "edits": 0, "bot": bot["id"],
+                    "bot_name": bot["name"], "entities": params.get("entities")}
+            return web.json_response({"ok": True, "result": {
+                "message_id": self.next_message_id, "date": int(time.time()),
+                "chat": {"id": chat}, "text": text}})
         return web.json_response({"ok": True, "result": True})
 
     def _edit(self, method: str, params: dict[str, Any]) -> web.Response:

@@ -295,3 +295,15 @@ def test_whatsapp_session_file_never_in_a_container_tree(write_config, session) 
     assert "linked device's keys" in errs[0]
     cfg = load_config(write_config(base % ", session_file: whatsapp/keys.sqlite3"))
     assert cfg.whatsapp_session_path == cfg.data_dir / "whatsapp" / "keys.sqlite3"
+
+
+def test_may_ask_names_other_groups(write_config) -> None:
+    errs = errors_of(write_config("""\
+        groups:
+          main: {name: A, jid: "x:1", main: true, may_ask: [main, research, nope]}
+          research: {name: R, jid: "x:2"}
+    """))
+    assert len(errs) == 2, errs
+    assert ("groups.main.may_ask.0: 'main' is this group itself: an agent does not ask "
+            "itself; remove it") in errs[0]
+    assert "groups.main.may_ask.2: 'nope' is not in groups (known: main, research)" in errs[1]

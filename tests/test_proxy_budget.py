@@ -309,3 +309,33 @@ def _quiet(fn, *args) -> None:  # noqa: ANN001
         fn(*args)
     except Exception:  # noqa: BLE001 - the connections are cut on purpose
         pass
+
+
+def test_an_asked_agents_use_counts_against_the_askers_budget(env) -> None:
+    """While `family`'s agent answers a question of `main`'s (ask_agent: charge_also), its
+    tokens are counted for main too (a row `asked:family/<model>`), and once main's budget
+    is used up, family's requests are refused too; when the question is answered, main's
+    budget no longer applies to family."""
+    layout, db, proxy = env
+    with CountingAnthropic() as up:
+        sock = start(proxy, up.url, 100_000)
+
+        async def charge(payers: list[tuple[str, int | None]]) -> None:
+            proxy.proxy.charge_also("family", payers)
+
+        proxy.call(charge([("main", ANSWER * 2)]))
+        body = {"model": "claude-x", "max_tokens": 10}
+        replies = asyncio.run(burst(sock, 1, body)) + asyncio.run(burst(sock, 1, body))
+        assert [r[0] for r in replies] == [200, 200]
+        until(lambda: proxy.proxy.ledger.stats.get("main", {}).get("input_tokens")
+              == 2 * USAGE[0], "both answers counted for main")
+        third = asyncio.run(burst(sock, 1, body))[0]
+        assert third[0] == 429 and b"mdclaw_over_budget" in third[2]
+        assert len(up.requests) == 2  # main's budget stopped it before the upstream
+        proxy.flush()
+        rows = {(r["group_folder"], r["model"]): r["input_tokens"] + r["output_tokens"]
+                for r in usage_rows(db)}
+        assert rows[("main", "asked:family/claude-x")] == 2 * ANSWER
+        assert rows[("family", "claude-x")] == 2 * ANSWER
+        proxy.call(charge([]))
+        assert asyncio.run(burst(sock, 1, body))[0][0] == 200

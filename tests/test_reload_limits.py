@@ -32,6 +32,7 @@ from mdclaw.config import (
 )
 from mdclaw.daemon.core import Daemon
 from mdclaw.diskguard import GROUP_FULL, TOO_MANY_FILES
+from mdclaw.integrations.agents import AskFailed
 from mdclaw.runner import ContainerInput
 
 BASE = """\
@@ -163,6 +164,23 @@ async def _action_jobs(d: Daemon, changed: bool) -> None:
 @live("action_jobs_per_group", "1")
 async def _action_jobs_per_group(d: Daemon, changed: bool) -> None:
     assert d.watcher.actions.per_group == (1 if changed else 2)
+
+
+# --------------------------------------------------------------------------- ask_agent
+
+@live("ask_depth", "1")
+async def _ask_depth(d: Daemon, changed: bool) -> None:
+    # main's agent answers a question of x's now, and asks in turn: 2 deep.
+    d.orch.asks._chains["main"] = ("x",)
+    try:
+        with pytest.raises(AskFailed) as e:
+            await d.orch.asks.ask("main", "nosuch", "hi", request_id="r", timeout=5)
+    finally:
+        d.orch.asks._chains.pop("main", None)
+    if changed:
+        assert "limits.ask_depth is 1" in str(e.value)
+    else:
+        assert "'nosuch' is not registered" in str(e.value)
 
 
 # --------------------------------------------------------------------------- the outbox

@@ -25,7 +25,8 @@ def secret(path: Path, mode: int = 0o600) -> Path:
 
 def test_every_secret_key_of_the_schema_is_checked(tmp_path: Path) -> None:
     keys = ["models.m.api_key_file", "channels.http.secret_file",
-            "channels.telegram.token_file", "transcription.api_key_file",
+            "channels.telegram.token_file", "channels.telegram.pool_token_files.0",
+            "channels.telegram.pool_token_files.1", "transcription.api_key_file",
             "integrations.home_assistant.token_file", "web.search.api_key_file"]
     files = {k: tmp_path / k.replace(".", "-") for k in keys}
     p = tmp_path / "config.yaml"
@@ -34,10 +35,11 @@ data_dir: {tmp_path / "data"}
 models: {{m: {{backend: openai, model: x, api_key_file: {files[keys[0]]}}}}}
 channels:
   http: {{secret_file: {files[keys[1]]}}}
-  telegram: {{token_file: {files[keys[2]]}}}
-transcription: {{provider: openai, api_key_file: {files[keys[3]]}}}
-integrations: {{home_assistant: {{url: "http://ha:8123", token_file: {files[keys[4]]}}}}}
-web: {{search: {{provider: brave, api_key_file: {files[keys[5]]}}}}}
+  telegram: {{token_file: {files[keys[2]]},
+              pool_token_files: [{files[keys[3]]}, {files[keys[4]]}]}}
+transcription: {{provider: openai, api_key_file: {files[keys[5]]}}}
+integrations: {{home_assistant: {{url: "http://ha:8123", token_file: {files[keys[6]]}}}}}
+web: {{search: {{provider: brave, api_key_file: {files[keys[7]]}}}}}
 """)
     cfg = load_config(p)  # none of the files exists: loading does not look
     assert [k for k, _ in iter_secret_files(cfg)] == keys
@@ -47,9 +49,13 @@ web: {{search: {{provider: brave, api_key_file: {files[keys[5]]}}}}}
     for f in files.values():
         secret(f)
     assert secret_file_issues(cfg) == []
-    files[keys[3]].chmod(0o644)
+    files[keys[5]].chmod(0o644)
     (only,) = secret_file_issues(cfg)
     assert only.path == "transcription.api_key_file" and "chmod o-rwx" in only.message
+    files[keys[5]].chmod(0o600)
+    files[keys[4]].chmod(0o644)
+    (only,) = secret_file_issues(cfg)
+    assert only.path == "channels.telegram.pool_token_files.1"
 
 
 def test_a_folder_and_an_unreadable_file_are_refused(tmp_path: Path) -> None:

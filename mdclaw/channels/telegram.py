@@ -23,8 +23,20 @@ authenticated, whoever else is in the chat) and `data` are handed to the host, a
 `answerCallbackQuery` (the host's short answer shown to that user); a decided card is edited
 with `editMessageText` to show the outcome, its keyboard removed.
 
+Swarm identities (`channels.telegram.pool_token_files`): a message an agent sends with a
+`sender` name ("Researcher") goes through a pool bot renamed to that name (`setMyName`), so
+sub-agents speak under their own names. A (group, name) keeps its bot: the assignment is kept
+in router_state (`telegram_pool:<main bot id>`) across restarts, with each bot's name, and a
+bot is renamed only when it is given to a new name (a bot's name is the same in every chat,
+so a bot already named so is shared by the groups that use the name, and a bot holding
+another name is never taken from it). The main bot posts instead, the name in bold before
+the text, when every pool bot holds another name, the rename is refused
+(Telegram rate-limits setMyName: its retry_after is kept, the rename tried again after it)
+or the pool bot cannot post in the chat (not a member, blocked, failing). Without a pool,
+`sender` is ignored, as on every other channel (the assistant speaks as itself).
+
 The token is part of every Bot API URL, so no URL is ever logged or put in an error: errors
-name the method and what the API said, with the token masked wherever it could appear.
+name the method and what the API said, with the tokens masked wherever they could appear.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ import json
 import logging
 import mimetypes
 import re
+import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,6 +69,7 @@ from mdclaw.config import read_secret
 from mdclaw.markup import split_telegram, to_telegram, utf16_len
 from mdclaw.retry import Backoff
 from mdclaw.state import Database, now_iso
+from mdclaw.state.groups import get_group_by_jid
 
 log = logging.getLogger("mdclaw.channels.telegram")
 
@@ -66,6 +81,20 @@ MAX_DOWNLOAD_BYTES = 20 * 1024 * 1024  # the Bot API's getFile limit
 MAX_CAPTION = 1024
 TYPING_REPEAT_SECONDS = 4.0
 TYPING_MAX_SECONDS = 300.0
+
+
+MAX_BOT_NAME = 64  # setMyName's limit
+
+
+@dataclass
+class PoolBot:
+    """One bot of the pool: its token, its id (the token's public first part), the name it
+    was last given, and until when (time.monotonic()) Telegram asked not to rename it."""
+
+    token: str
+    id: str
+    name: str | None = None
+    rename_after: float = 0.0
 
 
 class TelegramChannel(Channel):
@@ -83,11 +112,19 @@ class TelegramChannel(Channel):
     def __init__(self, token: str, *, api_base: str = "https://api.telegram.org",
                  on_inbound: InboundCallback | None = None, poll_timeout: int = 25,
                  request_timeout: float = 30.0, trigger: str | None = None,
-                 db: Database | None = None) -> None:
+                 db: Database | None = None, pool_tokens: tuple[str, ...] = ()) -> None:
         super().__init__(on_inbound)
-        if not token or "/" in token or any(c.isspace() for c in token):
-            raise ChannelError("the Telegram bot token is empty or malformed")
+        for t in (token, *pool_tokens):
+            if not t or "/" in t or any(c.isspace() for c in t):
+                raise ChannelError("a Telegram bot token is empty or malformed")
         self._token = token
+        # Swarm identities: the pool bots, and (group, name) -> bot id (see the module doc).
+        self.pool = [PoolBot(t, t.split(":", 1)[0]) for t in pool_tokens]
+        self._assigned: dict[tuple[str, str], str] = {}
+        self._saved_pool = SavedPosition(
+            db, lambda: f"telegram_pool:{self._token.split(':', 1)[0]}", channel="telegram",
+            what="pool bots' names")
+        self._group_of: dict[str, str] = {}  # chat jid -> its group's folder
         self.api_base = api_base.rstrip("/")
         self.poll_timeout = poll_timeout
         self.request_timeout = request_timeout
@@ -120,8 +157,15 @@ class TelegramChannel(Channel):
         except OSError as e:
             raise ChannelError(f"cannot read channels.telegram.token_file "
                                f"{section.token_file}: {e.strerror}") from None
+        pool = []
+        for n, path in enumerate(getattr(section, "pool_token_files", ())):
+            try:
+                pool.append(read_secret(path))
+            except OSError as e:
+                raise ChannelError(f"cannot read channels.telegram.pool_token_files.{n} "
+                                   f"{path}: {e.strerror}") from None
         return cls(token, api_base=section.api_base, on_inbound=on_inbound, trigger=trigger,
-                   db=db)
+                   db=db, pool_tokens=tuple(pool))
 
     @property
     def _offset_key(self) -> str:
@@ -141,7 +185,9 @@ class TelegramChannel(Channel):
             await self._saved_offset.save(str(self._offset))
 
     def redact(self, text: str) -> str:
-        """`text` with the token replaced by ***."""
+        """`text` with the tokens (the main bot's, the pool's) replaced by ***."""
+        for bot in self.pool:
+            text = text.replace(bot.token, "***")
         return text.replace(self._token, "***")
 
     def measure(self, text: str) -> int:
@@ -161,6 +207,7 @@ class TelegramChannel(Channel):
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self._running = True
         await self._load_offset()
+        await self._load_pool()
         try:
             me = await self.call("getMe")
             if isinstance(me, dict):
@@ -209,11 +256,12 @@ class TelegramChannel(Channel):
     # ------------------------------------------------------------------ Bot API
     async def call(self, method: str, params: dict[str, Any] | None = None, *,
                    data: aiohttp.FormData | None = None,
-                   timeout: float | None = None) -> Any:
-        """Call Bot API `method`; return its `result`. Raises ChannelError (token-free)."""
+                   timeout: float | None = None, token: str | None = None) -> Any:
+        """Call Bot API `method` (as the main bot, or the pool bot of `token`); return its
+        `result`. Raises ChannelError (token-free)."""
         if self._session is None:
             raise ChannelError("the Telegram channel is not connected")
-        url = f"{self.api_base}/bot{self._token}/{method}"
+        url = f"{self.api_base}/bot{token or self._token}/{method}"
         try:
             async with self._session.post(
                     url, json=params if data is None else None, data=data,
@@ -484,16 +532,34 @@ class TelegramChannel(Channel):
         returns the last piece's message id."""
         last = None
         for i, part in enumerate(self.message_parts(text)):
-            last = await self.send_part(jid, part, reply_to=reply_to if i == 0 else None)
+            last = await self.send_part(jid, part, reply_to=reply_to if i == 0 else None,
+                                        sender=sender)
         return last
 
     async def send_part(self, jid: str, part: Any, *, reply_to: str | None = None,
                         sender: str | None = None) -> str | None:
         """Send one (text, entities) piece. If Telegram refuses the entities (a 400), the
-        same text goes again without them: plain, but delivered."""
+        same text goes again without them: plain, but delivered. With a `sender` name: through
+        the pool bot of that name, else by the main bot with the name before the text."""
         chat_id = self._chat_id(jid)
         self._stop_typing(jid)
         text, entities = part if isinstance(part, tuple) else (str(part), [])
+        name = (sender or "").strip()
+        if name and self.pool:  # without a pool the name is ignored, as on other channels
+            bot = await self._pool_bot(jid, name)
+            if bot is not None:
+                try:
+                    return await self._send_text(jid, chat_id, text, entities, reply_to,
+                                                 token=bot.token)
+                except ChannelError as e:
+                    log.warning("telegram: pool bot %s (%s) could not post in %s (%s); the "
+                                "main bot posts instead", bot.id, name, jid, e)
+            text, entities = _with_name(name, text, entities, self.max_message_length)
+        return await self._send_text(jid, chat_id, text, entities, reply_to)
+
+    async def _send_text(self, jid: str, chat_id: int, text: str,
+                         entities: list[dict[str, Any]], reply_to: str | None, *,
+                         token: str | None = None) -> str | None:
         params: dict[str, Any] = {"chat_id": chat_id, "text": text}
         if entities:
             params["entities"] = entities
@@ -504,15 +570,89 @@ class TelegramChannel(Channel):
             except ChannelError:
                 pass
         try:
-            result = await self.call("sendMessage", params)
+            result = await self.call("sendMessage", params, token=token)
         except ChannelError as e:
             if not (entities and e.code == 400):
                 raise
             log.warning("telegram: formatting refused (%s); sending the text plain", e)
             params.pop("entities")
-            result = await self.call("sendMessage", params)
+            result = await self.call("sendMessage", params, token=token)
         last = result.get("message_id") if isinstance(result, dict) else None
         return f"{jid}:{last}" if last is not None else None
+
+    # ------------------------------------------------------------------ pool bots
+    async def _load_pool(self) -> None:
+        """The pool's assignments and names as saved (an unknown or gone bot is dropped)."""
+        if not self.pool:
+            return
+        raw = await self._saved_pool.load()
+        try:
+            saved = json.loads(raw) if raw else {}
+        except ValueError:
+            saved = {}
+        bots = {b.id: b for b in self.pool}
+        names = saved.get("names") if isinstance(saved, dict) else None
+        for bot_id, name in (names or {}).items():
+            if bot_id in bots and isinstance(name, str):
+                bots[bot_id].name = name
+        for entry in (saved.get("assigned") or []) if isinstance(saved, dict) else []:
+            if (isinstance(entry, list) and len(entry) == 3
+                    and all(isinstance(x, str) for x in entry) and entry[2] in bots):
+                self._assigned[(entry[0], entry[1])] = entry[2]
+
+    async def _save_pool(self) -> None:
+        await self._saved_pool.save(json.dumps({
+            "names": {b.id: b.name for b in self.pool if b.name is not None},
+            "assigned": sorted([g, n, b] for (g, n), b in self._assigned.items())},
+            sort_keys=True))
+
+    async def _group(self, jid: str) -> str:
+        """The group whose chat `jid` is (the chat itself when none is known)."""
+        folder = self._group_of.get(jid)
+        if folder is None:
+            row = (await asyncio.to_thread(get_group_by_jid, self.db, jid)
+                   if self.db is not None else None)
+            folder = row.folder if row is not None else jid
+            self._group_of[jid] = folder
+        return folder
+
+    async def _pool_bot(self, jid: str, name: str) -> PoolBot | None:
+        """The pool bot that speaks as `name` for `jid`'s group, renamed if it must be;
+        None: the main bot posts (no pool, none free, a refused rename)."""
+        if not self.pool or len(name) > MAX_BOT_NAME:
+            return None
+        key = (await self._group(jid), name)
+        bots = {b.id: b for b in self.pool}
+        taken = set(self._assigned.values())
+        bot = bots.get(self._assigned.get(key, ""))
+        if bot is None:
+            # A bot already named so (shared: a name is a bot's in every chat), else a free one.
+            now = time.monotonic()
+            bot = next((b for b in self.pool if b.name == name), None) or next(
+                (b for b in self.pool if b.id not in taken and now >= b.rename_after), None)
+            if bot is None:
+                log.info("telegram: every pool bot speaks as another name; %r is posted by "
+                         "the main bot", name)
+                return None
+        if bot.name != name:
+            if time.monotonic() < bot.rename_after:
+                return None
+            try:
+                await self.call("setMyName", {"name": name}, token=bot.token)
+            except ChannelError as e:
+                if e.retry_after is not None:
+                    bot.rename_after = time.monotonic() + e.retry_after
+                log.warning("telegram: pool bot %s could not be renamed to %r (%s); the main "
+                            "bot posts", bot.id, name, e)
+                return None
+            log.info("telegram: pool bot %s now speaks as %r", bot.id, name)
+            # The names it had before are no longer its own.
+            for k in [k for k, b in self._assigned.items() if b == bot.id and k[1] != name]:
+                del self._assigned[k]
+            bot.name = name
+        self._assigned[key] = bot.id
+        await self._save_pool()  # written only when it changed (SavedPosition)
+        return bot
 
     @staticmethod
     def _keyboard(card: Card) -> dict[str, Any]:
@@ -644,3 +784,14 @@ class TelegramChannel(Channel):
             if self._typing.get(jid) is asyncio.current_task():
                 self._typing.pop(jid, None)
 
+
+def _with_name(name: str, text: str, entities: list[dict[str, Any]],
+               limit: int) -> tuple[str, list[dict[str, Any]]]:
+    """`text` with `name` in bold before it ("Researcher: ..."), the entities moved along;
+    unchanged when that would pass `limit` UTF-16 units."""
+    prefix = f"{name}: "
+    shift = utf16_len(prefix)
+    if utf16_len(text) + shift > limit:
+        return text, entities
+    moved = [{**e, "offset": e["offset"] + shift} for e in entities]
+    return prefix + text, [{"type": "bold", "offset": 0, "length": utf16_len(name)}, *moved]

@@ -291,6 +291,36 @@ described in [approvals.md](approvals.md).
 """
 
 
+AGENTS_TOGETHER = """\
+## A team with a researcher agent
+
+One group's agent may ask another's (`ask_agent`), and sub-agents may speak under their own
+names on Telegram:
+
+```yaml
+channels:
+  telegram:
+    token_file: /etc/mdclaw/telegram-token
+    pool_token_files: [/etc/mdclaw/pool-1, /etc/mdclaw/pool-2]  # bots for sub-agents' names
+groups:
+  team: {name: Team, jid: "tg:-1001234", may_ask: [research]}
+  research: {name: Research, jid: "hl:research"}     # its own folder, memory and model
+limits: {ask_depth: 2}                                # the default
+```
+
+The team's agent asks the research agent a question and gets its answer as the tool's
+result: the research agent runs one turn with the question as a message from `agent:team`
+(never a person: it is not stored in research's chat, so no trigger, member rule or
+approval reads it), and its answer is not posted in research's chat. Research's model use
+counts against the team's daily budget too. A question back to an agent that is waiting in
+the chain (team asks research, research asks team) is refused at once; a chain longer than
+`limits.ask_depth` is refused, naming the key. When the team's agent sends
+`send_message {text, sender: "Researcher"}`, a pool bot renamed "Researcher" posts it (add the
+pool bots to the team chat); without a free pool bot the main bot posts "**Researcher:**
+text". Other channels ignore `sender` (docs/channels.md).
+"""
+
+
 def render_markdown(schema: dict[str, Any]) -> str:
     """docs/configuration.md: one table per mapping in config.yaml, then the prose above."""
     lines = [
@@ -330,6 +360,7 @@ def render_markdown(schema: dict[str, Any]) -> str:
                 _cell(prop.get("description", "")),
             ))
     lines += ["", WHO_MAY_DRIVE.rstrip("\n")]
+    lines += ["", AGENTS_TOGETHER.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

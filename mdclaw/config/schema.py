@@ -156,6 +156,11 @@ class Limits(Frozen):
     action_jobs_per_group: int = Field(
         2, ge=1, le=256, description="Off-loop actions one group may have running at once, so "
         "one group cannot take every slot.")
+    ask_depth: int = Field(
+        2, ge=1, le=10, description="How many agents may wait on each other through "
+        "`ask_agent` at once: A asking B is one, B then asking C two. A question past it is "
+        "refused with an error result naming this key; a question to an agent already "
+        "waiting in the chain (A asks B, B asks A) is refused at any depth.")
 
     @model_validator(mode="after")
     def _idle_below_hard(self) -> Limits:
@@ -472,6 +477,15 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 add(("groups", folder, "mcp", server),
                     f"{server!r} is not in mcp_servers ({known}): name one of them or add "
                     "it under mcp_servers", ("mcp_servers", server))
+    for folder, g in cfg.groups.items():
+        for n, other in enumerate(g.may_ask):
+            if other == folder:
+                add(("groups", folder, "may_ask", str(n)),
+                    f"{other!r} is this group itself: an agent does not ask itself; remove it")
+            elif other not in cfg.groups:
+                add(("groups", folder, "may_ask", str(n)),
+                    f"{other!r} is not in groups ({_choices(names['groups'], 'groups')}): "
+                    "name one of them or add the group", ("groups", other))
     for name, srv in cfg.mcp_servers.items():
         if srv.cwd is not None:
             why = _container_tree_overlap(cfg, srv.cwd)

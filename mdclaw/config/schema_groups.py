@@ -105,6 +105,12 @@ class Group(Frozen):
         "(`web_*`, `memory_*`); memory_search and memory_get on its own memory are always "
         "allowed. Unset: each action's default applies (most: every group; some: the main "
         "group only). docs/integrations.md lists the actions.")
+    may_ask: tuple[str, ...] = Field(
+        (), description="Groups whose agent this group's agent may ask a question "
+        "(`ask_agent`): the other agent runs one turn with the question, marked as from this "
+        "agent (never from a person), and its answer is the action's result; nothing is "
+        "posted in the other group's chat. Empty (the default): it may ask none. Chains of "
+        "asks are bounded by `limits.ask_depth`; a cycle is refused (docs/ipc-protocol.md).")
     mcp: dict[str, tuple[McpToolGlob, ...]] | None = Field(
         None, description="MCP tools this group's agent may call: for each server of "
         "`mcp_servers`, fnmatch patterns of its tool names, e.g. {time: ['*'], git: "

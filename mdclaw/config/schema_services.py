@@ -109,6 +109,13 @@ class TelegramChannel(Frozen):
     token_file: SecretFile = Field(description="File holding the bot token.")
     api_base: str = Field("https://api.telegram.org", pattern=r"^https?://",
                           description="Bot API base URL (for a local Bot API server or tests).")
+    pool_token_files: tuple[SecretFile, ...] = Field(
+        (), max_length=50, description="Files each holding the token of one more bot, a pool "
+        "for sub-agents' names: an agent's `send_message` with `sender: \"Researcher\"` "
+        "posts through a pool bot renamed to Researcher (one bot per group and name, kept "
+        "across restarts). Add each pool bot to the chats where it should speak; the main "
+        "bot posts instead (with the name as a prefix) when no pool bot is free, is in the "
+        "chat or works (docs/channels.md).")
 
 
 class DiscordChannel(Frozen):

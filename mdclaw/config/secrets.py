@@ -66,6 +66,9 @@ def _walk(node: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Path]]:
                 if isinstance(value, Mapping):  # NAME: file (mcp_servers.<s>.env_files)
                     for key, item in value.items():
                         yield ".".join(path + (name, str(key))), item
+                elif isinstance(value, tuple):  # [file, ...] (channels.telegram.pool_token_files)
+                    for n, item in enumerate(value):
+                        yield ".".join(path + (name, str(n))), item
                 elif value is not None:
                     yield ".".join(path + (name,)), value
             else:

@@ -45,6 +45,7 @@ from mdclaw.config import (
 from mdclaw.daemon.web import WebServerSetupError, build_web_server, server_gate
 from mdclaw.decisions import Decider
 from mdclaw.diskguard import DiskGuard
+from mdclaw.integrations import agents as agent_asks
 from mdclaw.integrations import load_all
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.mcp import hub as mcp_hub
@@ -202,6 +203,8 @@ class Daemon:
         self.diskguard = DiskGuard(live, self.runner)
         self.orch = orch = Orchestrator(live, db, runner=self.runner, proxy=self.proxy,
                                         wake_outbox=outbox.wake, diskguard=self.diskguard)
+        # ask_agent reaches other groups' agents through the orchestrator's port.
+        agent_asks.install(orch.asks)
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(live, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
@@ -522,6 +525,7 @@ class Daemon:
         if self.mcp is not None:  # after the action worker: no call is left to answer
             await self.mcp.stop()
             mcp_hub.install(None)
+        agent_asks.install(None)
         if self.watcher is not None:
             self.watcher.close()
         if self.proxy is not None:

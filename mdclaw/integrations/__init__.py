@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from mdclaw.integrations import home_assistant, mcp, web
+from mdclaw.integrations import agents, home_assistant, mcp, web
 
-MODULES: tuple[ModuleType, ...] = (web, home_assistant, mcp)
+MODULES: tuple[ModuleType, ...] = (web, home_assistant, mcp, agents)
 
 
 def load_all() -> tuple[ModuleType, ...]:

@@ -117,6 +117,9 @@ Check = Callable[[Caller, dict[str, Any]], None]
 # Why a request needs a person when no approval rule matched it (the rule name for the card
 # and the audit, e.g. "mcp_servers.git: tool annotations"); None: it does not.
 NeedsPerson = Callable[[Config, Caller, dict[str, Any]], "str | None"]
+# Who may call the action, in place of `groups.<g>.actions` (ask_agent: `groups.<g>.may_ask`):
+# why group `folder` may not (naming the rule), None if it may.
+Gate = Callable[[Config, str], "str | None"]
 OffloopHandler = Callable[[OffloopContext, dict[str, Any]],
                           "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
@@ -132,6 +135,7 @@ class ActionSpec:
     check: Check | None = None
     asks: bool = False  # the request is a question to a person; the job runs on the answer
     needs_person: NeedsPerson | None = None  # asked when no approval rule matched
+    gate: Gate | None = None  # its own permission rule, instead of groups.<g>.actions
 
 
 ACTIONS: dict[str, ActionSpec] = {}
@@ -143,12 +147,15 @@ ALWAYS_ALLOWED = ("memory_search", "memory_get", "mcp_call")
 def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
            max_attempts: int = 1, timeout: float = 120.0,
            check: Check | None = None, asks: bool = False,
-           needs_person: NeedsPerson | None = None) -> Callable[[Any], Any]:
+           needs_person: NeedsPerson | None = None,
+           gate: Gate | None = None) -> Callable[[Any], Any]:
     """Register the decorated function as the handler of action `name` (see module doc).
     `asks`: each request is a question to a person (params `question`, `options`, `who`),
     and the handler runs once they answered, with their answer in `ctx.decision`.
     `needs_person(cfg, caller, params)`: asked (on the loop, after `check`) when no approval
-    rule matched the request: a reason holds it for the owner, None lets it run."""
+    rule matched the request: a reason holds it for the owner, None lets it run.
+    `gate(cfg, folder)`: the action's own permission rule, asked instead of
+    `groups.<g>.actions` and `default_scope` (a reason naming the rule refuses it)."""
     if check is not None and not offloop:
         raise ValueError("check is for off-loop actions (an on-loop handler checks itself)")
     if asks and not offloop:
@@ -160,7 +167,7 @@ def action(name: str, *, offloop: bool = False, default_scope: Scope = "all",
 
     def deco(fn: Any) -> Any:
         ACTIONS[name] = ActionSpec(name, fn, offloop, default_scope, max_attempts, timeout,
-                                   check, asks, needs_person)
+                                   check, asks, needs_person, gate)
         return fn
     return deco
 
@@ -183,11 +190,14 @@ def action_refusal(cfg: Config, folder: str, is_main: bool, name: str) -> str | 
     - set: exactly the actions matching one of its fnmatch patterns (`web_*`, `ha.*`),
       plus memory_search and memory_get, which every group may call on its own folder, and
       mcp_call, whose permission is `groups.<g>.mcp` (mdclaw.mcp.policy).
+    An action with its own `gate` (ask_agent: `groups.<g>.may_ask`) is asked that alone.
     An unknown action is not refused here (the request gets "unknown action").
     """
     spec = ACTIONS.get(name)
     if spec is None:
         return None
+    if spec.gate is not None:
+        return spec.gate(cfg, folder)
     group = cfg.groups.get(folder)
     patterns = group.actions if group is not None else None
     if patterns is None:

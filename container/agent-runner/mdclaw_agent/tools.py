@@ -297,6 +297,22 @@ def _ask_person(ctx: ToolContext, a: dict[str, Any]) -> str:
     return json.dumps(result, ensure_ascii=False)
 
 
+ASK_AGENT_TIMEOUT = 600  # seconds the host waits for the other agent, unless told
+
+
+def _ask_agent(ctx: ToolContext, a: dict[str, Any]) -> str:
+    timeout = a.get("timeout") or ASK_AGENT_TIMEOUT
+    params: dict[str, Any] = {"group": a["group"], "question": a["question"],
+                              "timeout": timeout}
+    # The host answers by its timeout; wait a little longer for its error result.
+    env = request_action(ctx, {"action": "ask_agent", "params": params},
+                         timeout=float(timeout) + 60)
+    result = action_result(env, "ask_agent")
+    if isinstance(result, dict) and "answer" in result:
+        return f"The agent of {result.get('group', a['group'])} answered:\n{result['answer']}"
+    return json.dumps(result, ensure_ascii=False)
+
+
 # --------------------------------------------------------------------------- registry
 
 _TASK_ID = "The task id, as list_tasks shows it."
@@ -392,6 +408,15 @@ _IPC_TOOLS: tuple[Tool, ...] = (
                  who=_s("Who to ask: owner (default), admin, or a person's key.",
                         maxLength=32)),
          _ask_person, action="ask_person"),
+    Tool("ask_agent", "Ask the agent of another group a question and wait for its answer "
+         "(it runs one turn with your question, marked as from you, not from a person; its "
+         "answer is the result and is not posted in its chat). Only the groups the host "
+         "allows you to ask.",
+         _schema(["group", "question"], group=_s("The other group's folder name."),
+                 question=_s("The question, with what it needs to know.", maxLength=20000),
+                 timeout={"type": "integer", "minimum": 5, "maximum": 3600,
+                          "description": "Seconds to wait for the answer (default 600)."}),
+         _ask_agent, action="ask_agent"),
     Tool("register_group", "Register a chat as a new group with its own folder (main only).",
          _command_schema("register_group", jid="The chat id, e.g. tg:-100123.",
                          name="Display name.", folder="Folder name: letters, digits, _ or -.",
