@@ -3,7 +3,7 @@ over the DevTools protocol: start it on a URL, evaluate script in the page, set 
 (desktop 1280x800, phone 390x844), emulate dark mode, take screenshots and run axe-core.
 
 Chromium comes from Debian (/usr/bin/chromium), axe-core from the npm registry (MPL-2.0):
-.ci/setup-tools installs both, axe-core into /var/cache/mdclaw-ci/axe; `MDCLAW_AXE_CORE`
+.ci/setup-tools installs both, axe-core into /var/cache/mdclaw-ci/axe; `AXE_CORE_JS`
 names another axe.min.js. Without them a test is skipped, except in CI, where it fails.
 """
 
@@ -53,8 +53,8 @@ def chromium() -> str:
 
 
 def axe_core() -> str:
-    """axe-core's source (axe.min.js): from MDCLAW_AXE_CORE or the CI cache."""
-    path = Path(os.environ.get("MDCLAW_AXE_CORE") or AXE_DEFAULT)
+    """axe-core's source (axe.min.js): from AXE_CORE_JS or the CI cache."""
+    path = Path(os.environ.get("AXE_CORE_JS") or AXE_DEFAULT)
     if not path.is_file():
         _missing(f"axe-core ({path})",
                  "npm install --prefix /var/cache/mdclaw-ci/axe axe-core@4.14.1")

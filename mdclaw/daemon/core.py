@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from mdclaw.channels.base import Channel
+from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.registry import apply_config as apply_channel_config
 from mdclaw.channels.registry import build_channels, connect_all, disconnect_all
 from mdclaw.config import (
@@ -236,6 +237,8 @@ class Daemon:
         for ch in self.channels:
             ch.on_service_reply(service_replier(db, self.outbox.wake))
             ch.on_press(self.decider.on_press)
+            if isinstance(ch, HttpChannel):  # a person's retry of a failed reply wakes it
+                ch.wake_outbox = self.outbox.wake
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
         # A reload reaches the parts wired here (the rest read `live` themselves).
