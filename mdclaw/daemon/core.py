@@ -13,7 +13,8 @@ and the log says to restart.
 
 SIGTERM/SIGINT: STOPPING=1, stop taking work, write `_close` to running conversations, wait
 up to `drain_timeout` (30 s) for runs to finish, stop the rest, flush the outbox state, close
-the database, exit 0. A second SIGTERM exits at once with status 1.
+the database, log "stopped (exit 0)" as the last line, exit 0. A second SIGTERM exits at
+once with status 1.
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ class Daemon:
             log.info("stopping: draining for up to %.0f s", self.drain_timeout)
             await self.stop_services()
             db.close()
+            # the last line: whoever watches the log (make run, journalctl) knows it is over
+            log.info("stopped%s", f" after {', '.join(self.failed)} failed (exit 1)"
+                     if self.failed else " (exit 0)")
         return 1 if self.failed else 0
 
     def _watch(self, task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
