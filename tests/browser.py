@@ -29,7 +29,9 @@ from waiting import wait_until_async
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync",
-                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"]
+                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+                  # a microphone that plays a tone, allowed without asking (voice notes)
+                  "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
 
 DESKTOP = (1280, 800)
 PHONE = (390, 844)

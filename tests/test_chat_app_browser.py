@@ -613,3 +613,77 @@ def test_retry_takes_only_a_failed_reply_of_the_same_chat(tmp_path: Path) -> Non
             db.close()
 
     asyncio.run(main())
+
+
+PASTE_AND_DROP = """(() => {
+  const png = Uint8Array.from(atob('%s'), c => c.charCodeAt(0));
+  const pasted = new DataTransfer();
+  pasted.items.add(new File([png], 'pasted.png', {type: 'image/png'}));
+  const text = document.getElementById('text');
+  text.value = 'look at this';
+  text.dispatchEvent(new ClipboardEvent('paste', {clipboardData: pasted, bubbles: true,
+                                                  cancelable: true}));
+  const dropped = new DataTransfer();
+  dropped.items.add(new File(['a,b\\n1,2\\n'], 'dropped.csv', {type: 'text/csv'}));
+  document.getElementById('log').dispatchEvent(new DragEvent('dragenter',
+    {dataTransfer: dropped, bubbles: true}));
+  const shown = document.body.classList.contains('dragging');
+  document.getElementById('log').dispatchEvent(new DragEvent('drop',
+    {dataTransfer: dropped, bubbles: true, cancelable: true}));
+  return shown;
+})()"""
+
+
+def test_paste_drop_and_a_voice_note_recorded_in_the_page(tmp_path: Path) -> None:
+    """An image pasted into the message box (the text as its caption), a file dropped on the
+    page, and a voice note recorded with the microphone button (Chromium's fake microphone)
+    reach the host as attachments; the voice note as a voice note, which the host
+    transcribes as any channel's."""
+    chromium()
+    from test_chat_page_browser import _png
+
+    async def main() -> None:
+        db = Database(tmp_path / "state.db")
+        groups(db)
+        got: list[InboundMessage] = []
+        files: dict[str, tuple[str, bytes]] = {}
+
+        def host(msg: InboundMessage) -> None:
+            got.append(msg)
+
+        ch = chat_on_server(db, on_inbound=host)
+        await start_chat(ch)
+        try:
+            async with browse(f"{ch.url}/", tmp_path / "chromium-profile") as page:
+                await page.wait_for(CONNECTED)
+                image = _png(8, 8, (10, 200, 30))
+                assert await page.js(PASTE_AND_DROP % base64.b64encode(image).decode())
+                await wait_until_async(lambda: len(got) == 2, 20, what="the two files")
+                assert await page.js("document.body.classList.contains('dragging')") is False
+                for m in got:
+                    att = m.attachments[0]
+                    files[att.name or ""] = (att.kind, await att.fetch(1 << 20))
+                assert files["pasted.png"] == ("image", image)
+                assert files["dropped.csv"] == ("document", b"a,b\n1,2\n")
+                assert {m.content for m in got} == {"look at this", ""}
+                # a voice note: press the microphone, then press it again to send
+                await page.click("mic")
+                await page.wait_for("document.getElementById('mic')"
+                                    ".getAttribute('aria-pressed') === 'true'")
+                await page.wait_for("Number(document.getElementById('mic').dataset.recorded)"
+                                    " > 4000")
+                await page.click("mic")
+                await wait_until_async(lambda: len(got) == 3, 20, what="the voice note")
+                voice = got[2].attachments[0]
+                assert voice.kind == "voice" and (voice.mime or "").startswith("audio/")
+                data = await voice.fetch(1 << 22)
+                assert len(data) > 1000 and data[:4] in (b"\x1aE\xdf\xa3", b"OggS")
+                assert await page.js("document.getElementById('mic')"
+                                     ".getAttribute('aria-pressed')") == "false"
+                await page.wait_for("document.querySelectorAll('.msg.in[data-state=delivered]')"
+                                    ".length === 3")
+        finally:
+            await stop_chat(ch)
+            db.close()
+
+    asyncio.run(main())

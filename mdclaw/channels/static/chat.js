@@ -519,7 +519,13 @@ $("mic").addEventListener("click", async () => {
   }
   const chunks = [];
   recorder = new MediaRecorder(stream);
-  recorder.addEventListener("dataavailable", (e) => { if (e.data.size) chunks.push(e.data); });
+  let recorded = 0;
+  recorder.addEventListener("dataavailable", (e) => {
+    if (!e.data.size) return;
+    chunks.push(e.data);
+    recorded += e.data.size;
+    mic.dataset.recorded = String(recorded);  // bytes so far (the tests wait for some)
+  });
   recorder.addEventListener("stop", () => {
     stream.getTracks().forEach((t) => t.stop());
     const type = (recorder.mimeType || "audio/webm").split(";")[0];
@@ -530,7 +536,7 @@ $("mic").addEventListener("click", async () => {
     const file = new File(chunks, "voice note." + ext, { type });
     if (file.size) sendFile(file, "", true);
   });
-  recorder.start();
+  recorder.start(250);
   mic.setAttribute("aria-pressed", "true");
   mic.setAttribute("aria-label", "Stop recording and send the voice note");
 });
