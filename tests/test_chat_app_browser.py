@@ -687,3 +687,30 @@ def test_paste_drop_and_a_voice_note_recorded_in_the_page(tmp_path: Path) -> Non
             db.close()
 
     asyncio.run(main())
+
+
+def test_the_daemons_chat_gets_push_as_the_config_says(tmp_path: Path) -> None:
+    from mdclaw.channels.registry import build_channels
+    from mdclaw.config import ConfigError, load_config
+
+    db = Database(tmp_path / "state.db")
+    try:
+        for push, expect in (("", True), ("push: {enabled: false}", False),
+                             ("push: {include_text: true, contact: 'https://example.org'}",
+                              True)):
+            text = (f"data_dir: {tmp_path / 'data'}\n"
+                    "groups:\n  main: {name: Admin, jid: \"hl:main\", main: true}\n"
+                    f"channels:\n  http: {{{push}}}\n")
+            cfg = load_config(tmp_path / "c.yaml", text=text)
+            server = WebServer("127.0.0.1:0", TokenGate(None))
+            (ch,) = build_channels(cfg, db, server)
+            assert isinstance(ch, HttpChannel)
+            assert (ch.push is not None) is expect, push
+            if ch.push is not None:
+                assert ch.push.folder == tmp_path / "data" / "http"
+                assert ch.push.include_text is ("include_text" in push)
+        with pytest.raises(ConfigError, match="contact"):
+            load_config(tmp_path / "c.yaml", text=text.replace("https://example.org",
+                                                                "example.org"))
+    finally:
+        db.close()

@@ -53,6 +53,13 @@ def valid_subscription(data: Any) -> dict[str, Any] | None:
     return {"endpoint": endpoint, "keys": {"p256dh": p256dh, "auth": auth}}
 
 
+def available() -> bool:
+    """Whether pywebpush (the `push` extra) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("pywebpush") is not None
+
+
 class WebPush:
     """The server's VAPID key and the chats' subscriptions in `folder`."""
 
