@@ -211,10 +211,18 @@ def test_message_states_sending_delivered_and_failed_with_retry(tmp_path: Path) 
         await start_chat(ch)
         worker = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=2, base_delay=0.2))
         ch.wake_outbox = worker.wake
+        with db.transaction() as c:  # a reply that failed before the page was opened
+            old = enqueue(c, chat_jid="hl:main", kind="text", text="from yesterday",
+                          source_group="main")
+            c.execute("UPDATE outbox SET status = 'failed', last_error = 'gave up after 5 "
+                      "attempt(s): bot was blocked' WHERE id = ?", (old,))
         await worker.start()
         try:
             async with browse(f"{ch.url}/", tmp_path / "chromium-profile") as page:
                 await page.wait_for(CONNECTED)
+                # shown at once (not after the first long poll's 25 s)
+                await page.wait_for(f"!!document.querySelector('[data-outbox=\"{old}\"]"
+                                    "[data-state=failed]')", timeout=8)
                 await page.js(STATE_LOG)
                 # a person's message: sending, then delivered once the server took it
                 await page.type_into("text", "hello there")

@@ -3,7 +3,7 @@
 // the server has one) is kept in this browser's localStorage and sent as a header.
 const $ = (id) => document.getElementById(id);
 const state = { jid: null, cursor: 0, oldest: 0, typing: false, generation: 0,
-                outboxMark: null, groups: [], offline: false };
+                outboxMark: "?", groups: [], offline: false };
 const PAGE = 50;  // rows per history request
 const GROUP_GAP = 5 * 60 * 1000;  // bubbles of one sender within 5 min are grouped
 
@@ -318,7 +318,7 @@ async function poll(generation) {
                                 limit: String(PAGE) })
         : new URLSearchParams({ jid: state.jid, after: String(state.cursor), wait: "25",
                                 typing: state.typing ? "1" : "0" });
-      if (!first && state.outboxMark !== null) q.set("outbox", state.outboxMark);
+      if (!first) q.set("outbox", state.outboxMark);
       const data = await api("/messages?" + q.toString());
       if (generation !== state.generation) return;
       if (first) {
@@ -348,7 +348,7 @@ function openChat(jid) {
   state.cursor = 0;
   state.typing = false;
   state.oldest = 0;
-  state.outboxMark = null;
+  state.outboxMark = "?";  // no list yet: the first long poll answers with it at once
   state.generation += 1;
   $("pending").replaceChildren();
   $("log").replaceChildren($("older"), $("pending"));
