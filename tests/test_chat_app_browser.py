@@ -563,7 +563,7 @@ def shrink(folder: Path) -> None:
         img.save(png, optimize=True)
 
 
-def test_dark_mode_follows_the_system(tmp_path: Path) -> None:
+def test_dark_mode_follows_the_system_and_no_bell_without_push(tmp_path: Path) -> None:
     chromium()
 
     async def main() -> None:
@@ -579,6 +579,9 @@ def test_dark_mode_follows_the_system(tmp_path: Path) -> None:
                 await page.color_scheme("dark")
                 dark = await page.js("getComputedStyle(document.body).backgroundColor")
                 assert light == "rgb(255, 255, 255)" and dark == "rgb(17, 19, 22)"
+                # this chat has no push: no bell (hidden stays hidden under the style sheets)
+                assert await page.js("getComputedStyle(document.getElementById('notify'))"
+                                     ".display") == "none"
         finally:
             await stop_chat(ch)
             db.close()
