@@ -251,6 +251,7 @@ def test_message_states_sending_delivered_and_failed_with_retry(tmp_path: Path) 
                 assert states_of(log, "reply", "the answer is 42") == ["sending", "failed"], log
                 note = await page.js(f"{failed}.querySelector('.state').textContent")
                 assert "gave up after 2 attempt(s)" in note and "unreachable" in note, note
+                await check_accessible(page)  # the failed state and its Retry, both modes
                 # Retry, from the keyboard: the reply goes out and shows as delivered
                 ch.broken = False
                 await page.js(f"{failed}.querySelector('button.retry').focus()")
@@ -356,6 +357,7 @@ def test_a_reply_is_pushed_to_subscribed_devices_when_no_page_is_open(tmp_path: 
             async with browse(f"{ch.url}/", tmp_path / "chromium-profile") as page:
                 await page.wait_for("document.getElementById('auth').classList"
                                     ".contains('shown')")
+                assert await page.axe() == []  # the token prompt too
                 await page.type_into("token", "tok")
                 await page.click("save-token")
                 await page.wait_for(CONNECTED)
@@ -539,6 +541,14 @@ def test_the_chat_page_looks_right_and_axe_finds_nothing_serious(tmp_path: Path)
                 assert list(pos) == ["chat", "log", "attach", "text", "mic", "send"], order
                 assert pos["chat"] < pos["log"] < pos["text"] < pos["send"], order
                 assert any(o.startswith("copy") for o in order[pos["log"]:pos["attach"]])
+                # the menu (your name, the operator page) opens with Enter, closes with Escape
+                await page.js("document.querySelector('#settings summary').focus()")
+                await page.press("Enter")
+                await page.wait_for("document.getElementById('settings').open")
+                assert await page.axe() == []
+                await page.press("Escape")
+                await page.wait_for("!document.getElementById('settings').open && "
+                                    "document.activeElement.tagName === 'SUMMARY'")
                 # and typing + Enter sends
                 await page.js("document.getElementById('text').focus()")
                 await page.call("Input.insertText", text="from the keyboard")
