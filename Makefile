@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The extras `make` installs. requirements.lock pins them, the dependencies and the build
 # backend, with hashes; tests/test_lock.py checks it covers pyproject.toml.
-EXTRAS := test lint claude whatsapp email slack discord matrix age
+EXTRAS := test lint claude whatsapp email slack discord matrix age push
 UV_VERSION := 0.13.9
 LOCK_ARGS ?= --upgrade
 

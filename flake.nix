@@ -97,9 +97,11 @@
         in
         ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
       # Chat channels whose library nixpkgs has: their extras of pyproject.toml are part of the
-      # package (imapclient; discord.py as nixpkgs' discordpy; matrix-nio). WhatsApp's neonize
+      # package (imapclient; discord.py as nixpkgs' discordpy; matrix-nio; the web chat's Web
+      # Push, pywebpush). WhatsApp's neonize
       # is not in nixpkgs: `pip install 'mdclaw[whatsapp]'`.
       channelExtras = [
+        "push"
         "email"
         "discord"
         "matrix"

@@ -347,3 +347,13 @@ def test_split_slack_keeps_a_long_link_whole_across_the_limit() -> None:
     pieces = split_slack(rendered, 4000)
     assert len(pieces) == 2
     assert f"<https://e.io/a|{label.strip()}>" in pieces[1]
+
+
+def test_table_column_alignment_becomes_a_class_the_page_knows() -> None:
+    """`|--:|` (a number column) comes as class align-right, never as a style attribute (the
+    chat page's CSP refuses those); a class written in the text is not taken."""
+    html = to_html("| item | qty |\n|:-----|----:|\n| milk | 2 |")
+    assert '<th class="align-left">item</th>' in html
+    assert '<td class="align-right">2</td>' in html
+    assert "style" not in html
+    assert "<td" not in to_html('<td class="align-right">x</td>')  # shown as text

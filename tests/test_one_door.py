@@ -57,6 +57,8 @@ HOST_ONLY: dict[str, str] = {
                                  "the host's spool copy of a file to upload",
     "mdclaw/mounts.py": "resolves the host paths config.yaml names (opens nothing)",
     "mdclaw/webassets.py": "the web pages' packaged files (HTML, JavaScript, CSS)",
+    "mdclaw/channels/webpush.py": "the web chat's VAPID key and push subscriptions in "
+                                  "data_dir/http (host-owned, never mounted)",
     "mdclaw/proxy.py": "looks at the model key file's inode to notice a rotated key",
     "mdclaw/integrations/ha_dashboards.py": "the operator's Home Assistant dashboards_dir "
                                             "(host-owned, never mounted into a container; "

@@ -13,13 +13,15 @@ Endpoints (JSON unless noted):
   answers at once with the newest `limit` rows before SEQ and `older` (whether more remain):
   the page's "load older". What the assistant wrote also comes as `html`: its Markdown
   rendered and sanitised (mdclaw.markup.to_html); people's text has none.
-- `POST /upload` — multipart (`jid`, `sender_name`?, `text`? as the caption, one `file`): a
-  person sends a file; it reaches the host as the message's attachment (saved in the group's
-  inbox like any channel's). 413 when the file is over the upload limit (checked while the
-  body streams in), else as `/message`. Any file name becomes safe text
-  (`upload_file_name`: bytes that are not UTF-8 replaced, control and format characters
-  "_", the last part of a path); a part whose headers are not valid HTTP (NUL or CR in the
-  name, a line over 8 KB) or whose `filename*` cannot be decoded is a 400 that says so.
+- `POST /upload` — multipart (`jid`, `sender_name`?, `text`? as the caption, `voice`? = 1
+  for a voice note recorded in the page: an audio file then goes to the transcription like
+  any channel's voice note, one `file`): a person sends a file; it reaches the host as the
+  message's attachment (saved in the group's inbox like any channel's). 413 when the file
+  is over the upload limit (checked while the body streams in), else as `/message`. Any
+  file name becomes safe text (`upload_file_name`: bytes that are not UTF-8 replaced,
+  control and format characters "_", the last part of a path); a part whose headers are
+  not valid HTTP (NUL or CR in the name, a line over 8 KB) or whose `filename*` cannot be
+  decoded is a 400 that says so.
 - `GET /file?jid=hl:x&id=<message id>` — a file the assistant sent to that chat (its
   transcript row carries this link as `download`): images the page shows inline (PNG, JPEG,
   GIF, WebP), anything else as a download (`Content-Disposition: attachment`, octet-stream),
@@ -31,9 +33,17 @@ Endpoints (JSON unless noted):
   {choices: [{label, data}], state}` (state `open`, or `closed` once decided); a decided
   card's outcome follows as a row of its own.
 - `GET /groups` — the registered groups that answer in this channel.
+- `POST /retry` — `{"jid", "id"}`: a reply to the chat the outbox gave up on (it comes in
+  `/messages` as `outbox: [{id, state: "failed", error, ...}]`, beside the replies still
+  `sending`) gets a fresh set of tries, as `mdclaw outbox retry` does.
+- `GET /push/key`, `POST /push/subscribe` (`{"jid", "subscription"}`), `POST
+  /push/unsubscribe` (`{"jid", "endpoint"}`) — Web Push (mdclaw.channels.webpush): a reply
+  to a chat no page has open is announced on the devices subscribed to it.
 - `GET /health` — liveness, no auth.
-- `GET /` — a single-page chat (HTML, `GET /chat.js` and `GET /chat.css` beside it; no build
-  step). The page's CSP runs only those files, never inline script or style.
+- `GET /` — a single-page chat (HTML, `GET /chat.js`, `/chat.css` and the shared
+  `/mdclaw.css` beside it; no build step), installable (`/manifest.webmanifest`, icons, and
+  the service worker `/sw.js`, which keeps the page's shell for offline). The page's CSP runs
+  only those files, never inline script or style.
 
 The channel owns no listener: it adds these routes to the daemon's web server
 (mdclaw.webserver.WebServer, on `server.listen`), beside the operator page and /metrics, and
@@ -68,6 +78,7 @@ import shutil
 import time
 import unicodedata
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -85,10 +96,12 @@ from mdclaw.channels.base import (
     InboundMessage,
     kind_for_mime,
 )
+from mdclaw.channels.webpush import WebPush, valid_subscription
 from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
-from mdclaw.webassets import PageAssets
+from mdclaw.state.outbox import OutboxError, retry_failed
+from mdclaw.webassets import SHARED_STYLE, PageAssets
 from mdclaw.webserver import SECURITY_HEADERS, Handler, WebServer, is_loopback, json_error
 
 log = logging.getLogger("mdclaw.channels.http")
@@ -101,10 +114,23 @@ TYPING_SECONDS = 30.0
 # what the assistant writes is sanitised HTML, and even markup that slipped through could
 # run nothing.
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
-            "connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; "
+            "connect-src 'self'; img-src 'self' data: blob:; media-src 'self' blob:; "
+            "manifest-src 'self'; worker-src 'self'; base-uri 'none'; "
             "form-action 'none'; frame-ancestors 'none'")
 # The page's files (mdclaw/channels/static/): like the page, served without the token.
-PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css"}
+# The service worker (sw.js) is served at the root, the scope it caches the page's shell in;
+# the manifest and icons make the page installable ("Add to home screen").
+PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css",
+              "mdclaw.css": SHARED_STYLE, "sw.js": "sw.js",
+              "manifest.webmanifest": "manifest.webmanifest",
+              "icon-192.png": "icon-192.png", "icon-512.png": "icon-512.png",
+              "icon-maskable-512.png": "icon-maskable-512.png",
+              "apple-touch-icon.png": "apple-touch-icon.png"}
+# A chat counts as open in a page while a long poll of it is under way, or one ended this
+# recently (the page asks again at once): replies then are not pushed.
+WATCH_GRACE_SECONDS = 5.0
+OUTBOX_RECHECK_SECONDS = 1.0
+MAX_PENDING_SHOWN = 20
 # A served file is never a page: no script, no plugin, a sandbox of its own.
 _FILE_CSP = "default-src 'none'; img-src 'self'; sandbox"
 INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
@@ -184,7 +210,7 @@ class HttpChannel(Channel):
                  on_inbound: InboundCallback | None = None, assistant_name: str = "Andy",
                  max_body_bytes: int = 64 * 1024, keep_per_chat: int = 1000,
                  max_upload_bytes: int = 20 * 1024 * 1024,
-                 files_dir: Path | None = None) -> None:
+                 files_dir: Path | None = None, push: WebPush | None = None) -> None:
         super().__init__(on_inbound)
         self.db = db
         self.server = server
@@ -201,6 +227,13 @@ class HttpChannel(Channel):
         self._closing = False
         self._new = asyncio.Event()
         self._typing: dict[str, float] = {}
+        # Web Push of replies to chats no page has open (None: off).
+        self.push = push
+        self._watchers: dict[str, int] = {}
+        self._last_watched: dict[str, float] = {}
+        self.watch_grace = WATCH_GRACE_SECONDS
+        # Wakes the outbox worker after a person retries a failed reply (set by the daemon).
+        self.wake_outbox: Callable[[], None] | None = None
         self._page = PageAssets("mdclaw.channels", PAGE_FILES, headers=SECURITY_HEADERS,
                                 page_csp=PAGE_CSP)
         for name in self._page.routes:
@@ -210,7 +243,10 @@ class HttpChannel(Channel):
                 ("GET", "/groups", self._groups), ("POST", "/message", self._post_message),
                 ("POST", "/card", self._press),
                 ("POST", "/upload", self._upload), ("GET", "/file", self._get_file),
-                ("GET", "/messages", self._get_messages)):
+                ("GET", "/messages", self._get_messages), ("POST", "/retry", self._retry),
+                ("GET", "/push/key", self._push_key),
+                ("POST", "/push/subscribe", self._push_subscribe),
+                ("POST", "/push/unsubscribe", self._push_unsubscribe)):
             server.add_route(method, path, self._serving(self._private(handler)))
 
     @property
@@ -272,8 +308,10 @@ class HttpChannel(Channel):
                            sender: str | None = None) -> str | None:
         self._check_jid(jid)
         self._typing.pop(jid, None)
-        return self._record(jid, "out", "text", content=text, sender="assistant",
-                            sender_name=sender or self.assistant_name, reply_to=reply_to)[1]
+        mid = self._record(jid, "out", "text", content=text, sender="assistant",
+                           sender_name=sender or self.assistant_name, reply_to=reply_to)[1]
+        self._announce(jid, text)
+        return mid
 
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
                         caption: str | None = None) -> str | None:
@@ -288,10 +326,12 @@ class HttpChannel(Channel):
             except OSError as e:
                 raise ChannelError(f"file {Path(path).name!r} could not be kept for the "
                                    f"chat page: {e.strerror or e}") from None
-        return self._record(jid, "out", "file", content=caption or "", sender="assistant",
-                            sender_name=self.assistant_name,
-                            file_name=file_name or Path(path).name,
-                            message_id=f"{jid}:{key}")[1]
+        mid = self._record(jid, "out", "file", content=caption or "", sender="assistant",
+                           sender_name=self.assistant_name,
+                           file_name=file_name or Path(path).name,
+                           message_id=f"{jid}:{key}")[1]
+        self._announce(jid, f"\U0001F4CE {file_name or Path(path).name}")
+        return mid
 
     def _keep_file(self, src: Path, key: str) -> None:
         """Copy the host's spool file `src` to files_dir/<key> (temp name, then rename)."""
@@ -323,8 +363,10 @@ class HttpChannel(Channel):
         self._typing.pop(jid, None)
         state = {"choices": [{"label": c.label, "data": c.data} for c in card.choices],
                  "state": "open" if card.choices else "closed"}
-        return self._record(jid, "out", "text", content=card.text, sender="mdclaw",
-                            sender_name="mdclaw", card=json.dumps(state))[1]
+        mid = self._record(jid, "out", "text", content=card.text, sender="mdclaw",
+                           sender_name="mdclaw", card=json.dumps(state))[1]
+        self._announce(jid, card.text)
+        return mid
 
     async def edit_card(self, jid: str, message_id: str, card: Card) -> None:
         """Close the card `message_id` (its buttons go) and show the outcome after it."""
@@ -349,6 +391,21 @@ class HttpChannel(Channel):
         else:
             self._typing.pop(jid, None)
         self._notify()
+
+    # ------------------------------------------------------------------ push
+    def is_watched(self, jid: str) -> bool:
+        """Whether a page has chat `jid` open (a long poll under way, or just ended)."""
+        if self._watchers.get(jid):
+            return True
+        last = self._last_watched.get(jid)
+        return last is not None and time.monotonic() - last < self.watch_grace
+
+    def _announce(self, jid: str, text: str) -> None:
+        """Push a reply in `jid` to its subscribed devices when no page has it open."""
+        if self.push is None or self.is_watched(jid):
+            return
+        g = get_group_by_jid(self.db, jid)
+        self.push.announce(jid, g.name if g is not None else self.assistant_name, text)
 
     def is_typing(self, jid: str) -> bool:
         until = self._typing.get(jid)
@@ -423,6 +480,26 @@ class HttpChannel(Channel):
                 "content": r["content"], "html": html, "file_name": r["file_name"],
                 "reply_to": r["reply_to"], "timestamp": r["created_at"],
                 "download": self._download_link(r), "card": card}
+
+    def pending(self, jid: str) -> list[dict[str, Any]]:
+        """The replies to `jid` the outbox has not delivered yet: `sending` (waiting, being
+        sent or to be tried again) or `failed` (the outbox gave up: its reason in `error`;
+        POST /retry tries it again). Reactions and cards are left out."""
+        rows = self.db.query(
+            "SELECT id, kind, text, file_name, status, attempts, last_error, created_at "
+            "FROM outbox WHERE chat_jid = ? AND status != 'sent' AND kind != 'reaction' "
+            "AND card IS NULL ORDER BY id LIMIT ?", (jid, MAX_PENDING_SHOWN))
+        return [{"id": r["id"], "kind": r["kind"], "text": r["text"] or "",
+                 "file_name": r["file_name"],
+                 "state": "failed" if r["status"] == "failed" else "sending",
+                 "attempts": r["attempts"],
+                 "error": r["last_error"] if r["status"] == "failed" else None,
+                 "timestamp": r["created_at"]} for r in rows]
+
+    @staticmethod
+    def pending_mark(rows: list[dict[str, Any]]) -> str:
+        """What the page passes back (`outbox=`) to hear of a change in `pending`."""
+        return ",".join(f"{r['id']}{r['state'][0]}" for r in rows)
 
     def _download_link(self, row: Any) -> str | None:
         """The `/file` link of a file the assistant sent (None for any other row)."""
@@ -559,23 +636,115 @@ class HttpChannel(Channel):
             cursor = max((r["seq"] for r in rows), default=0)
             return _json({"jid": jid, "messages": rows, "cursor": cursor, "older": older,
                           "typing": self.is_typing(jid)})
-        # typing=0/1: the typing state the caller shows; a change ends a long poll early.
+        # typing=0/1: the typing state the caller shows; outbox=<mark>: the undelivered
+        # replies it shows (pending_mark); a change of either ends a long poll early.
         seen_typing = q.get("typing")
+        seen_outbox = q.get("outbox")
         deadline = time.monotonic() + wait
-        while True:
-            changed = self._new
-            rows = self.transcript(jid, after, limit)
-            typing = self.is_typing(jid)
-            remaining = deadline - time.monotonic()
-            if (rows or remaining <= 0 or self._closing
-                    or (seen_typing is not None and typing != (seen_typing == "1"))):
-                break
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                pass
+        self._watchers[jid] = self._watchers.get(jid, 0) + 1
+        try:
+            while True:
+                changed = self._new
+                rows = self.transcript(jid, after, limit)
+                typing = self.is_typing(jid)
+                pending = self.pending(jid)
+                remaining = deadline - time.monotonic()
+                gone = request.transport is None or request.transport.is_closing()
+                if (rows or remaining <= 0 or self._closing or gone  # the page was closed
+                        or (seen_typing is not None and typing != (seen_typing == "1"))
+                        or (seen_outbox is not None
+                            and seen_outbox != self.pending_mark(pending))):
+                    break
+                try:  # the outbox marks its rows without telling: look again now and then
+                    await asyncio.wait_for(changed.wait(),
+                                           min(remaining, OUTBOX_RECHECK_SECONDS))
+                except TimeoutError:
+                    pass
+        finally:
+            self._watchers[jid] -= 1
+            self._last_watched[jid] = time.monotonic()
         cursor = rows[-1]["seq"] if rows else after
-        return _json({"jid": jid, "messages": rows, "cursor": cursor, "typing": typing})
+        return _json({"jid": jid, "messages": rows, "cursor": cursor, "typing": typing,
+                      "outbox": pending, "outbox_mark": self.pending_mark(pending)})
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        raw = await _read_at_most(request, self.max_body_bytes)
+        if raw is None:
+            return _error(413, f"body over {self.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "body is not valid JSON")
+        if not isinstance(data, dict):
+            return _error(400, "body must be a JSON object")
+        return data
+
+    async def _retry(self, request: web.Request) -> web.Response:
+        """A person retries a reply the outbox gave up on (`{"jid", "id": its outbox id}`):
+        a fresh set of tries, due now, as `mdclaw outbox retry` does."""
+        data = await self._json_body(request)
+        if isinstance(data, web.Response):
+            return data
+        try:
+            jid = self._jid_from(data)
+        except ValueError as e:
+            return _error(400, str(e))
+        row_id = data.get("id")
+        if not isinstance(row_id, int) or isinstance(row_id, bool):
+            return _error(400, "field 'id' (the reply's outbox id) must be an integer")
+        try:
+            with self.db.transaction() as c:
+                owner = c.execute("SELECT chat_jid FROM outbox WHERE id = ?",
+                                  (row_id,)).fetchone()
+                if owner is None or owner[0] != jid:
+                    return _error(404, "no such reply in this chat")
+                retry_failed(c, row_id)
+        except OutboxError as e:
+            return _error(409, str(e))
+        if self.wake_outbox is not None:
+            self.wake_outbox()
+        self._notify()
+        return _json({"id": row_id, "state": "sending"})
+
+    async def _push_key(self, request: web.Request) -> web.Response:
+        if self.push is None:
+            return _error(404, "notifications are off (channels.http.push.enabled)")
+        return _json({"key": await asyncio.to_thread(self.push.public_key)})
+
+    async def _push_subscribe(self, request: web.Request) -> web.Response:
+        """`{"jid", "subscription": PushSubscription.toJSON()}`: notify this device of
+        replies in the chat while no page has it open."""
+        if self.push is None:
+            return _error(404, "notifications are off (channels.http.push.enabled)")
+        data = await self._json_body(request)
+        if isinstance(data, web.Response):
+            return data
+        try:
+            jid = self._jid_from(data)
+        except ValueError as e:
+            return _error(400, str(e))
+        sub = valid_subscription(data.get("subscription"))
+        if sub is None:
+            return _error(400, "field 'subscription' is not a push subscription (an https "
+                               "endpoint and keys p256dh, auth)")
+        await asyncio.to_thread(self.push.subscribe, jid, sub)
+        return _json({"jid": jid, "subscribed": True})
+
+    async def _push_unsubscribe(self, request: web.Request) -> web.Response:
+        if self.push is None:
+            return _error(404, "notifications are off (channels.http.push.enabled)")
+        data = await self._json_body(request)
+        if isinstance(data, web.Response):
+            return data
+        try:
+            jid = self._jid_from(data)
+        except ValueError as e:
+            return _error(400, str(e))
+        endpoint = data.get("endpoint")
+        if not isinstance(endpoint, str):
+            return _error(400, "field 'endpoint' is missing")
+        removed = await asyncio.to_thread(self.push.unsubscribe, jid, endpoint)
+        return _json({"jid": jid, "subscribed": False, "removed": removed})
 
     async def _upload(self, request: web.Request) -> web.Response:
         limit = self.max_upload_bytes
@@ -610,7 +779,7 @@ class HttpChannel(Channel):
                             return too_large
                     data, file_name = bytes(buf), upload_file_name(part.filename)
                     mime = upload_mime(part.headers.get(hdrs.CONTENT_TYPE))
-                elif part.name in ("jid", "text", "sender", "sender_name"):
+                elif part.name in ("jid", "text", "sender", "sender_name", "voice"):
                     raw = bytearray()
                     while chunk := await part.read_chunk(8192):
                         raw += chunk
@@ -653,7 +822,10 @@ class HttpChannel(Channel):
 
         return await self._accept(
             jid, fields, caption, file_name=file_name,
-            attachment=Attachment(kind=kind_for_mime(mime), name=file_name or None, mime=mime,
+            # voice=1: a voice note recorded in the page, transcribed like any channel's
+            attachment=Attachment(kind="voice" if fields.get("voice") == "1"
+                                  and kind_for_mime(mime) == "audio" else kind_for_mime(mime),
+                                  name=file_name or None, mime=mime,
                                   size=len(data), fetch=fetch, caption=caption or None))
 
     async def _accept(self, jid: str, fields: dict[str, str], text: str, *,

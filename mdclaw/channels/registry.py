@@ -13,6 +13,8 @@ from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.matrix import MatrixChannel  # imports matrix-nio only when it connects
 from mdclaw.channels.slack import SlackChannel  # imports slack-bolt only when it connects
 from mdclaw.channels.telegram import TelegramChannel
+from mdclaw.channels.webpush import WebPush  # imports pywebpush only when it pushes
+from mdclaw.channels.webpush import available as push_available
 from mdclaw.channels.whatsapp import WhatsAppChannel  # imports neonize only when it connects
 from mdclaw.config import Config
 from mdclaw.people import identities_on, mail_senders
@@ -38,9 +40,17 @@ def build_channels(cfg: Config, db: Database, server: WebServer | None = None,
             log.error("the local HTTP chat is enabled but there is no web server (server: "
                       "null): it does not run")
         else:
+            push = None
+            if http.push.enabled and push_available():
+                push = WebPush(cfg.data_dir / "http", contact=http.push.contact,
+                               include_text=http.push.include_text)
+            elif http.push.enabled:
+                log.warning("the web chat's notifications need pywebpush (pip install "
+                            "'mdclaw[push]'); the page offers none")
             channels.append(HttpChannel(
                 db, server, assistant_name=cfg.assistant.name, on_inbound=on_inbound,
-                max_upload_bytes=cfg.media.limit, files_dir=cfg.data_dir / "http" / "files"))
+                max_upload_bytes=cfg.media.limit, files_dir=cfg.data_dir / "http" / "files",
+                push=push))
     tg = cfg.channels.telegram
     if tg is not None and tg.enabled:
         channels.append(TelegramChannel.from_config(tg, on_inbound=on_inbound,

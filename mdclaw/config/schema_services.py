@@ -89,9 +89,25 @@ class Server(Frozen):
         return v
 
 
+class HttpPush(Frozen):
+    enabled: bool = Field(True, description="Offer Web Push in the chat page (its bell "
+                          "button): a reply to a chat no page has open is announced on the "
+                          "devices subscribed to it. The VAPID key is made in "
+                          "`data_dir/http/vapid.pem`; needs the `push` extra (pywebpush).")
+    include_text: bool = Field(False, description="Put the first 200 characters of the reply "
+                               "in the (encrypted) push payload, so the notification shows "
+                               "them; off: it says only which chat has a new message.")
+    contact: str = Field("mailto:mdclaw@localhost", pattern=r"^(mailto:|https://)\S+$",
+                         description="The VAPID `sub` claim push services may contact the "
+                         "sender by (a `mailto:` or `https://` URL; some services refuse "
+                         "`localhost`).")
+
+
 class HttpChannel(Frozen):
     enabled: bool = Field(True, description="Serve the local HTTP chat and its page on the "
                           "daemon's web server (`server`).")
+    push: HttpPush = Field(default_factory=HttpPush, description="Web Push of replies "
+                           "(notifications on a phone or desktop).")
     # The old names of the web server's keys, from when the chat owned the server: read as
     # `server.<key>` (Config.web_server); check-config warns (old_server_keys).
     listen: str | None = Field(

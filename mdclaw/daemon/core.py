@@ -13,7 +13,8 @@ and the log says to restart.
 
 SIGTERM/SIGINT: STOPPING=1, stop taking work, write `_close` to running conversations, wait
 up to `drain_timeout` (30 s) for runs to finish, stop the rest, flush the outbox state, close
-the database, exit 0. A second SIGTERM exits at once with status 1.
+the database, log "stopped (exit 0)" as the last line, exit 0. A second SIGTERM exits at
+once with status 1.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from mdclaw.channels.base import Channel
+from mdclaw.channels.http import HttpChannel
 from mdclaw.channels.registry import apply_config as apply_channel_config
 from mdclaw.channels.registry import build_channels, connect_all, disconnect_all
 from mdclaw.config import (
@@ -166,6 +168,9 @@ class Daemon:
             log.info("stopping: draining for up to %.0f s", self.drain_timeout)
             await self.stop_services()
             db.close()
+            # the last line: whoever watches the log (make run, journalctl) knows it is over
+            log.info("stopped%s", f" after {', '.join(self.failed)} failed (exit 1)"
+                     if self.failed else " (exit 0)")
         return 1 if self.failed else 0
 
     def _watch(self, task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
@@ -239,6 +244,8 @@ class Daemon:
         for ch in self.channels:
             ch.on_service_reply(service_replier(db, self.outbox.wake))
             ch.on_press(self.decider.on_press)
+            if isinstance(ch, HttpChannel):  # a person's retry of a failed reply wakes it
+                ch.wake_outbox = self.outbox.wake
         self.orch.channels = self.channels
         self.outbox.set_channels(self.channels)
         # A reload reaches the parts wired here (the rest read `live` themselves).
