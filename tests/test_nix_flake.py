@@ -60,7 +60,7 @@ def test_package_is_the_pyproject(flake: dict) -> None:
         _name(d) for d in pyproject["project"]["dependencies"]]
     # and the libraries of the chat channels nixpkgs has (their extras)
     assert flake["lib"]["channelRequirements"] == [
-        _name(d) for extra in ("email", "discord", "matrix")
+        _name(d) for extra in ("push", "email", "discord", "matrix")
         for d in pyproject["project"]["optional-dependencies"][extra]]
     nix_attr = {"discord-py": "discordpy"}  # nixpkgs' name where it differs
     assert pkg["dependencies"] == [f"python3.12-{nix_attr.get(n, n)}"

@@ -43,6 +43,7 @@ let
     "pydantic-settings"
     "pytest-timeout"
     "pytestCheckHook"
+    "pywebpush"
     "pyyaml"
     "sdnotify"
     "segno"
