@@ -12,6 +12,7 @@ from mdclaw.commands.common import DB_EXIT, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import format_size
 from mdclaw.ops.console import load_or_exit
+from mdclaw.ops.health import verdict
 from mdclaw.ops.status import gather_status
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.failed_turns import list_failed_turns
@@ -52,8 +53,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"queue: {q.get('pending', 0)} pending, retrying: "
               f"{', '.join(q.get('retrying') or []) or 'none'}")
         ch = s.get("channels") or {}
-        print("channels: " + (", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in ch.items())
-                              or "none"))
+        states = s.get("channel_states") or {}
+        print("channels: " + (", ".join(f"{k} {_channel_word(v, states.get(k))}"
+                                        for k, v in ch.items()) or "none"))
         for name, info in (s.get("channel_details") or {}).items():
             print(f"  {name}: {info.get('detail', '')}"
                   + (f" — fix: {info['fix']}" if info.get("fix") else ""))
@@ -79,6 +81,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(s["database_detail"])
         _print_disk(s.get("disk") or {})
         return code
+    problems = s.get("problems") or []
+    print(f"health: {verdict(problems)}")
+    for p in problems:
+        print(f"  {p['level'].upper():4}  {p['text']} (operator page: #{p['view']})")
     print(f"groups: {s['groups']}")
     ob = s.get("outbox") or {}
     print(f"outbox: {ob.get('pending', 0)} pending, {ob.get('sent', 0)} sent, "
@@ -95,6 +101,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
     _print_disk(s.get("disk") or {})
     return code
+
+
+def _channel_word(connected: bool, state: str | None) -> str:
+    """up, DOWN, or DELIVERIES FAILING (ops.health.channel_state, as the daemon published it)."""
+    if state == "deliveries failing":
+        return "up, DELIVERIES FAILING"
+    return "up" if connected else "DOWN"
 
 
 def _print_disk(disk: dict[str, Any]) -> None:
