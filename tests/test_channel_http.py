@@ -247,11 +247,13 @@ def test_the_page_runs_only_its_own_script_and_style(tmp_path: Path) -> None:
                 # the page names its files and holds no inline code
                 assert '<script src="chat.js"' in page
                 assert '<link rel="stylesheet" href="chat.css">' in page
+                assert '<link rel="stylesheet" href="mdclaw.css">' in page  # the shared one
                 assert "<script>" not in page and "<style" not in page
                 assert " style=" not in page and " onclick=" not in page
                 for token in ({}, {"Authorization": "Bearer s3cret-token"}):
                     for path, ctype, marker in (("/chat.js", "text/javascript", "use strict"),
-                                                ("/chat.css", "text/css", "box-sizing")):
+                                                ("/chat.css", "text/css", "#log"),
+                                                ("/mdclaw.css", "text/css", "--accent")):
                         async with http.get(path, headers=token) as r:
                             assert r.status == 200, path
                             assert r.headers["Content-Type"].startswith(ctype)

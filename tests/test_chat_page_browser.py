@@ -4,136 +4,18 @@ message, the host receives it, the reply goes through the outbox and appears on 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
-import signal
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 
+from browser import browse, chromium
 from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import InboundMessage
 from mdclaw.outbox import OutboxWorker, RetryPolicy
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
 from mdclaw.state.outbox import enqueue
-from waiting import wait_until_async
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync",
-                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"]
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    if os.environ.get("CI") == "true":
-        pytest.fail("chromium is missing; .ci/setup-tools installs it")
-    pytest.skip("chromium is not installed (apt-get install chromium)")
-
-
-class DevTools:
-    """The few DevTools protocol calls the test needs, over one page's websocket."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        self.ws = ws
-        self.next_id = 0
-
-    async def call(self, method: str, **params: Any) -> dict[str, Any]:
-        self.next_id += 1
-        my_id = self.next_id
-        await self.ws.send_json({"id": my_id, "method": method, "params": params})
-        deadline = time.monotonic() + 30  # events may come first, but not for ever
-        while True:
-            msg = await self.ws.receive_json(timeout=max(deadline - time.monotonic(), 0.1))
-            if msg.get("id") == my_id:
-                if "error" in msg:
-                    raise AssertionError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    async def js(self, expression: str) -> Any:
-        r = await self.call("Runtime.evaluate", expression=expression, returnByValue=True,
-                            awaitPromise=True)
-        if "exceptionDetails" in r:
-            raise AssertionError(f"{expression}: {r['exceptionDetails']}")
-        return r["result"].get("value")
-
-    async def wait_for(self, expression: str, timeout: float = 20.0) -> Any:
-        guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }})()"
-        try:  # the page may still be loading
-            return await wait_until_async(lambda: self.js(guarded), timeout, interval=0.1,
-                                          what=f"the page to satisfy {expression!r}")
-        except AssertionError as e:
-            body = await self.js("document.body.innerText")
-            raise AssertionError(f"{e}; page shows:\n{body}") from None
-
-    async def type_into(self, element_id: str, text: str) -> None:
-        await self.js(f"document.getElementById({json.dumps(element_id)}).focus()")
-        await self.call("Input.insertText", text=text)
-
-    async def click(self, element_id: str) -> None:
-        await self.js(f"document.getElementById({json.dumps(element_id)}).click()")
-
-
-async def open_page(url: str, user_data: Path) -> tuple[asyncio.subprocess.Process, str]:
-    """Start Chromium on `url`; return the process and the page's DevTools websocket URL."""
-    proc = await asyncio.create_subprocess_exec(
-        chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={user_data}", url,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True)
-    port_file = user_data / "DevToolsActivePort"
-    deadline = time.monotonic() + 60
-
-    def port_written() -> str:
-        assert proc.returncode is None, "chromium exited"
-        return port_file.exists() and port_file.read_text().strip()
-
-    port = int((await wait_until_async(port_written, 60, interval=0.1,
-                                       what="chromium's DevTools port")).split()[0])
-    async with aiohttp.ClientSession() as http:
-        pages: list[dict[str, Any]] = []
-
-        async def listed() -> bool:
-            async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
-                pages[:] = [t for t in await r.json()
-                            if t.get("type") == "page" and t.get("url", "").startswith(url)]
-            return bool(pages)
-
-        await wait_until_async(listed, max(deadline - time.monotonic(), 1), interval=0.1,
-                               what="chromium to open the page")
-        return proc, pages[0]["webSocketDebuggerUrl"]
-
-
-async def close_browser(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-
-
-@asynccontextmanager
-async def browse(url: str, user_data: Path) -> AsyncIterator[DevTools]:
-    """Chromium on `url`, driven over its page's DevTools websocket; closed on the way out."""
-    proc, ws_url = await open_page(url, user_data)
-    try:
-        async with aiohttp.ClientSession() as http, http.ws_connect(
-                ws_url, max_msg_size=0) as ws:
-            yield DevTools(ws)
-    finally:
-        await close_browser(proc)
 
 
 def test_a_person_chats_with_the_main_group_from_the_browser(tmp_path: Path) -> None:

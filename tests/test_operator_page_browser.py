@@ -13,13 +13,13 @@ import signal
 from datetime import timedelta
 from pathlib import Path
 
+from browser import DevTools, browse, chromium
 from mdclaw import schedule
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import finish_run, insert_run
 from mdclaw.usage import record_usage
 from operator_helpers import free_port, running_daemon
-from test_chat_page_browser import DevTools, browse, chromium
 
 XSS_NAME = '<img src=x onerror="window.__xss=1">Family'
 XSS_PROMPT = '<script>window.__xss=2</script>Water the plants'

@@ -88,7 +88,7 @@ from mdclaw.channels.base import (
 from mdclaw.markup import to_html
 from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import get_group_by_jid, list_groups, main_group
-from mdclaw.webassets import PageAssets
+from mdclaw.webassets import SHARED_STYLE, PageAssets
 from mdclaw.webserver import SECURITY_HEADERS, Handler, WebServer, is_loopback, json_error
 
 log = logging.getLogger("mdclaw.channels.http")
@@ -104,7 +104,8 @@ PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
             "connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; "
             "form-action 'none'; frame-ancestors 'none'")
 # The page's files (mdclaw/channels/static/): like the page, served without the token.
-PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css"}
+PAGE_FILES = {"": "chat.html", "chat.js": "chat.js", "chat.css": "chat.css",
+              "mdclaw.css": SHARED_STYLE}
 # A served file is never a page: no script, no plugin, a sandbox of its own.
 _FILE_CSP = "default-src 'none'; img-src 'self'; sandbox"
 INLINE_IMAGES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
