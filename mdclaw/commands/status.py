@@ -104,9 +104,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _channel_word(connected: bool, state: str | None) -> str:
-    """up, DOWN, or DELIVERIES FAILING (ops.health.channel_state, as the daemon published it)."""
+    """up, DOWN, DELIVERIES FAILING or NEEDS ATTENTION (ops.health.channel_state, as the
+    daemon published it)."""
     if state == "deliveries failing":
         return "up, DELIVERIES FAILING"
+    if state == "needs attention":
+        return "up, NEEDS ATTENTION (see below)"
     return "up" if connected else "DOWN"
 
 

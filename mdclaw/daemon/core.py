@@ -380,6 +380,7 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         nxt = self.scheduler.next_wakeup() if self.scheduler else None
         connected = {ch.name: ch.is_connected() for ch in self.channels}
+        details = channel_details(self.channels)
         return {
             "pid": os.getpid(), "started_at": self.started_at, "updated_at": to_iso(utc_now()),
             "groups": int(self.db.scalar("SELECT count(*) FROM registered_groups")),
@@ -389,10 +390,12 @@ class Daemon:
             "outbox": outbox_counts(self.db),
             "next_task": to_iso(nxt) if nxt else None,
             "channels": connected,
-            # connected, deliveries failing or not connected: the one rule (ops.health)
+            # connected, deliveries failing, needs attention or not connected: the one rule
+            # (ops.health)
             "channel_states": {n: v["state"] for n, v in channel_states(
-                self.db, connected, {ch.name: ch.jid_prefix for ch in self.channels}).items()},
-            "channel_details": channel_details(self.channels),
+                self.db, connected, {ch.name: ch.jid_prefix for ch in self.channels},
+                {n: d["fix"] for n, d in details.items() if d.get("fix")}).items()},
+            "channel_details": details,
             "reload_error": self.reload_error,
             "timings": self.orch.timings[-10:] if self.orch else [],
             "disk": self.diskguard.status() if self.diskguard else None,

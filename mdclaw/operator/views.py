@@ -128,14 +128,17 @@ def health(d: DaemonView, o: dict[str, Any]) -> dict[str, Any]:
     the overview links to. Blocking: run it off the event loop."""
     connected = {c["name"]: bool(c.get("connected")) for c in o["channels"]}
     prefixes = {ch.name: ch.jid_prefix for ch in d.channels}
-    states = channel_states(d.db, connected, prefixes)
+    troubles = {c["name"]: c["fix"] for c in o["channels"] if c.get("fix")}
+    states = channel_states(d.db, connected, prefixes, troubles)
     for c in o["channels"]:
         st = states[c["name"]]
         c["state"] = st["state"]
         c["failing"] = st["failing"]
-        if c.get("error"):
-            c["error"] = for_people(c["error"])
+        for k in ("error", "detail"):
+            if isinstance(c.get(k), str):
+                c[k] = for_people(c[k])
     problems = find_problems(d.cfg, d.db, disk=o["disk"], channels=connected,
+                             troubles=troubles,
                              engine=o["engine"], backup=o["backup"],
                              reload_error=d.reload_error)
     tasks = task_problems(d.db)
@@ -208,9 +211,12 @@ def task_runs(d: DaemonView, task_id: str, limit: int = 20) -> dict[str, Any] | 
     if t is None:
         return None
     tz = zone_for(t, d.cfg)
-    runs = [log_row(r, tz) for r in list_runs(d.db, t.id, limit=limit)]
-    for r in runs:
-        r["outcome"] = for_people(r["outcome"])
+    runs = []
+    for r in list_runs(d.db, t.id, limit=limit):
+        row = log_row(r, tz)
+        row["outcome"] = for_people(row["outcome"])
+        row["due_at"] = r.due_at or r.run_at  # UTC, shown in the viewer's zone
+        runs.append(row)
     return {"task": task_json(t), "zone": tz, "runs": runs}
 
 
@@ -364,9 +370,9 @@ def _config_text(path: str | None, secrets: list[dict[str, str]]) -> str | None:
     states = {s["path"]: s["state"] for s in secrets}
     out = []
     for line in text.splitlines():
-        _key, colon, value = line.partition(":")
-        value = value.split(" #", 1)[0].strip().strip("'\"")
-        if colon and value in states:
-            line = f"{line}  # {states[value]}"
+        named = [state for p, state in states.items()
+                 if p in line.split(" #", 1)[0] and not line.lstrip().startswith("#")]
+        if named:
+            line = f"{line}  # {', '.join(named)}"
         out.append(line)
     return "\n".join(out) + "\n"

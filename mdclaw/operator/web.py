@@ -36,13 +36,13 @@ from mdclaw.ops.approvals import ApprovalError
 from mdclaw.ops.view import DaemonView
 from mdclaw.state.outbox import OutboxError
 from mdclaw.state.tasks import TaskError
-from mdclaw.webassets import PageAssets
+from mdclaw.webassets import SHARED_STYLE, PageAssets
 
 log = logging.getLogger("mdclaw.operator")
 
 PREFIX = "/operator"
 STATIC = {"": "index.html", "index.html": "index.html", "app.js": "app.js",
-          "app.css": "app.css"}
+          "app.css": "app.css", "mdclaw.css": SHARED_STYLE}
 _HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
             "Cache-Control": "no-store"}
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -204,7 +204,7 @@ def build_app(d: DaemonView, access: Access) -> web.Application:
         return _json({"deleted": found}) if found else _error(404, "no such quarantined file")
 
     r = app.router
-    r.add_get("/{asset:(|index\\.html|app\\.js|app\\.css)}", asset)
+    r.add_get("/{asset:(|index\\.html|app\\.js|app\\.css|mdclaw\\.css)}", asset)
     r.add_post("/login", login)
     r.add_post("/logout", logout)
     r.add_get("/api/session", session)

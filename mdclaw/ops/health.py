@@ -100,22 +100,30 @@ def delivery_failures(db: Database, prefixes: Mapping[str, str] | None = None, *
     return out
 
 
-def channel_state(connected: bool, failing: Mapping[str, Any] | None) -> str:
-    """What a channel is shown as: "connected" only while it is and its deliveries do not
-    fail; else "deliveries failing" or "not connected"."""
+def channel_state(connected: bool, failing: Mapping[str, Any] | None,
+                  trouble: str | None = None) -> str:
+    """What a channel is shown as: "connected" only while it is, its deliveries do not fail
+    and it reports nothing to fix (`trouble`: its status_info's `fix`, e.g. the mail server
+    refuses the connection while the channel keeps trying); else "not connected",
+    "deliveries failing" or "needs attention"."""
     if not connected:
         return "not connected"
-    return "deliveries failing" if failing else "connected"
+    if failing:
+        return "deliveries failing"
+    return "needs attention" if trouble else "connected"
 
 
 def channel_states(db: Database, connected: Mapping[str, bool],
-                   prefixes: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """{channel: {"state", "connected", "failing" (or None)}} for the channels in
-    `connected` ({name: is connected}), by the one rule."""
+                   prefixes: Mapping[str, str] | None = None,
+                   troubles: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """{channel: {"state", "connected", "failing" (or None), "trouble"}} for the channels in
+    `connected` ({name: is connected}; `troubles`: {name: what to fix}), by the one rule."""
     table = prefixes if prefixes is not None else CHANNEL_PREFIXES
     failing = delivery_failures(db, {n: table.get(n, "") for n in connected})
-    return {n: {"state": channel_state(c, failing.get(n)), "connected": c,
-                "failing": failing.get(n)} for n, c in connected.items()}
+    troubles = troubles or {}
+    return {n: {"state": channel_state(c, failing.get(n), troubles.get(n)), "connected": c,
+                "failing": failing.get(n), "trouble": troubles.get(n)}
+            for n, c in connected.items()}
 
 
 def failed_turn_groups(db: Database, *, now: datetime | None = None) -> dict[str, int]:
@@ -170,13 +178,15 @@ def _n(count: int, one: str, many: str) -> str:
 
 
 def find_problems(cfg: Config, db: Database, *, disk: Mapping[str, Any] | None,
-                  channels: Mapping[str, bool] | None = None, engine: str | None = None,
+                  channels: Mapping[str, bool] | None = None,
+                  troubles: Mapping[str, str] | None = None, engine: str | None = None,
                   backup: Mapping[str, Any] | None = None, reload_error: str | None = None,
                   now: datetime | None = None) -> list[Problem]:
-    """Every problem of this install, worst first. `channels` ({name: connected}), `engine`
-    and `reload_error` are the running daemon's (None: not known, not checked; deliveries
-    are judged from the database either way); `disk` is mdclaw.diskguard's status and
-    `backup` ops.status.backup_summary (None: not checked). Blocking."""
+    """Every problem of this install, worst first. `channels` ({name: connected}),
+    `troubles` ({name: its fix}), `engine` and `reload_error` are the running daemon's
+    (None: not known, not checked; deliveries are judged from the database either way);
+    `disk` is mdclaw.diskguard's status and `backup` ops.status.backup_summary (None: not
+    checked). Blocking."""
     out: list[Problem] = []
     if engine is not None and not engine.startswith(("ok", "checking")):
         out.append(Problem("engine", "fail", for_people(engine) or engine, "overview"))
@@ -197,7 +207,7 @@ def find_problems(cfg: Config, db: Database, *, disk: Mapping[str, Any] | None,
     # Without the daemon's word on connections (doctor), deliveries are still judged.
     states: dict[str, dict[str, Any]]
     if channels is not None:
-        states = channel_states(db, channels)
+        states = channel_states(db, channels, troubles=troubles)
     else:
         states = {n: {"state": channel_state(True, f), "failing": f}
                   for n, f in delivery_failures(db).items()}
@@ -212,6 +222,9 @@ def find_problems(cfg: Config, db: Database, *, disk: Mapping[str, Any] | None,
                                f"{_n(f['failed'], 'message', 'messages')} in the last hour"
                                + (f" ({f['last_error']})" if f["last_error"] else ""),
                                "outbox", f["failed"]))
+        elif st["state"] == "needs attention":
+            out.append(Problem(f"channel:{name}", "fail", f"{name}: {st['trouble']}",
+                               "overview"))
     failed = int(db.scalar("SELECT COUNT(*) FROM outbox WHERE status = 'failed'") or 0)
     if failed:
         out.append(Problem("outbox", "warn", _n(failed, "failed delivery", "failed deliveries"),

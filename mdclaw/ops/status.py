@@ -118,6 +118,9 @@ def _problems(cfg: Config, out: dict[str, Any]) -> list[Problem]:
     with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
         return find_problems(cfg, db, disk=out.get("disk"),
                              channels=out.get("channels") if running else None,
+                             troubles={n: d["fix"] for n, d in
+                                       (out.get("channel_details") or {}).items()
+                                       if d.get("fix")} if running else None,
                              engine=out.get("engine") if running else None,
                              backup=out.get("backup"),
                              reload_error=out.get("reload_error") if running else None)
