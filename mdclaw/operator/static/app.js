@@ -658,3 +658,12 @@ function route() {
 
 window.addEventListener("hashchange", route);
 start();
+
+// The chart is drawn at the width it has (its text at its real size): drawn again when the
+// window's width changes (a phone turned, a window resized).
+let drawnWidth = window.innerWidth;
+window.addEventListener("resize", () => {
+  if (state.view !== "usage" || Math.abs(window.innerWidth - drawnWidth) < 40) return;
+  drawnWidth = window.innerWidth;
+  refresh();
+});
