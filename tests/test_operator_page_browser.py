@@ -520,3 +520,27 @@ def test_logging_in_with_the_token_in_chromium(tmp_path: Path) -> None:
 
     with running_daemon(cfg_path, port):
         asyncio.run(main())
+
+
+def test_the_page_is_small_and_has_no_inline_script_or_style() -> None:
+    """No bundler: the page's own files and the shared style sheet, under 150 KB
+    compressed; no inline script or style for the CSP to refuse."""
+    import gzip
+    import re as regex
+
+    from mdclaw.operator.web import PAGE_CSP, STATIC
+    from mdclaw.webassets import PageAssets
+
+    assets = PageAssets("mdclaw.operator", STATIC, page_csp=PAGE_CSP, headers={
+        "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
+    files = {route: assets.body(route) for route in STATIC if route}
+    compressed = sum(len(gzip.compress(b, 9)) for route, b in files.items()
+                     if route != "index.html")  # "" and "index.html" are the same file
+    assert compressed < 150 * 1024, compressed
+    html = files["index.html"].decode()
+    assert not regex.search(r"<script(?![^>]*\bsrc=)", html)
+    assert "<style" not in html and not regex.search(r"\sstyle=", html)
+    assert not regex.search(r"\son[a-z]+=", html)
+    js = files["app.js"].decode()
+    assert "innerHTML" not in js and "setAttribute(\"style\"" not in js
+    assert "script-src 'self'" in PAGE_CSP and "style-src 'self'" in PAGE_CSP

@@ -12,7 +12,7 @@ from mdclaw.commands.common import DB_EXIT, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import format_size
 from mdclaw.ops.console import load_or_exit
-from mdclaw.ops.health import verdict
+from mdclaw.ops.health import for_people, verdict
 from mdclaw.ops.status import gather_status
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.failed_turns import list_failed_turns
@@ -90,7 +90,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"outbox: {ob.get('pending', 0)} pending, {ob.get('sent', 0)} sent, "
           f"{ob.get('failed', 0)} failed")
     for f in s.get("failed_messages") or []:
-        print(f"  failed #{f['id']} to {f['chat_jid']}: {f['error']}")
+        print(f"  failed #{f['id']} to {f['chat_jid']}: {for_people(f['error'])}")
     turns = s.get("failed_turns") or []
     print(f"failed turns (24 h): {len(turns) if len(turns) < 5 else '5 or more'}"
           + (" — `mdclaw failures` lists them" if turns else ""))
