@@ -19,7 +19,13 @@ import segno
 from mdclaw import __version__
 from mdclaw.budget import over_budget
 from mdclaw.channels.base import Channel
-from mdclaw.config import config_for_display, find_config_path, iter_secret_files, secret_state
+from mdclaw.config import (
+    config_for_display,
+    config_text_for_display,
+    find_config_path,
+    iter_secret_files,
+    secret_state,
+)
 from mdclaw.ipc.quarantine import list_errors, read_error_payload
 from mdclaw.models import container_model_fields, model_for_group
 from mdclaw.ops.approvals import approval_detail, approval_rows, decide, rules_for_groups
@@ -351,28 +357,7 @@ def config(d: DaemonView) -> dict[str, Any]:
         path = d.config_path
     secrets = [{"key": k, "path": str(p), "state": secret_state(p)}
                for k, p in iter_secret_files(d.cfg)]
-    return {"file": path, "yaml": _config_text(path, secrets), "secrets": secrets,
+    return {"file": path, "secrets": secrets,
+            "yaml": config_text_for_display(d.cfg, path) if path else None,
             "config": config_for_display(d.cfg),
             "last_reload": d.last_reload, "reload_error": d.reload_error}
-
-
-def _config_text(path: str | None, secrets: list[dict[str, str]]) -> str | None:
-    """The config file as the operator wrote it (it names secret files, never holds their
-    content: every secret is a `*_file` key), each line naming a secret file marked
-    `# set` or `# missing`; None when it cannot be read."""
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read(256 * 1024)
-    except OSError:
-        return None
-    states = {s["path"]: s["state"] for s in secrets}
-    out = []
-    for line in text.splitlines():
-        named = [state for p, state in states.items()
-                 if p in line.split(" #", 1)[0] and not line.lstrip().startswith("#")]
-        if named:
-            line = f"{line}  # {', '.join(named)}"
-        out.append(line)
-    return "\n".join(out) + "\n"
