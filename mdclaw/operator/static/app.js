@@ -627,6 +627,15 @@ function stopPolling() {
 
 let generation = 0;
 
+const FOCUSABLE = "a, button, select, input, [tabindex]";
+
+function focusKey(node) {
+  if (!node || node === document.body || !$("view").contains(node)) return null;
+  return [node.tagName, node.id, node.getAttribute("href"), node.dataset.problem,
+    node.dataset.count, node.dataset.task, node.dataset.action, node.dataset.row,
+    node.dataset.delete, node.dataset.bulk, node.textContent].join("|");
+}
+
 async function refresh() {
   stopPolling();
   const my = ++generation;
@@ -634,7 +643,13 @@ async function refresh() {
   try {
     await views[state.view](root);
     if (my !== generation) return;
+    // The view is drawn anew (every 1.5 s on the overview): the keyboard's place stays.
+    const focused = focusKey(document.activeElement);
     $("view").replaceChildren(root);
+    if (focused) {
+      const again = [...root.querySelectorAll(FOCUSABLE)].find((n) => focusKey(n) === focused);
+      if (again) again.focus();
+    }
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
     if (my !== generation) return;
