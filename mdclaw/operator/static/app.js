@@ -243,7 +243,7 @@ const views = {
     const cards = el("div", { class: "cards", id: "overview-cards" });
     cards.append(card("Needs a look", kv([
       ["failed deliveries", countLink(ob.failed, "outbox", "", true)],
-      ["failed turns (24 h)", countLink(c.failed_turns, "groups", "", true)],
+      ["failed turns (24\u00a0h)", countLink(c.failed_turns, "groups", "", true)],
       ["quarantined files", countLink(c.quarantine, "quarantine", "", true)],
       ["tasks failing", countLink(c.tasks_failing, "tasks", "", true)],
       ["tasks paused", countLink(c.tasks_paused, "tasks")],
@@ -322,7 +322,7 @@ const views = {
       { label: "trigger", cell: (g) => g.trigger + (g.requires_trigger ? "" : " (not needed)") },
       { label: "model", cls: "nowrap", cell: (g) => el("span", { class: g.model.startsWith("none") ? "warn" : null, "data-model": g.folder, text: g.model }) },
       { label: "last activity", cell: (g) => when(g.last_activity) },
-      { label: "failed turns (24 h)", num: true, cell: (g) => g.failed_turns ? el("span", { class: "bad", text: String(g.failed_turns) }) : "0" },
+      { label: "failed turns (24\u00a0h)", num: true, cell: (g) => g.failed_turns ? el("span", { class: "bad", text: String(g.failed_turns) }) : "0" },
       { label: "container", key: "container", cls: "nowrap" },
       { label: "chat", cls: "nowrap", cell: (g) => g.chat_url ? el("a", { href: g.chat_url, text: "open chat" }) : (g.jid || "-") },
     ], gs, "no groups registered"));
