@@ -124,8 +124,15 @@ def overview(d: DaemonView) -> dict[str, Any]:
         "outbox": status["outbox"],
         "disk": status["disk"],
         "backup": backup_summary(d.cfg),
-        "reload": d.last_reload, "reload_error": d.reload_error,
+        "reload": reload_for_people(d.last_reload), "reload_error": d.reload_error,
     }
+
+
+def reload_for_people(last: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The last reload, its error without exception names."""
+    if last is None or not last.get("error"):
+        return last
+    return {**last, "error": for_people(last["error"])}
 
 
 def health(d: DaemonView, o: dict[str, Any]) -> dict[str, Any]:
@@ -360,4 +367,4 @@ def config(d: DaemonView) -> dict[str, Any]:
     return {"file": path, "secrets": secrets,
             "yaml": config_text_for_display(d.cfg, path) if path else None,
             "config": config_for_display(d.cfg),
-            "last_reload": d.last_reload, "reload_error": d.reload_error}
+            "last_reload": reload_for_people(d.last_reload), "reload_error": d.reload_error}
