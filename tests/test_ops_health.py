@@ -240,3 +240,20 @@ def test_status_and_doctor_say_the_same(setup, cli, write_config, monkeypatch) -
         c["deliveries"]["detail"]
     assert c["outbox"]["level"] == "warn" and c["quarantine"]["level"] == "warn"
     assert c["tasks"]["level"] == "ok" and c["budget today"]["level"] == "ok"
+
+
+def test_the_outbox_view_keeps_old_failed_rows_beside_many_newer_ones(setup) -> None:
+    """The page filters what it was sent: every failed row is in it even when 600 newer
+    deliveries were sent since."""
+    from types import SimpleNamespace
+
+    from mdclaw.operator.views import outbox
+
+    cfg, db = setup
+    old = row(db, "tg:42", "failed", minutes_ago=600, error="RunFailed: long ago")
+    for _ in range(600):
+        row(db, "tg:42", "sent", minutes_ago=1)
+    got = outbox(SimpleNamespace(db=db, channels=[], cfg=cfg))  # type: ignore[arg-type]
+    failed = [r for r in got["rows"] if r["status"] == "failed"]
+    assert [r["id"] for r in failed] == [old] and failed[0]["last_error"] == "long ago"
+    assert len(got["rows"]) == 501 and got["counts"]["sent"] == 600

@@ -246,10 +246,14 @@ def change(d: DaemonView, task_id: str, action: str) -> dict[str, Any]:
 
 
 def outbox(d: DaemonView) -> dict[str, Any]:
-    """The counts per status, and the latest 500 rows of every status (the page filters them
-    by group and state): each with its channel and the error for people."""
+    """The counts per status, every failed row (at most 500) and the latest 500 rows of any
+    status (the page filters them by group and state): each with its channel and the error
+    for people."""
     rows = []
+    seen = {r.id: r for r in list_outbox(d.db, status="failed", limit=500)}
     for r in list_outbox(d.db, limit=500):
+        seen.setdefault(r.id, r)
+    for r in sorted(seen.values(), key=lambda r: r.id, reverse=True):
         row = {k: getattr(r, k) for k in OUTBOX_FIELDS}
         row["last_error"] = for_people(r.last_error)
         row["channel"] = next((ch.name for ch in d.channels if ch.owns_jid(r.chat_jid)), None)
