@@ -171,15 +171,18 @@ def usage_rows(db: Database, *, group: str | None = None,
     return [dict(r) for r in db.query(sql, params)]
 
 
-def daily_usage(db: Database, *, group: str | None = None,
-                since_day: str | None = None) -> list[dict[str, Any]]:
-    """Usage per group and UTC day (summed over models), oldest day first."""
+def daily_usage(db: Database, *, group: str | None = None, since_day: str | None = None,
+                by_model: bool = False) -> list[dict[str, Any]]:
+    """Usage per group and UTC day (summed over models; `by_model`: per model too, each row
+    with its `model`), oldest day first."""
     where, params = _usage_filter(group, since_day)
+    model = ", model" if by_model else ""
     # Fixed column names only; every value is a parameter.
-    sql = ("SELECT group_folder, day, SUM(requests) AS requests, SUM(errors) AS errors, "  # noqa: S608, E501
+    sql = (f"SELECT group_folder, day{model}, SUM(requests) AS requests, "  # noqa: S608
+           "SUM(errors) AS errors, "
            "SUM(input_tokens) AS input_tokens, SUM(output_tokens) AS output_tokens "
            "FROM model_usage" + where
-           + " GROUP BY group_folder, day ORDER BY day, group_folder")
+           + f" GROUP BY group_folder, day{model} ORDER BY day, group_folder{model}")
     return [dict(r) for r in db.query(sql, params)]
 
 

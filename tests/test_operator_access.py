@@ -122,6 +122,20 @@ def test_token_bearer_cookie_login_and_csrf(tmp_path: Path, cli) -> None:
                                headers={"Authorization": f"Bearer {TOKEN}",
                                         "Referer": f"http://127.0.0.1:{port}/operator/"})
         assert status == 200 and task_status(cli, cfg) == "active"
+        # a bulk change is guarded the same way
+        bulk = f"{base}/api/bulk/tasks/pause"
+        ids = {"ids": ["weather"]}
+        assert request(bulk, method="POST", headers={**session, **origin}, body=ids)[0] == 403
+        assert request(bulk, method="POST", headers={**session, **csrf, **evil},
+                       body=ids)[0] == 403
+        assert request(bulk, method="POST", body=ids)[0] == 401
+        assert task_status(cli, cfg) == "active"
+        assert request(bulk, method="POST", headers={**session, **csrf, **origin},
+                       body={"ids": "weather"})[0] == 400
+        status, _, data = request(bulk, method="POST", headers={**session, **csrf, **origin},
+                                  body=ids)
+        assert status == 200 and data == {"done": ["weather"], "refused": {}}, data
+        assert task_status(cli, cfg) == "paused"
 
         # logged out: the cookie opens nothing any more
         assert request(f"{base}/logout", method="POST", headers={**session, **origin})[0] == 200

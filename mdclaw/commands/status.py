@@ -12,6 +12,7 @@ from mdclaw.commands.common import DB_EXIT, read_db_or_exit
 from mdclaw.commands.output import print_json, print_rows
 from mdclaw.config import format_size
 from mdclaw.ops.console import load_or_exit
+from mdclaw.ops.health import for_people, verdict
 from mdclaw.ops.status import gather_status
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.failed_turns import list_failed_turns
@@ -52,8 +53,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"queue: {q.get('pending', 0)} pending, retrying: "
               f"{', '.join(q.get('retrying') or []) or 'none'}")
         ch = s.get("channels") or {}
-        print("channels: " + (", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in ch.items())
-                              or "none"))
+        states = s.get("channel_states") or {}
+        print("channels: " + (", ".join(f"{k} {_channel_word(v, states.get(k))}"
+                                        for k, v in ch.items()) or "none"))
         for name, info in (s.get("channel_details") or {}).items():
             print(f"  {name}: {info.get('detail', '')}"
                   + (f" — fix: {info['fix']}" if info.get("fix") else ""))
@@ -79,12 +81,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(s["database_detail"])
         _print_disk(s.get("disk") or {})
         return code
+    problems = s.get("problems") or []
+    print(f"health: {verdict(problems)}")
+    for p in problems:
+        print(f"  {p['level'].upper():4}  {p['text']} (operator page: #{p['view']})")
     print(f"groups: {s['groups']}")
     ob = s.get("outbox") or {}
     print(f"outbox: {ob.get('pending', 0)} pending, {ob.get('sent', 0)} sent, "
           f"{ob.get('failed', 0)} failed")
     for f in s.get("failed_messages") or []:
-        print(f"  failed #{f['id']} to {f['chat_jid']}: {f['error']}")
+        print(f"  failed #{f['id']} to {f['chat_jid']}: {for_people(f['error'])}")
     turns = s.get("failed_turns") or []
     print(f"failed turns (24 h): {len(turns) if len(turns) < 5 else '5 or more'}"
           + (" — `mdclaw failures` lists them" if turns else ""))
@@ -95,6 +101,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"next task: {nt['id']} at {nt['next_run']}" if nt else "next task: none")
     _print_disk(s.get("disk") or {})
     return code
+
+
+def _channel_word(connected: bool, state: str | None) -> str:
+    """up, DOWN, DELIVERIES FAILING or NEEDS ATTENTION (ops.health.channel_state, as the
+    daemon published it)."""
+    if state == "deliveries failing":
+        return "up, DELIVERIES FAILING"
+    if state == "needs attention":
+        return "up, NEEDS ATTENTION (see below)"
+    return "up" if connected else "DOWN"
 
 
 def _print_disk(disk: dict[str, Any]) -> None:

@@ -164,6 +164,27 @@ def config_for_display(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def config_text_for_display(cfg: Config, path: Path | str, limit: int = 256 * 1024
+                            ) -> str | None:
+    """The config file at `path` as the operator wrote it, for the operator page: each line
+    naming one of `cfg`'s secret files marked `# set` or `# missing` (every secret is a
+    `*_file` key, so the file holds paths, never secret values); None when it cannot be
+    read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(limit)
+    except OSError:
+        return None
+    states = {str(p): secret_state(p) for _key, p in iter_secret_files(cfg)}
+    out = []
+    for line in text.splitlines():
+        code = line.split(" #", 1)[0]
+        named = [] if line.lstrip().startswith("#") else \
+            [state for p, state in states.items() if p in code]
+        out.append(f"{line}  # {', '.join(named)}" if named else line)
+    return "\n".join(out) + "\n"
+
+
 HTTP_SECRET_NAME = "http-secret"  # noqa: S105 - a file name, not a secret
 
 

@@ -54,6 +54,7 @@ from mdclaw.mcp import hub as mcp_hub
 from mdclaw.mcp.hub import McpHub
 from mdclaw.operator import mount_operator
 from mdclaw.operator.metrics import mount_metrics, start_listener
+from mdclaw.ops.health import channel_states
 from mdclaw.ops.status import status_path
 from mdclaw.ops.view import DaemonView
 from mdclaw.orchestrator import Orchestrator
@@ -388,6 +389,8 @@ class Daemon:
     # ---------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
         nxt = self.scheduler.next_wakeup() if self.scheduler else None
+        connected = {ch.name: ch.is_connected() for ch in self.channels}
+        details = channel_details(self.channels)
         return {
             "pid": os.getpid(), "started_at": self.started_at, "updated_at": to_iso(utc_now()),
             "groups": int(self.db.scalar("SELECT count(*) FROM registered_groups")),
@@ -396,8 +399,13 @@ class Daemon:
             "queue": self.orch.queue.status() if self.orch else {},
             "outbox": outbox_counts(self.db),
             "next_task": to_iso(nxt) if nxt else None,
-            "channels": {ch.name: ch.is_connected() for ch in self.channels},
-            "channel_details": channel_details(self.channels),
+            "channels": connected,
+            # connected, deliveries failing, needs attention or not connected: the one rule
+            # (ops.health)
+            "channel_states": {n: v["state"] for n, v in channel_states(
+                self.db, connected, {ch.name: ch.jid_prefix for ch in self.channels},
+                {n: d["fix"] for n, d in details.items() if d.get("fix")}).items()},
+            "channel_details": details,
             "reload_error": self.reload_error,
             "timings": self.orch.timings[-10:] if self.orch else [],
             "disk": self.diskguard.status() if self.diskguard else None,

@@ -214,6 +214,18 @@ def list_errors(errors_dir: Path) -> list[ErrorEntry]:
     return out
 
 
+def count_errors(errors_dir: Path) -> int:
+    """How many files are quarantined (their reason files counted; none read)."""
+    try:
+        fd = agentfs.open_root(errors_dir)
+    except (FileNotFoundError, agentfs.UnsafePath):
+        return 0
+    try:
+        return sum(1 for name in agentfs.listdir(fd) if name.endswith(META_SUFFIX))
+    finally:
+        os.close(fd)
+
+
 class QuarantineError(IpcError, ValueError):
     """An operator's request about a quarantine entry that cannot be met (a bad or unknown
     name). The message is safe to show."""

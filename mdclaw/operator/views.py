@@ -19,28 +19,48 @@ import segno
 from mdclaw import __version__
 from mdclaw.budget import over_budget
 from mdclaw.channels.base import Channel
-from mdclaw.config import config_for_display, find_config_path
+from mdclaw.config import (
+    config_for_display,
+    config_text_for_display,
+    find_config_path,
+    iter_secret_files,
+    secret_state,
+)
 from mdclaw.ipc.quarantine import list_errors, read_error_payload
-from mdclaw.models import container_model_fields
+from mdclaw.models import container_model_fields, model_for_group
 from mdclaw.ops.approvals import approval_detail, approval_rows, decide, rules_for_groups
 from mdclaw.ops.budgets import budget_rows, since_day
 from mdclaw.ops.groups import group_listing
-from mdclaw.ops.outbox import change_outbox_row
-from mdclaw.ops.quarantine import delete_quarantined
+from mdclaw.ops.health import (
+    FAILED_TURNS_WINDOW,
+    channel_states,
+    find_problems,
+    for_people,
+    over_budget_today,
+    quarantined,
+    task_problems,
+    verdict,
+)
+from mdclaw.ops.outbox import change_outbox_row, change_outbox_rows
+from mdclaw.ops.quarantine import delete_many, delete_quarantined
 from mdclaw.ops.status import backup_summary
 from mdclaw.ops.tasks import (
     CONFIG_CANCEL_NOTE,
     TASK_ACTIONS,
     change_summary,
     change_task,
+    change_tasks,
     local_time,
     log_row,
+    schedule_text,
     task_json,
     zone_for,
 )
 from mdclaw.ops.view import DaemonView
 from mdclaw.paths import Layout
+from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.chats import list_chats
+from mdclaw.state.failed_turns import failures_per_group
 from mdclaw.state.groups import Refusals, list_groups, refusals
 from mdclaw.state.outbox import list_outbox, outbox_counts
 from mdclaw.state.tasks import changes_allowed, get_task, list_runs, list_tasks, running_run_id
@@ -88,25 +108,68 @@ def containers(d: DaemonView) -> list[dict[str, Any]]:
 
 
 def overview(d: DaemonView) -> dict[str, Any]:
+    """What the overview shows (on the event loop: the daemon's own status and channels);
+    `health` adds what takes reading the database and folders."""
     status = d.status()
+    channels = [channel_info(ch) for ch in d.channels]
     return {
         "daemon": {"pid": status["pid"], "version": __version__,
                    "started_at": status["started_at"], "updated_at": status["updated_at"],
                    "groups": status["groups"], "next_task": status["next_task"],
                    "status_line": d.status_line()},
         "engine": status["engine"],
-        "channels": [channel_info(ch) for ch in d.channels],
+        "channels": channels,
         "containers": containers(d),
         "queue": status["queue"],
         "outbox": status["outbox"],
         "disk": status["disk"],
         "backup": backup_summary(d.cfg),
-        "reload": d.last_reload, "reload_error": d.reload_error,
+        "reload": reload_for_people(d.last_reload), "reload_error": d.reload_error,
     }
+
+
+def reload_for_people(last: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The last reload, its error without exception names."""
+    if last is None or not last.get("error"):
+        return last
+    return {**last, "error": for_people(last["error"])}
+
+
+def health(d: DaemonView, o: dict[str, Any]) -> dict[str, Any]:
+    """Add to overview `o` the verdict and its problems (mdclaw.ops.health, as `mdclaw
+    status` and `doctor` judge them), each channel's state by the one rule, and the counts
+    the overview links to. Blocking: run it off the event loop."""
+    connected = {c["name"]: bool(c.get("connected")) for c in o["channels"]}
+    prefixes = {ch.name: ch.jid_prefix for ch in d.channels}
+    troubles = {c["name"]: c["fix"] for c in o["channels"] if c.get("fix")}
+    states = channel_states(d.db, connected, prefixes, troubles)
+    for c in o["channels"]:
+        st = states[c["name"]]
+        c["state"] = st["state"]
+        c["failing"] = st["failing"]
+        for k in ("error", "detail"):
+            if isinstance(c.get(k), str):
+                c[k] = for_people(c[k])
+    problems = find_problems(d.cfg, d.db, disk=o["disk"], channels=connected,
+                             troubles=troubles,
+                             engine=o["engine"], backup=o["backup"],
+                             reload_error=d.reload_error)
+    tasks = task_problems(d.db)
+    turns = failures_per_group(d.db, to_iso(utc_now() - FAILED_TURNS_WINDOW))
+    o["health"] = {"verdict": verdict(problems), "problems": [p.as_dict() for p in problems]}
+    o["counts"] = {
+        "failed_turns": sum(turns.values()), "quarantine": quarantined(d.cfg),
+        "tasks_paused": len(tasks["paused"]), "tasks_failing": len(tasks["failing"]),
+        "over_budget": len(over_budget_today(d.cfg, d.db)),
+    }
+    o["budget_today"] = budget_rows(d.cfg, d.db)
+    o["engine_text"] = for_people(o["engine"])
+    return o
 
 
 def groups(d: DaemonView) -> list[dict[str, Any]]:
     counts = refusals(d.db)
+    turns = failures_per_group(d.db, to_iso(utc_now() - FAILED_TURNS_WINDOW))
     activity = {c["jid"]: c["last_activity"] for c in list_chats(d.db)}
     q = d.queue
     running = set(q.running_groups()) if q is not None else set()
@@ -117,13 +180,27 @@ def groups(d: DaemonView) -> list[dict[str, Any]]:
         blocked = d.disk_blocked(g.folder)
         row["container"] = ("running" if g.folder in running else "refused (disk)" if blocked
                             else "queued" if g.folder in queued else "idle")
-        row["model"] = container_model_fields(d.cfg, g.folder)["model"] \
-            if g.folder in d.cfg.groups else None
+        row["model"] = model_text(d, g.folder)
+        row["failed_turns"] = turns.get(g.folder, 0)
         row["last_activity"] = activity.get(g.jid or "")
         row["chat_url"] = (f"/?jid={g.jid}" if g.jid and any(
             ch.name == "http" and ch.owns_jid(g.jid) for ch in d.channels) else None)
         out.append(row)
     return out
+
+
+NO_MODEL = "none: answers with the setup message"
+
+
+def model_text(d: DaemonView, folder: str) -> str:
+    """The model a group's agent uses, or NO_MODEL when none resolves (the group then gets
+    the configuration answer instead of a reply, as doctor's models check says)."""
+    if folder not in d.cfg.groups:
+        return "none: the group is not in the config"
+    key, spec = model_for_group(d.cfg, folder)
+    if key is None or spec is None:
+        return NO_MODEL
+    return str(container_model_fields(d.cfg, folder)["model"] or key)
 
 
 def tasks(d: DaemonView) -> list[dict[str, Any]]:
@@ -134,6 +211,8 @@ def tasks(d: DaemonView) -> list[dict[str, Any]]:
         row["zone"] = tz
         row["next_run_local"] = local_time(t.next_run, tz)
         row["last_run_local"] = local_time(t.last_run, tz)
+        row["schedule"] = schedule_text(t.schedule_type, t.schedule_value)
+        row["last_result"] = for_people(t.last_result)
         row["actions"] = changes_allowed(
             t, run_in_progress=running_run_id(d.db, t.id) is not None)
         out.append(row)
@@ -145,8 +224,13 @@ def task_runs(d: DaemonView, task_id: str, limit: int = 20) -> dict[str, Any] | 
     if t is None:
         return None
     tz = zone_for(t, d.cfg)
-    return {"task": task_json(t), "zone": tz,
-            "runs": [log_row(r, tz) for r in list_runs(d.db, t.id, limit=limit)]}
+    runs = []
+    for r in list_runs(d.db, t.id, limit=limit):
+        row = log_row(r, tz)
+        row["outcome"] = for_people(row["outcome"])
+        row["due_at"] = r.due_at or r.run_at  # UTC, shown in the viewer's zone
+        runs.append(row)
+    return {"task": task_json(t), "zone": tz, "runs": runs}
 
 
 def change(d: DaemonView, task_id: str, action: str) -> dict[str, Any]:
@@ -162,9 +246,38 @@ def change(d: DaemonView, task_id: str, action: str) -> dict[str, Any]:
 
 
 def outbox(d: DaemonView) -> dict[str, Any]:
-    rows = [{k: getattr(r, k) for k in OUTBOX_FIELDS}
-            for r in list_outbox(d.db, status="failed", limit=500)]
-    return {"counts": outbox_counts(d.db), "failed": rows}
+    """The counts per status, every failed row (at most 500) and the latest 500 rows of any
+    status (the page filters them by group and state): each with its channel and the error
+    for people."""
+    rows = []
+    seen = {r.id: r for r in list_outbox(d.db, status="failed", limit=500)}
+    for r in list_outbox(d.db, limit=500):
+        seen.setdefault(r.id, r)
+    for r in sorted(seen.values(), key=lambda r: r.id, reverse=True):
+        row = {k: getattr(r, k) for k in OUTBOX_FIELDS}
+        row["last_error"] = for_people(r.last_error)
+        row["channel"] = next((ch.name for ch in d.channels if ch.owns_jid(r.chat_jid)), None)
+        rows.append(row)
+    return {"counts": outbox_counts(d.db), "rows": rows,
+            "failed": [r for r in rows if r["status"] == "failed"]}
+
+
+def outbox_bulk(d: DaemonView, row_ids: list[int], action: str) -> dict[str, Any]:
+    """Retry or drop each of `row_ids`, as ops.outbox.change_outbox_rows."""
+    got = change_outbox_rows(d.db, row_ids, action)
+    if action == "retry" and got["done"]:
+        d.wake_outbox()
+    return got
+
+
+def tasks_bulk(d: DaemonView, task_ids: list[str], action: str) -> dict[str, Any]:
+    """`action` on each of `task_ids`, as ops.tasks.change_tasks. Raises KeyError for an
+    unknown action."""
+    if action not in TASK_ACTIONS:
+        raise KeyError(action)
+    got = change_tasks(d.cfg, d.db, task_ids, action)
+    d.wake_scheduler()
+    return got
 
 
 def outbox_change(d: DaemonView, row_id: int, action: str) -> dict[str, Any]:
@@ -213,6 +326,11 @@ def quarantine_delete(d: DaemonView, name: str) -> bool:
     return delete_quarantined(d.cfg, name)
 
 
+def quarantine_delete_many(d: DaemonView, names: list[str]) -> dict[str, Any]:
+    """Each of `names`, as ops.quarantine.delete_many. Blocking."""
+    return delete_many(d.cfg, names)
+
+
 def usage(d: DaemonView, days: int = 14) -> dict[str, Any]:
     since = since_day(days)
     today = budget_rows(d.cfg, d.db)
@@ -221,7 +339,9 @@ def usage(d: DaemonView, days: int = 14) -> dict[str, Any]:
     for r in rows:
         r["tokens"] = r["input_tokens"] + r["output_tokens"]
         r["over"] = over_budget(r["tokens"], budgets.get(r["group_folder"]))
-    return {"since": since, "days": days, "rows": rows, "budgets": budgets, "today": today}
+    models = daily_usage(d.db, since_day=since, by_model=True)
+    return {"since": since, "days": days, "today_day": utc_now().strftime("%Y-%m-%d"),
+            "rows": rows, "by_model": models, "budgets": budgets, "today": today}
 
 
 def mcp(d: DaemonView) -> dict[str, Any]:
@@ -246,5 +366,9 @@ def config(d: DaemonView) -> dict[str, Any]:
         path = str(find_config_path(d.config_path))
     except Exception:  # noqa: BLE001 - only shown; the daemon runs on whatever it loaded
         path = d.config_path
-    return {"file": path, "config": config_for_display(d.cfg),
-            "last_reload": d.last_reload, "reload_error": d.reload_error}
+    secrets = [{"key": k, "path": str(p), "state": secret_state(p)}
+               for k, p in iter_secret_files(d.cfg)]
+    return {"file": path, "secrets": secrets,
+            "yaml": config_text_for_display(d.cfg, path) if path else None,
+            "config": config_for_display(d.cfg),
+            "last_reload": reload_for_people(d.last_reload), "reload_error": d.reload_error}

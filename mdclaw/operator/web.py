@@ -13,6 +13,9 @@ Routes (JSON unless noted; every `/api/...` route behind mdclaw.operator.access)
 - `GET /operator/api/approvals`; `POST /operator/api/approvals/{id}/{approve|deny}`
   (`{"option": N}` answers a question).
 - `POST /operator/api/quarantine/delete` `{"name"}`.
+- `POST /operator/api/bulk/tasks/{pause|resume|cancel|run-now}`,
+  `/api/bulk/outbox/{retry|drop}`, `/api/bulk/quarantine/delete`, each `{"ids": [...]}`:
+  the same change for each (at most 1000), answered with what was done and what refused.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from mdclaw.ops.approvals import ApprovalError
 from mdclaw.ops.view import DaemonView
 from mdclaw.state.outbox import OutboxError
 from mdclaw.state.tasks import TaskError
-from mdclaw.webassets import PageAssets
+from mdclaw.webassets import SHARED_STYLE, PageAssets
 
 log = logging.getLogger("mdclaw.operator")
 
 PREFIX = "/operator"
 STATIC = {"": "index.html", "index.html": "index.html", "app.js": "app.js",
-          "app.css": "app.css"}
+          "app.css": "app.css", "mdclaw.css": SHARED_STYLE}
 _HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
             "Cache-Control": "no-store"}
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -104,6 +107,44 @@ def build_app(d: DaemonView, access: Access) -> web.Application:
             return _json(data)
         return handler
 
+    async def overview(request: web.Request) -> web.Response:
+        o = views.overview(d)  # the daemon's own status, on the loop
+        return _json(await asyncio.to_thread(views.health, d, o))
+
+    async def ids_of(request: web.Request, kind: type) -> list[Any] | None:
+        try:
+            ids = (await _body(request)).get("ids")
+        except ValueError:
+            return None
+        if (not isinstance(ids, list) or len(ids) > 1000
+                or not all(isinstance(i, kind) and not isinstance(i, bool) for i in ids)):
+            return None
+        return ids
+
+    async def outbox_bulk(request: web.Request) -> web.Response:
+        action = request.match_info["action"]
+        if action not in ("retry", "drop"):
+            return _error(404, "unknown action")
+        ids = await ids_of(request, int)
+        if ids is None:
+            return _error(400, "give {\"ids\": [row numbers]}")
+        return _json(views.outbox_bulk(d, ids, action))
+
+    async def tasks_bulk(request: web.Request) -> web.Response:
+        ids = await ids_of(request, str)
+        if ids is None:
+            return _error(400, "give {\"ids\": [task ids]}")
+        try:
+            return _json(views.tasks_bulk(d, ids, request.match_info["action"]))
+        except KeyError:
+            return _error(404, "unknown action")
+
+    async def quarantine_bulk(request: web.Request) -> web.Response:
+        names = await ids_of(request, str)
+        if names is None:
+            return _error(400, "give {\"ids\": [entry names]}")
+        return _json(await asyncio.to_thread(views.quarantine_delete_many, d, names))
+
     async def usage(request: web.Request) -> web.Response:
         try:
             days = max(1, min(int(request.query.get("days") or 14), 90))
@@ -163,14 +204,17 @@ def build_app(d: DaemonView, access: Access) -> web.Application:
         return _json({"deleted": found}) if found else _error(404, "no such quarantined file")
 
     r = app.router
-    r.add_get("/{asset:(|index\\.html|app\\.js|app\\.css)}", asset)
+    r.add_get("/{asset:(|index\\.html|app\\.js|app\\.css|mdclaw\\.css)}", asset)
     r.add_post("/login", login)
     r.add_post("/logout", logout)
     r.add_get("/api/session", session)
-    r.add_get("/api/overview", view(views.overview))
+    r.add_get("/api/overview", overview)
     r.add_get("/api/groups", view(views.groups))
     r.add_get("/api/tasks", view(views.tasks))
     r.add_get("/api/tasks/{task_id}/runs", runs)
+    r.add_post("/api/bulk/tasks/{action}", tasks_bulk)
+    r.add_post("/api/bulk/outbox/{action}", outbox_bulk)
+    r.add_post("/api/bulk/quarantine/delete", quarantine_bulk)
     r.add_post("/api/tasks/{task_id}/{action}", task_action)
     r.add_get("/api/approvals", view(views.approvals))
     r.add_post("/api/approvals/{approval_id}/{action}", approval_action)

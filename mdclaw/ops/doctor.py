@@ -9,7 +9,7 @@ import os
 import socket
 import sqlite3
 import tempfile
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -33,6 +33,7 @@ from mdclaw.integrations.home_assistant import probe
 from mdclaw.models import Upstream, model_for_group, probe_upstream
 from mdclaw.ops.database import READ_TIMEOUT, database_line
 from mdclaw.ops.email import email_checks
+from mdclaw.ops.health import FAILED_TURNS_WINDOW, failed_turn_groups, find_problems
 from mdclaw.ops.matrix import matrix_checks, matrix_status
 from mdclaw.ops.status import backup_summary, daemon_running, disk_status
 from mdclaw.ops.whatsapp import whatsapp_status
@@ -130,6 +131,7 @@ def run_checks(config_path: str | None) -> list[dict[str, str]]:
     _check_mcp(results, cfg)
     if db_ready:
         _check_failures(results, cfg)
+        _check_health(results, cfg)
     # clock and timezone
     now = utc_now()
     if now.year < 2024:
@@ -549,15 +551,14 @@ def _check_http_port(results: list[dict[str, str]], cfg: Config) -> None:
                    "stop the program using it, or set server.listen to a free port")
 
 
-def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float = 1.0,
-                    threshold: int = 3) -> None:
-    """Repeated failed turns of one group are a warning."""
+def _check_failures(results: list[dict[str, str]], cfg: Config) -> None:
+    """Repeated failed turns of one group are a warning (ops.health.failed_turn_groups)."""
 
-    since = to_iso(utc_now() - timedelta(days=days))
+    since = to_iso(utc_now() - FAILED_TURNS_WINDOW)
     try:
         with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
             counts = failures_per_group(db, since)
-            bad = {g: n for g, n in counts.items() if n >= threshold}
+            bad = failed_turn_groups(db)
             causes = {g: sorted({r["cause"] for r in list_failed_turns(db, group=g,
                                                                           since=since)})
                       for g in bad}
@@ -572,3 +573,41 @@ def _check_failures(results: list[dict[str, str]], cfg: Config, *, days: float =
     else:
         total = sum(counts.values())
         _check(results, "failed turns", "ok", f"{total} failed turn(s) in the last 24 h")
+
+
+# ops.health's problems doctor reports as checks of their own (the rest are checked above).
+HEALTH_CHECKS = {"outbox": "outbox", "tasks_failing": "tasks", "tasks_paused": "tasks",
+                 "quarantine": "quarantine", "budget": "budget today"}
+HEALTH_OK = {"deliveries": "no channel's deliveries fail", "outbox": "no failed deliveries",
+             "tasks": "no task failed its last run or was paused by mdclaw",
+             "quarantine": "no command file is quarantined",
+             "budget today": "no group is over its token budget today"}
+HEALTH_FIX = {"outbox": "see `mdclaw outbox list`; retry or drop (operator page: Outbox)",
+              "tasks": "see `mdclaw tasks list` and `mdclaw tasks logs <id>`",
+              "quarantine": "see `mdclaw ipc errors`; delete what you have read",
+              "budget today": "see `mdclaw usage --budgets`; raise tokens_per_day or wait "
+                              "for tomorrow (UTC)",
+              "deliveries": "see `mdclaw outbox list` and the channel's detail in `mdclaw "
+                            "status`"}
+
+
+def _check_health(results: list[dict[str, str]], cfg: Config) -> None:
+    """What mdclaw.ops.health finds in the database and the quarantine: deliveries failing
+    per channel, failed deliveries, failing or self-paused tasks, quarantined files, groups
+    over their budget today."""
+    try:
+        with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
+            problems = find_problems(cfg, db, disk=None)
+    except (sqlite3.Error, DatabaseError) as e:  # locked since the database check
+        _check(results, "deliveries", "warn", f"not checked: {e}")
+        return
+    found: dict[str, list[str]] = {}
+    for p in problems:
+        name = "deliveries" if p.key.startswith("channel:") else HEALTH_CHECKS.get(p.key)
+        if name:
+            found.setdefault(name, []).append(p.text)
+    for name, ok in HEALTH_OK.items():
+        if name in found:
+            _check(results, name, "warn", "; ".join(found[name]), HEALTH_FIX[name])
+        else:
+            _check(results, name, "ok", ok)

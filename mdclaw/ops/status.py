@@ -16,6 +16,7 @@ from mdclaw.config import Config, format_duration
 from mdclaw.diskguard import check_all
 from mdclaw.ops.database import READ_TIMEOUT, database_fields, recheck
 from mdclaw.ops.email import email_status
+from mdclaw.ops.health import Problem, find_problems
 from mdclaw.ops.matrix import matrix_status
 from mdclaw.ops.whatsapp import whatsapp_status
 from mdclaw.schedule import from_iso, to_iso, utc_now
@@ -26,7 +27,8 @@ from mdclaw.state.outbox import outbox_counts
 STATUS_FILE = "daemon-status.json"
 STALE_AFTER = 30.0  # seconds without a status update: the daemon is not running
 
-DB_KEYS = ("groups", "outbox", "tasks_active", "next_task", "failed_messages", "failed_turns")
+DB_KEYS = ("groups", "outbox", "tasks_active", "next_task", "failed_messages", "failed_turns",
+           "problems")
 
 
 def status_path(cfg: Config) -> Path:
@@ -57,7 +59,8 @@ def gather_status(cfg: Config) -> dict[str, Any]:
         if _pid_alive(int(live["pid"])) and age < STALE_AFTER:
             out["daemon"] = "running"
             out.update({k: live[k] for k in ("pid", "started_at", "engine", "containers",
-                                             "queue", "channels", "channel_details",
+                                             "queue", "channels", "channel_states",
+                                             "channel_details",
                                              "reload_error", "mcp")
                         if k in live})
     except (OSError, ValueError, KeyError):
@@ -77,6 +80,7 @@ def gather_status(cfg: Config) -> dict[str, Any]:
     if info.state == "ready":
         try:
             out.update(_db_status(cfg))
+            out["problems"] = [p.as_dict() for p in _problems(cfg, out)]
         except sqlite3.Error as e:  # locked or migrated between the look and the queries
             info = recheck(cfg, e)
     out.update(database_fields(info, cfg.db_path))
@@ -106,6 +110,20 @@ def _db_status(cfg: Config) -> dict[str, Any]:
                               "status = 'failed' ORDER BY id DESC LIMIT 5")]
         out["failed_turns"] = _recent_failed_turns(db)
     return out
+
+
+def _problems(cfg: Config, out: dict[str, Any]) -> list[Problem]:
+    """ops.health's problems, with what the running daemon published (when it runs)."""
+    running = out["daemon"] == "running"
+    with Database(cfg.db_path, readonly=True, timeout=READ_TIMEOUT) as db:
+        return find_problems(cfg, db, disk=out.get("disk"),
+                             channels=out.get("channels") if running else None,
+                             troubles={n: d["fix"] for n, d in
+                                       (out.get("channel_details") or {}).items()
+                                       if d.get("fix")} if running else None,
+                             engine=out.get("engine") if running else None,
+                             backup=out.get("backup"),
+                             reload_error=out.get("reload_error") if running else None)
 
 
 def _recent_failed_turns(db: Database, days: float = 1.0,

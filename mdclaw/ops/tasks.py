@@ -116,3 +116,36 @@ def log_row(r: RunLog, tz: str) -> dict[str, Any]:
             "status": r.status,
             "duration": "-" if r.status == "running" else f"{r.duration_ms / 1000:.1f}s",
             "missed": r.missed, "outcome": outcome, "delay": _delay(r)}
+
+
+def change_tasks(cfg: Config, db: Database, task_ids: list[str], action: str
+                 ) -> dict[str, object]:
+    """`action` on each task of `task_ids` (the operator page's bulk buttons), each as
+    change_task: {"done": [ids], "refused": {id: why}}."""
+    done: list[str] = []
+    refused: dict[str, str] = {}
+    for task_id in dict.fromkeys(task_ids):
+        try:
+            change_task(cfg, db, task_id, action)
+        except (TaskError, schedule.ScheduleError) as e:
+            refused[task_id] = str(e)
+        else:
+            done.append(task_id)
+    return {"done": done, "refused": refused}
+
+
+def schedule_text(schedule_type: str, value: str) -> str:
+    """A schedule for people: "every 1 h", "every 30 min", "cron 0 8 * * *", "once at ..."."""
+    if schedule_type == "interval":
+        try:
+            ms = schedule.parse_interval_ms(value)
+        except schedule.ScheduleError:
+            return f"every {value} ms"
+        for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000),
+                           ("s", 1000)):
+            if ms >= size and ms % size == 0:
+                return f"every {ms // size} {unit}"
+        return f"every {ms / 1000:g} s"
+    if schedule_type == "once":
+        return f"once at {value}"
+    return f"{schedule_type} {value}"
