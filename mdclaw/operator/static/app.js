@@ -198,6 +198,7 @@ const views = {
       { label: "last activity", cell: (g) => g.last_activity ? since(g.last_activity) : "-" },
       { label: "container", key: "container" },
       { label: "chat", cell: (g) => g.chat_url ? el("a", { href: g.chat_url, text: "open chat" }) : (g.jid || "-") },
+      { label: "chats", cell: (g) => (g.chats || []).length > 1 ? g.chats.join(", ") + " (" + g.session + ")" : "-" },
     ], gs, "no groups registered"));
   },
 
