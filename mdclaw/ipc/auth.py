@@ -83,7 +83,7 @@ def check_chat_target(caller: Caller, chat_jid: str | None, jid_to_folder: Mappi
         if chat in caller.may_send_to or (owner is not None and owner in caller.may_send_to):
             return chat, owner or ""
         raise Unauthorized(f"{what}: {chat!r} is not in groups.{caller.folder}.may_send_to "
-                           f"(nor a chat of group {caller.folder!r})")
+                           f"(nor one of the own chats of group {caller.folder!r})")
     raise Unauthorized(f"{what}: group {caller.folder!r} may only use its own chats "
                        f"({', '.join(caller.own_chats)}), not {chat!r}")
 
