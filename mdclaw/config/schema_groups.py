@@ -49,16 +49,17 @@ class AllowSenders(Frozen):
         "the local HTTP channel's `sender` field. An empty list lets no one.")
 
 
-ChatJid = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S+$")]
+ChatJid = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class Group(Frozen):
     name: str = Field(min_length=1, description="Display name of the group.")
-    jid: str = Field("", description="The chat this group answers in, e.g. tg:123456 (or "
-                     "give `chats`; with both, `jid` is the first chat).")
+    jid: str = Field("", description="The chat this group answers in, e.g. tg:123456. "
+                     "Required unless `chats` is given (empty: the first of `chats`; with "
+                     "both, `jid` is the first chat).")
     chats: tuple[ChatJid, ...] = Field(
         (), description="Every chat this group's agent answers in, on any channel, e.g. "
-        "[tg:123456, web:me]: one agent, one folder and memory for all of them. The first "
+        "[tg:123456, hl:me]: one agent, one folder and memory for all of them. The first "
         "(or `jid`) is where tasks report and where a message the agent sends without "
         "naming a chat goes (docs/configuration.md: 'One agent in many chats').")
     session: Literal["shared", "per_chat"] = Field(
