@@ -732,10 +732,12 @@ def _export(cfg: Config, folder: str, out: Path) -> dict[str, Any]:
             raise BackupError(f"no group {folder!r} (see `mdclaw groups list`)")
         group = dict(db.query_one("SELECT * FROM registered_groups WHERE folder = ?",
                                   (folder,)) or {})
-        jid = g.jid
-        messages = _rows(db, "SELECT id, chat_jid, sender, sender_name, content, timestamp, "
-                             "is_from_me, is_bot_message, attachments FROM messages "
-                             "WHERE chat_jid = ? ORDER BY seq", (jid,)) if jid else []
+        chats = list(g.all_chats)
+        marks = ", ".join("?" * len(chats))
+        sql = ("SELECT id, chat_jid, sender, sender_name, content, timestamp, is_from_me, "  # noqa: S608 - only placeholders
+               "is_bot_message, attachments FROM messages "
+               f"WHERE chat_jid IN ({marks}) ORDER BY seq")
+        messages = _rows(db, sql, tuple(chats)) if chats else []
         transcript = _rows(db, "SELECT kind, direction, chat_jid, sender, task_id, ts, body "
                                "FROM transcript WHERE group_folder = ? ORDER BY ts, id",
                            (folder,))
@@ -746,7 +748,7 @@ def _export(cfg: Config, folder: str, out: Path) -> dict[str, Any]:
                                   "task_run_logs WHERE task_id = ? ORDER BY id", (t["id"],))
         outbox = _rows(db, "SELECT kind, chat_jid, text, file_name, status, created_at, "
                            "sent_at FROM outbox WHERE source_group = ? OR chat_jid = ? "
-                           "ORDER BY id", (folder, jid or ""))
+                           "ORDER BY id", (folder, g.jid or ""))
     files = 0
     tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
     try:

@@ -58,6 +58,8 @@ class PromptMessage:
     timestamp: str  # ISO-8601 UTC
     #: Files that came with the message, as the host saved them (mdclaw.media.Saved.as_dict).
     attachments: tuple[Mapping[str, Any], ...] = ()
+    #: The chat it came from, shown only when the group answers in several chats.
+    chat: str | None = None
 
 
 # The facts of a file, in the order the <attachment> element gives them.
@@ -110,8 +112,9 @@ def format_prompt(messages: Sequence[PromptMessage], tz: str, *, max_messages: i
     local time. `failed` lists earlier replies that could not be delivered."""
     kept = list(messages)[-max_messages:]
     lines = [
-        f"<message sender={quoteattr(m.sender_name)} time={quoteattr(local_time(m.timestamp, tz))}>"
-        f"{message_body(m)}</message>"
+        f"<message sender={quoteattr(m.sender_name)}"
+        f"{f' chat={quoteattr(m.chat)}' if m.chat else ''} "
+        f"time={quoteattr(local_time(m.timestamp, tz))}>{message_body(m)}</message>"
         for m in kept
     ]
     # Keep the newest messages within the character budget.

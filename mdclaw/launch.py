@@ -82,9 +82,13 @@ class Launcher:
         return self.runner.active(folder) if self.runner else None
 
     def container_input(self, group: GroupRow, prompt: str, *, session: str | None,
-                        scheduled: bool, fields: dict[str, Any]) -> ContainerInput:
-        assert group.jid is not None
-        return ContainerInput(prompt=prompt, group_folder=group.folder, chat_jid=group.jid,
+                        scheduled: bool, fields: dict[str, Any],
+                        chat: str | None = None) -> ContainerInput:
+        """`chat`: the chat the run answers in (the tools' default target); default the
+        group's first."""
+        chat = chat or group.jid
+        assert chat is not None
+        return ContainerInput(prompt=prompt, group_folder=group.folder, chat_jid=chat,
                               is_main=group.is_main, is_scheduled_task=scheduled,
                               assistant_name=self._config().assistant.name,
                               session_id=session, **fields)

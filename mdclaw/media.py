@@ -263,8 +263,8 @@ class FileIntake:
                                  group.folder, msg.id)
             saved = not_saved_note(msg.attachments, "saving it failed (see the log)")
         lost = [s for s in saved if s.container_path is None]
-        if lost and group.jid:
-            self._send_text(group.jid, group.folder, "\n".join(
+        if lost:
+            self._send_text(msg.chat_jid, group.folder, "\n".join(
                 f"I could not keep {s.name!r}: {s.error}" for s in lost))
         files = tuple(s.as_dict() for s in saved)
         await asyncio.to_thread(settle_files, self.db, msg.id, files)
@@ -289,8 +289,8 @@ class FileIntake:
                            "error": "mdclaw stopped before it was saved; please send it again"}
                           for f in m.attachments)
             settle_files(self.db, m.id, files)
-            if group is not None and group.jid:
-                self._send_text(group.jid, group.folder, "\n".join(
+            if group is not None:
+                self._send_text(m.chat_jid, group.folder, "\n".join(
                     f"I could not keep {f.get('name')!r}: mdclaw stopped before it was "
                     "saved; please send it again" for f in files))
             n += 1

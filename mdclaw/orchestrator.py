@@ -68,7 +68,7 @@ from mdclaw.state.conversations import (
     StoredMessage,
     get_cursor,
     get_session,
-    messages_since,
+    line_messages,
     set_cursor,
     store_message,
 )
@@ -222,11 +222,22 @@ class Orchestrator:
         """`msgs` with what the group's rules decide for each: what the turn rules read."""
         return [(m, self.decision(group, m)) for m in msgs]
 
-    def _waiting(self, group: GroupRow, after: int | None) -> bool:
-        """Messages after `after` wait that start a turn."""
-        assert group.jid is not None
+    def _waiting(self, group: GroupRow, line: str | None, after: int | None) -> bool:
+        """Messages of conversation `line` after `after` wait that start a turn."""
         return starts_turn(d for _m, d in self._decided(
-            group, messages_since(self.db, group.jid, after)))
+            group, self._messages(group, line, after)))
+
+    def _messages(self, group: GroupRow, line: str | None, after: int | None,
+                  limit: int = 200) -> list[StoredMessage]:
+        """The messages conversation `line` of `group` reads after `after` (every chat of
+        the group in one order, or a per_chat conversation's chat alone)."""
+        return line_messages(self.db, group.line(line), after, limit)
+
+    @staticmethod
+    def _line_of(group: GroupRow, chat: str | None) -> str | None:
+        """The conversation a message of `chat` belongs to: the chat's own in a per_chat
+        group, else the group's one (None)."""
+        return chat if chat is not None and group.per_chat else None
 
     async def on_inbound(self, msg: InboundMessage) -> None:
         """Store `msg` once (unless its group drops it); run or feed its group's agent when
@@ -278,14 +289,15 @@ class Orchestrator:
         group = get_group(self.db, folder)
         if group is None or group.jid is None or not self.accepting:
             return
-        self._release_held(group)
+        for line in group.lines():
+            self._release_held(group, line)
 
     async def _files_saved(self, group: GroupRow, stored: StoredMessage, t0: float) -> None:
         """A message's files are settled: it is released to the agent."""
         decision = self.decision(group, stored)  # a transcript may name the trigger
         await self._after_stored(group, stored, decision, t0)
         if not decision.run and self.accepting:
-            self._release_held(group)
+            self._release_held(group, self._line_of(group, stored.chat_jid))
 
     async def _after_stored(self, group: GroupRow | None, msg: InboundMessage | StoredMessage,
                             decision: Decision, t0: float) -> None:
@@ -305,17 +317,18 @@ class Orchestrator:
             log.debug("group %s: message %s kept as context (no trigger or not an allowed "
                       "sender)", group.folder, msg.id)
             return
-        self.dispatch(group, t_inbound=t0)
+        self.dispatch(group, t_inbound=t0, chat=msg.chat_jid)
 
-    def _release_held(self, group: GroupRow) -> None:
-        """Run the agent for triggered messages of `group`'s chat that waited behind a
-        message's files (their own dispatch found them held back)."""
+    def _release_held(self, group: GroupRow, line: str | None) -> None:
+        """Run the agent for triggered messages of `group`'s conversation `line` that waited
+        behind a message's files (their own dispatch found them held back)."""
         if group.jid is None:
             return
         conv = self._conv.get(group.folder)
-        after = conv.seen_upto if conv is not None else get_cursor(self.db, group.folder)
-        if self._waiting(group, after):
-            self.dispatch(group)
+        after = (conv.seen_upto if conv is not None and conv.line == line
+                 else get_cursor(self.db, group.folder, line))
+        if self._waiting(group, line, after):
+            self.dispatch(group, chat=line)
 
     async def files_settled(self) -> None:
         """Wait until every file download under way has been settled (tests, shutdown)."""
@@ -335,47 +348,66 @@ class Orchestrator:
         """The group's starting or running container, if any."""
         return self.launcher.handle(folder)
 
-    def dispatch(self, group: GroupRow, *, t_inbound: float | None = None) -> None:
-        """Feed the group's running conversation, or queue a run for it."""
+    def dispatch(self, group: GroupRow, *, t_inbound: float | None = None,
+                 chat: str | None = None) -> None:
+        """Feed the group's running conversation, or queue a run for it. `chat`: the chat
+        of the message (in a per_chat group, its own conversation's)."""
+        line = self._line_of(group, chat)
         handle = self._handle(group.folder)
         conv = self._conv.get(group.folder)
-        if (handle is not None and not handle.closed and conv is not None
-                and conv.accepts_follow_ups):
+        running = handle is not None and not handle.closed and conv is not None
+        if running and conv is not None and conv.line == line and conv.accepts_follow_ups:
+            assert handle is not None
             self._feed(group, handle, conv)
             return
-        self.queue.enqueue_message(group.folder, payload=MessageTurn(t_inbound=t_inbound),
-                                   job_id=f"msg:{group.folder}")
+        if running and conv is not None and conv.line != line and not conv.scheduled:
+            # Another chat's conversation of this per_chat group holds the container: it
+            # ends once its turn is answered (as for a due task), then this chat's runs.
+            assert handle is not None
+            if conv.yield_for_task():
+                log.info("group %s: closing the conversation of %s for one of %s",
+                         group.folder, conv.line, line)
+                handle.close()
+        self.queue.enqueue_message(group.folder,
+                                   payload=MessageTurn(t_inbound=t_inbound, chat=line),
+                                   job_id=f"msg:{group.folder}{_at(line)}")
 
-    def _enqueue_next(self, group: GroupRow, after: int | None) -> None:
+    def _enqueue_next(self, group: GroupRow, line: str | None, after: int | None) -> None:
         """Queue a run when triggered messages newer than `after` are waiting."""
-        if self._waiting(group, after):
-            self.queue.enqueue_message(group.folder, payload=MessageTurn(),
-                                       job_id=f"msg:{group.folder}:next")
+        if self._waiting(group, line, after):
+            self.queue.enqueue_message(group.folder, payload=MessageTurn(chat=line),
+                                       job_id=f"msg:{group.folder}{_at(line)}:next")
 
     def _feed(self, group: GroupRow, handle: RunHandle, conv: Conversation) -> None:
         """Write the follow-ups the turn rules make of the messages since the last one the
         conversation saw into input/ (mdclaw.turns.Conversation.follow_ups)."""
-        assert group.jid is not None
-        waiting = self._decided(group, messages_since(self.db, group.jid, conv.seen_upto))
+        waiting = self._decided(group, self._messages(group, conv.line, conv.seen_upto))
         fed = 0
         for batch in conv.follow_ups(waiting):
             m = batch[-1]
             # Always the prompt's form: the person's text escaped, files as elements it
-            # cannot imitate (mdclaw.formatting).
+            # cannot imitate (mdclaw.formatting). The chat it came from goes with it: the
+            # agent's tools answer there by default.
             write_follow_up(self.layout, group.folder, sender=m.sender,
-                            sender_name=m.sender_name, content=self._prompt(batch),
-                            timestamp=m.timestamp)
+                            sender_name=m.sender_name, content=self._prompt(batch, group=group),
+                            timestamp=m.timestamp,
+                            chat_jid=m.chat_jid if len(group.all_chats) > 1 else None)
             conv.fed(batch)
+            conv.answer_to.append(m.chat_jid)
             fed += 1
         if fed:
             handle.touch()
             log.info("group %s: %d follow-up message(s) into the running conversation",
                      group.folder, fed)
 
-    def _prompt(self, msgs: list[StoredMessage], failed: tuple[str, ...] = ()) -> str:
-        """`msgs` as the agent reads them: sender, local time and text of each."""
+    def _prompt(self, msgs: list[StoredMessage], failed: tuple[str, ...] = (), *,
+                group: GroupRow | None = None) -> str:
+        """`msgs` as the agent reads them: sender, local time and text of each (and the chat
+        of each, for a group with several chats)."""
+        several = group is not None and len(group.all_chats) > 1
         return format_prompt([PromptMessage(m.sender_name, m.content, m.timestamp,
-                                            m.attachments) for m in msgs],
+                                            m.attachments, m.chat_jid if several else None)
+                              for m in msgs],
                              self.cfg.assistant.timezone,
                              max_messages=MAX_PROMPT_MESSAGES, failed=failed)
 
@@ -387,9 +419,10 @@ class Orchestrator:
         for group in list_groups(self.db):
             if not group.jid:
                 continue
-            if self._waiting(group, get_cursor(self.db, group.folder)):
-                self.dispatch(group)
-                n += 1
+            for line in group.lines():
+                if self._waiting(group, line, get_cursor(self.db, group.folder, line)):
+                    self.dispatch(group, chat=line)
+                    n += 1
         if n:
             log.info("queued %d group(s) with messages not yet answered", n)
         return n
@@ -400,24 +433,29 @@ class Orchestrator:
         if group is None or group.jid is None:
             return
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
-        start_cursor = get_cursor(self.db, group.folder)
-        msgs = messages_since(self.db, group.jid, start_cursor, limit=MAX_PROMPT_MESSAGES * 4)
-        conv = Conversation.begin(start_cursor, self._decided(group, msgs))
+        line = self._line_of(group, turn.chat)
+        start_cursor = get_cursor(self.db, group.folder, line)
+        msgs = self._messages(group, line, start_cursor, limit=MAX_PROMPT_MESSAGES * 4)
+        decided = self._decided(group, msgs)
+        conv = Conversation.begin(start_cursor, decided)
         if conv is None:
             return  # nothing is for the agent: the messages wait as context
+        # The turn answers in the chat of the newest message that runs it.
+        reply = next((m.chat_jid for m, d in reversed(decided) if d.run), group.line(line)[0])
+        conv.line, conv.answer_to = line, [reply]
         failed_deliveries = describe_failures(failed_since(self.db, group.folder,
                                                           self._told(group)))
         prompt = self._prompt(msgs, tuple(failed_deliveries.splitlines())
-                              if failed_deliveries else ())
-        job.payload = turn = replace(turn, upto=conv.last_pos)
+                              if failed_deliveries else (), group=group)
+        job.payload = turn = replace(turn, upto=conv.last_pos, chat=line, reply=reply)
         self._conv[group.folder] = conv
-        session = get_session(self.db, group.folder)
+        session = get_session(self.db, group.folder, line)
         marks = {"picked": time.perf_counter()}
 
         def on_output(block: str) -> None:
             conv.on_block()
             try:
-                answer(block)
+                answer(block, conv.next_reply(reply))
             finally:
                 if conv.close_for_task:
                     # A task is due: the turn is answered, so the conversation ends now.
@@ -427,8 +465,8 @@ class Orchestrator:
                                  "due task", group.folder)
                         handle.close()
 
-        def answer(block: str) -> None:
-            out = self.replies.parse_block(group, block)
+        def answer(block: str, to: str) -> None:
+            out = self.replies.parse_block(group, block, line)
             if out is None:
                 return
             if out.status == "error":
@@ -438,41 +476,43 @@ class Orchestrator:
                 handle = self._handle(group.folder)
                 reaction = conv.on_error(failure)
                 if reaction.settle is not None:
-                    self.replies.settle(group, reaction.settle)
+                    self.replies.settle(group, reaction.settle, line=line, reply=to)
                 if reaction.close and handle is not None:
                     handle.close()
                 return
             settle, cursor = conv.on_answer()
             if settle is not None:
-                self.replies.settle(group, settle)
-            if self.replies.deliver(group, out, group.jid or ""):
+                self.replies.settle(group, settle, line=line, reply=to)
+            if self.replies.deliver(group, out, to):
                 marks.setdefault("first_output", time.perf_counter())
-            set_cursor(self.db, group.folder, cursor)  # this turn's messages are done
+            # this turn's messages are done
+            set_cursor(self.db, group.folder, cursor, line)
 
-        await self._set_typing(group.jid, True)
+        await self._set_typing(reply, True)
         try:
             result = await self.launcher.run(
                 group, lambda f: self.launcher.container_input(
-                    group, prompt, session=session, scheduled=False, fields=f), on_output,
-                engine_wait=self._engine_wait(first_try=job.attempts == 0))
+                    group, prompt, session=session, scheduled=False, fields=f, chat=reply),
+                on_output, engine_wait=self._engine_wait(first_try=job.attempts == 0))
         except RunRefused as e:
             self._conv.pop(group.folder, None)
-            await self._set_typing(group.jid, False)
-            self.replies.refused(group, e.verdict)  # the messages wait for the next allowed run
+            await self._set_typing(reply, False)
+            # the messages wait for the next allowed run
+            self.replies.refused(group, e.verdict, reply)
             return
         except RunFailed as e:
             self._conv.pop(group.folder, None)
-            await self._set_typing(group.jid, False)
+            await self._set_typing(reply, False)
             settle = conv.not_started(e.failure) if e.failure is not None else None
             if settle is None:
                 raise
             # Nothing ran: settle at once (config errors, a missing image).
-            self.replies.settle(group, settle)
-            self._enqueue_next(group, conv.last_pos)
+            self.replies.settle(group, settle, line=line, reply=reply)
+            self._enqueue_next(group, line, conv.last_pos)
             return
         finally:
             self._conv.pop(group.folder, None)
-        await self._set_typing(group.jid, False)
+        await self._set_typing(reply, False)
         self._mark_told(group)
         self._record_timing(result, marks, turn.t_inbound)
         self._end_run(group, job, conv, result)
@@ -481,11 +521,12 @@ class Orchestrator:
                  result: ContainerResult) -> None:
         """The container of a message run ended: move the cursor, set messages aside, or
         roll back and raise RunFailed for the queue to retry, as the turn rules say."""
+        line, reply = conv.line, conv.reply_chat
         stopped = self.launcher.stopped(group.folder, result)
         if stopped is not None:
             # The disk rule stopped it: say so; what was not answered waits, no retries.
-            self.replies.refused(group, stopped)
-            self._roll_back(group, conv.stopped().cursor)
+            self.replies.refused(group, stopped, reply)
+            self._roll_back(group, conv.stopped().cursor, line)
             return
         cause = None
         if conv.needs_cause(result.status == "success"):
@@ -494,27 +535,27 @@ class Orchestrator:
                         cause.cause, cause.detail or "-")
         end = conv.end(cause)
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
-        job.payload = turn = replace(turn, upto=conv.last_pos)
+        job.payload = turn = replace(turn, upto=conv.last_pos, reply=reply)
         if end.ending is Ending.DONE:
-            set_cursor(self.db, group.folder, end.cursor)
+            set_cursor(self.db, group.folder, end.cursor, line)
             # Messages that arrived after the prompt was built but could not be fed in.
-            self._enqueue_next(group, end.next_after)
+            self._enqueue_next(group, line, end.next_after)
             return
         if end.settle is not None:
-            self.replies.settle(group, end.settle)
-            self._enqueue_next(group, end.next_after)
+            self.replies.settle(group, end.settle, line=line, reply=reply)
+            self._enqueue_next(group, line, end.next_after)
             return
         assert end.ending is Ending.RETRY and end.failure is not None
         if end.fresh_tries:
             job.attempts = 0
             job.payload = replace(turn, told_cause=None)
-        self._roll_back(group, end.cursor)
+        self._roll_back(group, end.cursor, line)
         raise RunFailed(end.failure.detail or end.failure.cause, end.failure)
 
-    def _roll_back(self, group: GroupRow, cursor: int | None) -> None:
-        """Put the group's cursor back to `cursor`, the latest answered turn of a run (None:
-        to no cursor at all), so what was not answered is in the next prompt."""
-        set_cursor(self.db, group.folder, cursor)
+    def _roll_back(self, group: GroupRow, cursor: int | None, line: str | None) -> None:
+        """Put the conversation's cursor back to `cursor`, the latest answered turn of a run
+        (None: to no cursor at all), so what was not answered is in the next prompt."""
+        set_cursor(self.db, group.folder, cursor, line)
 
     def _told(self, group: GroupRow) -> str | None:
         """When the agent was last given the group's failed deliveries (in a prompt)."""
@@ -559,16 +600,18 @@ class Orchestrator:
             # Stopping: the messages stay unanswered and are run at the next start.
             return
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
-        after = get_cursor(self.db, group.folder)
+        line = self._line_of(group, turn.chat)
+        after = get_cursor(self.db, group.folder, line)
         newest = None
         if turn.upto is None:
-            waiting = messages_since(self.db, group.jid, after)
+            waiting = self._messages(group, line, after)
             newest = position(waiting[-1]) if waiting else None
         settle = given_up(failure, after, turn.upto, newest)
         if settle is None:
             return
-        self.replies.settle(group, settle, attempts=max(1, job.attempts))
-        self._enqueue_next(group, settle.upto)
+        self.replies.settle(group, settle, attempts=max(1, job.attempts), line=line,
+                            reply=turn.reply)
+        self._enqueue_next(group, line, settle.upto)
 
     async def on_job_retry(self, job: Job, error: BaseException, delay: float) -> None:
         """A message run failed for a transient cause and is retried in `delay` seconds: say
@@ -585,7 +628,7 @@ class Orchestrator:
         if tell:
             job.payload = turn = replace(turn, told_cause=failure.cause)
         self.replies.retrying(group, failure, attempts=job.attempts, upto=turn.upto,
-                              delay=delay, tell=tell)
+                              delay=delay, tell=tell, reply=turn.reply)
 
     # ------------------------------------------------------------------ runs
     def _engine_wait(self, *, first_try: bool) -> float:
@@ -636,3 +679,8 @@ class Orchestrator:
                 handle.close()
                 n += 1
         return n
+
+
+def _at(line: str | None) -> str:
+    """A per_chat conversation's part of a job id ('' for the group's one)."""
+    return "" if line is None else f"@{line}"

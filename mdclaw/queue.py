@@ -51,6 +51,9 @@ class MessageTurn:
     t_inbound: float | None = None  # time.perf_counter() when the message that queued it came
     upto: int | None = None  # the newest message (its seq) its latest try gave the agent
     told_cause: str | None = None  # the failure cause the chat was told a retry is coming for
+    # The chat of a per_chat group's conversation this job runs (None: the group's one).
+    chat: str | None = None
+    reply: str | None = None  # the chat its latest try answered (told of failures)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from mdclaw.paths import (
 )
 from mdclaw.senders import SenderPolicy
 from mdclaw.state import Database
+from mdclaw.state.conversations import get_cursor, has_own_cursor, newest_seq, set_cursor
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
 from mdclaw.state.tasks import delete_task, insert_task, list_tasks, update_task_fields
 
@@ -104,20 +105,27 @@ def desired_row(folder: str, g: Group, cfg: Config) -> GroupRow:
         cc["model"] = g.model
     if g.network is not None:
         cc["network"] = g.network
+    if g.session != "shared":
+        cc["session"] = g.session
+    if g.may_send_to:
+        cc["may_send_to"] = list(g.may_send_to)
     policy = (SenderPolicy(g.allow_senders.mode, frozenset(g.allow_senders.ids))
               if g.allow_senders is not None else None)
     return GroupRow(folder=folder, name=g.name, jid=g.jid,
                     trigger=g.effective_trigger(cfg.assistant),
                     requires_trigger=g.effective_requires_trigger(), is_main=g.main,
-                    source="config", container_config=cc, allow_senders=policy)
+                    source="config", container_config=cc, allow_senders=policy,
+                    chats=g.all_chats)
 
 
-_COMPARED = ("name", "jid", "trigger", "requires_trigger", "is_main", "source", "container_config",
-             "allow_senders")
+_COMPARED = ("name", "jid", "chats", "trigger", "requires_trigger", "is_main", "source",
+             "container_config", "allow_senders")
 
 
 def _shown(value: Any) -> Any:
     """A compared value as plans show it (plain data, so `reconcile --json` can print it)."""
+    if isinstance(value, tuple):
+        return list(value)
     return value.as_dict() if isinstance(value, SenderPolicy) else value
 
 # Declarative tasks. The stored timezone of a config task is its effective zone (its own or
@@ -130,7 +138,8 @@ _TASK_SCHEDULE = ("schedule_type", "schedule_value", "timezone")
 def desired_task(spec: TaskSpec, cfg: Config) -> dict[str, Any]:
     """The scheduled_tasks fields that config task `spec` should have."""
     group = cfg.groups.get(spec.group)
-    return {"group_folder": spec.group, "chat_jid": group.jid if group else "",
+    return {"group_folder": spec.group,
+            "chat_jid": spec.chat or group.jid if group else "",
             "prompt": spec.prompt, "schedule_type": spec.schedule_type,
             "schedule_value": spec.schedule_value, "context_mode": spec.context_mode,
             "timezone": spec.timezone or cfg.assistant.timezone, "catch_up": spec.catch_up,
@@ -260,14 +269,16 @@ def plan(cfg: Config, db: Database) -> Plan:
     """Compute what must change so the database and disk match `cfg`. Changes nothing."""
     p = Plan()
     actual = {g.folder: g for g in list_groups(db)}
-    by_jid = {g.jid: g for g in actual.values() if g.jid}
+    by_jid = {c: g for g in actual.values() for c in g.all_chats}
 
     for folder, g in cfg.groups.items():
         want = desired_row(folder, g, cfg)
-        holder = by_jid.get(g.jid)
-        if holder and holder.folder != folder and holder.folder not in cfg.groups:
+        held = [(c, by_jid[c]) for c in g.all_chats if c in by_jid
+                and by_jid[c].folder != folder and by_jid[c].folder not in cfg.groups]
+        if held:
+            chat, holder = held[0]
             p.conflicts.append(
-                f"group {folder!r}: jid {g.jid!r} is already registered to group "
+                f"group {folder!r}: chat {chat!r} is already registered to group "
                 f"{holder.folder!r} (source {holder.source}); unregister it or change the jid"
             )
             continue
@@ -355,6 +366,7 @@ def apply_plan(cfg: Config, db: Database, p: Plan) -> None:
     for a in p.actions:
         if a.kind in ("create_dir", "replace_path", "fix_mode"):
             _make_dir(cfg.data_dir, Path(a.target), int(a.detail.get("mode", "0"), 8), a.kind)
+    before = {g.folder: g for g in list_groups(db)}
     with db.transaction():
         if any(a.kind in ("add_group", "update_group") for a in p.actions):
             # One main at a time (a unique index): clear the old flag before setting the new.
@@ -363,7 +375,9 @@ def apply_plan(cfg: Config, db: Database, p: Plan) -> None:
         for a in p.actions:
             if a.kind in ("add_group", "update_group"):
                 if a.target in cfg.groups:
-                    upsert_group(db, desired_row(a.target, cfg.groups[a.target], cfg))
+                    want = desired_row(a.target, cfg.groups[a.target], cfg)
+                    upsert_group(db, want)
+                    align_cursors(db, before.get(a.target), want)
                 else:  # a runtime group losing a main flag it must not hold
                     db.conn.execute("UPDATE registered_groups SET is_main = 0 WHERE folder = ?",
                                     (a.target,))
@@ -371,6 +385,30 @@ def apply_plan(cfg: Config, db: Database, p: Plan) -> None:
                 delete_group(db, a.target)
             elif a.kind in ("add_task", "update_task", "remove_task"):
                 _apply_task(cfg, db.conn, a)
+
+
+def align_cursors(db: Database, have: GroupRow | None, want: GroupRow) -> None:
+    """Keep each conversation of a group where it was when its chats or `session` change,
+    so no answered message is answered again: a chat that joins the group starts after its
+    newest stored message; a switch to per_chat gives each chat the shared cursor; a switch
+    back gives the shared conversation the furthest of the chats' cursors."""
+    folder = want.folder
+    old = set(have.all_chats) if have is not None else set()
+    shared = get_cursor(db, folder)
+    to_per_chat = want.per_chat and (have is None or not have.per_chat)
+    for chat in want.all_chats:
+        start = None
+        if chat not in old and (have is not None or len(want.all_chats) > 1):
+            start = newest_seq(db, chat)
+        if to_per_chat and shared is not None:
+            start = max(start or 0, shared)
+        if start is not None and (to_per_chat or not has_own_cursor(db, folder, chat)):
+            set_cursor(db, folder, start, chat)
+    if have is not None and have.per_chat and not want.per_chat:
+        own = [get_cursor(db, folder, c) for c in have.all_chats]
+        known = [c for c in own if c is not None]
+        if known:
+            set_cursor(db, folder, max(known))
 
 
 def reconcile(cfg: Config, db: Database, *, dry_run: bool = False) -> Plan:

@@ -35,7 +35,12 @@ from mdclaw.models import DEFAULT_BASE_URLS, model_for_group
 from mdclaw.preflight import DiskRule, DiskVerdict
 from mdclaw.state import Database
 from mdclaw.state.conversations import set_cursor, set_session
-from mdclaw.state.failed_turns import mark_messages_failed, message_time, record_failed_turn
+from mdclaw.state.failed_turns import (
+    Marked,
+    mark_messages_failed,
+    message_time,
+    record_failed_turn,
+)
 from mdclaw.state.groups import GroupRow
 from mdclaw.state.outbox import enqueue
 from mdclaw.turns import Settle
@@ -82,7 +87,8 @@ class Replies:
             enqueue(c, chat_jid=jid, kind="text", text=text, source_group=folder)
         self._wake_outbox()
 
-    def parse_block(self, group: GroupRow, block: str) -> OutputBlock | None:
+    def parse_block(self, group: GroupRow, block: str,
+                    line: str | None = None) -> OutputBlock | None:
         """The block read through the wire contract (mdclaw.wire), with the session id kept
         (or dropped when it is gone)."""
         out = OutputBlock.read(block)
@@ -95,9 +101,9 @@ class Replies:
         error = out.error or ""
         if out.status == "error" and any(h in error.lower() for h in SESSION_GONE_HINTS):
             log.info("group %s: session is gone; the next run starts fresh", group.folder)
-            set_session(self.db, group.folder, None)
+            set_session(self.db, group.folder, None, line)
         elif out.new_session_id:
-            set_session(self.db, group.folder, out.new_session_id)
+            set_session(self.db, group.folder, out.new_session_id, line)
         return out
 
     def deliver(self, group: GroupRow, out: OutputBlock, reply_jid: str) -> str:
@@ -111,55 +117,74 @@ class Replies:
                      len(text))
         return text
 
-    def settle(self, group: GroupRow, settle: Settle, *, attempts: int = 1) -> None:
+    def settle(self, group: GroupRow, settle: Settle, *, attempts: int = 1,
+               line: str | None = None, reply: str | None = None) -> None:
         """A turn failed for good: mark its messages (newer than `settle.after`, up to
         `settle.upto`) failed, move the cursor past them, record the failure and tell the
-        chat once."""
-        assert group.jid is not None
+        chat once. `line`: the chat of a per_chat conversation (None: the group's);
+        `reply`: the chat told (default: the group's first)."""
+        chats = group.line(line)
+        assert chats
+        reply = reply or chats[0]
         failure, upto, outcome = settle.failure, settle.upto, settle.outcome
         text = failures.chat_message(failure, failure_context(self._config(), group),
                                      outcome=outcome, attempts=attempts)
         with self.db.transaction() as c:
-            marked = mark_messages_failed(c, group.jid, settle.after, upto, failure.cause)
-            set_cursor(self.db, group.folder, upto)
-            record_failed_turn(c, group_folder=group.folder, chat_jid=group.jid,
+            parts = [mark_messages_failed(c, chat, settle.after, upto, failure.cause)
+                     for chat in chats]
+            marked = _joined(parts)
+            set_cursor(self.db, group.folder, upto, line)
+            record_failed_turn(c, group_folder=group.folder, chat_jid=reply,
                                cause=failure.cause, policy=failure.policy, outcome=outcome,
                                attempts=attempts, detail=failure.detail,
                                first_message_at=marked.first_at, last_message_at=marked.last_at,
                                messages=marked.messages, told=text,
                                first_message_seq=marked.first_seq, last_message_seq=upto)
-            enqueue(c, chat_jid=group.jid, kind="text", text=text, source_group=group.folder)
+            enqueue(c, chat_jid=reply, kind="text", text=text, source_group=group.folder)
         self._wake_outbox()
         log.warning("group %s: turn failed (%s, %s after %d tr%s); %d message(s) set aside: %s",
                     group.folder, failure.cause, outcome, attempts,
                     "y" if attempts == 1 else "ies", marked.messages, failure.detail or "-")
 
     def retrying(self, group: GroupRow, failure: TurnFailure, *, attempts: int,
-                 upto: int | None, delay: float, tell: bool) -> None:
+                 upto: int | None, delay: float, tell: bool, reply: str | None = None) -> None:
         """A message run failed for a transient cause and is retried in `delay` seconds:
-        record it, and tell the chat when `tell`."""
-        assert group.jid is not None
+        record it, and tell the chat (`reply`, default the group's first) when `tell`."""
+        reply = reply or group.jid
+        assert reply is not None
         text = None
         if tell:
             text = failures.chat_message(failure, failure_context(self._config(), group),
                                          outcome="retry", delay=delay)
         with self.db.transaction() as c:
-            record_failed_turn(c, group_folder=group.folder, chat_jid=group.jid,
+            record_failed_turn(c, group_folder=group.folder, chat_jid=reply,
                                cause=failure.cause, policy=failure.policy, outcome="retry",
                                attempts=attempts, detail=failure.detail,
                                last_message_at=message_time(c, upto), last_message_seq=upto,
                                told=text)
             if text:
-                enqueue(c, chat_jid=group.jid, kind="text", text=text, source_group=group.folder)
+                enqueue(c, chat_jid=reply, kind="text", text=text, source_group=group.folder)
         if text:
             self._wake_outbox()
         log.warning("group %s: turn failed (%s, try %d): %s; retrying in %.0f s", group.folder,
                     failure.cause, attempts, failure.detail or "-", delay)
 
-    def refused(self, group: GroupRow, verdict: DiskVerdict) -> None:
+    def refused(self, group: GroupRow, verdict: DiskVerdict, reply: str | None = None) -> None:
         """Tell the group's chat why it gets no answer (the disk rule refused or stopped its
         run), once while the condition lasts."""
         log.warning("group %s: run refused: %s", group.folder, verdict.summary())
         text = self.diskguard.notice(group.folder, verdict) if self.diskguard else None
-        if text and group.jid:
-            self.send_text(group.jid, group.folder, text)
+        reply = reply or group.jid
+        if text and reply:
+            self.send_text(reply, group.folder, text)
+
+
+def _joined(parts: list[Marked]) -> Marked:
+    """The messages of several chats set aside by one turn, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    firsts = [p for p in parts if p.messages]
+    first = min(firsts, key=lambda p: p.first_seq or 0) if firsts else None
+    lasts = [p.last_at for p in firsts if p.last_at]
+    return Marked(sum(p.messages for p in parts), first.first_seq if first else None,
+                  first.first_at if first else None, max(lasts) if lasts else None)

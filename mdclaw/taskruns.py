@@ -165,13 +165,16 @@ class TaskRuns:
         group = get_group(self.db, task.group_folder)
         if group is None or group.jid is None:
             raise RunFailed(f"task {task.id}: group {task.group_folder!r} is not registered")
-        session = get_session(self.db, group.folder) if task.context_mode == "group" else None
+        # A per_chat group's task continues the conversation of the chat it reports to.
+        line = task.chat_jid if group.per_chat and task.chat_jid in group.all_chats else None
+        session = (get_session(self.db, group.folder, line) if task.context_mode == "group"
+                   else None)
         texts: list[str] = []
         errors: list[TurnFailure] = []
         self.conversations[group.folder] = Conversation.for_task()
 
         def on_output(block: str) -> None:
-            out = self.replies.parse_block(group, block)
+            out = self.replies.parse_block(group, block, line)
             if out is not None and out.status == "error":
                 errors.append(self.launcher.refine(group, TurnFailure.from_block(out)))
             elif out is not None:
@@ -186,16 +189,17 @@ class TaskRuns:
         try:
             result = await self.launcher.run(
                 group, lambda f: self.launcher.container_input(
-                    group, task.prompt, session=session, scheduled=True, fields=f), on_output,
+                    group, task.prompt, session=session, scheduled=True, fields=f,
+                    chat=task.chat_jid or None), on_output,
                 engine_wait=self._engine_wait(), on_start=lambda: self._starting(task, job))
         except RunRefused as e:
-            self.replies.refused(group, e.verdict)
+            self.replies.refused(group, e.verdict, task.chat_jid or None)
             raise
         finally:
             self.conversations.pop(group.folder, None)
         stopped = self.launcher.stopped(group.folder, result)
         if stopped is not None:
-            self.replies.refused(group, stopped)
+            self.replies.refused(group, stopped, task.chat_jid or None)
             raise RunRefused(stopped)
         if result.status != "success" and not texts or errors and not texts:
             failure = errors[-1] if errors else self.launcher.refine(

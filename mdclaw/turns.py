@@ -158,6 +158,24 @@ class Conversation:
     pending_upto: Position | None = None  # the newest message given to the agent when it failed
     turns_open: int = 0  # prompts and follow-ups given to the agent, not yet answered
     yield_to_task: bool = False  # a task is due: close once no turn is open, feed no more
+    # The chat of a per_chat group's conversation (None: the group's one conversation).
+    line: str | None = None
+    # The chat each open turn answers in, oldest first (the chat of the message it answers).
+    answer_to: list[str] = field(default_factory=list)
+    replied_in: str | None = None  # the chat the latest output block answered in
+
+    def next_reply(self, default: str) -> str:
+        """The chat the output block that came answers in: the oldest open turn's, else
+        the latest one's, else `default`."""
+        if self.answer_to:
+            self.replied_in = self.answer_to.pop(0)
+        return self.replied_in or default
+
+    @property
+    def reply_chat(self) -> str | None:
+        """The chat the conversation answers in now: the oldest open turn's, else the latest
+        answered one's."""
+        return self.answer_to[0] if self.answer_to else self.replied_in
 
     # ------------------------------------------------------------------ starting
     @classmethod

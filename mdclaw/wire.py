@@ -78,7 +78,9 @@ class ContainerInput(_Wire):
 
     prompt: str = Field(description="This turn's prompt (the new messages, formatted).")
     group_folder: str = Field(description="The group's folder name (the IPC identity).")
-    chat_jid: str = Field(description="The chat the group answers in; the tools' default "
+    chat_jid: str = Field(description="The chat this run answers in (of a group with "
+                                      "several chats: the chat of the message that started "
+                                      "it; a follow-up may name another); the tools' default "
                                       "target.")
     is_main: bool = Field(False, description="The main group (admin tools).")
     is_scheduled_task: bool = Field(False, description="A scheduled task: one turn, no "

@@ -512,3 +512,31 @@ def test_the_proxys_own_caps_read_as_rate_limited() -> None:
     assert (rate.cause, rate.retry_after) == ("rate_limited", 12.0)
     assert classify_http(503, '{"error": {"message": "overloaded"}}').cause == \
         "model_server_error"
+
+
+def test_a_follow_up_from_another_chat_is_answered_there_by_default(dirs) -> None:
+    """A group with several chats: the host gives each follow-up the chat it came from, and
+    send_message without a chat goes to the chat of the message being answered; a chat the
+    agent names wins; the next follow-up without one goes back to the first prompt's chat."""
+    script = [call("send_message", text="from the first"), say("one"),
+              call("send_message", text="to the web"), say("two"),
+              call("send_message", text="named", chat_jid="tg:-100"), say("three"),
+              call("send_message", text="back home"), say("four")]
+    with FakeOpenAI(script) as server:
+        r = runner(dirs, base_input(prompt="hi"), server)
+        r.wait_results(1)
+        inbox = dirs["ipc"] / "input"
+        write_input(inbox, {"content": "hello from the web", "chat_jid": "hl:me"},
+                    "1700000000001-a.json")
+        r.wait_results(2)
+        write_input(inbox, {"content": "again", "chat_jid": "hl:me"}, "1700000000002-b.json")
+        r.wait_results(3)
+        write_input(inbox, {"content": "a plain one"}, "1700000000003-c.json")
+        r.wait_results(4)
+        write_input(inbox, None, "_close")
+        assert r.wait_exit(10) == 0
+    sent = [(m["chat_jid"], m["text"]) for m in command_files(dirs["ipc"] / "messages")]
+    assert sorted(sent, key=lambda s: ["from the first", "to the web", "named",
+                                       "back home"].index(s[1])) == [
+        ("tg:-100", "from the first"), ("hl:me", "to the web"), ("tg:-100", "named"),
+        ("tg:-100", "back home")]

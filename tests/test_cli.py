@@ -51,16 +51,17 @@ def test_reconcile_dry_run_then_apply_then_noop(cli, write_config, data_dir) -> 
     rows = json.loads(r.stdout)
     assert {tuple(sorted(row)) for row in rows} == {tuple(sorted(
         ["folder", "name", "jid", "trigger", "requires_trigger", "is_main", "source",
-         "allow_senders", "refused", "last_refused_at"]))}
+         "chats", "session", "may_send_to", "allow_senders", "refused", "last_refused_at"]))}
     main = next(x for x in rows if x["folder"] == "main")
     assert main == {"folder": "main", "name": "Admin chat", "jid": "tg:123456",
                     "trigger": "@Andy", "requires_trigger": False, "is_main": True,
-                    "source": "config", "allow_senders": None, "refused": 0,
+                    "source": "config", "chats": ["tg:123456"], "session": "shared",
+                    "may_send_to": [], "allow_senders": None, "refused": 0,
                     "last_refused_at": None}
     table = cli("groups", "list", "--config", cfg).stdout
     assert table.splitlines()[0].split() == ["FOLDER", "NAME", "JID", "TRIGGER",
                                              "REQUIRES_TRIGGER", "IS_MAIN", "SOURCE",
-                                             "SENDERS", "REFUSED"]
+                                             "OTHER_CHATS", "SENDERS", "REFUSED"]
 
 
 def test_invalid_config_changes_nothing(cli, write_config, data_dir) -> None:

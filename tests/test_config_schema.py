@@ -78,6 +78,8 @@ def test_markdown_has_a_table_per_mapping(section: str) -> None:
 
 def test_markdown_rows() -> None:
     md = render_markdown(config_json_schema())
-    assert "| `jid` | string | **required** | The chat this group answers in" in md
+    assert "| `name` | string | **required** | Display name of the group." in md
+    # jid or chats: the rule across the two keys is the config's (check-config).
+    assert "| `jid` | string | `` | The chat this group answers in" in md
     assert "| `api_key_file` | path (secret file) or null | null |" in md
     assert "| `engine` | `docker` \\| `podman` \\| `apple-container` | `docker` |" in md

@@ -516,15 +516,16 @@ class HttpChannel(Channel):
         return _json({"status": "ok", "channel": self.name, "connected": self._connected})
 
     async def _groups(self, request: web.Request) -> web.Response:
-        groups = [{"jid": g.jid, "name": g.name, "folder": g.folder, "is_main": g.is_main,
+        # A group with several chats is listed by its web chat(s).
+        groups = [{"jid": jid, "name": g.name, "folder": g.folder, "is_main": g.is_main,
                    "trigger": g.trigger, "requires_trigger": g.requires_trigger}
-                  for g in list_groups(self.db) if g.jid and self.owns_jid(g.jid)]
+                  for g in list_groups(self.db) for jid in g.all_chats if self.owns_jid(jid)]
         groups.sort(key=lambda g: (not g["is_main"], g["folder"]))
         return _json({"groups": groups})
 
     def _default_jid(self) -> str | None:
         g = main_group(self.db)
-        return g.jid if g and g.jid and self.owns_jid(g.jid) else None
+        return next((c for c in g.all_chats if self.owns_jid(c)), None) if g else None
 
     def _jid_from(self, data: Any) -> str:
         """The chat named by `jid`/`chatJid`/`chat_jid` or `channel`, else the main group's."""

@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from mdclaw.approvals.rules import effective_rules
 from mdclaw.commands.common import open_db_or_exit, read_db_or_exit
@@ -40,7 +40,7 @@ from mdclaw.state.groups import Refusals, list_groups, refusals
 CONFIG_CHECKS: list[Callable[[Config], Iterable[str | ConfigIssue]]] = [check_extras,
                                                                        check_programs]
 
-GROUP_COLUMNS = GROUP_FIELDS + ("senders", "refused")
+GROUP_COLUMNS = GROUP_FIELDS + ("other_chats", "senders", "refused")
 
 
 def open_main_group(cfg: Config) -> Iterable[str]:
@@ -50,9 +50,13 @@ def open_main_group(cfg: Config) -> Iterable[str]:
     if folder is None:
         return []
     g = cfg.groups[folder]
-    warning = main_group_warning(folder, g.jid, group_chat=jid_is_group_chat(g.jid),
-                                 policy_set=g.allow_senders is not None)
-    return [warning] if warning else []
+    out = []
+    for chat in g.all_chats:
+        warning = main_group_warning(folder, chat, group_chat=jid_is_group_chat(chat),
+                                     policy_set=g.allow_senders is not None)
+        if warning:
+            out.append(warning)
+    return out
 
 
 _CARD_CHANNELS = {"tg:": "telegram", "wa:": "whatsapp", "hl:": "http", "mail:": "email",
@@ -227,13 +231,20 @@ def _senders_cell(row: dict[str, object]) -> str:
     return f"{policy['mode']}: {n} id{'' if n == 1 else 's'}"
 
 
+def _chats_cell(row: dict[str, Any]) -> str:
+    """The chats a group answers in besides `jid`, and its session mode with several."""
+    chats = [str(c) for c in row.get("chats") or ()][1:]
+    return f"{', '.join(chats)} ({row.get('session')})" if chats else "-"
+
+
 def cmd_groups_list(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
     with read_db_or_exit(cfg, as_json=args.json) as db:
         counts = refusals(db)
         rows = [group_listing(g, counts.get(g.folder, Refusals())) for g in list_groups(db)]
     if not args.json:
-        rows = [{**r, "senders": _senders_cell(r)} for r in rows]
+        rows = [{**r, "senders": _senders_cell(r), "other_chats": _chats_cell(r)}
+                for r in rows]
     print_rows(rows, GROUP_COLUMNS, as_json=args.json, empty="no groups registered")
     return 0
 

@@ -321,6 +321,104 @@ text". Other channels ignore `sender` (docs/channels.md).
 """
 
 
+MANY_CHATS = """\
+## One agent in many chats
+
+A group's agent (its folder, memory, tasks and container) can answer in several chats, on any
+channel: list them as `chats:` (a group with one `jid:` works as before; with both, `jid` is
+the first chat). The first chat is where the group's tasks report unless a task names its
+own `chat:`, and where a message the agent sends goes when nothing else says where. A chat
+belongs to one group: check-config names both groups when two list the same chat.
+
+`session:` says how the chats share the agent:
+
+- `shared` (the default): one conversation. Every message the agent reads carries the chat it
+  came from (`<message sender="Sam" chat="hl:me" ...>`), and each turn is answered in the chat
+  of the message that started it; a message from another chat while the conversation runs is
+  a follow-up of the same conversation, answered in its own chat. `send_message` without a
+  chat goes to the chat of the message being answered.
+- `per_chat`: a conversation (cursor and session) of its own for each chat, over the same
+  folder, memory and tasks. One container runs at a time per group: a message in another
+  chat ends the running conversation once its turn is answered, then that chat's starts.
+
+Changing `chats` or `session` on a reload keeps every conversation where it was: a chat that
+joins a group starts after what it already holds, a switch to `per_chat` starts each chat
+where the shared conversation stood, and a switch back starts the shared one after the
+furthest. The agent reads its chats in `chats.json` (the `list_chats` tool); `mdclaw groups
+list`, the operator page and doctor list and check every chat.
+
+### Where an agent may send
+
+Besides its own chats, an agent may send messages and files (`send_message`, `send_file`: a
+`chat_jid`, or `group` for a group's first chat) to what `may_send_to` lists: chats (jids)
+and groups (names of `groups`, any of their chats). Anything else is refused and quarantined
+with the rule named (`'tg:999' is not in groups.me.may_send_to`); reactions and tasks stay
+within the group's own chats. Approval rules apply on top: with an owner in `people`, the
+default rules ask the owner before anything goes into another chat (docs/approvals.md);
+`approver: none` for `to: other_chat` in the group's `approvals` lets listed destinations
+through without asking. The main group may still address every registered group's chat.
+
+### Three common setups
+
+One person, many chats: the same assistant and memory on Telegram, in the web chat and by
+mail, one conversation that answers where it was asked.
+
+```yaml
+groups:
+  me:
+    name: Sam
+    chats: ["tg:123456789", "hl:sam", "mail:sam@example.org"]
+    session: shared
+    requires_trigger: false
+    members: [sam]
+```
+
+A family group with private side chats: the family's Telegram group and each parent's private
+chat with the bot reach one agent (one folder, one memory, the family's tasks), each chat in
+a conversation of its own. What is said in private can end up in what the agent knows in the
+family chat; for a side chat that must stay private, make it a group of its own that may
+post into the family chat instead (the second form).
+
+```yaml
+groups:
+  family:
+    name: Family
+    chats: ["tg:-1001234567890", "tg:111111111", "tg:222222222"]
+    session: per_chat
+    members: [alex, sam, "role:member"]
+
+  # or: a private assistant of its own that may post into the family chat
+  alex:
+    name: Alex (private)
+    jid: "tg:111111111"
+    requires_trigger: false
+    may_send_to: [family]
+```
+
+A team with a researcher agent: the team's chats (Slack and the web chat) share one agent;
+a second group, the researcher, has web access and a stronger model, and posts what it finds
+into the team's chat. With `may_ask` the team's agent can also put a question to the
+researcher (the `ask_agent` action) and get its answer back as the result of the call (next
+section).
+
+```yaml
+groups:
+  team:
+    name: Team
+    chats: ["slack:C0123ABCD", "hl:team"]
+    session: shared
+    may_send_to: [researcher]
+    may_ask: [researcher]
+  researcher:
+    name: Researcher
+    jid: "hl:research"
+    model: strong
+    actions: ["web_*"]
+    may_send_to: [team]
+```
+"""
+
+
 def render_markdown(schema: dict[str, Any]) -> str:
     """docs/configuration.md: one table per mapping in config.yaml, then the prose above."""
     lines = [
@@ -359,7 +457,7 @@ def render_markdown(schema: dict[str, Any]) -> str:
                 _cell(_default_text(prop, key in required)),
                 _cell(prop.get("description", "")),
             ))
-    lines += ["", WHO_MAY_DRIVE.rstrip("\n")]
+    lines += ["", WHO_MAY_DRIVE.rstrip("\n"), "", MANY_CHATS.rstrip("\n")]
     lines += ["", AGENTS_TOGETHER.rstrip("\n")]
     return "\n".join(lines) + "\n"
 

@@ -429,12 +429,17 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
             add(("groups", folder),
                 f"{folder!r} is the folder of group {first!r} but for case: "
                 f"{FOLDER_CASE_RULE}; rename one of the two")
-        if g.jid in seen:
-            add(("groups", folder, "jid"),
-                f"{g.jid!r} is also the jid of group {seen[g.jid]!r}: a chat belongs to one "
-                "group; give this group its own chat or remove one of the two")
-        else:
-            seen[g.jid] = folder
+        for chat in g.all_chats:
+            key = "jid" if chat == g.jid else "chats"
+            if chat in seen:
+                other = seen[chat]
+                what = "the jid" if cfg.groups[other].jid == chat else "a chat"
+                add(("groups", folder, key),
+                    f"{chat!r} is also {what} of group {other!r}: a chat belongs to one "
+                    f"group; give this group its own chat or remove one of the two (from "
+                    f"{other!r} or from {folder!r})")
+            else:
+                seen[chat] = folder
         if g.network is not None:
             why = network_problem(cfg.runtime, g.network)
             if why:
@@ -459,6 +464,11 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
                 f"{t.group!r} is not in groups ({_choices(names['groups'], 'groups')}): "
                 "name one of them or add the group",
                 ("groups", t.group))
+        elif t.chat is not None and t.chat not in cfg.groups[t.group].all_chats:
+            add(("tasks", str(n), "chat"),
+                f"{t.chat!r} is not a chat of group {t.group!r} "
+                f"({', '.join(cfg.groups[t.group].all_chats)}): name one of them",
+                ("groups", t.group))
         try:
             # A `once` time is checked for form only: once it has run it lies in the
             # past, and the config stays valid. Adding a new one that is already past is
@@ -471,6 +481,12 @@ def cross_key_problems(cfg: Config, names: dict[str, list[str]] | None = None,
             add(("tasks", str(n), t.schedule_type), f"{e}",
                 *([("assistant",)] if t.schedule_type == "once" and not t.timezone else []))
     for folder, g in cfg.groups.items():
+        for n, dest in enumerate(g.may_send_to):
+            if ":" not in dest and dest not in cfg.groups:
+                add(("groups", folder, "may_send_to", str(n)),
+                    f"{dest!r} is neither a chat (a jid such as tg:123456) nor a group "
+                    f"({_choices(names['groups'], 'groups')}): name a chat or a group",
+                    ("groups", dest))
         for server in (g.mcp or {}):
             if server not in cfg.mcp_servers:
                 known = _choices(list(cfg.mcp_servers), "mcp_servers")

@@ -4,7 +4,7 @@ sections of config.yaml (the rules across sections are in mdclaw.config.schema).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -49,9 +49,27 @@ class AllowSenders(Frozen):
         "the local HTTP channel's `sender` field. An empty list lets no one.")
 
 
+ChatJid = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class Group(Frozen):
     name: str = Field(min_length=1, description="Display name of the group.")
-    jid: str = Field(min_length=1, description="The chat this group answers in, e.g. tg:123456.")
+    jid: str = Field("", description="The chat this group answers in, e.g. tg:123456. "
+                     "Required unless `chats` is given (empty: the first of `chats`; with "
+                     "both, `jid` is the first chat).")
+    chats: tuple[ChatJid, ...] = Field(
+        (), description="Every chat this group's agent answers in, on any channel, e.g. "
+        "[tg:123456, hl:me]: one agent, one folder and memory for all of them. The first "
+        "(or `jid`) is where tasks report and where a message the agent sends without "
+        "naming a chat goes (docs/configuration.md: 'One agent in many chats').")
+    session: Literal["shared", "per_chat"] = Field(
+        "shared", description="With several chats: shared: one conversation, every message "
+        "marked with the chat it came from and answered in that chat; per_chat: a "
+        "conversation of its own for each chat, over the same folder, memory and tasks.")
+    may_send_to: tuple[ChatJid, ...] = Field(
+        (), description="Chats (jids) and groups (names of `groups`) this group's agent may "
+        "send messages and files to besides its own chats; anything else is refused "
+        "(approval rules apply on top).")
     main: bool = Field(False, description="The admin group; exactly one group is main.")
     requires_trigger: bool | None = Field(
         None, description="Only answer messages that address the assistant: '@Name' "
@@ -116,9 +134,41 @@ class Group(Frozen):
         "`mcp_servers`, fnmatch patterns of its tool names, e.g. {time: ['*'], git: "
         "[git_status, git_log]}. Unset or {}: none (docs/mcp.md).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _first_chat(cls, data: Any) -> Any:
+        # `chats` alone: its first chat is the group's `jid` (what one-chat code reads).
+        if isinstance(data, dict) and not data.get("jid") and isinstance(
+                data.get("chats"), (list, tuple)) and data["chats"]:
+            return {**data, "jid": data["chats"][0]}
+        return data
+
+    @model_validator(mode="after")
+    def _some_chat(self) -> Group:
+        if not self.jid:
+            raise CrossKeyError([(("jid",), "a group needs a chat: give `jid: <chat>` or "
+                                  "`chats: [<chat>, ...]`")])
+        seen: set[str] = set()
+        for n, c in enumerate(self.chats):
+            if c in seen:
+                raise CrossKeyError([(("chats", str(n)), f"{c!r} is listed twice: list each "
+                                      "chat once")])
+            seen.add(c)
+        return self
+
+    @property
+    def all_chats(self) -> tuple[str, ...]:
+        """Every chat of the group, the first one first (`jid`, then `chats`)."""
+        return (self.jid, *(c for c in self.chats if c != self.jid))
+
+    def _only_on(self, prefix: str) -> bool:
+        """Every chat of the group is on the channel of `prefix` (sender ids are then that
+        channel's)."""
+        return all(c.startswith(prefix) for c in self.all_chats)
+
     @model_validator(mode="after")
     def _telegram_sender_ids(self) -> Group:
-        if self.allow_senders is None or not self.jid.startswith("tg:"):
+        if self.allow_senders is None or not self._only_on("tg:"):
             return self
         bad = [(n, i) for n, i in enumerate(self.allow_senders.ids)
                if not i.lstrip("-").isdigit()]
@@ -132,7 +182,7 @@ class Group(Frozen):
 
     @model_validator(mode="after")
     def _discord_sender_ids(self) -> Group:
-        if self.allow_senders is None or not self.jid.startswith("dc:"):
+        if self.allow_senders is None or not self._only_on("dc:"):
             return self
         bad = [(n, i) for n, i in enumerate(self.allow_senders.ids) if not i.isdigit()]
         if bad:
@@ -145,7 +195,7 @@ class Group(Frozen):
 
     @model_validator(mode="after")
     def _matrix_sender_ids(self) -> Group:
-        if self.allow_senders is None or not self.jid.startswith("mx:"):
+        if self.allow_senders is None or not self._only_on("mx:"):
             return self
         bad = [(n, i) for n, i in enumerate(self.allow_senders.ids)
                if not re.match(r"^@[^:\s]+:\S+\Z", i)]
@@ -175,6 +225,8 @@ class TaskSpec(Frozen):
         "isolated", description="group: continue the group's session; isolated: a fresh one.")
     timezone: TimeZone | None = Field(None, description="Default: assistant.timezone.")
     catch_up: bool = Field(True, description="Run once after downtime if a run was missed.")
+    chat: str | None = Field(None, min_length=1, description="The chat the task reports to: "
+                             "one of its group's chats (default: the group's first).")
 
     @model_validator(mode="after")
     def _one_schedule(self) -> TaskSpec:

@@ -57,6 +57,7 @@ from mdclaw.ipc.auth import (
     check_group_admin,
     check_identity,
     check_task_access,
+    send_target,
 )
 from mdclaw.ipc.files import (
     COMMAND_DIRS,
@@ -339,7 +340,7 @@ class IpcEngine:
         now = to_iso(utc_now())
         ledger: list[tuple[Any, ...]] = []
         with self.db.transaction() as conn:
-            jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
+            jid_to_folder = {c: g.folder for g in self.rows.values() for c in g.all_chats}
             hits = self._ledger_hits(conn, items)
             for it in items:
                 if it.outcome in ("gone", "deferred"):
@@ -520,7 +521,7 @@ class IpcEngine:
         except P.ProtocolError as e:
             return f"not carried out: {e}"
         it = Item(a.group_folder, "approved", f"approval-{a.id}", -1, cmd=cmd)
-        jid_to_folder = {g.jid: g.folder for g in self.rows.values() if g.jid}
+        jid_to_folder = {c: g.folder for g in self.rows.values() for c in g.all_chats}
         conn.execute("SAVEPOINT approved")
         try:
             self._apply(conn, it, fx, jid_to_folder, approved=True)
@@ -616,7 +617,20 @@ class IpcEngine:
     # ------------------------------------------------------------------ commands
     def _caller(self, folder: str) -> Caller:
         g = self.rows[folder]
-        return Caller(folder, g.is_main, g.jid)
+        return Caller(folder, g.is_main, g.jid, g.all_chats, g.may_send_to)
+
+    def _send_chat(self, caller: Caller, cmd: P.SendMessage | P.SendFile,
+                   jid_to_folder: dict[str, str], what: str) -> tuple[str, bool]:
+        """The chat a message or file goes to, checked (its own chats, `may_send_to`, or a
+        group named by `group`), and whether it is another chat than the group's own."""
+        chat = cmd.chat_jid
+        if cmd.group:
+            chat = send_target(caller, cmd.group, {f: g.jid for f, g in self.rows.items()
+                                                   if g.jid})
+            if cmd.group in caller.may_send_to or caller.is_main:
+                return chat, chat not in caller.own_chats
+        chat, _ = check_chat_target(caller, chat, jid_to_folder, what)
+        return chat, chat not in caller.own_chats
 
     def _apply(self, conn: sqlite3.Connection, it: Item, fx: Effects,
                jid_to_folder: dict[str, str], *, approved: bool = False) -> None:
@@ -632,23 +646,23 @@ class IpcEngine:
             return self._hold(conn, it, fx, Request("command", cmd.type, args, other_chat))
 
         if isinstance(cmd, P.SendMessage):
-            chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "message")
-            if held(P.to_canonical_json(cmd), chat != caller.jid):
+            chat, other = self._send_chat(caller, cmd, jid_to_folder, "message")
+            if held(P.to_canonical_json(cmd), other):
                 return
             enqueue(conn, chat_jid=chat, kind="text", text=cmd.text, sender=cmd.sender,
                     reply_to=cmd.reply_to, source_group=caller.folder)
         elif isinstance(cmd, P.React):
             chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "react")
-            if held(P.to_canonical_json(cmd), chat != caller.jid):
+            if held(P.to_canonical_json(cmd), chat not in caller.own_chats):
                 return
             enqueue(conn, chat_jid=chat, kind="reaction", message_id=cmd.message_id,
                     emoji=cmd.emoji, source_group=caller.folder)
         elif isinstance(cmd, P.SendFile):
-            chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "send_file")
+            chat, other = self._send_chat(caller, cmd, jid_to_folder, "send_file")
             # Checked here (no read); copied by the spooler, off the loop and outside this
             # transaction.
             name = check_source(self.cfg, self.layout, caller.folder, cmd.file_path)
-            if held(P.to_canonical_json(cmd), chat != caller.jid):
+            if held(P.to_canonical_json(cmd), other):
                 return
             enqueue(conn, chat_jid=chat, kind="file", source_path=cmd.file_path,
                     file_name=cmd.file_name or name, text=cmd.caption,
@@ -763,7 +777,8 @@ class IpcEngine:
                 raise ApplyError(f"register_group: folder {cmd.folder!r} is the folder of "
                                  f"registered group {other!r} but for case: {FOLDER_CASE_RULE}")
             if cmd.jid in jid_to_folder or conn.execute(
-                    "SELECT 1 FROM registered_groups WHERE jid = ?", (cmd.jid,)).fetchone():
+                    "SELECT 1 FROM registered_groups WHERE jid = ? UNION ALL "
+                    "SELECT 1 FROM group_chats WHERE jid = ?", (cmd.jid, cmd.jid)).fetchone():
                 raise ApplyError(f"register_group: chat {cmd.jid!r} is already registered")
             upsert_group(self.db, GroupRow(
                 folder=cmd.folder, name=cmd.name, jid=cmd.jid,
@@ -779,8 +794,8 @@ class IpcEngine:
             r = conn.execute("SELECT * FROM registered_groups WHERE folder = ?",
                              (cmd.folder,)).fetchone()
         else:
-            r = conn.execute("SELECT * FROM registered_groups WHERE jid = ?",
-                             (cmd.jid,)).fetchone()
+            r = conn.execute("SELECT * FROM registered_groups WHERE folder = (SELECT folder "
+                             "FROM group_chats WHERE jid = ?)", (cmd.jid,)).fetchone()
         if r is None:
             raise ApplyError(f"unregister_group: no registered group {cmd.folder or cmd.jid!r}")
         if r["is_main"]:
@@ -789,7 +804,8 @@ class IpcEngine:
             raise ApplyError(f"unregister_group: group {r['folder']!r} comes from config.yaml; "
                              "remove it there")
         delete_group(self.db, r["folder"])
-        jid_to_folder.pop(r["jid"], None)
+        for jid in [j for j, f in jid_to_folder.items() if f == r["folder"]]:
+            jid_to_folder.pop(jid, None)
         self.rows.pop(r["folder"], None)
 
     def _make_group_dirs(self, folder: str) -> None:

@@ -2,7 +2,8 @@
 
 The writer is always the folder the file was found in (`Caller.folder`); a body claiming to
 be someone else is refused. Main may act on any registered group; every other group only on
-its own chat and its own tasks. Group administration is main's alone, and the main flag
+its own chats and its own tasks, and may send messages and files to the chats and groups of
+its `may_send_to`. Group administration is main's alone, and the main flag
 itself is never granted over IPC (the parser refuses it; config.yaml decides).
 """
 
@@ -24,6 +25,27 @@ class Caller:
     folder: str
     is_main: bool
     jid: str | None
+    chats: tuple[str, ...] = ()  # every chat of the group (() : `jid` alone)
+    may_send_to: tuple[str, ...] = ()  # chats and group folders it may also send to
+
+    @property
+    def own_chats(self) -> tuple[str, ...]:
+        return self.chats or ((self.jid,) if self.jid else ())
+
+
+#: The commands `may_send_to` opens to other chats.
+SENDS = ("message", "send_file")
+
+
+def send_target(caller: Caller, group: str, first_chat: Mapping[str, str]) -> str:
+    """The chat a send naming group `group` goes to (its first chat), if `caller` may send
+    there: main, its own group, or a group listed in its `may_send_to`."""
+    if not (caller.is_main or group == caller.folder or group in caller.may_send_to):
+        raise Unauthorized(f"group {group!r} is not in groups.{caller.folder}.may_send_to")
+    chat = first_chat.get(group)
+    if chat is None:
+        raise Unauthorized(f"there is no registered group {group!r} with a chat")
+    return chat
 
 
 def check_identity(caller: Caller, claimed: str | None) -> None:
@@ -43,19 +65,27 @@ def check_chat_target(caller: Caller, chat_jid: str | None, jid_to_folder: Mappi
                       what: str) -> tuple[str, str]:
     """The (chat, owning folder) `caller` may address for `what` (a message, a task...).
 
-    None means the caller's own chat. Main may address any registered group's chat; others
-    only their own. Raises Unauthorized otherwise.
+    None means the caller's (first) chat. Main may address any registered group's chat;
+    others their own chats, and for a message or file also the chats and groups their
+    `may_send_to` lists (the owning folder of a chat no group holds is ''). Raises
+    Unauthorized otherwise.
     """
     chat = chat_jid or _own_chat(caller)
+    if chat in caller.own_chats:
+        return chat, caller.folder
     if caller.is_main:
         folder = jid_to_folder.get(chat)
         if folder is None:
             raise Unauthorized(f"{what}: chat {chat!r} is not a registered group's chat")
         return chat, folder
-    if chat != caller.jid:
-        raise Unauthorized(f"{what}: group {caller.folder!r} may only use its own chat "
-                           f"({caller.jid!r}), not {chat!r}")
-    return chat, caller.folder
+    owner = jid_to_folder.get(chat)
+    if what in SENDS:
+        if chat in caller.may_send_to or (owner is not None and owner in caller.may_send_to):
+            return chat, owner or ""
+        raise Unauthorized(f"{what}: {chat!r} is not in groups.{caller.folder}.may_send_to "
+                           f"(nor one of the own chats of group {caller.folder!r})")
+    raise Unauthorized(f"{what}: group {caller.folder!r} may only use its own chats "
+                       f"({', '.join(caller.own_chats)}), not {chat!r}")
 
 
 def check_task_access(caller: Caller, task_id: str, task_folder: str | None, op: str) -> None:

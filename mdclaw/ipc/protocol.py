@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mdclaw.config import validate_folder
 from mdclaw.errors import IpcError
@@ -41,21 +49,35 @@ class _Cmd(BaseModel):
 
 Jid = Annotated[str, Field(min_length=1, max_length=256)]
 TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN)]
+# A group's folder name, as a target (checked against the registered groups when applied).
+GroupName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
-class SendMessage(_Cmd):
+class _Send(_Cmd):
+    """A message or a file: to `chat_jid`, or to group `group` (its first chat), not both."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> _Send:
+        if getattr(self, "chat_jid", None) is not None and getattr(self, "group", None):
+            raise ValueError("give chat_jid or group, not both")
+        return self
+
+
+class SendMessage(_Send):
     type: Literal["message"] = "message"
     chat_jid: Jid | None = None
+    group: GroupName | None = None
     text: str = Field(min_length=1, max_length=MAX_TEXT)
     sender: str | None = Field(None, max_length=256)
     reply_to: str | None = Field(None, max_length=256)
 
 
-class SendFile(_Cmd):
+class SendFile(_Send):
     model_config = ConfigDict(json_schema_extra={"x-max-file-bytes": SEND_FILE_MAX_BYTES})
 
     type: Literal["send_file"] = "send_file"
     chat_jid: Jid | None = None
+    group: GroupName | None = None
     file_path: str = Field(min_length=1, max_length=4096)
     file_name: str | None = Field(None, min_length=1, max_length=255)
     caption: str | None = Field(None, max_length=MAX_TEXT)

@@ -17,6 +17,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +97,19 @@ _follow_up_names = _FollowUpNames()
 
 
 def write_follow_up(layout: Layout, folder: str, *, sender: str, sender_name: str,
-                    content: str, timestamp: str | None = None) -> str:
+                    content: str, timestamp: str | None = None,
+                    chat_jid: str | None = None) -> str:
     """Queue a follow-up message for the group's running agent in ipc/<folder>/input/; the
-    agent reads follow-ups in the order they were written.
+    agent reads follow-ups in the order they were written. `chat_jid`: the chat it came
+    from (a group with several chats), where the agent's tools then answer by default.
 
     Returns the file name. Raises UnsafePath (input/ swapped for a symlink) or OSError.
     """
     name = _follow_up_names.next()
     body = {"sender": sender, "sender_name": sender_name, "content": content,
             "timestamp": timestamp or to_iso(utc_now())}
+    if chat_jid:
+        body["chat_jid"] = chat_jid
     write_in_group(layout, folder, "input", name, _dump(body), 0o660)
     return name
 
@@ -187,14 +192,33 @@ def groups_snapshot(groups: list[GroupRow], chats: list[dict[str, Any]], is_main
     return {"groups": out, "lastSync": now}
 
 
+def chats_snapshot(group: GroupRow, known: Mapping[str, Mapping[str, Any]],
+                   first: Mapping[str, str], now: str | None = None) -> dict[str, Any]:
+    """What chats.json holds for `group`: the chats it answers in (the first is where tasks
+    report and messages go by default), its session mode, and where else it may send.
+    `known`: the chats the host knows by jid; `first`: each group's first chat."""
+    mine = []
+    for n, jid in enumerate(group.all_chats):
+        c = known.get(jid) or {}
+        mine.append({"jid": jid, "name": c.get("name") or jid,
+                     "channel": c.get("channel") or jid.split(":", 1)[0],
+                     "lastActivity": c.get("last_activity"), "first": n == 0})
+    send_to = [{"group": d, "jid": first.get(d)} if d in first else {"jid": d}
+               for d in group.may_send_to]
+    return {"chats": mine, "session": group.session, "maySendTo": send_to,
+            "lastSync": now or to_iso(utc_now())}
+
+
 def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = None, *,
                     tasks: bool = True, groups: bool = True) -> list[str]:
-    """Rewrite current_tasks.json and/or available_groups.json for `folders` (None: every
-    registered group). Returns the folders written; a folder that cannot be written (absent,
-    swapped for a symlink) is logged and skipped."""
+    """Rewrite current_tasks.json and/or available_groups.json and chats.json for `folders`
+    (None: every registered group). Returns the folders written; a folder that cannot be
+    written (absent, swapped for a symlink) is logged and skipped."""
     all_groups = list_groups(db)
     task_rows = list_tasks(db) if tasks else []
     chats = list_chats(db) if groups else []
+    known = {c["jid"]: c for c in chats}
+    first = {g.folder: g.jid for g in all_groups if g.jid}
     now = to_iso(utc_now())
     # Each group's tasks in one pass, and each file's bytes made once per kind (main / other):
     # with 1,000 groups and 100,000 tasks, filtering the task list per group took seconds.
@@ -227,6 +251,8 @@ def write_snapshots(db: Database, layout: Layout, folders: set[str] | None = Non
                         groups_snapshot(all_groups, chats, g.is_main, now))
                 agentfs.atomic_write(fd, "available_groups.json", groups_bytes[g.is_main],
                                      durable=False)
+                agentfs.atomic_write(fd, "chats.json", _dump(
+                    chats_snapshot(g, known, first, now)), durable=False)
             written.append(g.folder)
         except OSError as e:
             log.warning("ipc: cannot write snapshots for %s: %s", g.folder, e)

@@ -182,9 +182,11 @@ def groups(d: DaemonView) -> list[dict[str, Any]]:
                             else "queued" if g.folder in queued else "idle")
         row["model"] = model_text(d, g.folder)
         row["failed_turns"] = turns.get(g.folder, 0)
-        row["last_activity"] = activity.get(g.jid or "")
-        row["chat_url"] = (f"/?jid={g.jid}" if g.jid and any(
-            ch.name == "http" and ch.owns_jid(g.jid) for ch in d.channels) else None)
+        seen = [activity[c] for c in g.all_chats if activity.get(c)]
+        row["last_activity"] = max(seen) if seen else None
+        web = next((c for c in g.all_chats if any(
+            ch.name == "http" and ch.owns_jid(c) for ch in d.channels)), None)
+        row["chat_url"] = f"/?jid={web}" if web else None
         out.append(row)
     return out
 

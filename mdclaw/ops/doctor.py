@@ -175,11 +175,19 @@ def _check_main_senders(results: list[dict[str, str]], cfg: Config, db_ready: bo
     if folder is None:
         return
     g = cfg.groups[folder]
-    known = known_group_chat(cfg, g.jid) if db_ready else None
-    group_chat = known if known is not None else jid_is_group_chat(g.jid)
-    source = "the chats table" if known is not None else "its jid"
-    warning = main_group_warning(folder, g.jid, group_chat=group_chat,
-                                 policy_set=g.allow_senders is not None, source=source)
+    # The main group's chats, each checked; the first that is a group chat warns.
+    group_chat: bool | None = False
+    warning = None
+    for chat in g.all_chats:
+        known = known_group_chat(cfg, chat) if db_ready else None
+        is_group = known if known is not None else jid_is_group_chat(chat)
+        source = "the chats table" if known is not None else "its jid"
+        if is_group is not False:
+            group_chat = is_group if group_chat is False else group_chat
+        warning = main_group_warning(folder, chat, group_chat=is_group,
+                                     policy_set=g.allow_senders is not None, source=source)
+        if warning:
+            break
     if warning:
         _check(results, "main_senders", "warn", warning,
                f"add allow_senders to groups.{folder} in the config")
@@ -189,7 +197,8 @@ def _check_main_senders(results: list[dict[str, str]], cfg: Config, db_ready: bo
                f"allowed sender id(s); messages of others are {others}")
     else:
         kind = "a private chat" if group_chat is False else "not known to be a group chat"
-        _check(results, "main_senders", "ok", f"main group {g.jid} is {kind}")
+        _check(results, "main_senders", "ok",
+               f"main group {', '.join(g.all_chats)} is {kind}")
 
 
 def _disk_checks(results: list[dict[str, str]], cfg: Config) -> None:

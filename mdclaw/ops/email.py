@@ -40,11 +40,13 @@ def unanswered_groups(cfg: Config) -> Iterable[str]:
     allowed = mail_senders(cfg)
     out = []
     for folder, g in cfg.groups.items():
-        if g.jid.startswith("mail:") and g.jid[5:].lower() not in allowed:
-            out.append(f"groups.{folder}.jid: {g.jid} is a mail chat, but "
-                       f"{g.jid[5:]} is neither in channels.email.allow_from nor a person's "
-                       "email identity: its mail never reaches the agent; add the address "
-                       "to one of them")
+        for jid in g.all_chats:
+            if jid.startswith("mail:") and jid[5:].lower() not in allowed:
+                key = "jid" if jid == g.jid else "chats"
+                out.append(f"groups.{folder}.{key}: {jid} is a mail chat, but "
+                           f"{jid[5:]} is neither in channels.email.allow_from nor a person's "
+                           "email identity: its mail never reaches the agent; add the address "
+                           "to one of them")
     return out
 
 

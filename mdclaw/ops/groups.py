@@ -14,6 +14,11 @@ def group_listing(g: GroupRow, refused: Refusals) -> dict[str, object]:
     policy = g.allow_senders
     row["allow_senders"] = ({"mode": policy.mode, "ids": len(policy.ids)}
                             if policy is not None else None)
+    # Every chat it answers in (the first is `jid`), its session mode with several, and
+    # where else its agent may send.
+    row["chats"] = list(g.all_chats)
+    row["session"] = g.session
+    row["may_send_to"] = list(g.may_send_to)
     row["refused"] = refused.count
     row["last_refused_at"] = refused.last_at
     return row

@@ -104,24 +104,26 @@ async def matrix_checks(cfg: Config) -> list[tuple[str, str, str, str]]:
             async with session.get(f"{base}/_matrix/client/v3/joined_rooms") as r:
                 joined = (await r.json(content_type=None) or {}).get("joined_rooms") or []
             for folder, g in cfg.groups.items():
-                if not g.jid.startswith("mx:"):
-                    continue
-                room = g.jid[3:]
-                name = f"matrix room {folder}"
-                url = (f"{base}/_matrix/client/v3/rooms/{quote(room, safe='')}/state/"
-                       "m.room.encryption")
-                async with session.get(url) as r:
-                    encrypted = r.status == 200
-                if encrypted:
-                    out.append((name, "fail", f"{g.jid} is end-to-end encrypted; the bot does "
-                                "not take part (it told the room and left)",
-                                ENCRYPTED_FIX.format(bot=mx.user_id, folder=folder)))
-                elif room not in joined:
-                    out.append((name, "fail", f"{mx.user_id} is not in {g.jid}",
-                                f"invite {mx.user_id} to the room from an account listed in "
-                                "channels.matrix.allow_invites_from"))
-                else:
-                    out.append((name, "ok", f"{mx.user_id} is in {g.jid} (not encrypted)", ""))
+                for jid in g.all_chats:
+                    if not jid.startswith("mx:"):
+                        continue
+                    room = jid[3:]
+                    name = f"matrix room {folder}"
+                    url = (f"{base}/_matrix/client/v3/rooms/{quote(room, safe='')}/state/"
+                           "m.room.encryption")
+                    async with session.get(url) as r:
+                        encrypted = r.status == 200
+                    if encrypted:
+                        out.append((name, "fail", f"{jid} is end-to-end encrypted; the bot "
+                                    "does not take part (it told the room and left)",
+                                    ENCRYPTED_FIX.format(bot=mx.user_id, folder=folder)))
+                    elif room not in joined:
+                        out.append((name, "fail", f"{mx.user_id} is not in {jid}",
+                                    f"invite {mx.user_id} to the room from an account listed "
+                                    "in channels.matrix.allow_invites_from"))
+                    else:
+                        out.append((name, "ok", f"{mx.user_id} is in {jid} (not encrypted)",
+                                    ""))
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         text = f"{type(e).__name__}: {e}".replace(token, "***")
         out.append(("matrix", "warn", f"the homeserver {base} did not answer: {text[:200]}",

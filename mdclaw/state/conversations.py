@@ -127,6 +127,18 @@ def messages_since(db: Database, chat_jid: str, after: int | None,
     return [_row(r) for r in reversed(rows)]
 
 
+def line_messages(db: Database, chats: Sequence[str], after: int | None,
+                  limit: int = 200) -> list[StoredMessage]:
+    """`messages_since` over every chat of `chats` (a group's conversation that reads several
+    chats): merged in the order of their seq (one order across chats, the host's), the newest
+    `limit`. Each chat is its own seek in idx_messages_chat_jid."""
+    if len(chats) == 1:
+        return messages_since(db, chats[0], after, limit)
+    merged = sorted((m for chat in chats for m in messages_since(db, chat, after, limit)),
+                    key=lambda m: m.seq)
+    return merged[-limit:] if limit else merged
+
+
 def _get_state(db: Database, key: str) -> str | None:
     r = db.query_one("SELECT value FROM router_state WHERE key = ?", (key,))
     return r[0] if r else None
@@ -151,32 +163,56 @@ def set_router_value(db: Database, key: str, value: str | None) -> None:
     _set_state(db, key, value)
 
 
-def _cursor_key(folder: str) -> str:
-    return f"agent_cursor:{folder}"
+def _cursor_key(folder: str, chat: str | None = None) -> str:
+    return f"agent_cursor:{folder}" if chat is None else f"agent_cursor:{folder}@{chat}"
 
 
-def get_cursor(db: Database, folder: str) -> int | None:
+def get_cursor(db: Database, folder: str, chat: str | None = None) -> int | None:
     """The group's cursor: the seq of the newest message whose turn is done (None: no
-    turn has been done yet)."""
-    value = _get_state(db, _cursor_key(folder))
+    turn has been done yet). `chat`: the cursor of that chat's own conversation (a group
+    with `session: per_chat`); a chat without one yet reads the group's."""
+    value = _get_state(db, _cursor_key(folder, chat))
+    if value is None and chat is not None:
+        value = _get_state(db, _cursor_key(folder))
     return int(value) if value is not None else None
 
 
-def set_cursor(db: Database, folder: str, seq: int | None) -> None:
-    """Move the group's cursor to `seq` (None: back to before the first message)."""
-    _set_state(db, _cursor_key(folder), None if seq is None else str(int(seq)))
+def set_cursor(db: Database, folder: str, seq: int | None, chat: str | None = None) -> None:
+    """Move the group's cursor (`chat`: that chat's conversation's) to `seq` (None: back to
+    before the first message)."""
+    _set_state(db, _cursor_key(folder, chat), None if seq is None else str(int(seq)))
 
 
-def get_session(db: Database, folder: str) -> str | None:
-    r = db.query_one("SELECT session_id FROM sessions WHERE group_folder = ?", (folder,))
+def has_own_cursor(db: Database, folder: str, chat: str) -> bool:
+    """`chat`'s conversation has a cursor of its own (not the group's)."""
+    return _get_state(db, _cursor_key(folder, chat)) is not None
+
+
+def newest_seq(db: Database, chat: str) -> int:
+    """The seq of the newest message stored in `chat` (0: none)."""
+    r = db.query_one("SELECT MAX(seq) FROM messages WHERE chat_jid = ?", (chat,))
+    return int(r[0]) if r and r[0] is not None else 0
+
+
+def session_key(folder: str, chat: str | None = None) -> str:
+    """Where a conversation's session id is kept: the group's folder, or `folder@chat` for
+    one chat's own conversation (`session: per_chat`)."""
+    return folder if chat is None else f"{folder}@{chat}"
+
+
+def get_session(db: Database, folder: str, chat: str | None = None) -> str | None:
+    r = db.query_one("SELECT session_id FROM sessions WHERE group_folder = ?",
+                     (session_key(folder, chat),))
     return r[0] if r else None
 
 
-def set_session(db: Database, folder: str, session_id: str | None) -> None:
+def set_session(db: Database, folder: str, session_id: str | None,
+                chat: str | None = None) -> None:
+    key = session_key(folder, chat)
     with db.transaction() as c:
         if session_id:
             c.execute("INSERT INTO sessions (group_folder, session_id) VALUES (?, ?) "
                       "ON CONFLICT(group_folder) DO UPDATE SET session_id = excluded.session_id",
-                      (folder, session_id))
+                      (key, session_id))
         else:
-            c.execute("DELETE FROM sessions WHERE group_folder = ?", (folder,))
+            c.execute("DELETE FROM sessions WHERE group_folder = ?", (key,))

@@ -26,6 +26,11 @@ _MESSAGE_TRANSCRIPT_ROW = """\
     WHERE g.jid = NEW.chat_jid AND b != '';
 """
 
+# The same row from migration 14 on: the group of any of its chats (group_chats).
+_MESSAGE_TRANSCRIPT_ROW_CHATS = _MESSAGE_TRANSCRIPT_ROW.replace(
+    "FROM registered_groups g,", "FROM group_chats g,")
+assert _MESSAGE_TRANSCRIPT_ROW_CHATS != _MESSAGE_TRANSCRIPT_ROW
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "original schema", """
 CREATE TABLE IF NOT EXISTS chats (
@@ -672,6 +677,43 @@ CREATE INDEX idx_action_jobs_status ON action_jobs(status, id);
 CREATE INDEX idx_action_jobs_finished ON action_jobs(finished_at);
 CREATE INDEX idx_action_jobs_approval ON action_jobs(approval_id) WHERE approval_id IS NOT NULL;
 """),
+    (14, "a group answers in several chats: every chat of a group, by jid", """
+-- Every chat a group answers in (registered_groups.jid stays its first). A chat belongs to
+-- one group: inbound routing looks the group of a chat up here. mdclaw/state/groups.py.
+CREATE TABLE group_chats (
+  jid TEXT PRIMARY KEY,
+  folder TEXT NOT NULL,
+  ord INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX idx_group_chats_folder ON group_chats(folder, ord);
+INSERT OR IGNORE INTO group_chats (jid, folder, ord)
+  SELECT jid, folder, 0 FROM registered_groups WHERE jid IS NOT NULL AND jid != '';
+
+-- The transcript (a group's searchable memory) takes the messages of each of its chats.
+DROP TRIGGER transcript_messages_ai;
+DROP TRIGGER transcript_messages_files_au;
+CREATE TRIGGER transcript_messages_ai AFTER INSERT ON messages WHEN NEW.files_pending = 0
+BEGIN
+""" + _MESSAGE_TRANSCRIPT_ROW_CHATS + """END;
+CREATE TRIGGER transcript_messages_files_au AFTER UPDATE OF files_pending ON messages
+WHEN OLD.files_pending = 1 AND NEW.files_pending = 0 BEGIN
+""" + _MESSAGE_TRANSCRIPT_ROW_CHATS + """END;
+DROP TRIGGER transcript_outbox_ai;
+CREATE TRIGGER transcript_outbox_ai AFTER INSERT ON outbox
+WHEN NEW.kind IN ('text', 'file') BEGIN
+  INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, group_folder,
+      chat_jid, sender, ts, body)
+    SELECT 'outbox', CAST(NEW.id AS TEXT), 'reply', 'out', f, NEW.chat_jid, NEW.sender,
+           NEW.created_at, b
+    FROM (SELECT COALESCE((SELECT folder FROM group_chats WHERE jid = NEW.chat_jid),
+                          NEW.source_group) AS f,
+                 CASE WHEN NEW.kind = 'file' AND NEW.file_name IS NOT NULL
+                      THEN COALESCE(NULLIF(NEW.text, '') || char(10), '') || '[file ' ||
+                           NEW.file_name || ']'
+                      ELSE COALESCE(NEW.text, '') END AS b)
+    WHERE f IS NOT NULL AND b != '';
+END;
+"""),  # noqa: S608 - fixed text: the message's transcript row, no value from outside
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -105,6 +105,8 @@ class FollowUp:
     name: str
     text: str
     sender_name: str | None = None
+    # The chat it came from (a group with several chats): the tools answer there by default.
+    chat_jid: str | None = None
 
 
 def follow_up_text(body: Any) -> tuple[str, str | None]:
@@ -199,7 +201,9 @@ class InputWatcher:
                 self._reject(path)
                 continue
             _unlink_quietly(path)
-            found.append(FollowUp(name=name, text=text, sender_name=sender))
+            chat = body.get("chat_jid") if isinstance(body, dict) else None
+            found.append(FollowUp(name=name, text=text, sender_name=sender,
+                                  chat_jid=chat if isinstance(chat, str) and chat else None))
         return saw_close
 
     def _reject(self, path: Path) -> None:

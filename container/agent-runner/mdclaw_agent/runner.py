@@ -26,16 +26,28 @@ log = logging.getLogger("mdclaw_agent")
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 
 
-def make_backend(inp: ContainerInput, settings: Settings, base_url: str):  # noqa: ANN201
+def make_backend(inp: ContainerInput, settings: Settings, base_url: str,  # noqa: ANN201
+                 ctx: ToolContext | None = None):
     """The backend for `inp.backend`, talking to the model API at `base_url` (the root the
-    proxy serves: `/v1/...` paths below it)."""
-    ctx = ToolContext(ipc_dir=settings.ipc_dir, group_folder=inp.group_folder,
+    proxy serves: `/v1/...` paths below it). `ctx`: the tools' context (made from `inp`
+    when not given)."""
+    ctx = ctx or make_context(inp, settings)
+    system = system_prompt(inp, settings.group_dir, settings.global_dir)
+    return _backend(inp, settings, base_url, ctx, system)
+
+
+def make_context(inp: ContainerInput, settings: Settings) -> ToolContext:
+    """What the tools know about this container."""
+    return ToolContext(ipc_dir=settings.ipc_dir, group_folder=inp.group_folder,
                       chat_jid=inp.chat_jid, is_main=inp.is_main, group_dir=settings.group_dir,
                       action_timeout=settings.action_timeout_seconds,
                       global_dir=settings.global_dir, extra_dir=settings.extra_dir,
                       tool_timeout_max=settings.tool_timeout_max,
                       web_timeout=settings.web_timeout_seconds)
-    system = system_prompt(inp, settings.group_dir, settings.global_dir)
+
+
+def _backend(inp: ContainerInput, settings: Settings, base_url: str,  # noqa: ANN202
+             ctx: ToolContext, system: str):
     if inp.backend == "openai":
         from mdclaw_agent.backends.openai import OpenAIBackend
 
@@ -104,7 +116,8 @@ def run(inp: ContainerInput, settings: Settings) -> int:
     watcher = None if inp.is_scheduled_task else InputWatcher(
         settings.ipc_dir / "input", settings.input_poll_seconds)
     base_url, fwd = _model_root(settings)
-    backend = make_backend(inp, settings, base_url)
+    ctx = make_context(inp, settings)
+    backend = make_backend(inp, settings, base_url, ctx)
     try:
         try:
             backend.start()
@@ -125,6 +138,7 @@ def run(inp: ContainerInput, settings: Settings) -> int:
                 return 0
         for follow_up in watcher:
             log.info("follow-up %s", follow_up.name)
+            ctx.answer_in(follow_up.chat_jid)  # its answer goes where it came from
             try:
                 res = backend.turn(follow_up.text)
             except Exception as e:  # noqa: BLE001 - the conversation goes on

@@ -41,6 +41,18 @@ class ToolContext:
     tool_timeout_max: float = 600.0
     # How long a web_fetch / web_search waits for the host's answer.
     web_timeout: float = 60.0
+    # The chat of the message being answered, when a follow-up came from another chat of
+    # the group than `chat_jid` (the runner sets it): the tools' default target.
+    answering: list[str] = field(default_factory=list)
+
+    def default_chat(self) -> str:
+        """Where a message or file goes when the agent names no chat: the chat of the
+        message it answers."""
+        return self.answering[-1] if self.answering else self.chat_jid
+
+    def answer_in(self, chat: str | None) -> None:
+        """The turn now answered came from `chat` (None: the first prompt's chat)."""
+        self.answering[:] = [chat] if chat else []
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,20 @@ def _body(ctype: str, args: dict[str, Any], **values: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- writers
 
 
+def _target(ctx: ToolContext, a: dict[str, Any]) -> str | None:
+    """The chat a message or file goes to: the one named, none when a group is named (the
+    host picks its chat), else the chat of the message being answered."""
+    return a.get("chat_jid") or (None if a.get("group") else ctx.default_chat())
+
+
+def _where(body: dict[str, Any]) -> str:
+    return body.get("chat_jid") or f"group {body.get('group')}"
+
+
 def _send_message(ctx: ToolContext, a: dict[str, Any]) -> str:
-    body = _body("message", a, chat_jid=a.get("chat_jid") or ctx.chat_jid)
+    body = _body("message", a, chat_jid=_target(ctx, a))
     write_command(ctx, "messages", body)
-    return f"Message queued for delivery to {body['chat_jid']}."
+    return f"Message queued for delivery to {_where(body)}."
 
 
 def _container_path(ctx: ToolContext, given: str) -> Path:
@@ -92,14 +102,13 @@ def _send_file(ctx: ToolContext, a: dict[str, Any]) -> str:
         wire_path = "/workspace/group/" + path.relative_to(ctx.group_dir).as_posix()
     except ValueError:
         wire_path = str(path)
-    body = _body("send_file", a, chat_jid=a.get("chat_jid") or ctx.chat_jid,
-                 file_path=wire_path)
+    body = _body("send_file", a, chat_jid=_target(ctx, a), file_path=wire_path)
     write_command(ctx, "messages", body)
-    return f"File {path.name} queued for delivery to {body['chat_jid']}."
+    return f"File {path.name} queued for delivery to {_where(body)}."
 
 
 def _react(ctx: ToolContext, a: dict[str, Any]) -> str:
-    body = _body("react", a, chat_jid=a.get("chat_jid") or ctx.chat_jid)
+    body = _body("react", a, chat_jid=a.get("chat_jid") or ctx.default_chat())
     write_command(ctx, "messages", body)
     return f"Reaction {a['emoji']} queued for message {a['message_id']}."
 
@@ -177,6 +186,24 @@ def _list_groups(ctx: ToolContext, a: dict[str, Any]) -> str:
         state = "" if reg is None else (" (registered)" if reg else " (not registered)")
         folder = f", folder {g['folder']}" if g.get("folder") else ""
         lines.append(f"- {g.get('name')} — {g.get('jid')}{folder}{state}")
+    return "\n".join(lines)
+
+
+def _list_chats(ctx: ToolContext, a: dict[str, Any]) -> str:
+    snap = _read_snapshot(ctx, "chats.json")
+    if not isinstance(snap, dict) or not snap.get("chats"):
+        return f"This group answers in {ctx.chat_jid}."
+    lines = [f"This group answers in {len(snap['chats'])} chat(s) "
+             f"(session: {snap.get('session', 'shared')}):"]
+    for c in snap["chats"]:
+        if isinstance(c, dict):
+            first = " (first: tasks report here)" if c.get("first") else ""
+            lines.append(f"- {c.get('jid')}: {c.get('name')}, {c.get('channel')}{first}")
+    dests = [d for d in snap.get("maySendTo") or () if isinstance(d, dict)]
+    if dests:
+        lines.append("You may also send messages and files to:")
+        lines.extend(f"- group {d['group']} ({d.get('jid')})" if d.get("group")
+                     else f"- {d.get('jid')}" for d in dests)
     return "\n".join(lines)
 
 
@@ -316,7 +343,13 @@ def _ask_agent(ctx: ToolContext, a: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- registry
 
 _TASK_ID = "The task id, as list_tasks shows it."
-_CHAT = "Target chat id; default: this group's chat. Only the main group may name another."
+_CHAT = ("Target chat id; default: the chat of the message you are answering. Another "
+         "group's chat only when the host allows it (chats.json lists yours and where you "
+         "may send).")
+_GROUP = ("Instead of chat_jid: the name of a group to send to (its first chat), when the "
+          "host allows it (chats.json: maySendTo).")
+_TASK_CHAT = ("The chat the task reports to: one of this group's chats (chats.json); "
+              "default its first.")
 
 
 def _or(values: tuple[str, ...]) -> str:
@@ -329,7 +362,7 @@ def _task_schema(ctype: str) -> dict[str, Any]:
 
 _IPC_TOOLS: tuple[Tool, ...] = (
     Tool("send_message", "Send a text message to the chat now (also while you keep working).",
-         _command_schema("message", text="The message text.", chat_jid=_CHAT,
+         _command_schema("message", text="The message text.", chat_jid=_CHAT, group=_GROUP,
                          sender="Optional display name to send as.",
                          reply_to="Optional id of the message to reply to."),
          _send_message),
@@ -338,7 +371,7 @@ _IPC_TOOLS: tuple[Tool, ...] = (
          _command_schema("send_file", file_path="Path of the file, absolute or relative to "
                                                 "the group folder.",
                          file_name="Name shown to the recipient.",
-                         caption="Optional caption.", chat_jid=_CHAT),
+                         caption="Optional caption.", chat_jid=_CHAT, group=_GROUP),
          _send_file),
     Tool("react", "React to a chat message with an emoji.",
          _command_schema("react", message_id="Id of the message to react to.",
@@ -356,7 +389,7 @@ _IPC_TOOLS: tuple[Tool, ...] = (
                                       "a fresh session.",
                          task_id="Optional id to give the task (letters, digits, _ . : -).",
                          timezone="IANA timezone for the schedule; default the assistant's.",
-                         chat_jid=_CHAT),
+                         chat_jid=_TASK_CHAT),
          _schedule_task),
     Tool("update_task", "Change a scheduled task's prompt or schedule.",
          _command_schema("update_task", task_id=_TASK_ID, prompt="New prompt.",
@@ -375,6 +408,8 @@ _IPC_TOOLS: tuple[Tool, ...] = (
     Tool("delete_task", "Delete a task and its run history permanently.",
          _task_schema("delete_task"), _task_op("delete_task", "deletion")),
     Tool("list_tasks", "List the scheduled tasks you can see.", _schema([]), _list_tasks),
+    Tool("list_chats", "List the chats this group answers in and where else it may send "
+         "messages and files.", _schema([]), _list_chats),
     Tool("memory_search", "Search the group's memory files and past sessions.",
          _schema(["query"], query=_s("What to look for."),
                  top_k={"type": "integer", "description": "How many matches (default 5)."},

@@ -325,6 +325,7 @@ const views = {
       { label: "failed turns (24\u00a0h)", num: true, cell: (g) => g.failed_turns ? el("span", { class: "bad", text: String(g.failed_turns) }) : "0" },
       { label: "container", key: "container", cls: "nowrap" },
       { label: "chat", cls: "nowrap", cell: (g) => g.chat_url ? el("a", { href: g.chat_url, text: "open chat" }) : (g.jid || "-") },
+      { label: "chats", cell: (g) => (g.chats || []).length > 1 ? g.chats.join(", ") + " (" + g.session + ")" : "-" },
     ], gs, "no groups registered"));
   },
 
