@@ -468,18 +468,17 @@ class IpcEngine:
     INLINE_REMOVALS = 4
 
     def _remove_if_same(self, items: list[Item]) -> None:
-        if self.remover is not None and len(items) > self.INLINE_REMOVALS:
-            self.remover.submit([((it.folder, it.sub, it.name), it.dir_fd, it.gen)
-                                 for it in items])
+        if self.remover is not None:
+            files = [((it.folder, it.sub, it.name), it.dir_fd, it.gen) for it in items]
+            if len(items) <= self.INLINE_REMOVALS and self.remover.call_soon is not None:
+                # On the loop, once what this round handed to the outbox has gone out: an
+                # unlink that waits for the journal does not delay a send.
+                self.remover.submit_soon(files)
+            else:
+                self.remover.submit(files)
             return
         for it in items:
-            if self.remover is None:
-                remove_if_same(it.dir_fd, it.name, it.gen)
-                continue
-            try:
-                remove_if_same(it.dir_fd, it.name, it.gen)
-            except OSError as e:  # as the remover: finished through the ledger after restart
-                log.warning("ipc: cannot remove %s/%s/%s: %s", it.folder, it.sub, it.name, e)
+            remove_if_same(it.dir_fd, it.name, it.gen)
 
     def _spool_now(self) -> None:
         spool_pending(self.cfg, self.db, self.layout)
@@ -1013,6 +1012,9 @@ class BackgroundRemover:
 
     def __init__(self) -> None:
         self.keys: set[tuple[str, str, str]] = set()
+        # The event loop's call_soon while the watcher runs: a round with few files removes
+        # them itself (submit_soon), a wake-up of this thread costing more than the unlinks.
+        self.call_soon: Callable[..., object] | None = None
         self._q: queue.SimpleQueue[
             tuple[list[tuple[tuple[str, str, str], int, str]], list[int]] | None] = (
             queue.SimpleQueue())
@@ -1023,8 +1025,22 @@ class BackgroundRemover:
     def submit(self, files: list[tuple[tuple[str, str, str], int, str]]) -> None:
         """Queue the removal of files (key=(folder, sub, name), the open folder's fd, the
         generation read): one job for a batch's files, one wake-up of the thread."""
+        job = self._job(files)
+        if job is not None:
+            self._q.put(job)
+
+    def submit_soon(self, files: list[tuple[tuple[str, str, str], int, str]]) -> None:
+        """Remove files as submit() does, but on the event loop at its next turn (call_soon):
+        hidden from listings until then, like the thread's."""
+        job = self._job(files)
+        if job is not None:
+            assert self.call_soon is not None
+            self.call_soon(self._remove, *job)
+
+    def _job(self, files: list[tuple[tuple[str, str, str], int, str]]
+             ) -> tuple[list[tuple[tuple[str, str, str], int, str]], list[int]] | None:
         if not files:
-            return
+            return None
         dups: dict[int, int] = {}
         jobs = []
         for key, dir_fd, gen in files:
@@ -1035,26 +1051,29 @@ class BackgroundRemover:
             jobs.append((key, fd, gen))
         with self._cond:
             self.keys.update(key for key, _, _ in files)
-        self._q.put((jobs, list(dups.values())))
+        return jobs, list(dups.values())
+
+    def _remove(self, files: list[tuple[tuple[str, str, str], int, str]],
+                fds: list[int]) -> None:
+        try:
+            for key, fd, gen in files:
+                try:
+                    remove_if_same(fd, key[2], gen)
+                except OSError as e:
+                    log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            with self._cond:
+                self.keys.difference_update(key for key, _, _ in files)
+                self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
-            files, fds = job
-            try:
-                for key, fd, gen in files:
-                    try:
-                        remove_if_same(fd, key[2], gen)
-                    except OSError as e:
-                        log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-                with self._cond:
-                    self.keys.difference_update(key for key, _, _ in files)
-                    self._cond.notify_all()
+            self._remove(*job)
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every queued removal is done. False on timeout."""

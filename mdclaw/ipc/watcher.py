@@ -346,6 +346,7 @@ class IpcWatcher:
                  "inotify" if self.inotify is not None else "polling only", self.poll_interval)
         stop_task = asyncio.ensure_future(stop.wait())
         stop_task.add_done_callback(lambda _: self._ring())
+        self.remover.call_soon = loop.call_soon
         self._next_poll = time.monotonic() + self.poll_interval
         next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
         try:
@@ -373,6 +374,7 @@ class IpcWatcher:
                 if not stop.is_set():
                     await self._sleep(max(0.0, self._next_poll - now))
         finally:
+            self.remover.call_soon = None
             stop_task.cancel()
             if self.inotify is not None:
                 loop.remove_reader(self.inotify.fd)
