@@ -399,11 +399,13 @@ class IpcEngine:
                 "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
                 " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)", ledger)
         committed = time.perf_counter() - picked
-        if self.on_commit is not None:
-            self.on_commit(items)
+        # The rows written claimed go to the worker first: nothing else sends them (until
+        # a restart's recover()), so no hook of the caller's may stand in their way.
         direct = [it.direct for it in items if it.direct is not None]
         if direct and self.outbox is not None:
             self.outbox.hand_off(direct)
+        if self.on_commit is not None:
+            self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
         done: dict[tuple[str, str], set[str]] = {}
         removals: list[Item] = []
