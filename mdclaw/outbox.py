@@ -124,6 +124,9 @@ class OutboxWorker:
         self._marks: list[OutboxRow] = []  # delivered, `sent` mark not yet written
         self._releases: list[OutboxRow] = []  # claimed, not tried: back to pending
         self._flush_at: asyncio.Handle | None = None
+        self._active: dict[str, asyncio.Task[int]] = {}  # the drain under way, by chat
+        self._parted: set[int] = set()  # rows whose parts were recorded (outbox_progress)
+        self._wakes = 0  # wake() calls so far (a drain that saw none has no rows to look for)
         self._retry_at = 0.0  # monotonic time before which a failed round is not retried
 
     @property
@@ -187,6 +190,7 @@ class OutboxWorker:
 
     def wake(self) -> None:
         """Look for due rows now (call after enqueueing)."""
+        self._wakes += 1
         self._wake.set()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -213,44 +217,78 @@ class OutboxWorker:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    # ------------------------------------------------------------------ hand-off
+    def accepts(self, jid: str) -> bool:
+        """True if a new row of chat `jid` may be written already claimed and handed to this
+        worker after COMMIT (hand_off) instead of waiting for its next look: the worker runs,
+        no drain of the chat is under way and its channel is connected. The writer checks in
+        its own transaction that the chat has no unfinished row (has_open_rows), so the row
+        is the chat's next in order."""
+        if self._task is None or self._stopping or jid in self._active:
+            return False
+        ch = channel_for(self.channels, jid)
+        return ch is not None and ch.is_connected()
+
+    def hand_off(self, rows: list[OutboxRow]) -> None:
+        """Deliver rows committed already claimed (`sending`, a try counted: enqueue with
+        `claimed`), each the only unfinished row of its chat, at once: no look for due rows
+        and no claim of their own. Each is given as the worker holds a row it claimed: as
+        it was before the claim (`pending`, its earlier tries). Their `sent` marks are
+        written as any delivery's. If the worker stops first, they stay `sending` and
+        recover() puts them back to pending."""
+        for row in rows:
+            if self._task is None or self._stopping or row.chat_jid in self._active:
+                # Not expected (accepts() said yes in this turn of the loop): the row stays
+                # `sending` until recover(); make sure that comes.
+                log.warning("outbox: message %d handed over while it cannot be taken; it is "
+                            "sent after the next start", row.id)
+                continue
+            self._start_drain(row, 1, claimed=[row])
+
+    # ------------------------------------------------------------------ worker
+    def _start_drain(self, head: OutboxRow, n: int | None,
+                     claimed: list[OutboxRow] | None = None) -> None:
+        task = asyncio.create_task(self._drain_chat(head, n, ROUND_PER_CHAT, first=claimed))
+        self._active[head.chat_jid] = task
+        task.add_done_callback(functools.partial(
+            self._drain_ended, head.chat_jid, self._wakes if claimed else None))
+
+    def _drain_ended(self, jid: str, wakes: int | None, task: asyncio.Task[int]) -> None:
+        self._active.pop(jid, None)
+        if task.cancelled() or self._stopping:
+            return
+        if wakes == self._wakes and task.exception() is None and task.result() == 1:
+            # A handed-over row, delivered, and nobody queued a row since (whoever does
+            # wakes the worker): the chat has nothing more to look for.
+            return
+        if task.exception() is not None:
+            log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
+                      task.exception())
+            self._retry_at = time.monotonic() + 1.0
+            self.wake()
+            return
+        # Rows the chat got while its drain ran: look at this chat alone (a seek in its
+        # index), not at every chat's head (a walk of every unfinished row).
+        try:
+            head = self._head(jid)
+        except Exception:  # noqa: BLE001 - a locked database: the full look finds it
+            log.exception("outbox: looking for more rows of %s failed", jid)
+            self.wake()
+            return
+        if head is None:
+            return
+        if (head.status == "pending" and not head.waiting_for_copy
+                and (head.next_attempt_at or "") <= now_iso()):
+            self._start_drain(head, None)
+        else:
+            self.wake()  # it waits (a retry later, a copy): the full look times it
+
     async def _run(self) -> None:
         # Each chat with due rows gets a drain of its own (at most ROUND_PER_CHAT rows, then
         # a new one if more is due): a flooded chat does not hold back rows of chats that
         # get theirs meanwhile, and a chat's new rows do not wait for other chats' drains.
-        active: dict[str, asyncio.Task[int]] = {}
+        active = self._active
         cancelled = False
-
-        def drain(head: OutboxRow, n: int | None) -> None:
-            task = asyncio.create_task(self._drain_chat(head, n, ROUND_PER_CHAT))
-            active[head.chat_jid] = task
-            task.add_done_callback(functools.partial(ended, head.chat_jid))
-
-        def ended(jid: str, task: asyncio.Task[int]) -> None:
-            active.pop(jid, None)
-            if task.cancelled() or self._stopping:
-                return
-            if task.exception() is not None:
-                log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
-                          task.exception())
-                self._retry_at = time.monotonic() + 1.0
-                self.wake()
-                return
-            # Rows the chat got while its drain ran: look at this chat alone (a seek in its
-            # index), not at every chat's head (a walk of every unfinished row).
-            try:
-                head = self._head(jid)
-            except Exception:  # noqa: BLE001 - a locked database: the full look finds it
-                log.exception("outbox: looking for more rows of %s failed", jid)
-                self.wake()
-                return
-            if head is None:
-                return
-            if (head.status == "pending" and not head.waiting_for_copy
-                    and (head.next_attempt_at or "") <= now_iso()):
-                drain(head, None)
-            else:
-                self.wake()  # it waits (a retry later, a copy): the full look times it
-
         try:
             while not self._stopping:
                 self._wake.clear()
@@ -259,7 +297,7 @@ class OutboxWorker:
                     if time.monotonic() >= self._retry_at:
                         heads, due_in = self._due_heads(busy=set(active))
                         for head, n in heads:
-                            drain(head, n)
+                            self._start_drain(head, n)
                 except Exception:  # noqa: BLE001 - the worker must not die: a locked database
                     log.exception("outbox: delivery round failed; trying again shortly")
                     self._retry_at = time.monotonic() + 1.0
@@ -362,7 +400,8 @@ class OutboxWorker:
         return [_to_row(r) for r in rows]
 
     async def _drain_chat(self, head: OutboxRow, unfinished: int | None,
-                          limit: int | None = None) -> int:
+                          limit: int | None = None,
+                          first: list[OutboxRow] | None = None) -> int:
         """Deliver the chat's rows in order, from `head` (its oldest unfinished row; the
         chat had `unfinished` such rows; None: unknown), until one is not due, waits or fails
         (or `limit` were delivered).
@@ -374,10 +413,13 @@ class OutboxWorker:
         on the network, the end of the drain), so a crash sends again at most the rows
         delivered since the drain last waited: at most BATCH per chat, and only the row in
         flight when the chat service's send waits on the network. Claimed rows not yet tried
-        go back to `pending` (their try not counted) when the drain stops early."""
+        go back to `pending` (their try not counted) when the drain stops early. `first`:
+        rows written claimed already (hand_off), delivered first."""
         jid = head.chat_jid
-        done = taken = 0
-        claimed: collections.deque[OutboxRow] = collections.deque()  # `sending`, not tried
+        done = 0
+        taken = len(first or ())
+        # `sending`, not tried
+        claimed: collections.deque[OutboxRow] = collections.deque(first or ())
         async with self._sem:
             after = head.id - 1
             ch = channel_for(self.channels, jid)
@@ -473,7 +515,11 @@ class OutboxWorker:
             with self.db.transaction() as c:
                 if marks:
                     c.executemany(_SENT_SQL, [(now, now, r.id) for r in marks])
-                    c.executemany(_PROGRESS_SQL, [(r.id,) for r in marks])
+                    # Progress rows exist only for texts sent in parts: rows tried before
+                    # (an earlier attempt may have left one) or split this time.
+                    parts = [(r.id,) for r in marks if r.attempts or r.id in self._parted]
+                    if parts:
+                        c.executemany(_PROGRESS_SQL, parts)
                 if releases:
                     c.executemany(_RELEASE_SQL, [(now, r.id) for r in releases])
                 for rows, _ in claims:
@@ -504,6 +550,7 @@ class OutboxWorker:
             if not fut.done():
                 fut.set_result(rows)
         for row in marks:
+            self._parted.discard(row.id)
             log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
                      row.attempts + 1)
             if self.on_sent is not None:
@@ -528,6 +575,7 @@ class OutboxWorker:
         return int(r[0]) if r else 0
 
     def _set_parts_sent(self, row_id: int, n: int) -> None:
+        self._parted.add(row_id)
         with self.db.transaction() as c:
             c.execute("INSERT INTO outbox_progress (outbox_id, parts_sent) VALUES (?, ?) "
                       "ON CONFLICT(outbox_id) DO UPDATE SET parts_sent = excluded.parts_sent",

@@ -214,6 +214,7 @@ class Daemon:
         # IPC: applied commands wake the outbox and the scheduler at once.
         self.watcher = IpcWatcher(live, db)
         self.watcher.engine.on_commit = self._after_ipc_commit
+        self.watcher.engine.outbox = outbox  # messages to idle chats go to it directly
         # People's decisions (buttons, reply codes, admit cards): the IPC loop carries them
         # out (engine.settle), the action worker runs or refuses what they released.
         self.decider = Decider(live, db, decided=self.wake_approvals)
@@ -332,9 +333,13 @@ class Daemon:
         return await asyncio.to_thread(tokens_on_day, self.db, folder, now_iso()[:10])
 
     def _after_ipc_commit(self, items: list[Any]) -> None:
-        if self.outbox is not None:
+        # A batch whose every file was a message or reaction handed to the outbox worker
+        # (Item.direct) needs no look of the worker's; one of messages and reactions alone
+        # changed no task: the scheduler sleeps on (it is woken for anything else).
+        if self.outbox is not None and not all(it.direct is not None for it in items):
             self.outbox.wake()
-        if self.scheduler is not None:
+        if self.scheduler is not None and not all(
+                it.outcome == "applied" and it.ctype in ("message", "react") for it in items):
             self.scheduler.wake()
 
     def _after_ipc_poll(self, db_changed: bool) -> None:

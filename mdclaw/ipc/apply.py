@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from mdclaw import agentfs, metrics, schedule
 from mdclaw.approvals import flow as approvals
@@ -74,9 +74,9 @@ from mdclaw.ipc.writers import write_action_result, write_snapshots
 from mdclaw.paths import Layout
 from mdclaw.people import People
 from mdclaw.schedule import to_iso, utc_now
-from mdclaw.state import Database
+from mdclaw.state import Database, now_iso
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
-from mdclaw.state.outbox import enqueue
+from mdclaw.state.outbox import OutboxRow, enqueue, has_open_rows
 from mdclaw.state.tasks import (
     TaskError,
     cancel_task,
@@ -118,6 +118,10 @@ class Item:
     outcome: str = ""  # applied | rejected | gone | done (already in the ledger)
     ledger_outcome: str = ""
     held: int | None = None  # the approval it waits for (consumed, not applied yet)
+    # The outbox row it wrote already claimed, handed to the worker after COMMIT (only for
+    # files of a batch: `handoff`; never for an approved command carried out by settle).
+    handoff: bool = False
+    direct: OutboxRow | None = None
 
     @property
     def ledger_name(self) -> str:
@@ -126,6 +130,15 @@ class Item:
     @property
     def ctype(self) -> str | None:
         return getattr(self.cmd, "type", None)
+
+
+class DirectOutbox(Protocol):
+    """What the engine needs of the outbox worker to hand it a row it just committed
+    (mdclaw.outbox.OutboxWorker)."""
+
+    def accepts(self, jid: str) -> bool: ...
+
+    def hand_off(self, rows: list[OutboxRow]) -> None: ...
 
 
 @dataclass
@@ -190,6 +203,10 @@ class IpcEngine:
         self.spool: Callable[[], None] = self._spool_now
         # Called with the batch's items right after COMMIT (benchmarks time commits with it).
         self.on_commit: Callable[[list[Item]], None] | None = None
+        # The daemon's outbox worker: a message or reaction to a chat with nothing else
+        # unfinished is written already claimed and handed to it after COMMIT (Item.direct),
+        # so it goes out without the worker's look for due rows and claim transaction.
+        self.outbox: DirectOutbox | None = None
         # Called after a COMMIT that queued off-loop action jobs (the ActionWorker's wake).
         self.on_jobs: Callable[[], None] | None = None
         # Called with the approvals a settle pass carried out (the daemon: admitted senders'
@@ -286,12 +303,13 @@ class IpcEngine:
             # One private fd per folder and batch: if the container swaps the folder while
             # the batch runs, every file of the batch is still finished in the folder it was
             # read from (the engine's own fd may be closed and its number reused meanwhile).
-            fd = self.dirs[folder].dir_fd(sub)
+            # As the listing that found the file checked it, in this same round.
+            fd = self.dirs[folder].checked_fd(sub)
             fds[key] = None if fd is None else os.dup(fd)
         fd = fds[key]
         if fd is None:
             return None
-        item = Item(folder, sub, name, fd)
+        item = Item(folder, sub, name, fd, handoff=True)
         try:
             data = read_command_file(fd, name)
         except Vanished:
@@ -367,6 +385,8 @@ class IpcEngine:
                         log.exception("ipc: internal error applying %s/%s/%s", it.folder,
                                       it.sub, it.name)
                         it.reason = f"internal error: {type(e).__name__}: {e}"
+                    if it.reason is not None:
+                        it.direct = None  # its row, if any, is not written
                     if savepoint:
                         if it.reason is not None:
                             conn.execute("ROLLBACK TO cmd")
@@ -380,6 +400,11 @@ class IpcEngine:
                 "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
                 " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)", ledger)
         committed = time.perf_counter() - picked
+        # The rows written claimed go to the worker first: nothing else sends them (until
+        # a restart's recover()), so no hook of the caller's may stand in their way.
+        direct = [it.direct for it in items if it.direct is not None]
+        if direct and self.outbox is not None:
+            self.outbox.hand_off(direct)
         if self.on_commit is not None:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
@@ -440,13 +465,23 @@ class IpcEngine:
                     hits[(folder, r[0], r[1])] = (r[2], r[3])
         return hits
 
+    # A round with at most this many files to remove removes them itself: handing a file
+    # or two to the remover's thread (a queue put, a thread wake-up, the lock for its keys)
+    # costs more CPU than the unlink; a burst's larger rounds still hand theirs over.
+    INLINE_REMOVALS = 4
+
     def _remove_if_same(self, items: list[Item]) -> None:
         if self.remover is not None:
-            self.remover.submit([((it.folder, it.sub, it.name), it.dir_fd, it.gen)
-                                 for it in items])
-        else:
-            for it in items:
-                remove_if_same(it.dir_fd, it.name, it.gen)
+            files = [((it.folder, it.sub, it.name), it.dir_fd, it.gen) for it in items]
+            if len(items) <= self.INLINE_REMOVALS and self.remover.call_soon is not None:
+                # On the loop, once what this round handed to the outbox has gone out: an
+                # unlink that waits for the journal does not delay a send.
+                self.remover.submit_soon(files)
+            else:
+                self.remover.submit(files)
+            return
+        for it in items:
+            remove_if_same(it.dir_fd, it.name, it.gen)
 
     def _spool_now(self) -> None:
         spool_pending(self.cfg, self.db, self.layout)
@@ -649,14 +684,14 @@ class IpcEngine:
             chat, other = self._send_chat(caller, cmd, jid_to_folder, "message")
             if held(P.to_canonical_json(cmd), other):
                 return
-            enqueue(conn, chat_jid=chat, kind="text", text=cmd.text, sender=cmd.sender,
-                    reply_to=cmd.reply_to, source_group=caller.folder)
+            self._enqueue(conn, it, chat_jid=chat, kind="text", text=cmd.text,
+                          sender=cmd.sender, reply_to=cmd.reply_to, source_group=caller.folder)
         elif isinstance(cmd, P.React):
             chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "react")
             if held(P.to_canonical_json(cmd), chat not in caller.own_chats):
                 return
-            enqueue(conn, chat_jid=chat, kind="reaction", message_id=cmd.message_id,
-                    emoji=cmd.emoji, source_group=caller.folder)
+            self._enqueue(conn, it, chat_jid=chat, kind="reaction", message_id=cmd.message_id,
+                          emoji=cmd.emoji, source_group=caller.folder)
         elif isinstance(cmd, P.SendFile):
             chat, other = self._send_chat(caller, cmd, jid_to_folder, "send_file")
             # Checked here (no read); copied by the spooler, off the loop and outside this
@@ -698,6 +733,31 @@ class IpcEngine:
             self._action(conn, it, caller, cmd, fx, approved=approved)
         else:  # pragma: no cover - the union is exhaustive
             raise ApplyError(f"no handler for {cmd.type}")
+
+    def _enqueue(self, conn: sqlite3.Connection, it: Item, *, chat_jid: str, kind: str,
+                 text: str | None = None, message_id: str | None = None,
+                 emoji: str | None = None, reply_to: str | None = None,
+                 sender: str | None = None, source_group: str | None = None) -> None:
+        """The outbox row of a message or reaction; written claimed and kept on `it` for
+        the worker (Item.direct) when the worker takes the chat now and the chat has no
+        unfinished row (an earlier row of this batch included): the row is then the chat's
+        next in order, and nothing else sends it. A crash before it is sent leaves it
+        `sending`: the worker's recover() at start sends it then, as any interrupted row."""
+        claimed = (it.handoff and self.outbox is not None and self.outbox.accepts(chat_jid)
+                   and not has_open_rows(conn, chat_jid))
+        now = now_iso()
+        row_id = enqueue(conn, chat_jid=chat_jid, kind=kind, text=text,
+                         message_id=message_id, emoji=emoji, reply_to=reply_to,
+                         sender=sender, source_group=source_group, claimed=claimed, now=now)
+        if claimed:
+            # As the worker holds a row it claimed: the row as it was before its claim
+            # (the try being made is attempts + 1).
+            it.direct = OutboxRow(
+                id=row_id, chat_jid=chat_jid, kind=kind, text=text, file_path=None,
+                file_name=None, message_id=message_id, emoji=emoji, reply_to=reply_to,
+                sender=sender, source_group=source_group, status="pending", attempts=0,
+                next_attempt_at=now, last_error=None, created_at=now, updated_at=now,
+                sent_at=None)
 
     def _hold(self, conn: sqlite3.Connection, it: Item, fx: Effects, request: Request,
               rule: Rule | None = None) -> bool:
@@ -970,6 +1030,9 @@ class BackgroundRemover:
 
     def __init__(self) -> None:
         self.keys: set[tuple[str, str, str]] = set()
+        # The event loop's call_soon while the watcher runs: a round with few files removes
+        # them itself (submit_soon), a wake-up of this thread costing more than the unlinks.
+        self.call_soon: Callable[..., object] | None = None
         self._q: queue.SimpleQueue[
             tuple[list[tuple[tuple[str, str, str], int, str]], list[int]] | None] = (
             queue.SimpleQueue())
@@ -980,8 +1043,22 @@ class BackgroundRemover:
     def submit(self, files: list[tuple[tuple[str, str, str], int, str]]) -> None:
         """Queue the removal of files (key=(folder, sub, name), the open folder's fd, the
         generation read): one job for a batch's files, one wake-up of the thread."""
+        job = self._job(files)
+        if job is not None:
+            self._q.put(job)
+
+    def submit_soon(self, files: list[tuple[tuple[str, str, str], int, str]]) -> None:
+        """Remove files as submit() does, but on the event loop at its next turn (call_soon):
+        hidden from listings until then, like the thread's."""
+        job = self._job(files)
+        if job is not None:
+            assert self.call_soon is not None
+            self.call_soon(self._remove, *job)
+
+    def _job(self, files: list[tuple[tuple[str, str, str], int, str]]
+             ) -> tuple[list[tuple[tuple[str, str, str], int, str]], list[int]] | None:
         if not files:
-            return
+            return None
         dups: dict[int, int] = {}
         jobs = []
         for key, dir_fd, gen in files:
@@ -992,26 +1069,29 @@ class BackgroundRemover:
             jobs.append((key, fd, gen))
         with self._cond:
             self.keys.update(key for key, _, _ in files)
-        self._q.put((jobs, list(dups.values())))
+        return jobs, list(dups.values())
+
+    def _remove(self, files: list[tuple[tuple[str, str, str], int, str]],
+                fds: list[int]) -> None:
+        try:
+            for key, fd, gen in files:
+                try:
+                    remove_if_same(fd, key[2], gen)
+                except OSError as e:
+                    log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            with self._cond:
+                self.keys.difference_update(key for key, _, _ in files)
+                self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
-            files, fds = job
-            try:
-                for key, fd, gen in files:
-                    try:
-                        remove_if_same(fd, key[2], gen)
-                    except OSError as e:
-                        log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-                with self._cond:
-                    self.keys.difference_update(key for key, _, _ in files)
-                    self._cond.notify_all()
+            self._remove(*job)
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every queued removal is done. False on timeout."""

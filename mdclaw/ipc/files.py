@@ -186,6 +186,12 @@ class GroupDirs:
         self.dirs[sub] = _DirState(fd, os.fstat(fd).st_ino)
         return fd
 
+    def checked_fd(self, sub: str) -> int | None:
+        """The fd of command folder `sub` as dir_fd last checked it (the listing of this
+        round did), without checking again; dir_fd's answer if it has none."""
+        st = self.dirs.get(sub)
+        return st.fd if st is not None else self.dir_fd(sub)
+
     def pending(self, subs: tuple[str, ...] = COMMAND_DIRS, *, cheap: bool = False,
                 names: dict[str, set[str]] | None = None, limit: int | None = None
                 ) -> list[tuple[str, str]]:

@@ -89,6 +89,7 @@ class IpcWatcher:
         self._resync: set[str] = set()
         self._full_scan = True
         self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # what run() sleeps on, while it does
         self._watch_limit_logged = False
         self._synced_groups: set[str] = set()
         self._fingerprint: tuple[tuple[object, ...], tuple[object, ...]] | None = None
@@ -123,7 +124,7 @@ class IpcWatcher:
         self.engine.refresh_groups()
         self.sync_watches()
         self._next_poll = min(self._next_poll, time.monotonic() + self.poll_interval)
-        self._wake.set()
+        self._ring()
 
     # ------------------------------------------------------------------ watches
     def _add_watch(self, key: tuple[str, str | None], fd: int, mask: int) -> bool:
@@ -221,9 +222,31 @@ class IpcWatcher:
                 self._dirty.setdefault(folder, set()).add(sub)
                 self._names.setdefault(folder, {}).setdefault(sub, set()).add(ev.name)
         if self._dirty or self._resync or self._full_scan:
-            self._wake.set()
+            self._ring()
 
     # ------------------------------------------------------------------ loop
+    def _ring(self) -> None:
+        """Wake run() from its sleep: it runs in the next turn of the event loop (a plain
+        future; waiting on the Event through a task and asyncio.wait took three turns and
+        a task per sleep, paid once per command at a trickle)."""
+        self._wake.set()
+        fut = self._waiter
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _sleep(self, timeout: float) -> None:
+        """Sleep until _ring() or `timeout` seconds, whichever comes first."""
+        if self._wake.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiter = None
+
     def _work_once(self) -> bool:
         """Process one fair batch of what is known to be pending. True if more may remain."""
         if self._resync:
@@ -252,11 +275,16 @@ class IpcWatcher:
             self.sync_watches()
         if not (res.applied or res.rejected or res.finished or res.vanished):
             return False  # only files still being written: the poll comes back for them
-        # Whatever was not taken stays dirty; so does every folder just processed, since
-        # files may have arrived while the batch ran.
+        # Whatever was not taken stays dirty; so does every folder just processed that
+        # inotify does not cover, since files may have arrived while the batch ran (in a
+        # covered one, their events say so), and one whose listing stopped at the limit.
+        full = self.engine.batch_per_group
         for folder, files in pending.items():
-            self._dirty.setdefault(folder, set()).update(sub for _, sub in files)
-        return True
+            taken = len(batch.get(folder, ()))
+            if (taken < len(files) or len(files) >= full or self.inotify is None
+                    or folder in self._unwatched):
+                self._dirty.setdefault(folder, set()).update(sub for _, sub in files)
+        return bool(self._dirty or self._resync or self._full_scan)
 
     def _poll(self) -> None:
         # Changes made outside this loop (scheduler runs, `mdclaw tasks pause`, new chats)
@@ -317,6 +345,8 @@ class IpcWatcher:
         log.info("ipc: watching %d group(s) (%s, poll every %.3fs)", len(self.engine.dirs),
                  "inotify" if self.inotify is not None else "polling only", self.poll_interval)
         stop_task = asyncio.ensure_future(stop.wait())
+        stop_task.add_done_callback(lambda _: self._ring())
+        self.remover.call_soon = loop.call_soon
         self._next_poll = time.monotonic() + self.poll_interval
         next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
         try:
@@ -341,12 +371,10 @@ class IpcWatcher:
                     if self._dirty:
                         continue
                 self._wake.clear()
-                wake_task = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait({wake_task, stop_task},
-                                   timeout=max(0.0, self._next_poll - now),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                wake_task.cancel()
+                if not stop.is_set():
+                    await self._sleep(max(0.0, self._next_poll - now))
         finally:
+            self.remover.call_soon = None
             stop_task.cancel()
             if self.inotify is not None:
                 loop.remove_reader(self.inotify.fd)
@@ -355,7 +383,7 @@ class IpcWatcher:
     def wake_settle(self) -> None:
         """A decision was recorded: carry it out at the loop's next turn (engine.settle)."""
         self._settle_due = True
-        self._wake.set()
+        self._ring()
 
     def _settle(self) -> None:
         self._settle_due = False
@@ -380,6 +408,11 @@ class IpcWatcher:
             self.inotify.close()
             self.inotify = None
         self.engine.close()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def run_ipc(cfg: Config, db: Database, stop: asyncio.Event, *,

@@ -1,0 +1,337 @@
+"""The durable floor of a command file, and mdclaw measured against it on the same work.
+
+The floor is the least a host can do and still keep a command once it is read: one process,
+inotify on every group's `messages/` and `tasks/`, and for what one wake-up reports: open,
+read, `json.loads`, INSERT (one `executemany`), COMMIT (SQLite WAL, `synchronous=NORMAL`, as
+mdclaw's), unlink. No checks, no ledger, no delivery. mdclaw is the real IPC loop and the real
+OutboxWorker on one event loop, as in the daemon (`ipc_flood.py`'s server), with a channel
+that records when its `send_message` is entered. Both run in a child process of their own,
+one after the other, over fresh data dirs, so every ratio compares figures of the same run.
+
+    python bench/ipc_floor.py burst [--groups 10] [--commands 2000] [--rounds 3]
+    python bench/ipc_floor.py burst --single [--commands 2000]     # one flooded folder
+    python bench/ipc_floor.py latency [--samples 500] [--rounds 3]
+    python bench/ipc_floor.py ... --before /tmp/main-tree          # also that tree's mdclaw
+
+`burst`: every command staged as a dot-file, then renamed in as fast as possible; CPU of the
+child per command, commands/s committed (last commit - first rename) and, for mdclaw,
+delivered (last send call - first rename). `latency`: one `message` at a time into a random
+group of 100, renamed, waited for (file gone), 5 ms apart: rename -> COMMIT and, for mdclaw,
+rename -> send call. Each round runs the floor, then mdclaw (then `--before`'s); the last line
+is the median over rounds of each figure and its ratio to the floor's. See also ipc_steady.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ipc_common import REPO, Removals, cpu_ns, make_data_dir, stage, stop
+
+FLOOR = """
+import json, os, signal, sqlite3, sys, time
+from inotify_simple import INotify, flags as F
+ipc, groups = {ipc!r}, {groups!r}
+db = sqlite3.connect({db!r}, isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("PRAGMA synchronous=NORMAL")
+db.execute("CREATE TABLE IF NOT EXISTS floor (id INTEGER PRIMARY KEY, folder TEXT, name TEXT,"
+           " type TEXT, body TEXT)")
+ino = INotify()
+dirs = {{}}
+for g in groups:
+    for sub in ("messages", "tasks"):
+        p = os.path.join(ipc, g, sub)
+        dirs[ino.add_watch(p, F.CLOSE_WRITE | F.MOVED_TO)] = (g, p)
+commits, stopping = {{}}, []
+signal.signal(signal.SIGTERM, lambda *a: stopping.append(1))
+print("ready", flush=True)
+while not stopping:
+    try:
+        events = ino.read(timeout=200)
+    except InterruptedError:
+        continue
+    files = [(dirs[e.wd], e.name) for e in events
+             if e.name.endswith(".json") and not e.name.startswith(".")]
+    if not files:
+        continue
+    rows = []
+    for (g, d), name in files:
+        with open(os.path.join(d, name), "rb") as f:
+            body = json.loads(f.read())
+        rows.append((g, name, body.get("type"), body.get("text")))
+    db.execute("BEGIN")
+    db.executemany("INSERT INTO floor (folder, name, type, body) VALUES (?, ?, ?, ?)", rows)
+    db.execute("COMMIT")
+    now = time.monotonic_ns()
+    for (g, d), name in files:
+        commits[name] = now
+        os.unlink(os.path.join(d, name))
+db.close()
+with open({out!r}, "w") as f:
+    json.dump({{"commits": commits, "sends": {{}}}}, f)
+"""
+
+MDCLAW = """
+import asyncio, json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+if os.environ.get("MDCLAW_BENCH_PRELOAD"):  # a measuring hook (timed statements...)
+    exec(open(os.environ["MDCLAW_BENCH_PRELOAD"]).read())
+from mdclaw.channels.base import Channel
+from mdclaw.config import load_config
+from mdclaw.state import Database
+from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.outbox import OutboxWorker
+cfg = load_config({cfg!r})
+commits, sends = {{}}, {{}}
+
+class Recording(Channel):
+    name = "bench"
+    jid_prefix = "tg:"
+    async def connect(self): ...
+    async def disconnect(self): ...
+    def is_connected(self): return True
+    async def send_message(self, jid, text, *, reply_to=None, sender=None):
+        sends[text] = time.monotonic_ns()
+    async def send_file(self, *a, **kw): return None
+    async def react(self, *a, **kw): return None
+    async def set_typing(self, *a, **kw): return None
+
+async def main():
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    db = Database(cfg.db_path)
+    outbox = OutboxWorker(db, [Recording()])
+    w = IpcWatcher(cfg, db)
+    def on_commit(items):
+        now = time.monotonic_ns()
+        for it in items:
+            commits[it.name] = now
+        # As the daemon: rows handed to the worker need no look of its own (a tree
+        # without the hand-off has no `direct`: the outbox looks after every commit).
+        if not all(getattr(it, "direct", None) is not None for it in items):
+            outbox.wake()
+    w.engine.on_commit = on_commit
+    w.engine.outbox = outbox  # trees that hand rows to the worker directly take it
+    await outbox.start()
+    t = asyncio.create_task(w.run(stop))
+    while not w.idle.is_set():
+        await asyncio.sleep(0.01)
+    print("ready", flush=True)
+    await t
+    await outbox.stop()
+    w.close()
+    with open({out!r}, "w") as f:
+        json.dump({{"commits": commits, "sends": sends}}, f)
+if os.environ.get("MDCLAW_BENCH_CPROFILE"):  # a deterministic profile of the loop
+    import cProfile
+    cProfile.run("asyncio.run(main())", os.environ["MDCLAW_BENCH_CPROFILE"])
+else:
+    asyncio.run(main())
+"""
+
+
+class Child:
+    """A floor or an mdclaw server over the data dir of `cfg_path`, in a child process."""
+
+    def __init__(self, kind: str, cfg_path: Path, groups: list[str], repo: Path = REPO) -> None:
+        self.kind = kind
+        root = cfg_path.parent
+        self.out = root / f"{kind}-{time.monotonic_ns()}.json"
+        self.ipc = root / "data" / "ipc"
+        self.db = root / "data" / "state.db"
+        if kind == "floor":
+            self.floor_db = root / "floor.db"
+            code = FLOOR.format(ipc=str(self.ipc), groups=groups, db=str(self.floor_db),
+                                out=str(self.out))
+        else:
+            code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out))
+        env = {**os.environ, "PYTHONPATH": str(repo)}
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=str(repo))
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", line
+        self.pid = self.proc.pid
+
+    def count_done(self, conn: object) -> int:
+        """Commands finished: committed (floor) or delivered (mdclaw)."""
+        sql = ("SELECT count(*) FROM floor" if self.kind == "floor" else
+               "SELECT count(*) FROM outbox WHERE status = 'sent'")
+        return int(conn.execute(sql).fetchone()[0])  # type: ignore[attr-defined]
+
+    def wait_done(self, n: int, timeout: float = 600) -> None:
+        import sqlite3
+        path = self.floor_db if self.kind == "floor" else self.db
+        deadline = time.monotonic() + timeout
+        conn = sqlite3.connect(path, timeout=30)
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    if self.count_done(conn) >= n:
+                        return
+                except sqlite3.OperationalError:
+                    pass  # the floor's table is not made yet
+                time.sleep(0.02)
+        finally:
+            conn.close()
+        raise TimeoutError(f"{self.kind}: {n} commands")
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        stop(self.proc)
+        return json.loads(self.out.read_text())
+
+
+def kinds(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
+    """(label, kind, tree) of what each round runs, the floor first."""
+    out = [("floor", "floor", REPO), ("mdclaw", "mdclaw", REPO)]
+    if args.before:
+        out.append(("before", "mdclaw", Path(args.before)))
+    return out
+
+
+def _name(tag: str, i: int) -> str:
+    return f"{time.time_ns():019d}-{tag}{i:06d}.json"
+
+
+def run_burst(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+        root = Path(tmp)
+        groups = [f"g{i:03d}" for i in range(max(args.groups, 2))]
+        cfg = make_data_dir(root, len(groups))
+        ipc = root / "data" / "ipc"
+        child = Child(kind, cfg, groups, tree)
+        try:
+            staged = []
+            for i in range(args.commands):
+                g = groups[1] if args.single else groups[i % len(groups)]
+                name = _name("b", i)
+                final = ipc / g / "messages" / name
+                staged.append((stage(final, {"type": "message", "text": name}), final))
+            cpu0 = cpu_ns(child.pid)
+            first = time.monotonic_ns()
+            for tmp_file, final in staged:
+                os.rename(tmp_file, final)
+            child.wait_done(args.commands)
+            cpu = (cpu_ns(child.pid) - cpu0) / 1e9
+        finally:
+            res = child.stop()
+    want = {final.name for _, final in staged}
+    commits = [t for n, t in res["commits"].items() if n in want]
+    assert len(commits) == args.commands, (label, len(commits))
+    out = {"cpu_us": cpu / args.commands * 1e6,
+           "committed_per_s": args.commands / ((max(commits) - first) / 1e9)}
+    if kind != "floor":
+        sends = [t for n, t in res["sends"].items() if n in want]
+        assert len(sends) == args.commands, (label, len(sends))
+        out["delivered_per_s"] = args.commands / ((max(sends) - first) / 1e9)
+    return out
+
+
+def run_latency(args: argparse.Namespace, label: str, kind: str, tree: Path
+                ) -> dict[str, float]:
+    rng = random.Random(1)
+    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+        root = Path(tmp)
+        groups = [f"g{i:03d}" for i in range(args.groups)]
+        cfg = make_data_dir(root, len(groups))
+        ipc = root / "data" / "ipc"
+        child = Child(kind, cfg, groups, tree)
+        renamed: dict[str, int] = {}
+        try:
+            removals = Removals([ipc / g / "messages" for g in groups])
+            for i in range(args.samples):
+                g = rng.choice(groups)
+                name = _name("l", i)
+                final = ipc / g / "messages" / name
+                tmp_file = stage(final, {"type": "message", "text": name})
+                renamed[name] = time.monotonic_ns()
+                tmp_file.rename(final)
+                removals.wait_for(name)
+                time.sleep(args.gap)
+            child.wait_done(args.samples)
+        finally:
+            res = child.stop()
+    out: dict[str, float] = {}
+    for what in ("commits", "sends"):
+        if kind == "floor" and what == "sends":
+            continue
+        xs = sorted((res[what][n] - t) / 1e6 for n, t in renamed.items())
+        assert len(xs) == args.samples, (label, what, len(xs))
+        out[f"{what[:-1]}_p50_ms"] = statistics.median(xs)
+        out[f"{what[:-1]}_p99_ms"] = xs[max(0, int(len(xs) * 0.99) - 1)]
+    return out
+
+
+def report(mode: str, rounds: list[dict[str, dict[str, float]]], common: dict[str, object]
+           ) -> None:
+    """One line per round, then the medians and the ratios to the floor's medians."""
+    for i, r in enumerate(rounds):
+        print(json.dumps({"mode": mode, "round": i + 1, **common,
+                          **{lbl: {k: round(v, 4) for k, v in figs.items()}
+                             for lbl, figs in r.items()}}), flush=True)
+    med: dict[str, dict[str, float]] = {}
+    for lbl in rounds[0]:
+        med[lbl] = {k: statistics.median(r[lbl][k] for r in rounds) for k in rounds[0][lbl]}
+    ratios: dict[str, dict[str, float]] = {}
+    floor = med["floor"]
+    for lbl, figs in med.items():
+        if lbl == "floor":
+            continue
+        rr: dict[str, float] = {}
+        if "cpu_us" in figs:
+            rr["cpu_x_floor"] = figs["cpu_us"] / floor["cpu_us"]
+        if "delivered_per_s" in figs:
+            rr["delivered_x_floor_committed"] = figs["delivered_per_s"] / floor["committed_per_s"]
+            rr["committed_x_floor"] = figs["committed_per_s"] / floor["committed_per_s"]
+        for p in ("p50", "p99"):
+            if f"commit_{p}_ms" in figs:
+                rr[f"commit_{p}_x_floor"] = figs[f"commit_{p}_ms"] / floor[f"commit_{p}_ms"]
+                rr[f"send_{p}_x_floor"] = figs[f"send_{p}_ms"] / floor[f"commit_{p}_ms"]
+        ratios[lbl] = {k: round(v, 3) for k, v in rr.items()}
+    print(json.dumps({"mode": mode, "median_of_rounds": len(rounds), **common,
+                      **{lbl: {k: round(v, 4) for k, v in figs.items()}
+                         for lbl, figs in med.items()}, "ratios": ratios}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("burst", "latency"))
+    ap.add_argument("--groups", type=int, default=None,
+                    help="groups (default: 10 for burst, 100 for latency)")
+    ap.add_argument("--single", action="store_true", help="burst: one folder gets everything")
+    ap.add_argument("--commands", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=500)
+    ap.add_argument("--gap", type=float, default=0.005)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", default=None, help="another tree's mdclaw, run beside")
+    ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
+    args = ap.parse_args()
+    if args.groups is None:
+        args.groups = 10 if args.mode == "burst" else 100
+    run = run_burst if args.mode == "burst" else run_latency
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append({lbl: run(args, lbl, kind, tree) for lbl, kind, tree in kinds(args)})
+    common: dict[str, object] = {"groups": 1 if args.single else args.groups,
+                                 "fs": args.root or tempfile.gettempdir(),
+                                 "load": round(os.getloadavg()[0], 1)}
+    if args.mode == "burst":
+        common["commands"] = args.commands
+    else:
+        common["samples"] = args.samples
+    report(args.mode, rounds, common)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main()

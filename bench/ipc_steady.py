@@ -1,0 +1,104 @@
+"""Steady traffic: command files at a fixed rate, each written as it is due.
+
+A household's traffic is a trickle, not a burst: here `--rate` `message` commands a second,
+round the groups (100 by default), each file written to a dot-file and renamed into its
+group's `messages/` at its due time, the way the agent runner writes. The figure is the
+child's CPU (user + system, every thread) from the first file to the last delivered (mdclaw)
+or committed (floor), per command. The floor (bench/ipc_floor.py: inotify, read,
+`json.loads`, INSERT, COMMIT, unlink) gets the same trickle; each round runs the floor, then
+mdclaw (then `--before`'s tree), and the last line gives the medians and their ratios.
+
+    python bench/ipc_steady.py [--rate 20] [--seconds 15] [--groups 100] [--rounds 3]
+                               [--before /tmp/main-tree] [--profile PREFIX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from ipc_common import cpu_ns, make_data_dir
+from ipc_floor import Child, kinds
+
+
+def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str, float]:
+    n = int(args.rate * args.seconds)
+    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+        root = Path(tmp)
+        groups = [f"g{i:03d}" for i in range(args.groups)]
+        cfg = make_data_dir(root, len(groups))
+        ipc = root / "data" / "ipc"
+        child = Child(kind, cfg, groups, tree)
+        late = 0.0
+        try:
+            time.sleep(1.0)  # start-up work done (snapshots, first poll tick)
+            spy = None
+            if args.profile and kind != "floor":
+                spy = subprocess.Popen(["py-spy", "record", "-p", str(child.pid), "-r", "1000",
+                                        "--threads", "--format", "raw", "-o",
+                                        f"{args.profile}-{label}.txt"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+            cpu0 = cpu_ns(child.pid)
+            t0 = time.monotonic()
+            for i in range(n):
+                due = t0 + i / args.rate
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                else:
+                    late = max(late, -wait)
+                name = f"{time.time_ns():019d}-s{i:06d}.json"
+                d = ipc / groups[i % len(groups)] / "messages"
+                tmp_file = d / f".{name}.tmp"
+                with open(tmp_file, "w") as f:
+                    f.write(json.dumps({"type": "message", "text": name}))
+                os.rename(tmp_file, d / name)
+            child.wait_done(n)
+            cpu = (cpu_ns(child.pid) - cpu0) / 1e9
+            wall = time.monotonic() - t0
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait()
+        finally:
+            child.stop()
+    return {"cpu_us": cpu / n * 1e6, "wall_s": wall, "writer_late_max_ms": late * 1000}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", type=float, default=20.0, help="commands a second")
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--groups", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", default=None, help="another tree's mdclaw, run beside")
+    ap.add_argument("--profile", default=None,
+                    help="py-spy (on PATH) samples mdclaw's child into PREFIX-<label>.txt")
+    ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
+    args = ap.parse_args()
+    rounds = []
+    for r in range(args.rounds):
+        res = {lbl: run(args, lbl, kind, tree) for lbl, kind, tree in kinds(args)}
+        rounds.append(res)
+        print(json.dumps({"mode": "steady", "round": r + 1, "rate": args.rate,
+                          "groups": args.groups, **{lbl: {k: round(v, 2) for k, v in f.items()}
+                                                    for lbl, f in res.items()}}), flush=True)
+    med = {lbl: statistics.median(r[lbl]["cpu_us"] for r in rounds) for lbl in rounds[0]}
+    print(json.dumps({"mode": "steady", "median_of_rounds": args.rounds, "rate": args.rate,
+                      "groups": args.groups, "commands": int(args.rate * args.seconds),
+                      "fs": args.root or tempfile.gettempdir(),
+                      "load": round(os.getloadavg()[0], 1),
+                      "cpu_us": {k: round(v, 1) for k, v in med.items()},
+                      "ratios": {lbl: round(v / med["floor"], 3) for lbl, v in med.items()
+                                 if lbl != "floor"}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""The IPC engine hands a message to an idle chat straight to the outbox worker: the row is
+committed already claimed with the command, and delivered without the worker's look for
+due rows or a claim of its own. Order per chat, at-least-once delivery and kill -9 safety
+are those of any outbox row. Real files, real SQLite, real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from mdclaw.channels.base import Channel
+from mdclaw.config import load_config
+from mdclaw.ipc.apply import IpcEngine
+from mdclaw.outbox import OutboxWorker
+from mdclaw.state import Database
+from mdclaw.state.outbox import enqueue, list_outbox
+from waiting import wait_until, wait_until_async
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Recording(Channel):
+    name = "fake"
+    jid_prefix = "fk:"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, str]] = []
+        self.connected = True
+
+    async def connect(self) -> None: ...
+
+    async def disconnect(self) -> None: ...
+
+    def is_connected(self) -> bool:
+        return self.connected
+
+    async def send_message(self, jid, text, *, reply_to=None, sender=None):  # noqa: ANN001, ANN201
+        self.sent.append((jid, text))
+
+    async def send_file(self, *a, **kw):  # noqa: ANN002, ANN003, ANN201
+        return None
+
+    async def react(self, jid, message_id, emoji):  # noqa: ANN001, ANN201
+        self.sent.append((jid, f"react:{message_id}:{emoji}"))
+
+    async def set_typing(self, *a, **kw):  # noqa: ANN002, ANN003, ANN201
+        return None
+
+
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        data_dir: {tmp_path / 'data'}
+        assistant: {{name: Andy, timezone: UTC}}
+        groups:
+          main: {{name: Main, jid: 'fk:1', main: true}}
+          family: {{name: Family, jid: 'fk:2'}}
+        """))
+    from mdclaw.reconcile import reconcile
+    cfg = load_config(path)
+    with Database(cfg.db_path) as db:
+        reconcile(cfg, db)
+    return path
+
+
+def write(tmp_path: Path, group: str, body: dict, n: list[int] = [0]) -> str:  # noqa: B006
+    n[0] += 1
+    name = f"{time.time_ns():019d}-{n[0]:04d}.json"
+    d = tmp_path / "data" / "ipc" / group / "messages"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f".{name}.tmp").write_text(json.dumps(body))
+    os.rename(d / f".{name}.tmp", d / name)
+    return name
+
+
+class Counting(OutboxWorker):
+    """The worker, counting its own looks for due rows and its claims."""
+
+    looks = 0
+    claims = 0
+
+    def _due_heads(self, busy=()):  # noqa: ANN001, ANN202
+        self.looks += 1
+        return super()._due_heads(busy)
+
+    async def _claim(self, rows):  # noqa: ANN001, ANN202
+        self.claims += 1
+        return await super()._claim(rows)
+
+
+def test_a_message_to_an_idle_chat_goes_out_without_a_look_or_a_claim(tmp_path: Path) -> None:
+    cfg = load_config(config(tmp_path))
+
+    async def main() -> None:
+        db = Database(cfg.db_path)
+        ch = Recording()
+        worker = Counting(db, [ch])
+        engine = IpcEngine(cfg, db)
+        engine.outbox = worker
+        await worker.start()
+        await asyncio.sleep(0.05)
+        looks = worker.looks
+        try:
+            write(tmp_path, "family", {"type": "message", "text": "hello"})
+            write(tmp_path, "family", {"type": "react", "message_id": "m1", "emoji": "👍"})
+            # One round: the first row of the chat is handed over, the second (the chat has
+            # an unfinished row now) waits for the worker's own look.
+            res = engine.drain()
+            assert res.applied == 2
+            rows = sorted(list_outbox(db), key=lambda r: r.id)
+            assert [r.status for r in rows] == ["sending", "pending"]
+            assert rows[0].attempts == 1
+            await wait_until_async(lambda: len(ch.sent) == 1)
+            assert worker.looks == looks and worker.claims == 0
+            worker.wake()  # as the daemon does after a commit with a row not handed over
+            await wait_until_async(lambda: len(ch.sent) == 2)
+            assert ch.sent == [("fk:2", "hello"), ("fk:2", "react:m1:👍")]
+            await wait_until_async(lambda: all(r.status == "sent" for r in list_outbox(db)))
+            assert [r.attempts for r in sorted(list_outbox(db), key=lambda r: r.id)] == [1, 1]
+        finally:
+            await worker.stop()
+            engine.close()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_a_chat_with_an_older_unfinished_row_keeps_its_order(tmp_path: Path) -> None:
+    """A row waiting for a retry stays first: the new message is not handed over past it."""
+    cfg = load_config(config(tmp_path))
+
+    async def main() -> None:
+        db = Database(cfg.db_path)
+        ch = Recording()
+        worker = Counting(db, [ch])
+        engine = IpcEngine(cfg, db)
+        engine.outbox = worker
+        with db.transaction() as c:
+            older = enqueue(c, chat_jid="fk:2", kind="text", text="older")
+            c.execute("UPDATE outbox SET next_attempt_at = '2999-01-01T00:00:00.000Z', "
+                      "attempts = 1 WHERE id = ?", (older,))
+        await worker.start()
+        try:
+            write(tmp_path, "family", {"type": "message", "text": "newer"})
+            engine.drain()
+            newer = max(r.id for r in list_outbox(db))
+            assert {r.id: r.status for r in list_outbox(db)} == {older: "pending",
+                                                                  newer: "pending"}
+            worker.wake()
+            await asyncio.sleep(0.2)
+            assert ch.sent == []  # both wait behind the older row's retry
+            with db.transaction() as c:
+                c.execute("UPDATE outbox SET next_attempt_at = '2000-01-01T00:00:00.000Z' "
+                          "WHERE id = ?", (older,))
+            worker.wake()
+            await wait_until_async(lambda: len(ch.sent) == 2)
+            assert [t for _, t in ch.sent] == ["older", "newer"]
+        finally:
+            await worker.stop()
+            engine.close()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_no_hand_off_to_a_stopped_worker_or_a_disconnected_channel(tmp_path: Path) -> None:
+    cfg = load_config(config(tmp_path))
+
+    async def main() -> None:
+        db = Database(cfg.db_path)
+        ch = Recording()
+        worker = OutboxWorker(db, [ch])
+        engine = IpcEngine(cfg, db)
+        engine.outbox = worker
+        try:
+            write(tmp_path, "family", {"type": "message", "text": "a"})
+            engine.drain()  # the worker is not running
+            await worker.start()
+            ch.connected = False
+            write(tmp_path, "main", {"type": "message", "text": "b"})
+            engine.drain()
+            assert {r.text: r.status for r in list_outbox(db)} == {"a": "pending",
+                                                                   "b": "pending"}
+        finally:
+            await worker.stop()
+            engine.close()
+            db.close()
+
+    asyncio.run(main())
+
+
+# The IPC loop and the outbox worker on one event loop, as in the daemon. The channel prints
+# each text it is asked to send; "hang" never returns; a file whose text is "die" kills the
+# process (SIGKILL) right after its round's COMMIT, before the row is handed over.
+CHILD = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from mdclaw.channels.base import Channel
+    from mdclaw.config import load_config
+    from mdclaw.ipc.watcher import IpcWatcher
+    from mdclaw.outbox import OutboxWorker
+    from mdclaw.state import Database
+
+    class Fake(Channel):
+        name = "fake"; jid_prefix = "fk:"
+        async def connect(self): pass
+        async def disconnect(self): pass
+        def is_connected(self): return True
+        async def send_message(self, jid, text, **kw):
+            print(text, flush=True)
+            if text == "hang" and sys.argv[2] == "hang":
+                await asyncio.sleep(3600)
+        async def send_file(self, *a, **kw): pass
+        async def react(self, *a, **kw): pass
+        async def set_typing(self, *a, **kw): pass
+
+    async def main():
+        cfg = load_config(sys.argv[1])
+        db = Database(cfg.db_path)
+        outbox = OutboxWorker(db, [Fake()])
+        w = IpcWatcher(cfg, db)
+        def on_commit(items):
+            if sys.argv[2] == "die" and any(it.direct is not None and it.direct.text == "die"
+                                            for it in items):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if not all(it.direct is not None for it in items):
+                outbox.wake()
+        w.engine.on_commit = on_commit
+        w.engine.outbox = outbox
+        await outbox.start()
+        print("ready", flush=True)
+        await w.run(asyncio.Event())
+
+    asyncio.run(main())
+""")
+
+
+def _child(cfg: Path, mode: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(cfg), mode], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _lines_until(proc: subprocess.Popen[str], last: str) -> list[str]:
+    assert proc.stdout is not None
+    out: list[str] = []
+    while not out or out[-1] != last:
+        line = proc.stdout.readline()
+        assert line, f"the process ended before sending {last!r}: {out}"
+        out.append(line.strip())
+    return out
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def test_kill_9_between_commit_and_hand_off_or_during_the_send_loses_nothing(
+        tmp_path: Path) -> None:
+    """Killed right after the COMMIT that wrote a row claimed (before the worker had it), and
+    killed while that row's send waits: after a restart each row is delivered, the first
+    exactly once, the second again (it was in flight), every row sent in the end."""
+    cfg = config(tmp_path)
+    db = Database(load_config(cfg).db_path)
+    # 1. killed between COMMIT and the hand-off
+    proc = _child(cfg, "die")
+    try:
+        write(tmp_path, "family", {"type": "message", "text": "first"})
+        assert _lines_until(proc, "first") == ["first"]
+        write(tmp_path, "main", {"type": "message", "text": "die"})
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        _kill(proc)
+    row = next(r for r in list_outbox(db) if r.text == "die")
+    assert (row.status, row.attempts) == ("sending", 1)  # committed claimed, never tried
+    ledger = db.query("SELECT count(*) FROM ipc_ledger WHERE file_name LIKE 'messages/%'")
+    assert ledger[0][0] == 2
+    # 2. restarted: the row is sent once; then killed while a send waits
+    proc = _child(cfg, "hang")
+    try:
+        assert _lines_until(proc, "die") == ["die"]
+        wait_until(lambda: next(r for r in list_outbox(db) if r.text == "die").status
+                   == "sent", 10, what="the row killed before its hand-off sent")
+        write(tmp_path, "family", {"type": "message", "text": "hang"})
+        assert _lines_until(proc, "hang") == ["hang"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        _kill(proc)
+    assert next(r for r in list_outbox(db) if r.text == "hang").status == "sending"
+    # 3. restarted: the send in flight is made again; nothing else is
+    proc = _child(cfg, "ok")
+    try:
+        assert _lines_until(proc, "hang") == ["hang"]
+        wait_until(lambda: all(r.status == "sent" for r in list_outbox(db)), 10,
+                   what="every row sent")
+    finally:
+        _kill(proc)
+    assert sorted(r.text for r in list_outbox(db)) == ["die", "first", "hang"]
+    # every command file applied once and removed
+    assert db.query("SELECT count(*) FROM ipc_ledger")[0][0] == 3
+    assert not [p for p in (tmp_path / "data" / "ipc").glob("*/messages/*.json")]
+    db.close()
+
+
+def test_the_open_row_check_seeks_the_index_of_open_rows(tmp_path: Path) -> None:
+    """The engine's check for a chat's unfinished rows (once per message it hands over) is a
+    seek in idx_outbox_open, whatever the chat's history."""
+    db = Database(tmp_path / "s.db")
+    with db.transaction() as c:
+        for i in range(200):
+            enqueue(c, chat_jid="fk:1", kind="text", text=f"m{i}")
+        c.execute("UPDATE outbox SET status = 'sent'")
+    plan = " ".join(str(tuple(r)) for r in db.query(
+        "EXPLAIN QUERY PLAN SELECT 1 FROM outbox WHERE chat_jid = ? AND status IN "
+        "('pending', 'sending') LIMIT 1", ("fk:1",)))
+    assert "idx_outbox_open" in plan and "SCAN" not in plan, plan
+    from mdclaw.state.outbox import has_open_rows
+    with db.transaction() as c:
+        assert not has_open_rows(c, "fk:1")
+        enqueue(c, chat_jid="fk:1", kind="text", text="new")
+        assert has_open_rows(c, "fk:1")
+    db.close()
