@@ -544,15 +544,9 @@ class HttpChannel(Channel):
     async def _post_message(self, request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             return _error(413, f"body over {self.max_body_bytes} bytes")
-        raw = await _read_at_most(request, self.max_body_bytes)
-        if raw is None:
-            return _error(413, f"body over {self.max_body_bytes} bytes")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "body is not valid JSON")
-        if not isinstance(data, dict):
-            return _error(400, "body must be a JSON object")
+        data = await self._json_body(request)
+        if isinstance(data, web.Response):
+            return data
         try:
             json.dumps(data, ensure_ascii=False).encode()
         except UnicodeEncodeError:  # "\ud800": JSON may spell it, no text holds it
@@ -579,15 +573,9 @@ class HttpChannel(Channel):
 
     async def _press(self, request: web.Request) -> web.Response:
         """A press of a card's button; the presser is the sender, as for a message."""
-        raw = await _read_at_most(request, self.max_body_bytes)
-        if raw is None:
-            return _error(413, f"body over {self.max_body_bytes} bytes")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "body is not valid JSON")
-        if not isinstance(data, dict):
-            return _error(400, "body must be a JSON object")
+        data = await self._json_body(request)
+        if isinstance(data, web.Response):
+            return data
         fields: dict[str, str] = {}
         for key in ("id", "data", "sender", "sender_name"):
             value = data.get(key)
