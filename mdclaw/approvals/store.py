@@ -176,8 +176,10 @@ def pending_count(conn: Conn, folder: str | None = None) -> int:
     """Pending approvals (of one group): a partial index counts them."""
     if folder is None:
         return int(_q(conn, "SELECT count(*) FROM approvals WHERE status = 'pending'")[0][0])
-    return int(_q(conn, "SELECT count(*) FROM approvals WHERE status = 'pending' AND "
-                        "group_folder = ?", (folder,))[0][0])
+    # INDEXED BY: left to itself the planner seeks idx_approvals_group, every approval the
+    # group ever had (tests/test_history_paths.py counts the work).
+    return int(_q(conn, "SELECT count(*) FROM approvals INDEXED BY idx_approvals_pending_group"
+                        " WHERE status = 'pending' AND group_folder = ?", (folder,))[0][0])
 
 
 def decide(conn: sqlite3.Connection, approval_id: int, *, status: str, by: str | None,

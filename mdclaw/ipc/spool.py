@@ -93,8 +93,10 @@ def copy_to_spool(cfg: Config, layout: Layout, folder: str, container_path: str,
 def spool_pending(cfg: Config, db: Database, layout: Layout) -> int:
     """Copy every outbox file row still waiting for its copy; returns how many rows were
     finished (made ready or failed)."""
+    # idx_outbox_waiting_copy (the rows with a copy to make), in id order; `+status`: not
+    # the status index, whose pending rows may be many more.
     rows = db.query("SELECT id, source_group, source_path FROM outbox "
-                    "WHERE source_path IS NOT NULL AND status = 'pending' ORDER BY id")
+                    "WHERE source_path IS NOT NULL AND +status = 'pending' ORDER BY id")
     for r in rows:
         try:
             copy = copy_to_spool(cfg, layout, r["source_group"] or "", r["source_path"], r["id"])

@@ -714,6 +714,19 @@ WHEN NEW.kind IN ('text', 'file') BEGIN
     WHERE f IS NOT NULL AND b != '';
 END;
 """),  # noqa: S608 - fixed text: the message's transcript row, no value from outside
+    (15, "indexes for the rows a command, a turn or a delivery looks for among the history", """
+-- Each of these seeks the few rows it wants instead of walking rows that only grow with the
+-- install's age (tests/test_history_paths.py reads the plans of every statement a command,
+-- a turn and a delivery run).
+-- File rows whose host copy is still to be made (the spooler's look at start and on wake).
+CREATE INDEX idx_outbox_waiting_copy ON outbox(id) WHERE source_path IS NOT NULL;
+-- What did not arrive since a group's last run (told to its next run): failed rows only.
+CREATE INDEX idx_outbox_failed ON outbox(source_group, updated_at) WHERE status = 'failed';
+-- Finished off-loop jobs past the ledger's keep (pruned at start), and those whose result
+-- is still to be written (finished at start).
+CREATE INDEX idx_action_jobs_written ON action_jobs(written_at) WHERE written_at IS NOT NULL;
+CREATE INDEX idx_action_jobs_unwritten ON action_jobs(id) WHERE written_at IS NULL;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
