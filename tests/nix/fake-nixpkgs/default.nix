@@ -47,6 +47,8 @@ let
     "sdnotify"
     "segno"
     "setuptools"
+    "slack-bolt"
+    "slack-sdk"
     "tzdata"
     "zstandard"
   ];
