@@ -112,6 +112,10 @@ class InboundMessage:
     attachments: tuple[Attachment, ...] = ()
     #: The id (as above) of the message this one replies to, when the service says.
     reply_to: str | None = None
+    #: What the sender wrote themselves, where the content holds more (an email's quoted
+    #: original and signature): what a reply code ("approve 7KQ2") is read from. None: the
+    #: content.
+    own_words: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "attachments"}
