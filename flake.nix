@@ -97,14 +97,16 @@
         in
         ps.${attr} or (throw "mdclaw flake: no nixpkgs python package '${attr}' for requirement '${name}'; add it to pythonAttr in flake.nix");
       # Chat channels whose library nixpkgs has: their extras of pyproject.toml are part of the
-      # package (imapclient; discord.py as nixpkgs' discordpy; matrix-nio; the web chat's Web
-      # Push, pywebpush). WhatsApp's neonize
-      # is not in nixpkgs: `pip install 'mdclaw[whatsapp]'`.
+      # package (imapclient; discord.py as nixpkgs' discordpy; matrix-nio; slack-bolt and
+      # slack-sdk; the web chat's Web Push, pywebpush). WhatsApp's neonize is not in nixpkgs:
+      # `pip install 'mdclaw[whatsapp]'`; nor is the `age` extra's pyrage (encrypted backups):
+      # see docs/nixos.md.
       channelExtras = [
         "push"
         "email"
         "discord"
         "matrix"
+        "slack"
       ];
       # Backends the image can do without: if nixpkgs lacks one, the image is built without
       # it (with a warning) rather than not at all; groups using it then fail with a clear error.

@@ -5,12 +5,14 @@ mdclaw.ops.approvals).
 Who decided is the identity the chat service authenticated: a press's sender (Telegram's
 `callback_query.from.id`, the web chat's sender behind its token), or the sender of an
 inbound message that is exactly "approve 7KQ2" / "deny 7KQ2" (or "admit", "ignore", an
-option's number). That identity must be a person of the config and one of the approval's
-approvers; nothing in the text says who decided. Nothing an agent writes arrives here: its
-IPC files are commands (none of which decides anything), and what it sends into a chat goes
-out through the outbox and never comes back as inbound. A reply code is bound to one approval
-and one approver; MAX_WRONG_CODES wrong codes from a person lock the codes of every approval
-they may decide (buttons, the operator page and the CLI still work).
+option's number; in an email, what the sender wrote above their signature, outside the
+original it quotes: `InboundMessage.own_words`). That identity must be a person of the
+config and one of the approval's approvers; nothing in the text says who decided. Nothing
+an agent writes arrives here: its IPC files are commands (none of which decides anything),
+and what it sends into a chat goes out through the outbox and never comes back as inbound.
+A reply code is bound to one approval and one approver; MAX_WRONG_CODES wrong codes from a
+person lock the codes of every approval they may decide (buttons, the operator page and the
+CLI still work).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class Decider:
         its chat; True when it was one (it is then not a message of the chat: it is never
         stored nor shown to an agent). A message of that form from someone who is no
         approver of anything is an ordinary message (False)."""
-        m = REPLY_RE.match(_without_address(msg.content or "", self.cfg.assistant.name))
+        said = msg.own_words if msg.own_words is not None else msg.content
+        m = REPLY_RE.match(_without_address(said or "", self.cfg.assistant.name))
         if m is None or msg.attachments:
             return False
         channel = channel_of(msg.chat_jid, msg.channel)

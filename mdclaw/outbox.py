@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import metrics
-from mdclaw.channels.base import Card, Channel, ChannelError, channel_for
+from mdclaw.channels.base import Card, Channel, ChannelError, channel_for, delivering
 from mdclaw.config import Config, Limits, LiveConfig
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
@@ -595,16 +595,18 @@ class OutboxWorker:
             # Progress is recorded only during an attempt: a row never tried has none.
             start = self._parts_sent(row.id) if row.attempts else 0
             for i in range(start, len(parts)):
-                await ch.send_part(row.chat_jid, parts[i],
-                                   reply_to=row.reply_to if i == 0 else None,
-                                   sender=row.sender)
+                with delivering(f"{row.id}.{i}"):
+                    await ch.send_part(row.chat_jid, parts[i],
+                                       reply_to=row.reply_to if i == 0 else None,
+                                       sender=row.sender)
                 if len(parts) > 1:
                     self._set_parts_sent(row.id, i + 1)
         elif row.kind == "file":
             if not row.file_path:
                 raise ChannelError("the file row names no file", permanent=True)
-            await ch.send_file(row.chat_jid, Path(row.file_path), file_name=row.file_name,
-                               caption=row.text)
+            with delivering(f"{row.id}.file"):
+                await ch.send_file(row.chat_jid, Path(row.file_path), file_name=row.file_name,
+                                   caption=row.text)
         elif row.kind == "reaction":
             if not row.message_id or not row.emoji:
                 raise ChannelError("the reaction names no message or emoji", permanent=True)
@@ -619,10 +621,11 @@ class OutboxWorker:
             card = Card.from_json(row.card or "")
         except (ValueError, KeyError, TypeError):
             raise ChannelError("the card of this row is unreadable", permanent=True) from None
-        if row.message_id:
-            await ch.edit_card(row.chat_jid, row.message_id, card)
-            return
-        sent = await ch.send_card(row.chat_jid, card)
+        with delivering(f"{row.id}.card"):
+            if row.message_id:
+                await ch.edit_card(row.chat_jid, row.message_id, card)
+                return
+            sent = await ch.send_card(row.chat_jid, card)
         if sent:
             with self.db.transaction() as c:
                 c.execute("UPDATE outbox SET card = json_set(card, '$.sent', ?) WHERE id = ?",

@@ -682,7 +682,7 @@ in
         type = types.nullOr types.path;
         default = null;
         example = "/etc/mdclaw/backup-recipients.txt";
-        description = "Encrypt each archive to the age recipients in this file (`age1...` or `ssh-...`, one a line: public keys, so the file may be in the Nix store). Needs mdclaw built with the `age` extra (pyrage).";
+        description = "Encrypt each archive to the age recipients in this file (`age1...` or `ssh-...`, one a line: public keys, so the file may be in the Nix store). Needs mdclaw built with the `age` extra (pyrage), which the flake's package lacks: nixpkgs has no pyrage.";
       };
       expectEvery = mkOption {
         type = types.nullOr types.str;

@@ -101,6 +101,13 @@ class FakeDiscord:
         self.changed = asyncio.Event()
         self._seq = 0
         self.threads = {THREAD_ID: CHANNEL_ID}
+        # Create Message's `nonce` with `enforce_nonce: true`: a repeat by the same author
+        # within a few minutes gets the message the first one created, and nothing is posted.
+        self.nonces: dict[tuple[int, str], tuple[float, dict[str, Any]]] = {}
+        self.nonce_window = 300.0
+        self.nonce_repeats = 0  # requests answered with an earlier message
+        # The next N messages are created, but the connection is cut before the answer.
+        self.lose_answers = 0
         self.guild_lists_threads = True  # GUILD_CREATE's `threads` (active ones it shows)
 
     # ------------------------------------------------------------------ server
@@ -254,15 +261,33 @@ class FakeDiscord:
         if len(content) > 2000:
             return self._json({"message": "Invalid Form Body", "code": 50035}, "create_message",
                               400)
+        nonce = payload.get("nonce")
+        if nonce is not None and len(str(nonce)) > 25:
+            return self._json({"message": "Invalid Form Body", "code": 50035}, "create_message",
+                              400)
+        if nonce is not None and payload.get("enforce_nonce"):
+            seen = self.nonces.get((BOT_ID, str(nonce)))
+            if seen is not None and time.monotonic() - seen[0] < self.nonce_window:
+                self.nonce_repeats += 1
+                self._bump()
+                return self._json(seen[1], "create_message")
         msg = self._message(cid, user(BOT_ID, "mdclaw", bot=True), content, attachments=[
             {"id": str(800 + i), "filename": n, "size": len(b), "url": "", "proxy_url": ""}
             for i, (n, b) in enumerate(files)])
         if payload.get("message_reference"):
             msg["message_reference"] = payload["message_reference"]
+        if nonce is not None:
+            msg["nonce"] = str(nonce)
+            if payload.get("enforce_nonce"):
+                self.nonces[(BOT_ID, str(nonce))] = (time.monotonic(), msg)
         self.files.extend(files)
         self.sent.append({**msg, "allowed_mentions": payload.get("allowed_mentions")})
         self.history.setdefault(cid, []).append(msg)
         self._bump()
+        if self.lose_answers > 0:
+            self.lose_answers -= 1
+            if request.transport is not None:
+                request.transport.close()  # created, but the answer never arrives
         return self._json(msg, "create_message")
 
     async def list_messages(self, request: web.Request) -> web.Response:

@@ -44,6 +44,8 @@ class FakeSlack:
         self.reactions: list[dict[str, Any]] = []
         self.posted: list[dict[str, Any]] = []
         self.history: dict[str, list[dict[str, Any]]] = {}  # channel -> top-level messages
+        # (channel, thread ts) -> the thread's replies, oldest first
+        self.replies: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.envelopes: dict[str, dict[str, Any]] = {}  # envelope id -> envelope, in order
         self.acks: dict[str, dict[str, Any]] = {}  # envelope id -> the ack
         self.ack_event = asyncio.Event()
@@ -164,6 +166,39 @@ class FakeSlack:
         return {"messages": page, "has_more": more,
                 "response_metadata": {"next_cursor": str(start + limit) if more else ""}}
 
+    def m_conversations_replies(self, p: dict[str, Any]) -> dict[str, Any]:
+        """A thread: its parent first, then its replies oldest first, those after `oldest`
+        (exclusive unless inclusive) and up to `latest`; `ts` may name the parent or a reply.
+        Pages of `limit` with a cursor (the offset, here)."""
+        channel, ts = p.get("channel"), str(p.get("ts") or "")
+        if channel not in self.history and channel not in self.channels:
+            return {"error": "channel_not_found"}
+        parent = next((m for m in self.history.get(str(channel), []) if m["ts"] == ts), None)
+        if parent is None:
+            thread = next((t for (c, t), rs in self.replies.items()
+                           if c == channel and any(r["ts"] == ts for r in rs)), None)
+            parent = next((m for m in self.history.get(str(channel), [])
+                           if m["ts"] == thread), None)
+        if parent is None:
+            return {"error": "thread_not_found"}
+        oldest = float(p.get("oldest") or 0)
+        latest = float(p.get("latest") or "inf")
+        inclusive = str(p.get("inclusive")).lower() in ("1", "true")
+
+        def within(m: dict[str, Any]) -> bool:
+            t = float(m["ts"])
+            return (t > oldest or (inclusive and t == oldest)) and (
+                t < latest or (inclusive and t == latest))
+
+        found = [parent] + [r for r in self.replies.get((str(channel), parent["ts"]), [])
+                            if within(r)]
+        start = int(p.get("cursor") or 0)
+        limit = int(p.get("limit") or 100)
+        page = found[start:start + limit]
+        more = start + limit < len(found)
+        return {"messages": page, "has_more": more,
+                "response_metadata": {"next_cursor": str(start + limit) if more else ""}}
+
     def m_reactions_add(self, p: dict[str, Any]) -> dict[str, Any]:
         if any(r["timestamp"] == p.get("timestamp") and r["name"] == p.get("name")
                for r in self.reactions):
@@ -247,11 +282,29 @@ class FakeSlack:
             await self.ws.send_json(env)
 
     def record(self, event: dict[str, Any]) -> None:
-        """Keep a top-level message in its channel's history (what conversations.history
-        returns)."""
-        if event.get("type") == "message" and event.get("thread_ts", event["ts"]) == event["ts"]:
-            m = {k: v for k, v in event.items() if k not in ("channel", "channel_type")}
-            self.history.setdefault(event["channel"], []).append(m)
+        """Keep a message where Slack keeps it: a top-level one in its channel's history
+        (what conversations.history returns), a reply in its thread (conversations.replies),
+        the parent then showing `thread_ts`, `reply_count`, `reply_users` and `latest_reply`;
+        a reply also sent to the channel (`thread_broadcast`) is in both."""
+        if event.get("type") != "message":
+            return
+        m = {k: v for k, v in event.items() if k not in ("channel", "channel_type")}
+        channel, thread = event["channel"], event.get("thread_ts", event["ts"])
+        if thread == event["ts"] or event.get("subtype") == "thread_broadcast":
+            self.history.setdefault(channel, []).append(m)
+        if thread != event["ts"]:
+            self.replies.setdefault((channel, thread), []).append(m)
+            parent = next((h for h in self.history.get(channel, []) if h["ts"] == thread),
+                          None)
+            if parent is not None:
+                parent["thread_ts"] = thread
+                parent["reply_count"] = parent.get("reply_count", 0) + 1
+                users = parent.setdefault("reply_users", [])
+                if event.get("user") not in users:
+                    users.append(event.get("user"))
+                parent["reply_users_count"] = len(users)
+                parent["latest_reply"] = max(parent.get("latest_reply", "0"), event["ts"],
+                                             key=float)
 
     async def push_event(self, event: dict[str, Any], *, event_id: str | None = None) -> str:
         """An events_api envelope carrying `event`; returns its envelope id."""

@@ -364,6 +364,64 @@ def test_an_approver_by_email_answers_with_the_code_in_a_mail(tmp_path: Path) ->
     asyncio.run(go())
 
 
+def test_an_email_answer_with_a_signature_and_the_quoted_card_decides(tmp_path: Path) -> None:
+    """The mail as a client sends it, read by the email channel itself: the card quoted, the
+    answer below it, a signature ("-- "). A mail that only quotes the card (its own
+    words no answer) decides nothing and is no wrong code."""
+    from mdclaw.channels.email import EmailChannel
+    from mdclaw.config import EmailChannel as EmailSection
+
+    people = PEOPLE + '  erin: {name: Erin, role: admin, identities: ' \
+        '{email: ["erin@example.org"]}}\n'
+    extra = "approvals:\n  rules:\n    - match: {action: ha_call_service}\n" \
+            "      approver: erin\n"
+    pw = tmp_path / "mail-pw"
+    pw.write_text("secret\n")
+    mailer = EmailChannel(EmailSection(address="andy@example.org", imap_host="h",
+                                       smtp_host="h", password_file=pw, trust_from=True),
+                          password="secret", is_allowed=lambda a: True, trigger="@Andy")
+
+    def mail(n: int, text: str, card: str, *, below: bool = False) -> InboundMessage:
+        quote = "On Tue, 3 Mar 2026 at 09:00, Andy <andy@example.org> wrote:\r\n" + "".join(
+            f"> {line}\r\n" for line in card.splitlines())
+        body = f"{quote}\r\n{text}" if below else f"{text}\r\n{quote}"
+        raw = ("From: Erin <erin@example.org>\r\nTo: andy@example.org\r\n"
+               f"Subject: Re: Approval\r\nMessage-ID: <r{n}@example.org>\r\n"
+               "In-Reply-To: <card@example.org>\r\nMIME-Version: 1.0\r\n"
+               f"Content-Type: text/plain; charset=utf-8\r\n\r\n{body}").encode()
+        got = mailer.read_mail(raw, uid=f"1-{n}")
+        assert got.message is not None, got.why
+        return got.message
+
+    async def go() -> None:
+        async with running(tmp_path, extra, people) as f:
+            ch = MailLikeChannel()
+            outbox = OutboxWorker(f.env.db, [ch], policy=RetryPolicy(max_attempts=1))
+            orch = Orchestrator(f.env.cfg, f.env.db, runner=None)
+            orch.decider = Decider(f.env.cfg, f.env.db, decided=f.watcher.wake_settle)
+            f.env.write("main", unlock("m1"), sub="actions")
+            await until(lambda: f.approvals())
+            assert await outbox.run_once() == 1
+            a = store.get(f.env.db, f.approvals()[0].id, codes=True)
+            code = a.codes["erin"]
+            assert f'Reply "approve {code}"' in ch.sent[0]
+
+            await orch.on_inbound(mail(1, "Thanks, I will look later.\r\n\r\n-- \r\nErin",
+                                       ch.sent[0]))
+            assert store.get(f.env.db, a.id).pending
+            assert store.get(f.env.db, a.id).wrong_codes == 0
+            # answered below the quoted card (the card says the code too: only the answer
+            # counts), then the signature
+            await orch.on_inbound(mail(2, f"approve {code}\r\n\r\n-- \r\nErin Example\r\n"
+                                          "Sent from my phone\r\n", ch.sent[0], below=True))
+            done = await until(lambda: (r := result(f.env, "main", "m1")) and
+                               r["status"] == "success" and r)
+            assert done["status"] == "success"
+            decided = await f.settled(a.id)
+            assert (decided.decided_by, decided.decided_via) == ("erin", "email")
+    asyncio.run(go())
+
+
 # --------------------------------------------------------------------------- the agent's tools
 
 

@@ -799,3 +799,52 @@ def test_an_answer_without_reply_to_goes_where_the_chat_last_spoke_even_after_a_
         asyncio.run(main())
     finally:
         db.close()
+
+
+def test_a_retry_after_a_lost_answer_posts_once(tmp_path: Path) -> None:
+    """Discord created the message but its answer was lost: the outbox tries the row again,
+    with the same nonce (enforce_nonce), and Discord hands back the first message instead of
+    posting a second. Each part of a long answer has its own nonce, and the same words in a
+    new row are a new message."""
+    async def body(fake: FakeDiscord, ch: DiscordChannel, got: list[InboundMessage]) -> None:
+        await connected(fake, ch)
+        db = Database(tmp_path / "s.db")
+        w = OutboxWorker(db, [ch], policy=RetryPolicy(max_attempts=3, base_delay=0.1))
+        await w.start()
+        try:
+            fake.lose_answers = 1
+            with db.transaction() as c:
+                row = enqueue(c, chat_jid=JID, kind="text", text="once")
+            w.wake()
+            await wait_until_async(lambda: get_row(db, row).status == "sent")
+            assert get_row(db, row).attempts == 2  # the lost answer was a failed try
+            assert sent_texts(fake) == ["once"] and fake.nonce_repeats == 1
+            first_nonce = fake.sent[0]["nonce"]
+            assert 0 < len(first_nonce) <= 25
+
+            # two parts, the first one's answer lost: each part is posted once, in order
+            long = "a" * 1500 + "\n\n" + "b" * 1500
+            fake.lose_answers = 1
+            with db.transaction() as c:
+                row2 = enqueue(c, chat_jid=JID, kind="text", text=long)
+            w.wake()
+            await wait_until_async(lambda: get_row(db, row2).status == "sent")
+            assert sent_texts(fake) == ["once", "a" * 1500, "b" * 1500]
+            assert fake.nonce_repeats == 2
+
+            # the same words again, in a new row: a new message
+            with db.transaction() as c:
+                row3 = enqueue(c, chat_jid=JID, kind="text", text="once")
+            w.wake()
+            await wait_until_async(lambda: get_row(db, row3).status == "sent")
+            assert sent_texts(fake) == ["once", "a" * 1500, "b" * 1500, "once"]
+            assert fake.sent[-1]["nonce"] != first_nonce
+            nonces = [m["nonce"] for m in fake.sent]
+            assert len(set(nonces)) == len(nonces)
+            # the gateway session stayed up all along: sends went on without a new one
+            assert (ch.status_info()["sessions"], ch.status_info()["resumes"]) == (1, 0)
+        finally:
+            await w.stop()
+            db.close()
+
+    run(body)

@@ -690,3 +690,69 @@ def test_doctor_status_and_check_config_say_what_to_fix(
     assert e.value.permanent
     checks = asyncio.run(ops_email.email_checks(cfg))
     assert [c[0] for c in checks] == ["email senders", "email"]  # no server asked
+
+
+def _reply(body: bytes, *, ctype: bytes = b"text/plain; charset=utf-8; format=flowed",
+           cte: bytes = b"quoted-printable") -> bytes:
+    """A reply to a card as a mail client sends it (raw, CRLF, the card's Message-ID)."""
+    return (b"From: Jane Doe <alice@example.test>\r\nTo: Andy <" + OWN.encode() + b">\r\n"
+            b"Subject: Re: Approval #3: ha_call_service\r\n"
+            b"Date: Tue, 03 Mar 2026 09:05:00 +0100\r\n"
+            b"Message-ID: <CAF=reply1@mail.example.test>\r\n"
+            b"In-Reply-To: <card-3@bot.example.test>\r\n"
+            b"References: <card-3@bot.example.test>\r\n"
+            b"MIME-Version: 1.0\r\nContent-Type: " + ctype + b"\r\n"
+            b"Content-Transfer-Encoding: " + cte + b"\r\n\r\n" + body)
+
+
+CARD_QUOTE = (b"> Approval #3 (group main): ha_call_service light.turn_on\r\n"
+              b"> Reply \"approve 7KQ2\" / \"deny 7KQ2\".\r\n")
+
+
+def test_a_reply_code_is_read_past_a_signature_and_the_quoted_card(tmp_path: Path) -> None:
+    """What the person wrote themselves (own_words) is what a reply code is read from: a
+    signature ("-- " line, RFC 3676) and the card quoted above or below the answer are not
+    part of it; the text the agent sees loses the signature too."""
+    pw = tmp_path / "pw"
+    pw.write_text("secret\n")
+    ch = EmailChannel(EmailSection(address=OWN, imap_host="h", smtp_host="h",
+                                   password_file=pw, trust_from=True), password="secret",
+                      is_allowed=lambda a: a == "alice@example.test")
+
+    def read(raw: bytes) -> InboundMessage:
+        got = ch.read_mail(raw, uid="1-1")
+        assert got.message is not None, got.why
+        return got.message
+
+    # top-posted (Gmail, Apple Mail): answer, signature (quoted-printable "--=20"), the card
+    top = read(_reply(b"approve 7KQ2\r\n\r\n--=20\r\nJane Doe\r\nExample Corp\r\n\r\n"
+                      b"On Tue, 3 Mar 2026 at 09:00, Andy <bot@example.test> wrote:\r\n"
+                      + CARD_QUOTE))
+    assert top.own_words == "approve 7KQ2"
+    assert top.content == "approve 7KQ2"  # no signature, no quoted card
+    # bottom-posted: the card quoted first, the answer below it, then the signature
+    bottom = read(_reply(b"On Tue, 3 Mar 2026 at 09:00, Andy <bot@example.test>\r\n"
+                         b"wrote:\r\n" + CARD_QUOTE + b"\r\nDeny 7kq2.\r\n\r\n-- \r\nJane\r\n",
+                         cte=b"8bit"))
+    assert bottom.own_words == "Deny 7kq2."
+    assert "> Reply" in bottom.content and "Jane" not in bottom.content  # context stays
+    # Outlook: the answer, a signature without the "-- " line, the original below a divider
+    outlook = read(_reply(b"approve 7KQ2\r\n\r\n-----Original Message-----\r\n"
+                          b"From: Andy <bot@example.test>\r\nSubject: Approval #3\r\n\r\n"
+                          b"Reply \"approve 7KQ2\" / \"deny 7KQ2\".\r\n", cte=b"8bit"))
+    assert outlook.own_words == "approve 7KQ2"
+    # an HTML-only reply (a signature block, the card in a blockquote)
+    html = read(_reply(b"<div dir=3D\"ltr\">approve 7KQ2<br><br>-- <br><div class=3D\"gmail_"
+                       b"signature\">Jane</div></div><br><div class=3D\"gmail_quote\"><div>"
+                       b"On Tue, 3 Mar 2026 at 09:00, Andy &lt;bot@example.test&gt; wrote:<br>"
+                       b"</div><blockquote>Reply \"approve 7KQ2\" / \"deny 7KQ2\".</blockquote>"
+                       b"</div>", ctype=b"text/html; charset=utf-8"))
+    assert html.own_words == "approve 7KQ2"
+    # a mail that only quotes the card says nothing of its own: never the code's answer
+    quoted = read(_reply(b"On Tue, 3 Mar 2026 at 09:00, Andy <bot@example.test> wrote:\r\n"
+                         + CARD_QUOTE, cte=b"8bit"))
+    assert quoted.own_words == ""
+    # words and a "--" that is no signature delimiter stay
+    plain = read(_reply(b"approve 7KQ2 -- and thanks\r\n--\r\nnot a signature\r\n",
+                        cte=b"8bit"))
+    assert plain.own_words == "approve 7KQ2 -- and thanks\n--\nnot a signature"

@@ -35,7 +35,7 @@ from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row  # noqa: E402
 from mdclaw.state import Database  # noqa: E402
 from mdclaw.state.conversations import StoredMessage, store_message  # noqa: E402
 from mdclaw.state.outbox import enqueue  # noqa: E402
-from slack_fake import APP_TOKEN, BOT_TOKEN, BOT_USER, FakeSlack  # noqa: E402
+from slack_fake import APP_TOKEN, BOT_ID, BOT_TOKEN, BOT_USER, FakeSlack  # noqa: E402
 from waiting import wait_until_async  # noqa: E402
 
 Body = Callable[[FakeSlack, SlackChannel, list[InboundMessage]], Awaitable[None]]
@@ -482,6 +482,96 @@ def test_a_restart_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
             finally:
                 await second.disconnect()
         finally:
+            await first.disconnect()
+            await fake.stop()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_thread_replies_written_while_down_are_caught_up_once(tmp_path: Path) -> None:
+    """Replies in threads are not in conversations.history: after a restart the channel reads
+    conversations.replies of the threads it was active in (a reply handed over, the bot's
+    answer there) and of threads started while it was down (the parent's reply_count and
+    latest_reply in the history), each message once, in the order written."""
+    db_path = tmp_path / "state.db"
+
+    async def main() -> None:
+        fake = FakeSlack()
+        await fake.start()
+        db = Database(db_path)
+        got: list[InboundMessage] = []
+
+        async def store(msg: InboundMessage) -> None:
+            got.append(msg)
+            await asyncio.to_thread(store_message, db, StoredMessage(
+                msg.id, msg.chat_jid, msg.sender, msg.sender_name, msg.content,
+                msg.timestamp, False, False), channel=msg.channel, is_group=msg.is_group)
+
+        first = make_channel(fake, got, db=db, on_inbound=store)
+        second = make_channel(fake, got, db=db, on_inbound=store)
+        try:
+            await connected(fake, first)
+            # a thread the bot answered in, and one it only heard a reply from
+            asked = fake.message(f"<@{BOT_USER}> plan?")
+            await acked(fake, await fake.push_event(asked))
+            await acked(fake, await fake.push_event(
+                fake.message("details please", thread_ts=asked["ts"], parent_user_id="U1")))
+            await first.send_message("slack:C1", "here is the plan",
+                                     reply_to=f"slack:C1:{asked['ts']}")
+            assert fake.posted[-1]["thread_ts"] == asked["ts"]
+            fake.record({**fake.message("here is the plan", user=BOT_USER, bot_id=BOT_ID),
+                         "thread_ts": asked["ts"]})
+            chatter = fake.message("lunch?", user="U2")
+            await acked(fake, await fake.push_event(chatter))
+            await acked(fake, await fake.push_event(
+                fake.message("noon", thread_ts=chatter["ts"], parent_user_id="U2")))
+            # a quiet thread from before: nothing new there, never read again needlessly
+            old = fake.message("old topic")
+            await acked(fake, await fake.push_event(old))
+            await first.disconnect()
+
+            # while it is down: replies in both threads, a new thread with two replies, a
+            # reply also sent to the channel, and top-level chatter
+            written = []
+            for m in (fake.message(f"<@{BOT_USER}> and the budget?", thread_ts=asked["ts"],
+                                   parent_user_id="U1"),
+                      fake.message("1pm better", user="U1", thread_ts=chatter["ts"],
+                                   parent_user_id="U2"),
+                      new_top := fake.message("new topic"),
+                      fake.message("first reply", user="U2", thread_ts=new_top["ts"],
+                                   parent_user_id="U1"),
+                      fake.message("broadcast reply", thread_ts=new_top["ts"],
+                                   parent_user_id="U1", subtype="thread_broadcast"),
+                      fake.message("last word")):
+                fake.record(m)
+                written.append(m)
+            fake.record({**fake.message("edited"), "subtype": "message_changed"})
+            # Slack's rate limit on conversations.replies, once: waited out
+            fake.fail["conversations.replies"] = [
+                (429, {"ok": False, "error": "ratelimited"}, {"Retry-After": "1"})]
+
+            await connected(fake, second)
+            contents = ["@Andy and the budget?", "1pm better", "new topic",
+                        "first reply", "broadcast reply", "last word"]
+            await wait_until_async(lambda: len(db.query("SELECT id FROM messages")) == 11)
+            rows = db.query("SELECT id, content FROM messages ORDER BY seq")
+            ids = [r["id"] for r in rows]
+            assert len(ids) == len(set(ids))  # nothing doubled
+            assert [r["content"] for r in rows][-6:] == contents  # in the order written
+            assert f"slack:C1:{asked['ts']}/{written[0]['ts']}" in ids
+            assert f"slack:C1:{new_top['ts']}/{written[3]['ts']}" in ids
+            # the reply in the bot's thread is addressed to it
+            assert [m.addressed for m in got if m.content.endswith("budget?")] == [True]
+            threads = {p["ts"] for p in fake.of("conversations.replies")}
+            assert {asked["ts"], chatter["ts"], new_top["ts"]} <= threads
+            assert old["ts"] not in threads  # no thread there: bounded
+            assert not fake.fail["conversations.replies"]  # the 429 was met and waited out
+            # a later catch-up finds nothing new
+            assert await second.catch_up() == 0
+            assert len(db.query("SELECT id FROM messages")) == 11
+        finally:
+            await second.disconnect()
             await first.disconnect()
             await fake.stop()
             db.close()

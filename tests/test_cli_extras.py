@@ -206,6 +206,7 @@ def test_which_settings_need_which_extra(tmp_path: Path, monkeypatch: pytest.Mon
     assert "Telegram or the local chat" in fix_for(EXTRAS["whatsapp"], nix=True)
     assert "provider: openai" in fix_for(EXTRAS["transcribe"], nix=True)
     assert "pip install 'mdclaw[slack]'" in fix_for(EXTRAS["slack"], nix=False)
+    assert "flake's package brings slack-bolt" in fix_for(EXTRAS["slack"], nix=True)
 
 
 def test_the_slack_channel_without_its_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -129,6 +129,64 @@ def test_needs_approval_by_annotations_and_config() -> None:
         "mcp_servers.git.approve.always"
 
 
+def test_approvals_rules_lists_the_mcp_default_the_daemon_decides_with(tmp_path: Path,
+                                                                      cli) -> None:
+    """`mdclaw approvals rules` shows, after a group's rules, the default that holds an MCP
+    call no rule matched, per server the group may use, in the order it is tried; each step
+    says what approval_reason (the daemon's decision) says for a tool it applies to."""
+    from mdclaw.ops.approvals import rules_for_groups
+
+    data = tmp_path / "data"
+    cfgfile = tmp_path / "config.yaml"
+    cfgfile.write_text(
+        f"data_dir: {data}\n"
+        "people:\n  olga: {name: Olga, role: owner, identities: {http: [o]}}\n"
+        "mcp_servers:\n  time: {command: x}\n"
+        "  git: {command: y, approve: {always: [git_commit], never: [git_add, git_log]}}\n"
+        "groups:\n  main: {name: A, jid: 'hl:1', main: true,\n"
+        "         mcp: {time: ['*'], git: [git_status, git_commit, git_add]}}\n"
+        "  kids: {name: K, jid: 'hl:2'}\n")
+    cfg = load_config(cfgfile)
+    listing = rules_for_groups(cfg)
+    assert [r for r in listing["kids"] if r.get("default")] == []  # no MCP tools: nothing
+    mcp = [r for r in listing["main"] if r.get("default")]
+    assert listing["main"][-len(mcp):] == mcp  # after the rules: tried when none matched
+    assert [(r["args"]["server"], r["args"]["tool"], r["when"], r["approver"]) for r in mcp] == [
+        ("git", "git_commit", None, "owner"),
+        ("git", "git_add", None, "none"), ("git", "git_log", None, "none"),
+        ("git", "*", "destructiveHint: true", "owner"),
+        ("git", "*", "readOnlyHint not true", "owner"),
+        ("git", "*", "readOnlyHint: true", "none"),
+        ("time", "*", "destructiveHint: true", "owner"),
+        ("time", "*", "readOnlyHint not true", "owner"),
+        ("time", "*", "readOnlyHint: true", "none")]
+    # each step is what the daemon decides for a tool it is the first to apply to
+    examples = {None: {}, "destructiveHint: true": {"readOnlyHint": True,
+                                                   "destructiveHint": True},
+                "readOnlyHint not true": {}, "readOnlyHint: true": {"readOnlyHint": True}}
+    for r in mcp:
+        server, tool = r["args"]["server"], r["args"]["tool"]
+        name = "git_status" if tool == "*" and server == "git" else tool.replace("*", "t")
+        why = policy.approval_reason(cfg, server, name, examples[r["when"]])
+        assert why == (r["source"] if r["approver"] == "owner" else None), r
+    assert mcp[4]["describe"] == (
+        "mcp_servers.git: tool annotations (not read-only): action mcp_call, any tool (of "
+        "git_status, git_commit, git_add) of git whose annotations say readOnlyHint not true "
+        "-> owner (when no rule matches)")
+    # the command line shows the same
+    out = cli("approvals", "rules", "-g", "main", "--config", str(cfgfile))
+    assert out.returncode == 0, out.stderr
+    assert "mcp_servers.time: tool annotations (not read-only): action mcp_call, any tool of " \
+        "time whose annotations say readOnlyHint not true -> owner (when no rule matches)" \
+        in out.stdout
+    js = json.loads(cli("approvals", "rules", "--json", "--config", str(cfgfile)).stdout)
+    assert [r for r in js["main"] if r.get("default")] == mcp
+    # without an owner nothing holds a call by default, and nothing is listed
+    cfgfile.write_text(cfgfile.read_text().replace("role: owner", "role: admin")
+                       + "approvals: {defaults: false}\n")
+    assert not any(r.get("default") for r in rules_for_groups(load_config(cfgfile))["main"])
+
+
 def test_tools_a_model_api_would_refuse_are_not_offered() -> None:
     ok = {"name": "fine", "inputSchema": {"type": "object"}}
     tools = [ok, {"name": "has.dot", "inputSchema": {}}, {"name": "x" * 70, "inputSchema": {}},

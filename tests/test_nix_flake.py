@@ -60,8 +60,10 @@ def test_package_is_the_pyproject(flake: dict) -> None:
         _name(d) for d in pyproject["project"]["dependencies"]]
     # and the libraries of the chat channels nixpkgs has (their extras)
     assert flake["lib"]["channelRequirements"] == [
-        _name(d) for extra in ("push", "email", "discord", "matrix")
+        _name(d) for extra in ("push", "email", "discord", "matrix", "slack")
         for d in pyproject["project"]["optional-dependencies"][extra]]
+    # a NixOS user gets the Slack channel: Bolt and the SDK are in the package itself
+    assert {"python3.12-slack-bolt", "python3.12-slack-sdk"} <= set(pkg["dependencies"])
     nix_attr = {"discord-py": "discordpy"}  # nixpkgs' name where it differs
     assert pkg["dependencies"] == [f"python3.12-{nix_attr.get(n, n)}"
                                    for n in flake["lib"]["hostRequirements"]

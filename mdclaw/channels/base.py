@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+import hashlib
 import inspect
 import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,36 @@ from mdclaw.state import Database
 from mdclaw.state.conversations import get_router_value, set_router_value
 
 log = logging.getLogger("mdclaw.channels")
+
+# Which outbox delivery the send in progress belongs to: "<row id>.<part>" for a part of a
+# text row, "<row id>.card" / "<row id>.file" for a card or a file row; None for a send the
+# outbox did not start. The outbox sets it around each call (`delivering`); a channel whose
+# service takes a client-chosen key that makes a repeated request return the first result
+# (Discord's message nonce) derives the key from it (`delivery_key`), so the retry of a row
+# whose answer was lost does not post it twice.
+_DELIVERY: ContextVar[str | None] = ContextVar("mdclaw_outbox_delivery", default=None)
+
+
+@contextlib.contextmanager
+def delivering(key: str) -> Iterator[None]:
+    """Within this block, sends belong to the outbox delivery `key` (see `delivery_key`)."""
+    token = _DELIVERY.set(key)
+    try:
+        yield
+    finally:
+        _DELIVERY.reset(token)
+
+
+def delivery_key(jid: str, what: str, *, size: int = 24) -> str | None:
+    """A key (hex, `size` characters) the same on every retry of the outbox delivery in
+    progress and different for anything else: the delivery, the chat and what is sent (`what`:
+    the text of the part, a file's name) go into it, so two parts of one card differ.
+    None outside an outbox delivery."""
+    key = _DELIVERY.get()
+    if key is None:
+        return None
+    h = hashlib.blake2b(f"{jid}\0{key}\0{what}".encode(), digest_size=(size + 1) // 2)
+    return h.hexdigest()[:size]
 
 
 @dataclass(frozen=True)
@@ -79,6 +112,10 @@ class InboundMessage:
     attachments: tuple[Attachment, ...] = ()
     #: The id (as above) of the message this one replies to, when the service says.
     reply_to: str | None = None
+    #: What the sender wrote themselves, where the content holds more (an email's quoted
+    #: original and signature): what a reply code ("approve 7KQ2") is read from. None: the
+    #: content.
+    own_words: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "attachments"}

@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from mdclaw.channels.base import (
     InboundCallback,
     InboundMessage,
     SavedPosition,
+    delivery_key,
     kind_for_mime,
     read_upload,
 )
@@ -69,6 +71,7 @@ MAX_MESSAGE = 2000
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
 TYPING_REPEAT_SECONDS = 8.0  # Discord shows "typing" for 10 s
 TYPING_MAX_SECONDS = 300.0
+NONCE_CHARS = 25  # Create Message's nonce: at most 25 characters
 HISTORY_PAGE = 100  # Discord's largest page of GET /channels/{id}/messages
 REMEMBERED_CHANNELS = 512  # cursors kept (most recent first)
 
@@ -79,6 +82,16 @@ class _Refused(ChannelError):  # noqa: N818 - internal signal, never leaves the 
     def __init__(self, channel_id: int, message_id: int) -> None:
         super().__init__(f"message {message_id} of channel {channel_id} refused")
         self.channel_id, self.message_id = channel_id, message_id
+
+
+def _nonce(jid: str, what: str) -> str:
+    """Create Message's `nonce` for the outbox delivery in progress: discord.py sends it with
+    `enforce_nonce: true`, so Discord answers a repeat within a few minutes with the message
+    the first request created instead of posting it again; the outbox's retry after a lost
+    answer thus posts once. Discord takes at most 25 characters. Outside a delivery a random
+    one, as discord.py would choose."""
+    key = delivery_key(jid, what, size=NONCE_CHARS)
+    return key if key is not None else str(secrets.randbits(64))
 
 
 def require_discord() -> None:
@@ -129,6 +142,11 @@ class DiscordChannel(Channel):
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._running = False
         self._ready = False  # a gateway session is up
+        # A REST request lost its connection: sends wait (not counted as tries) until a probe
+        # reaches Discord again; the gateway session may be fine all along, so it alone
+        # would never say so.
+        self._rest_down = False
+        self._probe: asyncio.Task[None] | None = None
         # (what is wrong, the fix) when the bot cannot run: a refused token or intent
         self._fatal: tuple[str, str] | None = None
         self.bot_id: int | None = None
@@ -378,9 +396,9 @@ class DiscordChannel(Channel):
         if client is not None and not client.is_closed():
             with contextlib.suppress(Exception):
                 await client.close()
-        tasks = [t for t in (self._runner, self._worker, *self._typing.values())
-                 if t is not None]
-        self._runner = self._worker = None
+        tasks = [t for t in (self._runner, self._worker, self._probe,
+                             *self._typing.values()) if t is not None]
+        self._runner = self._worker = self._probe = None
         self._typing.clear()
         for t in tasks:
             t.cancel()
@@ -396,7 +414,29 @@ class DiscordChannel(Channel):
                 log.warning("discord: %s had ended with an error", t.get_name(), exc_info=r)
 
     def is_connected(self) -> bool:
-        return self._running and self._ready
+        return self._running and self._ready and not self._rest_down
+
+    def _rest_lost(self) -> None:
+        """A REST request's connection failed: not connected until Discord answers again."""
+        self._rest_down = True
+        if self._running and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_rest(), name="discord-rest-probe")
+
+    async def _probe_rest(self) -> None:
+        """Ask Discord (GET /oauth2/applications/@me) after a growing wait until it answers."""
+        tries = 0
+        while self._running and self._rest_down:
+            tries += 1
+            await asyncio.sleep(self.reconnect_backoff.delay(tries))
+            client = self._client
+            if client is None or client.is_closed():
+                continue
+            try:
+                await client.application_info()
+            except Exception as e:  # noqa: BLE001 - still unreachable: wait longer
+                log.debug("discord: REST still unreachable: %s", type(e).__name__)
+                continue
+            self._rest_down = False
 
     # ------------------------------------------------------------------ inbound
     async def _work(self) -> None:
@@ -653,7 +693,8 @@ class DiscordChannel(Channel):
             return ChannelError(self.redact(f"discord {what}: {status} {e.text or e}"),
                                 code=status, retry_after=retry_after,
                                 permanent=status in (400, 403, 404))
-        self._ready = self._ready and not isinstance(e, aiohttp.ClientConnectionError)
+        if isinstance(e, aiohttp.ClientConnectionError):
+            self._rest_lost()
         return ChannelError(self.redact(f"discord {what}: {type(e).__name__}: {e}"))
 
     def message_parts(self, text: str) -> list[str]:
@@ -681,7 +722,8 @@ class DiscordChannel(Channel):
         ref = (discord.MessageReference(message_id=mid, channel_id=where,
                                         fail_if_not_exists=False) if mid else None)
         try:
-            sent = await target.send(str(part), reference=ref)  # type: ignore[arg-type]
+            sent = await target.send(str(part), reference=ref,  # type: ignore[arg-type]
+                                     nonce=_nonce(jid, f"text\0{part}"))
         except Exception as e:  # noqa: BLE001 - mapped to a ChannelError
             raise self._error("send", e) from None
         return f"dc:{where}:{sent.id}"
@@ -703,7 +745,8 @@ class DiscordChannel(Channel):
         client = self._api()
         try:
             sent = await client.get_partial_messageable(where).send(
-                first, file=discord.File(io.BytesIO(content), filename=file_name or path.name))
+                first, file=discord.File(io.BytesIO(content), filename=file_name or path.name),
+                nonce=_nonce(jid, f"file\0{file_name or path.name}\0{first or ''}"))
         except Exception as e:  # noqa: BLE001 - mapped to a ChannelError
             raise self._error("file upload", e) from None
         if caption and first is None:

@@ -741,7 +741,8 @@ class EmailChannel(Channel):
         return _Read(InboundMessage(
             id=msg_id, chat_jid=jid, sender=address, sender_name=name, content=content,
             timestamp=now_iso(), chat_name=name, is_group=False, channel=self.name,
-            addressed=True, attachments=tuple(_attachment(f) for f in files)),
+            addressed=True, attachments=tuple(_attachment(f) for f in files),
+            own_words=mail.own_words if too_big is None else ""),
             Thread.of(mail))
 
     # ------------------------------------------------------------------ saved state

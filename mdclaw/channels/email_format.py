@@ -254,6 +254,9 @@ class Incoming:
     text: str
     date: datetime | None
     files: tuple[MailFile, ...]
+    # What the sender wrote themselves: no signature, no quoted lines ("approve 7KQ2" in a
+    # reply that quotes the card above or below it and ends with "-- \nJane").
+    own_words: str = ""
 
 
 def _decoded(part: Message) -> str:
@@ -282,6 +285,53 @@ _ATTRIBUTION_LINE = re.compile(r"^.{0,300}\b(wrote|schrieb|a écrit|escribió|sc
                                r"schreef)\s*:\s*$", re.IGNORECASE)
 _DIVIDERS = re.compile(r"^\s*(-{2,}\s*(original message|forwarded message|ursprüngliche "
                        r"nachricht)\s*-{2,}|_{10,})\s*$", re.IGNORECASE)
+
+
+# RFC 3676 4.3: a line of "-- " (dash dash space) starts the signature (an HTML mail's
+# "-- <br>" comes out of html_to_text with more trailing spaces).
+_SIGNATURE = re.compile(r"^-- [ \t]*\Z")
+
+
+def strip_signature(text: str) -> str:
+    """`text` without its signature: from the first "-- " line outside a quote on. Nothing
+    is cut when nothing would be left."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    for i, line in enumerate(lines):
+        if _SIGNATURE.match(line) and any(x.strip() for x in lines[:i]):
+            return "\n".join(lines[:i]).rstrip()
+    return "\n".join(lines)
+
+
+def own_words(text: str) -> str:
+    """What the sender wrote themselves: `text` without its signature, without everything
+    from an "-----Original Message-----" divider on, and without quoted (`>`) lines and the
+    "On ... wrote:" line above them, wherever they are (above the answer, below it, between
+    its paragraphs)."""
+    lines = strip_signature(text).split("\n")
+    for i, line in enumerate(lines):
+        if _DIVIDERS.match(line):
+            lines = lines[:i]
+            break
+
+    def quote_follows(k: int) -> bool:
+        rest = [x for x in lines[k:] if x.strip()]
+        return bool(rest) and rest[0].startswith(">")
+
+    keep: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(">"):
+            i += 1
+        elif quote_follows(i + 1) and _ATTRIBUTION_LINE.match(line.strip()):
+            i += 1
+        elif (i + 1 < len(lines) and quote_follows(i + 2) and _ATTRIBUTION.match(
+                f"{line.strip()} {lines[i + 1].strip()}")):
+            i += 2  # wrapped over two lines
+        else:
+            keep.append(line)
+            i += 1
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(keep)).strip()
 
 
 def strip_quoted(text: str) -> str:
@@ -358,7 +408,8 @@ def read_incoming(msg: EmailMessage) -> Incoming:
         text = _decoded(plain)
     elif html is not None and html in bodies:
         text = html_to_text(_decoded(html))
-    text = strip_quoted(text)
+    own = own_words(text)[:MAX_TEXT]
+    text = strip_quoted(strip_signature(text))
     if len(text) > MAX_TEXT:
         text = text[:MAX_TEXT] + "\n[… the rest of this mail was cut]"
     mid = message_ids(header(msg, "Message-ID"))
@@ -372,7 +423,7 @@ def read_incoming(msg: EmailMessage) -> Incoming:
     return Incoming(message_id=mid[0] if mid else None, in_reply_to=irt[0] if irt else None,
                     references=tuple(message_ids(header(msg, "References"))),
                     subject=header(msg, "Subject"), text=text, date=date,
-                    files=tuple(_files(msg, bodies)))
+                    files=tuple(_files(msg, bodies)), own_words=own)
 
 
 # --------------------------------------------------------------------------- out
@@ -503,5 +554,6 @@ def reaction_mail(*, sender: str, sender_name: str | None, to: str, emoji: str,
 __all__ = ["AuthResult", "Incoming", "MailFile", "Thread", "auth_verdict", "build_mail",
            "domain_of", "first_line_subject", "header", "is_own_message_id", "is_reaction",
            "loop_reason", "message_ids", "new_message_id", "parse_auth_results", "parse_mail",
-           "reaction_mail", "read_incoming", "reply_subject", "sender_of", "strip_quoted",
+           "own_words", "reaction_mail", "read_incoming", "reply_subject", "sender_of",
+           "strip_quoted", "strip_signature",
            "to_email_html"]

@@ -30,8 +30,13 @@ Reconnects: when the websocket closes or fails, a new URL is asked with
 being switched off; envelopes not acked on the old connection come again on the new one.
 Slack gives up on an envelope after a few minutes, so after every connect `catch_up` reads
 `conversations.history` of each chat seen before, after the newest message handed over (kept
-per chat in router_state, written off the loop): a daemon stopped for longer loses nothing
-written at a channel's top level, and the host's dedupe by id drops what came twice.
+per chat in router_state, written off the loop), and `conversations.replies` (after the same
+mark) of the threads the chat is known to be active in: those a reply was handed over from or
+the bot wrote in (the THREADS_KEPT most recently active per chat, in router_state), and those
+whose parent the history just read shows with replies newer than the mark (`reply_count`,
+`latest_reply`). A daemon stopped for longer so loses nothing written at a channel's top level
+or in those threads (a reply in an older thread nobody had written in since the bot heard
+from it last is not looked for), and the host's dedupe by id drops what came twice.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -78,6 +84,11 @@ REMEMBERED = 4096  # event and message ids kept against copies; the bot's own me
 CONNECT_TIMEOUT = 60.0
 SEEN_KEY = "slack_seen:"  # router_state: the newest message ts handed over, per chat
 CATCH_UP_MAX = 1000  # messages fetched per chat when catching up
+CATCH_UP_WAIT = 30.0  # the longest rate-limit wait catching up sits out (3 times at most)
+THREADS_KEY = "slack_threads:"  # router_state: {thread ts: newest ts there}, per chat
+THREADS_KEPT = 20  # threads per chat whose replies are caught up (the most recently active)
+# Errors that say a thread is gone (its parent deleted): forget it rather than retry.
+GONE_THREAD_ERRORS = ("thread_not_found", "message_not_found")
 AUTH_ERRORS = frozenset({"invalid_auth", "not_authed", "account_inactive", "token_revoked",
                          "token_expired", "not_allowed_token_type"})
 # Errors sending again cannot fix (the chat, the message or the text is wrong).
@@ -208,6 +219,8 @@ class SlackChannel(Channel):
         self._asked: dict[str, bool] = {}
         self._inbound_lock = asyncio.Lock()
         self._seen: dict[str, str] = {}  # chat -> newest message ts handed over
+        # chat -> {thread ts: newest ts handed over or posted there}, loaded from router_state
+        self._active: dict[str, dict[str, str]] = {}
 
     @classmethod
     def from_config(cls, section: Any, *, on_inbound: InboundCallback | None = None,
@@ -428,7 +441,10 @@ class SlackChannel(Channel):
         await self._note_thread(msg, event)
         await self.deliver_inbound(msg)
         _remember(self._messages, msg.id)
-        await self._mark_seen(msg.chat_jid, split_id(msg.id)[2])
+        _channel, thread, ts = split_id(msg.id)
+        await self._mark_seen(msg.chat_jid, ts)
+        if thread:
+            await self._note_active(msg.chat_jid, thread, ts)
 
     # ------------------------------------------------------------------ catching up
     async def _mark_seen(self, jid: str, ts: str) -> None:
@@ -449,12 +465,116 @@ class SlackChannel(Channel):
         return {str(r[0])[len(SEEN_KEY):]: str(r[1]) for r in rows
                 if r[1] is not None and TS_RE.match(str(r[1]))}
 
+    async def _load_active(self, jid: str) -> dict[str, str]:
+        """The threads `jid` is known to be active in: {thread ts: newest ts there}."""
+        if jid not in self._active:
+            value = None
+            if self.db is not None:
+                try:
+                    value = await asyncio.to_thread(get_router_value, self.db,
+                                                    f"{THREADS_KEY}{jid}")
+                except Exception as e:  # noqa: BLE001 - sqlite3.Error; starts empty
+                    log.warning("slack: could not read the active threads of %s: %s", jid, e)
+            try:
+                loaded = json.loads(value) if value else {}
+            except ValueError:
+                loaded = {}
+            known = {str(k): str(v) for k, v in (loaded if isinstance(loaded, dict) else {})
+                     .items() if TS_RE.match(str(k)) and TS_RE.match(str(v))}
+            self._active[jid] = self._active.get(jid, {}) | known
+        return self._active[jid]
+
+    async def _note_active(self, jid: str, thread: str, ts: str) -> None:
+        """`thread` of `jid` saw `ts` (a reply handed over, or the bot's own message): its
+        replies are caught up after a reconnect. The THREADS_KEPT most recently active are
+        kept (in router_state, off the loop)."""
+        active = await self._load_active(jid)
+        if float(ts) <= float(active.get(thread, "0")):
+            return
+        active[thread] = ts
+        for old in sorted(active, key=lambda t: float(active[t]))[:-THREADS_KEPT]:
+            del active[old]
+        await self._save_active(jid)
+
+    async def _save_active(self, jid: str) -> None:
+        if self.db is None:
+            return
+        try:
+            await asyncio.to_thread(set_router_value, self.db, f"{THREADS_KEY}{jid}",
+                                    json.dumps(self._active.get(jid, {}), sort_keys=True))
+        except Exception as e:  # noqa: BLE001 - sqlite3.Error; the next message writes it
+            log.warning("slack: could not save the active threads of %s: %s", jid, e)
+
+    async def _fetch(self, method: str, call: Callable[..., Awaitable[Any]],
+                     budget: int, **kwargs: Any) -> list[dict[str, Any]]:
+        """Every message `method` (conversations.history or .replies) returns for `kwargs`,
+        page after page, at most about `budget`. Raises ChannelError."""
+        found: list[dict[str, Any]] = []
+        cursor = None
+        waited = 0
+        while len(found) < budget:
+            page = {**kwargs, "limit": 200}
+            if cursor:
+                page["cursor"] = cursor
+            try:
+                resp = await self._call(method, functools.partial(call, **page))
+            except ChannelError as e:
+                # A short rate limit (Slack's tiers) is waited out a few times: a chat whose
+                # catch-up fails is left for the next connect.
+                if e.retry_after is None or e.retry_after > CATCH_UP_WAIT or waited >= 3:
+                    raise
+                waited += 1
+                if await backoff_wait(e.retry_after, self._stop):
+                    raise
+                continue
+            found += [m for m in resp.get("messages") or [] if isinstance(m, dict)]
+            cursor = (resp.get("response_metadata") or {}).get("next_cursor")
+            if not cursor or not resp.get("has_more"):
+                break
+        return [m for m in found if isinstance(m.get("ts"), str) and TS_RE.match(m["ts"])]
+
+    async def _missed(self, jid: str, oldest: str) -> list[dict[str, Any]]:
+        """What was written in `jid` after `oldest`: the channel's history, and the replies of
+        the threads it is known to be active in and of those the history shows with replies
+        newer than `oldest`. Raises ChannelError when some of it could not be read (then
+        nothing is handed over, so the mark does not move past what was not read)."""
+        channel = jid[len(self.jid_prefix):]
+        top = await self._fetch("conversations.history", self.web.conversations_history,
+                                CATCH_UP_MAX, channel=channel, oldest=oldest, inclusive=False)
+        found = [{**m, "channel": channel} for m in top]
+        active = await self._load_active(jid)
+        threads = dict.fromkeys(sorted(active, key=lambda t: -float(active[t])))
+        for m in top:
+            latest = m.get("latest_reply")
+            if (m.get("reply_count") and isinstance(latest, str) and TS_RE.match(latest)
+                    and float(latest) > float(oldest)):
+                threads[m["ts"]] = None
+        forgotten = False
+        for thread in threads:
+            if len(found) >= CATCH_UP_MAX:
+                break
+            try:
+                replies = await self._fetch(
+                    "conversations.replies", self.web.conversations_replies,
+                    CATCH_UP_MAX - len(found), channel=channel, ts=thread, oldest=oldest,
+                    inclusive=False)
+            except ChannelError as e:
+                if e.permanent and any(code in str(e) for code in GONE_THREAD_ERRORS):
+                    forgotten = active.pop(thread, None) is not None or forgotten
+                    continue
+                raise
+            found += [{**m, "channel": channel} for m in replies
+                      if m["ts"] != thread and float(m["ts"]) > float(oldest)]
+        if forgotten:
+            await self._save_active(jid)
+        found.sort(key=lambda m: float(m["ts"]))
+        return found
+
     async def catch_up(self) -> int:
         """Hand over what was written in the chats seen before while no connection was
         open (Slack sends an event it could not deliver again only for a few minutes):
-        `conversations.history` after each chat's newest handed-over message, oldest first.
-        Returns how many messages were new to the host. Thread replies are not fetched
-        (unless also sent to the channel)."""
+        each chat's history and replies in its active threads after its newest handed-over
+        message (`_missed`), oldest first. Returns how many messages were new to the host."""
         if self.db is None or self.web is None:
             return 0
         try:
@@ -467,33 +587,18 @@ class SlackChannel(Channel):
                 self._seen[jid] = ts
         taken = 0
         for jid, oldest in marks.items():
-            channel = jid[len(self.jid_prefix):]
             if not JID_RE.match(jid):
                 continue
-            found: list[dict[str, Any]] = []
-            cursor = None
             try:
-                while len(found) < CATCH_UP_MAX:
-                    kwargs: dict[str, Any] = {"channel": channel, "oldest": oldest,
-                                              "inclusive": False, "limit": 200}
-                    if cursor:
-                        kwargs["cursor"] = cursor
-                    resp = await self._call("conversations.history", functools.partial(
-                        self.web.conversations_history, **kwargs))
-                    found += [m for m in resp.get("messages") or [] if isinstance(m, dict)]
-                    cursor = (resp.get("response_metadata") or {}).get("next_cursor")
-                    if not cursor or not resp.get("has_more"):
-                        break
+                found = await self._missed(jid, oldest)
             except ChannelError as e:
                 log.warning("slack: could not catch up in %s: %s", jid, e)
                 continue
-            found = [m for m in found if isinstance(m.get("ts"), str) and TS_RE.match(m["ts"])]
-            found.sort(key=lambda m: float(m["ts"]))
             async with self._inbound_lock:
                 for m in found:
                     before = len(self._messages)
                     try:
-                        await self._take({**m, "type": "message", "channel": channel})
+                        await self._take({**m, "type": "message"})
                     except Exception:  # noqa: BLE001 - the host's callback; next time again
                         log.exception("slack: the host did not take message %s of %s",
                                       m["ts"], jid)
@@ -793,6 +898,8 @@ class SlackChannel(Channel):
         _remember(self._own, ts)
         if thread:
             _remember(self._own, thread)
+            if TS_RE.match(ts):
+                await self._note_active(jid, thread, ts)
         return f"{jid}:{thread}/{ts}" if thread else f"{jid}:{ts}"
 
     def _answered(self, jid: str) -> None:

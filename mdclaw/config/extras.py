@@ -53,8 +53,8 @@ EXTRAS: dict[str, Extra] = {
         "remove channels.discord (or set enabled: false)"),
     "slack": Extra(
         "slack", "slack_bolt", "slack-bolt and slack-sdk", "the Slack channel",
-        "the NixOS package does not bring slack-bolt yet: remove channels.slack (or set "
-        "enabled: false) and use Telegram or the local chat"),
+        "the flake's package brings slack-bolt and slack-sdk (from nixpkgs): run mdclaw from "
+        "it, or remove channels.slack (or set enabled: false)"),
     "transcribe": Extra(
         "transcribe", "faster_whisper", "faster-whisper", "local transcription",
         "the NixOS package has no faster-whisper: use transcription.provider: openai with an "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
@@ -26,6 +27,7 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import SchemaError
 
+from mdclaw.approvals.rules import has_owner
 from mdclaw.config import Config
 
 SEPARATOR = "__"
@@ -188,25 +190,92 @@ def argument_problems(schema: dict[str, Any], arguments: Any) -> list[str]:
 # --------------------------------------------------------------------------- approval
 
 
+def _any(annotations: dict[str, Any]) -> bool:
+    return True
+
+
+def _destructive(annotations: dict[str, Any]) -> bool:
+    return annotations.get("destructiveHint") is True
+
+
+def _not_read_only(annotations: dict[str, Any]) -> bool:
+    return annotations.get("readOnlyHint") is not True
+
+
+@dataclass(frozen=True)
+class DefaultStep:
+    """One step of the MCP default: applied when no approval rule matched a call, the steps
+    tried in order, the first whose `tools` pattern and annotation condition hold decides.
+    `source` names where it comes from (the approval's rule when it holds a call)."""
+
+    source: str
+    tools: str  # fnmatch pattern of the server's tool names
+    when: str | None  # the condition on the tool's annotations, in words (None: any)
+    needs_owner: bool
+    applies: Callable[[dict[str, Any]], bool] = field(default=_any, repr=False, compare=False)
+
+
+def default_steps(cfg: Config, server: str) -> list[DefaultStep]:
+    """The default for the tools of `server`, in the order tried: `approve.always` patterns
+    (a person), `approve.never` patterns (nobody), then the annotations: destructive or not
+    read-only needs a person; what is left (read-only, not destructive) nobody. An unknown
+    server always needs one. The one definition `approval_reason` decides with and
+    `mdclaw approvals rules` lists."""
+    spec = cfg.mcp_servers.get(server)
+    if spec is None:
+        return [DefaultStep(f"mcp_servers has no {server!r}", "*", None, True)]
+    base = f"mcp_servers.{server}"
+    return [
+        *(DefaultStep(f"{base}.approve.always", p, None, True) for p in spec.approve.always),
+        *(DefaultStep(f"{base}.approve.never", p, None, False) for p in spec.approve.never),
+        DefaultStep(f"{base}: tool annotations (destructive)", "*", "destructiveHint: true",
+                    True, _destructive),
+        DefaultStep(f"{base}: tool annotations (not read-only)", "*",
+                    "readOnlyHint not true", True, _not_read_only),
+        DefaultStep(f"{base}: tool annotations (read-only)", "*", "readOnlyHint: true", False),
+    ]
+
+
 def approval_reason(cfg: Config, server: str, tool: str,
                     annotations: dict[str, Any]) -> str | None:
     """Why a call of `tool` of `server` needs a person's approval, naming the key or the
-    annotations that say so; None when it does not. By default it does unless its
-    annotations say `readOnlyHint: true` and not `destructiveHint: true`; a pattern in
+    annotations that say so; None when it does not: the first of `default_steps` that
+    applies decides. By default a tool needs one unless its annotations say
+    `readOnlyHint: true` and not `destructiveHint: true`; a pattern in
     `mcp_servers.<server>.approve.always` makes it need one, in `.never` not (`always`
     wins). An unknown server always needs one."""
-    spec = cfg.mcp_servers.get(server)
-    if spec is None:
-        return f"mcp_servers has no {server!r}"
-    if any(fnmatchcase(tool, p) for p in spec.approve.always):
-        return f"mcp_servers.{server}.approve.always"
-    if any(fnmatchcase(tool, p) for p in spec.approve.never):
-        return None
-    if annotations.get("destructiveHint") is True:
-        return f"mcp_servers.{server}: tool annotations (destructive)"
-    if annotations.get("readOnlyHint") is not True:
-        return f"mcp_servers.{server}: tool annotations (not read-only)"
+    for step in default_steps(cfg, server):
+        if fnmatchcase(tool, step.tools) and step.applies(annotations):
+            return step.source if step.needs_owner else None
     return None
+
+
+def default_listing(cfg: Config, folder: str) -> list[dict[str, Any]]:
+    """The MCP default of group `folder` as `mdclaw approvals rules` lists it: for each
+    server its `groups.<g>.mcp` names, the steps of `default_steps`, each with the tools the
+    group may call. It holds a call only when no approval rule matched it and people has an
+    owner (approvals.rules.rule_for); an empty list otherwise."""
+    group = cfg.groups.get(folder)
+    if group is None or not group.mcp or not has_owner(cfg):
+        return []
+    timeout = int(cfg.approvals.timeout.total_seconds())
+    out: list[dict[str, Any]] = []
+    for server, allowed in sorted(group.mcp.items()):
+        if not allowed:
+            continue
+        for step in default_steps(cfg, server):
+            who = "owner" if step.needs_owner else "none"
+            tools = f"tool {step.tools}" if step.tools != "*" else "any tool"
+            where = f" (of {', '.join(allowed)})" if list(allowed) != ["*"] else ""
+            when = f" whose annotations say {step.when}" if step.when else ""
+            out.append({
+                "source": step.source, "command": None, "action": "mcp_call", "to": None,
+                "args": {"server": server, "tool": step.tools}, "approver": who,
+                "timeout": timeout, "when": step.when, "default": True,
+                "describe": f"{step.source}: action mcp_call, {tools}{where} of {server}"
+                            f"{when} -> {'owner' if step.needs_owner else 'nobody'}"
+                            " (when no rule matches)"})
+    return out
 
 
 def needs_approval(cfg: Config, server: str, tool: str, annotations: dict[str, Any]) -> bool:

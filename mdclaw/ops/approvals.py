@@ -13,6 +13,7 @@ from mdclaw.approvals.cards import what_lines
 from mdclaw.approvals.rules import rules_listing
 from mdclaw.config import Config
 from mdclaw.errors import StateError
+from mdclaw.mcp.policy import default_listing
 from mdclaw.state import Database
 
 
@@ -79,6 +80,8 @@ def approval_detail(db: Database, approval_id: int) -> dict[str, Any] | None:
 
 
 def rules_for_groups(cfg: Config, folder: str | None = None) -> dict[str, list[dict[str, Any]]]:
-    """The effective approval rules of every group (or one), in the order they are tried."""
+    """The effective approval rules of every group (or one), in the order they are tried,
+    then the MCP default that holds a call no rule matched (`"default": true` entries:
+    mdclaw.mcp.policy.default_steps, the definition the daemon decides with)."""
     folders = [folder] if folder is not None else sorted(cfg.groups)
-    return {f: rules_listing(cfg, f) for f in folders}
+    return {f: rules_listing(cfg, f) + default_listing(cfg, f) for f in folders}

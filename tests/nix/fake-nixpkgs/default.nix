@@ -48,6 +48,8 @@ let
     "sdnotify"
     "segno"
     "setuptools"
+    "slack-bolt"
+    "slack-sdk"
     "tzdata"
     "zstandard"
   ];
