@@ -519,6 +519,9 @@ def test_logging_in_with_the_token_in_chromium(tmp_path: Path) -> None:
             await page.click("login-button")
             await page.wait_for("!!document.getElementById('outbox-counts')")
             assert await page.js("document.cookie") == ""  # HttpOnly: not for scripts
+            await page.wait_for("[...document.querySelectorAll('#problems li')].some("
+                                "li => li.textContent.includes('no model for 1 group (main)'))")
+            assert await page.js("document.getElementById('verdict').textContent") != "healthy"
             await show(page, "groups", "document.body.innerText.includes('Admin')")
             model = await page.js("document.querySelector('[data-model=main]').textContent")
             assert model == "none: answers with the setup message"

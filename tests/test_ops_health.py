@@ -257,3 +257,27 @@ def test_the_outbox_view_keeps_old_failed_rows_beside_many_newer_ones(setup) -> 
     failed = [r for r in got["rows"] if r["status"] == "failed"]
     assert [r["id"] for r in failed] == [old] and failed[0]["last_error"] == "long ago"
     assert len(got["rows"]) == 501 and got["counts"]["sent"] == 600
+
+
+def test_groups_without_a_model_are_a_problem(write_config) -> None:
+    """An install where no model resolves for a group is not "healthy": the group answers
+    every message with the setup message. The problem names the groups and links to the
+    groups view; doctor's models check fails for the same groups."""
+    cfg = load_config(write_config(
+        "data_dir: {data_dir}\n"
+        "models:\n"
+        "  a: {backend: openai, base_url: 'http://127.0.0.1:9/v1', model: m}\n"
+        "  b: {backend: openai, base_url: 'http://127.0.0.1:9/v1', model: m}\n"
+        "groups:\n"
+        "  main: {name: A, jid: 'hl:main', main: true}\n"
+        "  family: {name: F, jid: 'tg:42', model: b}\n"
+        "channels: {http: {enabled: false}}\n"))
+    db = Database(cfg.db_path)
+    try:
+        problems = find_problems(cfg, db, disk=None)
+        assert [(p.key, p.level, p.view, p.count) for p in problems] == [
+            ("models", "fail", "groups", 1)]
+        assert "(main)" in problems[0].text and "family" not in problems[0].text
+        assert verdict(problems) == "1 problem"
+    finally:
+        db.close()

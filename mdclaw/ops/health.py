@@ -29,6 +29,7 @@ from mdclaw.budget import over_budget
 from mdclaw.config import Config
 from mdclaw.diskguard import OK
 from mdclaw.ipc.quarantine import count_errors
+from mdclaw.models import model_for_group
 from mdclaw.paths import Layout
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
@@ -173,6 +174,12 @@ def quarantined(cfg: Config) -> int:
     return count_errors(Layout(cfg.data_dir).errors_dir)
 
 
+def no_model_groups(cfg: Config) -> list[str]:
+    """The groups of the config no model resolves for (doctor's models check, the groups
+    view's "none: answers with the setup message")."""
+    return [folder for folder in cfg.groups if model_for_group(cfg, folder)[1] is None]
+
+
 def _n(count: int, one: str, many: str) -> str:
     return f"{count} {one if count == 1 else many}"
 
@@ -204,6 +211,12 @@ def find_problems(cfg: Config, db: Database, *, disk: Mapping[str, Any] | None,
         if bad:
             out.append(Problem("disk_groups", "fail", f"{_n(len(bad), 'group is', 'groups are')}"
                                f" over their disk limits ({', '.join(bad)})", "groups", len(bad)))
+    unmodelled = no_model_groups(cfg)
+    if unmodelled:
+        out.append(Problem("models", "fail",
+                           f"no model for {_n(len(unmodelled), 'group', 'groups')}"
+                           f" ({', '.join(unmodelled)}): they answer with the setup message "
+                           "instead of a reply", "groups", len(unmodelled)))
     # Without the daemon's word on connections (doctor), deliveries are still judged.
     states: dict[str, dict[str, Any]]
     if channels is not None:
