@@ -11,17 +11,13 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from browser import DevTools, browse, chromium
 from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import InboundMessage
 from mdclaw.channels.http import HttpChannel
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
-from test_chat_page_browser import (
-    DevTools,
-    _decode_png,
-    browse,
-    chromium,
-)
+from test_chat_page_browser import _decode_png
 
 RICH = """## Shopping plan
 
@@ -98,7 +94,8 @@ def test_markdown_renders_unsafe_markup_stays_inert_and_newlines_arrive(tmp_path
                       td: [...b.querySelectorAll('table td')].map(e => e.textContent),
                       code: b.querySelector('pre code').textContent,
                       lang: b.querySelector('pre code').className,
-                      copy: b.querySelectorAll('.code > pre + button.copy').length,
+                      copy: b.querySelectorAll('.code > .code-bar > button.copy').length
+                        * b.querySelectorAll('.code > .code-bar + pre').length,
                       link: [a.href, a.target, a.rel, a.textContent],
                       mail: b.querySelector('a[href^="mailto:"]').getAttribute('href'),
                     }; })()""")
