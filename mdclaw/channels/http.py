@@ -703,36 +703,41 @@ class HttpChannel(Channel):
     async def _push_subscribe(self, request: web.Request) -> web.Response:
         """`{"jid", "subscription": PushSubscription.toJSON()}`: notify this device of
         replies in the chat while no page has it open."""
-        if self.push is None:
-            return _error(404, "notifications are off (channels.http.push.enabled)")
-        data = await self._json_body(request)
-        if isinstance(data, web.Response):
-            return data
-        try:
-            jid = self._jid_from(data)
-        except ValueError as e:
-            return _error(400, str(e))
+        got = await self._push_body(request)
+        if isinstance(got, web.Response):
+            return got
+        push, data, jid = got
         sub = valid_subscription(data.get("subscription"))
         if sub is None:
             return _error(400, "field 'subscription' is not a push subscription (an https "
                                "endpoint and keys p256dh, auth)")
-        await asyncio.to_thread(self.push.subscribe, jid, sub)
+        await asyncio.to_thread(push.subscribe, jid, sub)
         return _json({"jid": jid, "subscribed": True})
 
-    async def _push_unsubscribe(self, request: web.Request) -> web.Response:
-        if self.push is None:
+    async def _push_body(self, request: web.Request
+                         ) -> tuple[WebPush, dict[str, Any], str] | web.Response:
+        """The push service, a push request's JSON body and the chat it names; or the answer
+        refusing the request."""
+        push = self.push
+        if push is None:
             return _error(404, "notifications are off (channels.http.push.enabled)")
         data = await self._json_body(request)
         if isinstance(data, web.Response):
             return data
         try:
-            jid = self._jid_from(data)
+            return push, data, self._jid_from(data)
         except ValueError as e:
             return _error(400, str(e))
+
+    async def _push_unsubscribe(self, request: web.Request) -> web.Response:
+        got = await self._push_body(request)
+        if isinstance(got, web.Response):
+            return got
+        push, data, jid = got
         endpoint = data.get("endpoint")
         if not isinstance(endpoint, str):
             return _error(400, "field 'endpoint' is missing")
-        removed = await asyncio.to_thread(self.push.unsubscribe, jid, endpoint)
+        removed = await asyncio.to_thread(push.unsubscribe, jid, endpoint)
         return _json({"jid": jid, "subscribed": False, "removed": removed})
 
     async def _upload(self, request: web.Request) -> web.Response:
