@@ -394,7 +394,10 @@ def test_status_and_doctor_name_the_group_and_the_size(cli, write_config, data_d
     write(data_dir / "groups" / "family" / "big", 2 * MiB)
     r = cli("status", "--config", cfg)
     assert r.returncode == 0, r.stderr
-    line = next(x for x in r.stdout.splitlines() if "family" in x and "disk" in x)
+    # the health section names the group; the disk section says how far over it is
+    assert any(x.strip() == "FAIL  1 group is over its disk limit (family) (operator page: "
+               "#groups)" for x in r.stdout.splitlines()), r.stdout
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("family:"))
     assert "2.0 MiB of 1 MiB" in line and "runs are refused" in line, r.stdout
     s = json.loads(cli("status", "--json", "--config", cfg).stdout)
     assert s["disk"]["groups"]["family"]["state"] == GROUP_FULL

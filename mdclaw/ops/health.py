@@ -209,8 +209,9 @@ def find_problems(cfg: Config, db: Database, *, disk: Mapping[str, Any] | None,
         bad = [f for f, v in (disk.get("groups", disk.get("blocked")) or {}).items()
                if v.get("state") not in (OK, "host_full")]
         if bad:
-            out.append(Problem("disk_groups", "fail", f"{_n(len(bad), 'group is', 'groups are')}"
-                               f" over their disk limits ({', '.join(bad)})", "groups", len(bad)))
+            too_big = (f"1 group is over its disk limit ({bad[0]})" if len(bad) == 1 else
+                       f"{len(bad)} groups are over their disk limits ({', '.join(bad)})")
+            out.append(Problem("disk_groups", "fail", too_big, "groups", len(bad)))
     unmodelled = no_model_groups(cfg)
     if unmodelled:
         out.append(Problem("models", "fail",
