@@ -53,8 +53,15 @@ TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN)]
 GroupName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
+# Said in the schema too, so the agent runner's check refuses what the validator below does.
+_ONE_TARGET: dict[str, Any] = {"not": {"required": ["chat_jid", "group"],
+                                        "description": "give chat_jid or group, not both"}}
+
+
 class _Send(_Cmd):
     """A message or a file: to `chat_jid`, or to group `group` (its first chat), not both."""
+
+    model_config = ConfigDict(json_schema_extra=_ONE_TARGET)
 
     @model_validator(mode="after")
     def _one_target(self) -> _Send:
@@ -73,7 +80,8 @@ class SendMessage(_Send):
 
 
 class SendFile(_Send):
-    model_config = ConfigDict(json_schema_extra={"x-max-file-bytes": SEND_FILE_MAX_BYTES})
+    model_config = ConfigDict(json_schema_extra={**_ONE_TARGET,
+                                                 "x-max-file-bytes": SEND_FILE_MAX_BYTES})
 
     type: Literal["send_file"] = "send_file"
     chat_jid: Jid | None = None

@@ -135,7 +135,9 @@ def errors(schema: dict[str, Any], value: Any, path: str = "", *,
         elif fits > 1:
             out.append(f"{_where(path)} fits more than one of its alternatives (oneOf)")
     if "not" in schema and not sub(schema["not"], value, path):
-        out.append(f"{_where(path)} must not fit the schema under `not`")
+        said = schema["not"].get("description") if isinstance(schema["not"], dict) else None
+        out.append(f"{_where(path)}: {said}" if isinstance(said, str) and said
+                   else f"{_where(path)} must not fit the schema under `not`")
     kinds = schema.get("type")
     if kinds is not None:
         wanted = [kinds] if isinstance(kinds, str) else list(kinds)
