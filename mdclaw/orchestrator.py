@@ -69,7 +69,7 @@ from mdclaw.state.conversations import (
     get_cursor,
     get_session,
     line_messages,
-    set_cursor,
+    move_cursor,
     store_message,
 )
 from mdclaw.state.groups import (
@@ -434,6 +434,13 @@ class Orchestrator:
             return
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
         line = self._line_of(group, turn.chat)
+        if line not in group.lines():
+            # Queued for a conversation the group no longer has (a reload switched its
+            # `session`, or took the chat away): the conversations it has now run instead,
+            # each from its own cursor, so nothing is answered twice.
+            for own in group.lines():
+                self._enqueue_next(group, own, get_cursor(self.db, group.folder, own))
+            return
         start_cursor = get_cursor(self.db, group.folder, line)
         msgs = self._messages(group, line, start_cursor, limit=MAX_PROMPT_MESSAGES * 4)
         decided = self._decided(group, msgs)
@@ -486,7 +493,7 @@ class Orchestrator:
             if self.replies.deliver(group, out, to):
                 marks.setdefault("first_output", time.perf_counter())
             # this turn's messages are done
-            set_cursor(self.db, group.folder, cursor, line)
+            move_cursor(self.db, group.folder, cursor, line)
 
         await self._set_typing(reply, True)
         try:
@@ -537,7 +544,7 @@ class Orchestrator:
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
         job.payload = turn = replace(turn, upto=conv.last_pos, reply=reply)
         if end.ending is Ending.DONE:
-            set_cursor(self.db, group.folder, end.cursor, line)
+            move_cursor(self.db, group.folder, end.cursor, line)
             # Messages that arrived after the prompt was built but could not be fed in.
             self._enqueue_next(group, line, end.next_after)
             return
@@ -555,7 +562,7 @@ class Orchestrator:
     def _roll_back(self, group: GroupRow, cursor: int | None, line: str | None) -> None:
         """Put the conversation's cursor back to `cursor`, the latest answered turn of a run
         (None: to no cursor at all), so what was not answered is in the next prompt."""
-        set_cursor(self.db, group.folder, cursor, line)
+        move_cursor(self.db, group.folder, cursor, line)
 
     def _told(self, group: GroupRow) -> str | None:
         """When the agent was last given the group's failed deliveries (in a prompt)."""
