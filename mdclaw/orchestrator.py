@@ -673,6 +673,13 @@ class Orchestrator:
         self.tasks.abandon(jobs)
         self.asks.abandon(jobs)
 
+    def answering(self, folder: str) -> str | None:
+        """The chat the group's running conversation is answering in now (the oldest open
+        turn's), a task run's report chat, or None when nothing runs. Read from the IPC
+        thread: one dict look-up and attribute reads of the conversation."""
+        conv = self._conv.get(folder)
+        return conv.reply_chat if conv is not None else None
+
     def close_conversations(self) -> int:
         """Stop waiting for the engine; write `_close` to every running conversation;
         return how many were asked to finish."""

@@ -97,6 +97,7 @@ class World:
         self.engine: FakeEngine | None = None
         self.d: Daemon | None = None
         self.n = 0
+        self.extra = ""  # more config (top-level keys) after the common part
 
     def write_config(self, session: str) -> Path:
         token = self.tmp / "tg-token"
@@ -104,7 +105,7 @@ class World:
         token.chmod(0o600)
         path = self.tmp / "config.yaml"
         path.write_text(CONFIG.format(data=self.data, tg_token=token, tg_url=self.fakes.urls["tg"],
-                                      me=ME, session=session))
+                                      me=ME, session=session) + self.extra)
         return path
 
     @property
