@@ -360,11 +360,12 @@ class Orchestrator:
             assert handle is not None
             self._feed(group, handle, conv)
             return
-        if running and conv is not None and conv.line != line and not conv.scheduled:
-            # Another chat's conversation of this per_chat group holds the container: it
-            # ends once its turn is answered (as for a due task), then this chat's runs.
-            assert handle is not None
-            if conv.yield_for_task():
+        if conv is not None and conv.line != line and not conv.scheduled:
+            # Another chat's conversation of this per_chat group holds the container (or is
+            # starting it): it ends once its turn is answered (as for a due task), then this
+            # chat's runs.
+            if conv.yield_for_task() and running:
+                assert handle is not None
                 log.info("group %s: closing the conversation of %s for one of %s",
                          group.folder, conv.line, line)
                 handle.close()
