@@ -69,7 +69,7 @@ from mdclaw.state.conversations import (
     get_cursor,
     get_session,
     line_messages,
-    set_cursor,
+    move_cursor,
     store_message,
 )
 from mdclaw.state.groups import (
@@ -360,11 +360,12 @@ class Orchestrator:
             assert handle is not None
             self._feed(group, handle, conv)
             return
-        if running and conv is not None and conv.line != line and not conv.scheduled:
-            # Another chat's conversation of this per_chat group holds the container: it
-            # ends once its turn is answered (as for a due task), then this chat's runs.
-            assert handle is not None
-            if conv.yield_for_task():
+        if conv is not None and conv.line != line and not conv.scheduled:
+            # Another chat's conversation of this per_chat group holds the container (or is
+            # starting it): it ends once its turn is answered (as for a due task), then this
+            # chat's runs.
+            if conv.yield_for_task() and running:
+                assert handle is not None
                 log.info("group %s: closing the conversation of %s for one of %s",
                          group.folder, conv.line, line)
                 handle.close()
@@ -434,6 +435,13 @@ class Orchestrator:
             return
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
         line = self._line_of(group, turn.chat)
+        if line not in group.lines():
+            # Queued for a conversation the group no longer has (a reload switched its
+            # `session`, or took the chat away): the conversations it has now run instead,
+            # each from its own cursor, so nothing is answered twice.
+            for own in group.lines():
+                self._enqueue_next(group, own, get_cursor(self.db, group.folder, own))
+            return
         start_cursor = get_cursor(self.db, group.folder, line)
         msgs = self._messages(group, line, start_cursor, limit=MAX_PROMPT_MESSAGES * 4)
         decided = self._decided(group, msgs)
@@ -486,7 +494,7 @@ class Orchestrator:
             if self.replies.deliver(group, out, to):
                 marks.setdefault("first_output", time.perf_counter())
             # this turn's messages are done
-            set_cursor(self.db, group.folder, cursor, line)
+            move_cursor(self.db, group.folder, cursor, line)
 
         await self._set_typing(reply, True)
         try:
@@ -537,7 +545,7 @@ class Orchestrator:
         turn = job.payload if isinstance(job.payload, MessageTurn) else MessageTurn()
         job.payload = turn = replace(turn, upto=conv.last_pos, reply=reply)
         if end.ending is Ending.DONE:
-            set_cursor(self.db, group.folder, end.cursor, line)
+            move_cursor(self.db, group.folder, end.cursor, line)
             # Messages that arrived after the prompt was built but could not be fed in.
             self._enqueue_next(group, line, end.next_after)
             return
@@ -555,7 +563,7 @@ class Orchestrator:
     def _roll_back(self, group: GroupRow, cursor: int | None, line: str | None) -> None:
         """Put the conversation's cursor back to `cursor`, the latest answered turn of a run
         (None: to no cursor at all), so what was not answered is in the next prompt."""
-        set_cursor(self.db, group.folder, cursor, line)
+        move_cursor(self.db, group.folder, cursor, line)
 
     def _told(self, group: GroupRow) -> str | None:
         """When the agent was last given the group's failed deliveries (in a prompt)."""
@@ -665,6 +673,13 @@ class Orchestrator:
         """Jobs the queue dropped at shutdown: their scheduled runs end with that reason."""
         self.tasks.abandon(jobs)
         self.asks.abandon(jobs)
+
+    def answering(self, folder: str) -> str | None:
+        """The chat the group's running conversation is answering in now (the oldest open
+        turn's), a task run's report chat, or None when nothing runs. Read from the IPC
+        thread: one dict look-up and attribute reads of the conversation."""
+        conv = self._conv.get(folder)
+        return conv.reply_chat if conv is not None else None
 
     def close_conversations(self) -> int:
         """Stop waiting for the engine; write `_close` to every running conversation;

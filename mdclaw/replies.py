@@ -34,7 +34,7 @@ from mdclaw.formatting import strip_internal
 from mdclaw.models import DEFAULT_BASE_URLS, model_for_group
 from mdclaw.preflight import DiskRule, DiskVerdict
 from mdclaw.state import Database
-from mdclaw.state.conversations import set_cursor, set_session
+from mdclaw.state.conversations import move_cursor, set_session
 from mdclaw.state.failed_turns import (
     Marked,
     mark_messages_failed,
@@ -133,7 +133,7 @@ class Replies:
             parts = [mark_messages_failed(c, chat, settle.after, upto, failure.cause)
                      for chat in chats]
             marked = _joined(parts)
-            set_cursor(self.db, group.folder, upto, line)
+            move_cursor(self.db, group.folder, upto, line)
             record_failed_turn(c, group_folder=group.folder, chat_jid=reply,
                                cause=failure.cause, policy=failure.policy, outcome=outcome,
                                attempts=attempts, detail=failure.detail,

@@ -171,7 +171,8 @@ class TaskRuns:
                    else None)
         texts: list[str] = []
         errors: list[TurnFailure] = []
-        self.conversations[group.folder] = Conversation.for_task()
+        conv = self.conversations[group.folder] = Conversation.for_task()
+        conv.replied_in = task.chat_jid or None  # what it asks for comes from its chat
 
         def on_output(block: str) -> None:
             out = self.replies.parse_block(group, block, line)

@@ -163,6 +163,17 @@ def test_list_groups_reads_snapshot(ctx: ToolContext) -> None:
     assert "Family" in reply and "(registered)" in reply and "(not registered)" in reply
 
 
+def test_list_groups_names_every_chat_of_a_group(ctx: ToolContext) -> None:
+    main_ctx = ToolContext(**{**ctx.__dict__, "is_main": True})
+    write_json_atomic(ctx.ipc_dir, {"groups": [
+        {"jid": "tg:1", "name": "Me", "folder": "me", "isRegistered": True,
+         "session": "per_chat", "chats": [{"jid": "tg:1", "first": True},
+                                          {"jid": "hl:me", "first": False}]}],
+        "lastSync": "x"}, "available_groups.json")
+    reply, _ = run_tool(tools_for(True), main_ctx, "list_groups", {})
+    assert "chats tg:1 (first), hl:me" in reply and "session per_chat" in reply
+
+
 def _answer_actions(ipc: Path, answer, stop: threading.Event) -> threading.Thread:
     """A host stand-in: reads action requests, writes results atomically."""
     def loop() -> None:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 
 class Daemon:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, limits: dict[str, Any] | None = None) -> None:
         self.data = tmp / "data"
         self.config = tmp / "config.yaml"
         self.log = tmp / "daemon.log"
@@ -49,7 +49,7 @@ class Daemon:
                                  "base_url": "http://127.0.0.1:9/v1"}},
             "groups": groups,
             "channels": {"http": None},
-            "limits": {"idle_timeout": "2s", "ipc_poll_interval": "200ms"},
+            "limits": {"idle_timeout": "2s", "ipc_poll_interval": "200ms", **(limits or {})},
         }))
         env = {k: v for k, v in os.environ.items() if not k.startswith("MDCLAW_")}
         self._out = self.log.open("ab")
@@ -188,3 +188,17 @@ def test_a_failing_or_hanging_agent_gives_a_clear_error(daemon: Daemon) -> None:
     rid = daemon.ask("a", {"group": "b", "question": "still there?"})
     assert daemon.result("a", rid, timeout=120)["result"]["answer"] == (
         "b heard agent:a: still there?")
+
+
+def test_a_waiting_question_holds_no_action_slot(tmp_path: Path) -> None:
+    """With one action slot for all groups, a's question to b waits while b's agent asks c:
+    a waiting ask must not hold the slot b's own request needs (it would wait for a's
+    timeout), nor stop other groups' actions meanwhile."""
+    d = Daemon(tmp_path, limits={"action_jobs": 1, "action_jobs_per_group": 1})
+    try:
+        rid = d.ask("a", {"group": "b", "question": "ASK c hello", "timeout": 120})
+        body = d.result("a", rid, timeout=60)
+        assert body["status"] == "success", body
+        assert body["result"]["answer"] == "b relays: c heard agent:b: hello"
+    finally:
+        d.stop()

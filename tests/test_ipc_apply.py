@@ -261,7 +261,9 @@ def test_register_group_creates_it_and_its_folders(env: Env) -> None:
     # and shows in main's snapshot
     snap = json.loads((env.ipc / "main" / "available_groups.json").read_text())
     assert {"jid": "tg:9", "name": "Garden", "folder": "garden", "lastActivity": None,
-            "isRegistered": True} in snap["groups"]
+            "isRegistered": True, "session": "shared",
+            "chats": [{"jid": "tg:9", "name": "tg:9", "lastActivity": None, "first": True}],
+            } in snap["groups"]
     for body, why in [({"folder": "garden", "jid": "tg:10"}, "folder 'garden' is already"),
                       ({"folder": "other", "jid": FAMILY_JID}, "already registered")]:
         meta = apply_one(env, "main", {"type": "register_group", "name": "x", **body})

@@ -200,3 +200,34 @@ def test_a_send_to_a_listed_group_by_name_goes_to_its_first_chat(tmp_path: Path)
             "unauthorized: group 'main' is not in groups.family.may_send_to"]
     finally:
         env.close()
+
+
+def test_the_main_agent_sees_every_chat_of_every_group(write_config) -> None:
+    """available_groups.json lists each group with all its chats and its session mode (the
+    main agent can address any of them); `jid` stays the first chat, and a group's other
+    chats are not listed as chats no group answers in."""
+    cfg, db = _setup(write_config, "per_chat")
+    layout = Layout(cfg.data_dir)
+    for folder in ("main", "me", "family"):
+        (layout.ipc_dir / folder).mkdir(parents=True, exist_ok=True)
+    with db.transaction() as c:
+        c.execute("INSERT INTO chats (jid, name, last_activity, channel, is_group) VALUES "
+                  "('hl:me', 'Web', '2026-02-24T12:00:00.000Z', 'http', 0), "
+                  "('tg:2', 'Sam', '2026-02-23T12:00:00.000Z', 'telegram', 0), "
+                  "('tg:77', 'Club', '2026-02-22T12:00:00.000Z', 'telegram', 1)")
+    write_snapshots(db, layout)
+    snap = json.loads((layout.ipc_dir / "main" / "available_groups.json").read_text())
+    entries = snap["groups"]
+    assert [e["jid"] for e in entries if e["folder"] is None] == ["tg:77"]
+    me = next(e for e in entries if e["folder"] == "me")
+    assert me["jid"] == "tg:2" and me["session"] == "per_chat" and me["isRegistered"]
+    assert me["chats"] == [
+        {"jid": "tg:2", "name": "Sam", "lastActivity": "2026-02-23T12:00:00.000Z",
+         "first": True},
+        {"jid": "hl:me", "name": "Web", "lastActivity": "2026-02-24T12:00:00.000Z",
+         "first": False},
+        {"jid": "mail:me@example.org", "name": "mail:me@example.org", "lastActivity": None,
+         "first": False}]
+    assert me["lastActivity"] == "2026-02-24T12:00:00.000Z"  # the newest of its chats
+    fam = next(e for e in entries if e["folder"] == "family")
+    assert fam["session"] == "shared" and [c["jid"] for c in fam["chats"]] == ["tg:-100"]

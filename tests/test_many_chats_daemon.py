@@ -97,6 +97,7 @@ class World:
         self.engine: FakeEngine | None = None
         self.d: Daemon | None = None
         self.n = 0
+        self.extra = ""  # more config (top-level keys) after the common part
 
     def write_config(self, session: str) -> Path:
         token = self.tmp / "tg-token"
@@ -104,7 +105,7 @@ class World:
         token.chmod(0o600)
         path = self.tmp / "config.yaml"
         path.write_text(CONFIG.format(data=self.data, tg_token=token, tg_url=self.fakes.urls["tg"],
-                                      me=ME, session=session))
+                                      me=ME, session=session) + self.extra)
         return path
 
     @property
@@ -298,3 +299,38 @@ def test_a_listed_destination_is_delivered_and_any_other_refused(world: World) -
         assert not [p for p in w.tg.of("sendMessage") if int(p["chat_id"]) == 999]
 
     run_daemon(w, "shared", body)
+
+
+def test_per_chat_a_chat_waiting_while_another_starts_is_not_kept_waiting(
+        world: World) -> None:
+    """per_chat: a message in the web chat while the Telegram conversation's container is
+    still being started (its run picked, no container yet) ends that conversation once its
+    turn is answered, as it would a running one's: it does not wait for the Telegram
+    conversation to go idle (limits.idle_timeout, 30 s here)."""
+    w = world
+    entered, go = threading.Event(), threading.Event()
+
+    async def body() -> None:
+        assert w.d is not None and w.d.orch is not None and w.d.orch.runner is not None
+        runner = w.d.orch.runner
+        build = runner.build_spec
+
+        def held_build(folder: str, *args: Any, **kwargs: Any) -> Any:
+            if folder == "me" and not entered.is_set():
+                entered.set()
+                assert go.wait(30)
+            return build(folder, *args, **kwargs)
+
+        runner.build_spec = held_build  # type: ignore[method-assign]
+        w.telegram("first on telegram")
+        await w.until(entered.is_set, "the Telegram conversation's start")
+        await w.web("meanwhile on the web")
+        orch = w.d.orch
+        await w.until(lambda: orch.queue.pending("me"), "the web chat's run queued")
+        go.set()
+        await w.until(lambda: "re: first on telegram" in w.telegram_out(), "the Telegram answer")
+        t0 = time.monotonic()
+        await w.web_until("hl:me", "re: meanwhile on the web")
+        assert time.monotonic() - t0 < 15, "the web chat waited for the idle timeout"
+
+    run_daemon(w, "per_chat", body)

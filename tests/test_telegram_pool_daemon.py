@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,12 @@ def secret(path: Path, text: str) -> Path:
     return path
 
 
+GROUPS = f"""\
+  main: {{name: Admin, jid: "tg:111", main: true}}
+  team: {{name: Team, jid: "tg:{TEAM}"}}
+"""
+
+
 class World:
     def __init__(self, tmp: Path) -> None:
         self.tg = FakeBotApi()
@@ -42,8 +50,14 @@ class World:
         self.fakes.__enter__()
         self.data = tmp / "data"
         self.port, = free_ports(1)
-        pool = [str(secret(tmp / f"pool-{n}", t)) for n, t in enumerate(POOL)]
+        for n, t in enumerate(POOL):
+            secret(tmp / f"pool-{n}", t)
         self.config = tmp / "config.yaml"
+        self.write(GROUPS)
+        self.n = 0
+
+    def write(self, groups: str) -> None:
+        pool = [str(self.data.parent / f"pool-{n}") for n in range(len(POOL))]
         self.config.write_text(f"""\
 data_dir: {self.data}
 assistant: {{name: Andy, timezone: UTC}}
@@ -51,19 +65,16 @@ server: {{listen: "127.0.0.1:{self.port}"}}
 limits: {{ipc_poll_interval: 200ms}}
 channels:
   telegram:
-    token_file: {secret(tmp / "tg-token", TG_TOKEN)}
+    token_file: {secret(self.data.parent / "tg-token", TG_TOKEN)}
     api_base: "{self.fakes.urls['tg']}"
     pool_token_files: {json.dumps(pool)}
 groups:
-  main: {{name: Admin, jid: "tg:111", main: true}}
-  team: {{name: Team, jid: "tg:{TEAM}"}}
-""")
-        self.n = 0
+{groups}""")
 
-    def post(self, text: str, sender: str | None) -> None:
+    def post(self, text: str, sender: str | None, group: str = "team") -> None:
         """The team agent's send_message, with its sub-agent's name."""
         self.n += 1
-        d = self.data / "ipc" / "team" / "messages"
+        d = self.data / "ipc" / group / "messages"
         body: dict[str, Any] = {"type": "message", "chat_jid": f"tg:{TEAM}", "text": text}
         if sender is not None:
             body["sender"] = sender
@@ -138,3 +149,44 @@ def test_pool_bots_speak_as_the_sub_agents_and_keep_their_names(world: World) ->
         m = world.posted("second draft")
         assert (m["bot"], m["bot_name"], m["text"]) == (B, "Writer", "second draft")
         assert world.renames()[-1] == (B, "Writer")
+
+
+def _assigned(w: World) -> list[list[str]]:
+    """The pool's (group, name, bot) assignments as the channel saved them."""
+    with sqlite3.connect(w.data / "state.db", timeout=30) as db:
+        r = db.execute("SELECT value FROM router_state WHERE key = ?",
+                       (f"telegram_pool:{TG_TOKEN.split(':', 1)[0]}",)).fetchone()
+    return sorted(json.loads(r[0])["assigned"]) if r else []
+
+
+def test_a_chat_moved_to_another_group_by_a_reload_is_that_groups(world: World) -> None:
+    """The channel knows which group a chat is (pool bots are assigned per group and name)
+    from the database as it is now: after a reload moves the team's chat to group `lab`,
+    a name lab's agent speaks as there is lab's, not the team's (no restart needed)."""
+    w = world
+    with running_daemon(w.config, w.port) as proc:
+        wait_until(lambda: w.tg.of("getMe"), 30, what="the Telegram channel")
+        w.post("found three papers", "Researcher")
+        assert w.posted("found three papers")["bot"] == A
+        want = [["team", "Researcher", str(A)]]
+        wait_until(lambda: _assigned(w) == want, 30, what=f"{want} saved")
+        w.write(f"""\
+  main: {{name: Admin, jid: "tg:111", main: true}}
+  team: {{name: Team, jid: "hl:team"}}
+  lab: {{name: Lab, jid: "tg:{TEAM}"}}
+""")
+        proc.send_signal(signal.SIGHUP)
+
+        def moved() -> bool:
+            with sqlite3.connect(w.data / "state.db", timeout=30) as db:
+                r = db.execute("SELECT folder FROM group_chats WHERE jid = ?",
+                               (f"tg:{TEAM}",)).fetchone()
+            return r is not None and r[0] == "lab" and (w.data / "ipc" / "lab" / "messages"
+                                                          ).is_dir()
+
+        wait_until(moved, 30, interval=0.05, what="the reload to move the chat to lab")
+        w.post("a new lead", "Scout", group="lab")
+        m = w.posted("a new lead")
+        assert (m["bot"], m["bot_name"]) == (B, "Scout")
+        want = [["lab", "Scout", str(B)], ["team", "Researcher", str(A)]]
+        wait_until(lambda: _assigned(w) == want, 30, what=f"{want} saved, have {_assigned(w)}")

@@ -91,17 +91,18 @@ class Opened:
 def open_approval(conn: sqlite3.Connection, cfg: Config, *, kind: str, folder: str,
                   group_name: str, request: dict[str, Any], approver: str,
                   timeout: timedelta, rule: str | None = None, subject: str = "",
-                  request_id: str | None = None) -> Opened:
+                  request_id: str | None = None, chat_jid: str | None = None) -> Opened:
     """A pending approval and a card to each approver's direct chat, in the caller's
     transaction. An approval nobody may decide (no such person) is opened all the same: the
-    operator can decide it, and it expires as a denial."""
+    operator can decide it, and it expires as a denial. `chat_jid`: the group's chat the
+    request came from (where its outcome note goes; None: the group's first chat)."""
     people = People.of(cfg)
     approvers = people.approvers(approver)
     summary = cards.summary(kind, request)
     approval_id, codes = store.insert(
         conn, kind=kind, folder=folder, subject=subject or summary, summary=summary,
         request=request, rule=rule, approver=approver, approvers=approvers,
-        timeout=timeout, request_id=request_id)
+        timeout=timeout, request_id=request_id, chat_jid=chat_jid)
     a = store.get(conn, approval_id)
     assert a is not None
     words = choices_for(kind, request)

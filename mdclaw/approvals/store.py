@@ -68,6 +68,8 @@ class Approval:
     wrong_codes: int = 0
     codes_locked: bool = False
     codes: dict[str, str] = field(default_factory=dict)  # person -> code (when asked for)
+    # The chat the request came from (the agent's turn's chat), None when unknown.
+    chat_jid: str | None = None
 
     @property
     def pending(self) -> bool:
@@ -105,7 +107,8 @@ def _row(r: sqlite3.Row) -> Approval:
         decided_by=r["decided_by"], decided_label=r["decided_label"],
         decided_via=r["decided_via"], created_at=r["created_at"], expires_at=r["expires_at"],
         decided_at=r["decided_at"], settled_at=r["settled_at"], outcome=r["outcome"],
-        wrong_codes=r["wrong_codes"], codes_locked=bool(r["codes_locked"]))
+        wrong_codes=r["wrong_codes"], codes_locked=bool(r["codes_locked"]),
+        chat_jid=r["chat_jid"])
 
 
 Conn = sqlite3.Connection | Database
@@ -119,20 +122,21 @@ def _q(conn: Conn, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
 
 def insert(conn: sqlite3.Connection, *, kind: str, folder: str, subject: str, summary: str,
            request: dict[str, Any], rule: str | None, approver: str,
-           approvers: list[str], timeout: timedelta, request_id: str | None = None
-           ) -> tuple[int, dict[str, str]]:
+           approvers: list[str], timeout: timedelta, request_id: str | None = None,
+           chat_jid: str | None = None) -> tuple[int, dict[str, str]]:
     """A pending approval (in the caller's transaction) with a reply code per approver;
-    returns (its id, {person: code}). Raises sqlite3.IntegrityError for a second admission
-    of one sender to one group while the first waits."""
+    returns (its id, {person: code}). `chat_jid`: the chat the request came from. Raises
+    sqlite3.IntegrityError for a second admission of one sender to one group while the
+    first waits."""
     assert kind in KINDS
     created = utc_now()
     cur = conn.execute(
         "INSERT INTO approvals (kind, group_folder, subject, summary, request, rule, approver,"
-        " approvers, request_id, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
-        " ?, ?)",
+        " approvers, request_id, created_at, expires_at, chat_jid) VALUES (?, ?, ?, ?, ?, ?,"
+        " ?, ?, ?, ?, ?, ?)",
         (kind, folder, subject, summary, json.dumps(request, ensure_ascii=False), rule,
          approver, json.dumps(approvers), request_id, to_iso(created),
-         to_iso(created + timeout)))
+         to_iso(created + timeout), chat_jid))
     approval_id = int(cur.lastrowid or 0)
     codes = {person: new_code() for person in approvers}
     conn.executemany("INSERT INTO approval_codes (approval_id, person, code) VALUES (?, ?, ?)",

@@ -344,8 +344,10 @@ belongs to one group: check-config names both groups when two list the same chat
 Changing `chats` or `session` on a reload keeps every conversation where it was: a chat that
 joins a group starts after what it already holds, a switch to `per_chat` starts each chat
 where the shared conversation stood, and a switch back starts the shared one after the
-furthest. The agent reads its chats in `chats.json` (the `list_chats` tool); `mdclaw groups
-list`, the operator page and doctor list and check every chat.
+furthest. A conversation running when `session` switches answers its turn, and what it
+answered is not answered again by the new mode's conversations. The agent reads its chats
+in `chats.json` (the `list_chats` tool); `mdclaw groups list`, the operator page and doctor
+list and check every chat.
 
 ### Where an agent may send
 

@@ -152,10 +152,15 @@ class Limits(Frozen):
         "not reported; when the agent hangs up, the answer is read on and counted.")
     action_jobs: int = Field(
         8, ge=1, le=256, description="Off-loop actions (web_fetch, web_search...) run at once, "
-        "all groups together; more wait in the queue.")
+        "all groups together; more wait in the queue. An `ask_agent` question waiting for "
+        "the other agent's answer takes no place here (only its group's "
+        "`action_jobs_per_group`), so waiting chains never hold the places other actions, "
+        "the asked agent's included, need.")
     action_jobs_per_group: int = Field(
         2, ge=1, le=256, description="Off-loop actions one group may have running at once, so "
-        "one group cannot take every slot.")
+        "one group cannot take every slot. An `ask_agent` question counts here until its "
+        "answer comes (up to its timeout): a group waiting on that many questions runs its "
+        "other actions after them.")
     ask_depth: int = Field(
         2, ge=1, le=10, description="How many agents may wait on each other through "
         "`ask_agent` at once: A asking B is one, B then asking C two. A question past it is "

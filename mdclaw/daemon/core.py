@@ -220,6 +220,8 @@ class Daemon:
         self.decider = Decider(live, db, decided=self.wake_approvals)
         orch.decider = self.decider
         self.watcher.engine.on_settled = self._after_settle
+        # A held request's outcome note goes to the chat its agent was answering in.
+        self.watcher.engine.answering = orch.answering
         loop = asyncio.get_running_loop()
 
         def files_ready() -> None:  # from the watcher's thread

@@ -109,6 +109,11 @@ async def ask_agent(ctx: OffloopContext, params: dict[str, Any]) -> dict[str, An
     if asker is None:
         raise ActionFailed(NOT_HERE)
     target, question, timeout = _ask_of(ctx.caller, ctx.cfg, params)
+    if ctx.waiting is not None:
+        # From here on this job only waits for the other agent: it frees its place among
+        # limits.action_jobs (the asked agent's own actions may need it), keeping its
+        # group's action_jobs_per_group slot (a group cannot open asks without bound).
+        ctx.waiting()
     answer = await asker.ask(ctx.caller.folder, target, question,
                              request_id=ctx.request_id, timeout=timeout)
     return {"group": target, "answer": answer}

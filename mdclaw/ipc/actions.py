@@ -109,6 +109,11 @@ class OffloopContext:
     layout: Layout
     request_id: str
     decision: Decision | None = None
+    # Called by a handler that from now on only waits (ask_agent: for another agent's
+    # answer): the job no longer counts against `limits.action_jobs`, so waiting chains do
+    # not hold the slots other groups' actions (and the asked agent's own) need; it still
+    # counts against its group's `limits.action_jobs_per_group`. None: no worker to tell.
+    waiting: Callable[[], None] | None = None
 
 
 Scope = Literal["all", "main"]

@@ -212,6 +212,10 @@ class IpcEngine:
         # Called with the approvals a settle pass carried out (the daemon: admitted senders'
         # messages to run, metrics).
         self.on_settled: Callable[[list[approval_store.Approval]], None] | None = None
+        # The chat a group's agent is answering now (the daemon: the orchestrator's running
+        # conversation's), called from the IPC thread: a held request's outcome note goes
+        # there. None, or None returned: the group's first chat.
+        self.answering: Callable[[str], str | None] | None = None
         self._db_mark: tuple[int, int] | None = None
         self.refresh_groups()
 
@@ -531,8 +535,11 @@ class IpcEngine:
                     conn.execute("UPDATE approvals SET outcome = ? WHERE id = ?",
                                  (outcome, a.id))
                 group = self.rows.get(a.group_folder)
+                # The note goes to the chat the request came from while it is the group's.
+                note_chat = ((a.chat_jid if a.chat_jid in group.all_chats else group.jid)
+                             if group else None)
                 approvals.settle_effects(conn, self.cfg, a, outcome=outcome,
-                                         group_jid=group.jid if group else None)
+                                         group_jid=note_chat)
             settled.append(a)
             metrics.approvals_decided.get(a.kind, a.status).inc()
             wait = a.seconds_to_decide()
@@ -759,6 +766,19 @@ class IpcEngine:
                 next_attempt_at=now, last_error=None, created_at=now, updated_at=now,
                 sent_at=None)
 
+    def _asking_chat(self, folder: str) -> str | None:
+        """The chat of `folder`'s group its agent is answering now, if it is one of the
+        group's chats (a request made in that turn came from there), else None."""
+        if self.answering is None:
+            return None
+        try:
+            chat = self.answering(folder)
+        except Exception:  # noqa: BLE001 - a hint: without it the note goes to the first chat
+            log.debug("ipc: no answering chat for %s", folder, exc_info=True)
+            return None
+        group = self.rows.get(folder)
+        return chat if group is not None and chat in group.all_chats else None
+
     def _hold(self, conn: sqlite3.Connection, it: Item, fx: Effects, request: Request,
               rule: Rule | None = None) -> bool:
         """Open an approval for `it` when a rule asks for one (True: it waits). Raises
@@ -773,7 +793,7 @@ class IpcEngine:
             conn, self.cfg, kind=request.kind, folder=it.folder,
             group_name=self.rows[it.folder].name, request=canonical,
             approver=rule.approver, timeout=rule.timeout, rule=rule.describe(),
-            request_id=canonical.get("request_id"))
+            request_id=canonical.get("request_id"), chat_jid=self._asking_chat(it.folder))
         it.held = opened.id
         fx.approvals.append(opened.id)
         log.info("ipc: %s from %s waits for approval #%d (%s)", request.name, it.folder,

@@ -4,8 +4,11 @@ The IPC engine records each off-loop request as an `action_jobs` row in the comm
 transaction (see `mdclaw/ipc/actions.py`). This worker, a task on the daemon's event loop,
 claims queued rows and runs their handlers: at most `limits.action_jobs` at once overall and
 `limits.action_jobs_per_group` per group, taken round-robin between groups so one group's
-burst cannot starve the others. Its database work (claim, finish) and result writes run on
-one thread of its own with its own connection, so the loop only awaits them.
+burst cannot starve the others. A handler that from then on only waits (ask_agent, for
+another agent's answer) says so (`OffloopContext.waiting`): its job keeps its group's slot
+but frees its place among `limits.action_jobs`. Its database work (claim, finish) and
+result writes run on one thread of its own with its own connection, so the loop only awaits
+them.
 
 Exactly one result per request:
 - a claim sets status `running` and bumps `attempts`; the attempt number is the claim's
@@ -105,6 +108,9 @@ class ActionWorker:
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.running: dict[int, tuple[Job, asyncio.Task[None]]] = {}
+        # Running jobs whose handler only waits now (OffloopContext.waiting): they hold no
+        # slot of limits.action_jobs, only of their group's action_jobs_per_group.
+        self.waiting: set[int] = set()
         self.finished = 0  # jobs whose result was stored by this worker
 
     @property
@@ -184,7 +190,7 @@ class ActionWorker:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
-                free = self.max_concurrent - len(self.running)
+                free = self.max_concurrent - len(self.running.keys() - self.waiting)
                 if free > 0:
                     counts = Counter(j.folder for j, _ in self.running.values())
                     for job in await self._io(self._claim, free, counts):
@@ -201,7 +207,14 @@ class ActionWorker:
 
     def _done(self, job_id: int, _task: asyncio.Task[None]) -> None:
         self.running.pop(job_id, None)
+        self.waiting.discard(job_id)
         self.wake()
+
+    def _waits(self, job_id: int) -> None:
+        """Job `job_id`'s handler only waits from now on: its slot is free for another."""
+        if job_id in self.running and job_id not in self.waiting:
+            self.waiting.add(job_id)
+            self.wake()
 
     async def _drain(self) -> None:
         tasks = [t for _, t in self.running.values()]
@@ -229,7 +242,9 @@ class ActionWorker:
             if not_approved is not None:
                 raise ActionFailed(not_approved)
             ctx = OffloopContext(Caller(job.folder, job.is_main, job.jid), self.cfg,
-                                 self.layout, job.request_id, job.decision)
+                                 self.layout, job.request_id, job.decision,
+                                 waiting=self._thread_safe(functools.partial(self._waits,
+                                                                             job.id)))
             if inspect.iscoroutinefunction(spec.handler):
                 result = await asyncio.wait_for(spec.handler(ctx, job.params), timeout)
             else:
@@ -251,6 +266,22 @@ class ActionWorker:
             body.update(status="error", error=f"{job.action} failed: {type(e).__name__}")
         body["executedAt"] = _now()
         await self._io(self._finish, job, body)
+
+    @staticmethod
+    def _thread_safe(fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` run on this loop, whether called there or from a handler's thread."""
+        loop = asyncio.get_running_loop()
+
+        def call() -> None:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                fn()
+            else:
+                loop.call_soon_threadsafe(fn)
+        return call
 
     # ------------------------------------------------------------------ database (thread)
     def _claim(self, free: int, counts: Counter[str]) -> list[Job]:

@@ -169,7 +169,10 @@ def tasks_snapshot(tasks: list[TaskRow], folder: str, is_main: bool) -> list[dic
 
 def groups_snapshot(groups: list[GroupRow], chats: list[dict[str, Any]], is_main: bool,
                     now: str | None = None) -> dict[str, Any]:
-    """What available_groups.json holds: registered groups and known chats (main only)."""
+    """What available_groups.json holds: registered groups and known chats (main only).
+    A registered group is one entry with every chat it answers in (`chats`, the first one
+    first: where its tasks report) and its `session`; `jid` is its first chat and
+    `lastActivity` the newest of its chats' (as they were before groups had several)."""
     now = now or to_iso(utc_now())
     if not is_main:
         return {"groups": [], "lastSync": now}
@@ -179,11 +182,16 @@ def groups_snapshot(groups: list[GroupRow], chats: list[dict[str, Any]], is_main
     for g in groups:
         if not g.jid:
             continue
-        seen.add(g.jid)
-        chat = activity.get(g.jid)
+        mine = []
+        for n, jid in enumerate(g.all_chats):
+            seen.add(jid)
+            chat = activity.get(jid) or {}
+            mine.append({"jid": jid, "name": chat.get("name") or jid,
+                         "lastActivity": chat.get("last_activity"), "first": n == 0})
+        times = [str(c["lastActivity"]) for c in mine if c["lastActivity"]]
         out.append({"jid": g.jid, "name": g.name, "folder": g.folder,
-                    "lastActivity": chat["last_activity"] if chat else None,
-                    "isRegistered": True})
+                    "lastActivity": max(times) if times else None,
+                    "isRegistered": True, "chats": mine, "session": g.session})
     for c in chats:
         if c["jid"] in seen:
             continue

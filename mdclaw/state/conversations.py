@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdclaw.state.db import Database, now_iso
+from mdclaw.state.groups import get_group
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,34 @@ def set_cursor(db: Database, folder: str, seq: int | None, chat: str | None = No
     """Move the group's cursor (`chat`: that chat's conversation's) to `seq` (None: back to
     before the first message)."""
     _set_state(db, _cursor_key(folder, chat), None if seq is None else str(int(seq)))
+
+
+def move_cursor(db: Database, folder: str, seq: int | None, line: str | None = None) -> None:
+    """A conversation's turn is done (or set aside, or rolled back): move the cursor of
+    conversation `line` (a per_chat group's chat; None: the group's one) to `seq`, and carry
+    it to the conversations the group has now. A reload may have switched the group's
+    `session` while this conversation ran: the reconciler gave the new mode's cursors where
+    this one stood then (mdclaw.reconcile.align_cursors), and what this conversation answered
+    since must not be answered again by them. A shared conversation's `seq` covers every
+    chat's messages up to it (each chat's own cursor moves up to it); a chat's own
+    conversation's covers its chat's, and the shared cursor, which a switch back starts after
+    the furthest chat, moves up to it. Cursors only move forward this way."""
+    with db.transaction():
+        set_cursor(db, folder, seq, line)
+        if seq is None:
+            return
+        group = get_group(db, folder)
+        if group is None:
+            return
+        if line is None and group.per_chat:
+            for chat in group.all_chats:
+                own = _get_state(db, _cursor_key(folder, chat))
+                if own is None or int(own) < seq:
+                    set_cursor(db, folder, seq, chat)
+        elif line is not None and not group.per_chat:
+            shared = _get_state(db, _cursor_key(folder))
+            if shared is None or int(shared) < seq:
+                set_cursor(db, folder, seq)
 
 
 def has_own_cursor(db: Database, folder: str, chat: str) -> bool:

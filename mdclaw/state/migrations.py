@@ -727,6 +727,11 @@ CREATE INDEX idx_outbox_failed ON outbox(source_group, updated_at) WHERE status 
 CREATE INDEX idx_action_jobs_written ON action_jobs(written_at) WHERE written_at IS NOT NULL;
 CREATE INDEX idx_action_jobs_unwritten ON action_jobs(id) WHERE written_at IS NULL;
 """),
+    (16, "the chat an approval's request came from: its outcome note goes there", """
+-- The chat of the message the agent was answering when it made the request (one of its
+-- group's chats; NULL: unknown, the note goes to the group's first chat).
+ALTER TABLE approvals ADD COLUMN chat_jid TEXT;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -185,7 +185,15 @@ def _list_groups(ctx: ToolContext, a: dict[str, Any]) -> str:
         reg = g.get("isRegistered", g.get("is_registered"))
         state = "" if reg is None else (" (registered)" if reg else " (not registered)")
         folder = f", folder {g['folder']}" if g.get("folder") else ""
-        lines.append(f"- {g.get('name')} — {g.get('jid')}{folder}{state}")
+        chats = [c for c in g.get("chats") or () if isinstance(c, dict) and c.get("jid")]
+        if len(chats) > 1:
+            # A group with several chats: each one can be addressed (chat_jid).
+            where = ", ".join(f"{c['jid']}{' (first)' if c.get('first') else ''}"
+                              for c in chats)
+            session = f", session {g['session']}" if g.get("session") else ""
+            lines.append(f"- {g.get('name')} — chats {where}{folder}{session}{state}")
+        else:
+            lines.append(f"- {g.get('name')} — {g.get('jid')}{folder}{state}")
     return "\n".join(lines)
 
 
