@@ -199,3 +199,20 @@ def stage(path: Path, body: dict) -> Path:
 def emit(figure: str, value: float, unit: str, **extra: object) -> None:
     print(json.dumps({"figure": figure, "value": round(value, 4), "unit": unit, **extra}),
           flush=True)
+
+
+# The channel the served IPC loops deliver to, as source text for their child process
+# (`{recording}` in a template): it records when each text reached `send_message`, in the
+# child's `sends`.
+RECORDING = """class Recording(Channel):
+    name = "bench"
+    jid_prefix = "tg:"
+    async def connect(self): ...
+    async def disconnect(self): ...
+    def is_connected(self): return True
+    async def send_message(self, jid, text, *, reply_to=None, sender=None):
+        sends[text] = time.monotonic_ns()
+    async def send_file(self, *a, **kw): return None
+    async def react(self, *a, **kw): return None
+    async def set_typing(self, *a, **kw): return None
+"""

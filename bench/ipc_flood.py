@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from ipc_common import REPO, cpu_seconds, emit, make_data_dir, stage, stop
+from ipc_common import RECORDING, REPO, cpu_seconds, emit, make_data_dir, stage, stop
 
 SERVE = """
 import asyncio, json, signal, sys, time
@@ -40,18 +40,7 @@ from mdclaw.outbox import OutboxWorker
 cfg = load_config({cfg!r})
 commits, sends = {{}}, {{}}
 
-class Recording(Channel):
-    name = "bench"
-    jid_prefix = "tg:"
-    async def connect(self): ...
-    async def disconnect(self): ...
-    def is_connected(self): return True
-    async def send_message(self, jid, text, *, reply_to=None, sender=None):
-        sends[text] = time.monotonic_ns()
-    async def send_file(self, *a, **kw): return None
-    async def react(self, *a, **kw): return None
-    async def set_typing(self, *a, **kw): return None
-
+{recording}
 async def main():
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -81,7 +70,8 @@ asyncio.run(main())
 class Server:
     def __init__(self, cfg_path: Path) -> None:
         self.out = cfg_path.parent / f"flood-{time.monotonic_ns()}.json"
-        code = SERVE.format(repo=str(REPO), cfg=str(cfg_path), out=str(self.out))
+        code = SERVE.format(repo=str(REPO), cfg=str(cfg_path), out=str(self.out),
+                            recording=RECORDING)
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                      text=True)
         assert self.proc.stdout is not None

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc_common import REPO, Removals, cpu_ns, make_data_dir, stage, stop
+from ipc_common import RECORDING, REPO, Removals, cpu_ns, make_data_dir, stage, stop
 
 FLOOR = """
 import json, os, signal, sqlite3, sys, time
@@ -94,18 +94,7 @@ from mdclaw.outbox import OutboxWorker
 cfg = load_config({cfg!r})
 commits, sends = {{}}, {{}}
 
-class Recording(Channel):
-    name = "bench"
-    jid_prefix = "tg:"
-    async def connect(self): ...
-    async def disconnect(self): ...
-    def is_connected(self): return True
-    async def send_message(self, jid, text, *, reply_to=None, sender=None):
-        sends[text] = time.monotonic_ns()
-    async def send_file(self, *a, **kw): return None
-    async def react(self, *a, **kw): return None
-    async def set_typing(self, *a, **kw): return None
-
+{recording}
 async def main():
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -154,7 +143,8 @@ class Child:
             code = FLOOR.format(ipc=str(self.ipc), groups=groups, db=str(self.floor_db),
                                 out=str(self.out))
         else:
-            code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out))
+            code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out),
+                                 recording=RECORDING)
         env = {**os.environ, "PYTHONPATH": str(repo)}
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=str(repo))
