@@ -272,19 +272,12 @@ let
   ++ map (c: "--property=LoadCredential=${lib.escapeShellArg c}") credentialSpecs;
   credentialSpecs = lib.mapAttrsToList (name: path: "${name}:${path}") cfg.credentials;
 
-  # Shared by the daemon and the image loader.
-  hardening = {
-    User = "mdclaw";
-    Group = "mdclaw";
-    SupplementaryGroups = [ eng.group ];
-    UMask = "0027";
-    # The engine resolves bind mounts in its own mount namespace, so data_dir (IPC and group
-    # folders) must be a real host path: no PrivateTmp, no temporary filesystems over it.
-    PrivateTmp = false;
-    ProtectSystem = "strict";
-    ProtectHome = if needsHome then "read-only" else true;
+  # The sandbox every mdclaw unit gets (the daemon, the image loader, the backup timer's
+  # service and each MCP server); each adds its user, home, /tmp and network below.
+  sandbox = {
     NoNewPrivileges = true;
     PrivateDevices = true;
+    ProtectSystem = "strict";
     ProtectKernelTunables = true;
     ProtectKernelModules = true;
     ProtectKernelLogs = true;
@@ -293,12 +286,6 @@ let
     ProtectHostname = true;
     ProtectProc = "invisible";
     ProcSubset = "pid";
-    RestrictAddressFamilies = [
-      "AF_UNIX"
-      "AF_INET"
-      "AF_INET6"
-      "AF_NETLINK"
-    ];
     RestrictNamespaces = true;
     RestrictRealtime = true;
     RestrictSUIDSGID = true;
@@ -313,6 +300,23 @@ let
       "~@resources"
     ];
     SystemCallErrorNumber = "EPERM";
+  };
+  # Shared by the daemon and the image loader.
+  hardening = sandbox // {
+    User = "mdclaw";
+    Group = "mdclaw";
+    SupplementaryGroups = [ eng.group ];
+    UMask = "0027";
+    # The engine resolves bind mounts in its own mount namespace, so data_dir (IPC and group
+    # folders) must be a real host path: no PrivateTmp, no temporary filesystems over it.
+    PrivateTmp = false;
+    ProtectHome = if needsHome then "read-only" else true;
+    RestrictAddressFamilies = [
+      "AF_UNIX"
+      "AF_INET"
+      "AF_INET6"
+      "AF_NETLINK"
+    ];
   };
 
   backupPeriods = {
@@ -358,34 +362,9 @@ let
       set -eu
       ${exports}exec ${lib.escapeShellArgs ([ s.command ] ++ s.args)}
     '';
-  mcpHardening = {
-    NoNewPrivileges = true;
+  mcpHardening = sandbox // {
     PrivateTmp = true;
-    PrivateDevices = true;
-    ProtectSystem = "strict";
     ProtectHome = true;
-    ProtectKernelTunables = true;
-    ProtectKernelModules = true;
-    ProtectKernelLogs = true;
-    ProtectControlGroups = true;
-    ProtectClock = true;
-    ProtectHostname = true;
-    ProtectProc = "invisible";
-    ProcSubset = "pid";
-    RestrictNamespaces = true;
-    RestrictRealtime = true;
-    RestrictSUIDSGID = true;
-    LockPersonality = true;
-    RemoveIPC = true;
-    CapabilityBoundingSet = "";
-    AmbientCapabilities = "";
-    SystemCallArchitectures = "native";
-    SystemCallFilter = [
-      "@system-service"
-      "~@privileged"
-      "~@resources"
-    ];
-    SystemCallErrorNumber = "EPERM";
     UMask = "0077";
   };
   mcpServiceConfig =
