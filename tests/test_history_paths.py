@@ -533,3 +533,47 @@ def test_migration_15_adds_the_indexes_to_a_database_with_rows(tmp_path: Path) -
     assert [r.text for r in failed_since(db, "fam", "2026-02-01T00:00:00.000Z")] == ["failed new"]
     assert [r.text for r in failed_since(db, "fam")] == ["failed old", "failed new"]
     db.close()
+
+
+@pytest.mark.parametrize("analyzed", [False, True], ids=["no-stats", "analyzed"])
+def test_a_start_seeks_the_action_jobs_left_open_not_the_finished_ones(
+        tmp_path: Path, recorded: Statements, analyzed: bool) -> None:
+    """The action worker's start-up (recover) and its run-until-idle count look for jobs
+    left running or finished without their result written; a week of written jobs is not
+    walked for them, and the rows found are exactly those."""
+    (tmp_path / "config.yaml").write_text(CONFIG.format(data=tmp_path / "data"))
+    cfg = load_config(tmp_path / "config.yaml")
+    db = Database(cfg.db_path)
+    reconcile(cfg, db)
+    fill(db, 3000)  # 300 written jobs a group
+    with db.transaction() as c:
+        c.executemany(
+            "INSERT INTO action_jobs (group_folder, request_id, action, params, status, "
+            "attempts, max_attempts, result, created_at, written_at) "
+            "VALUES ('g2', ?, 'web_fetch', '{}', ?, 1, ?, ?, ?, NULL)",
+            [("left-running", "running", 1, None, now_iso()),
+             ("left-done", "done", 1, '{"requestId": "left-done", "status": "ok"}', now_iso()),
+             ("left-queued", "queued", 1, None, now_iso())])
+    if analyzed:
+        db.conn.execute("ANALYZE")
+    from mdclaw.ipc.worker import LEFT_BY_A_STOP, UNFINISHED_COUNT, ActionWorker
+    assert [r[2] for r in db.query(LEFT_BY_A_STOP)] == ["left-running", "left-done"]
+    assert db.query(UNFINISHED_COUNT)[0][0] == 3
+    worker = ActionWorker(cfg)
+    recorded.on = True
+    try:
+        assert worker.recover() == 2
+    finally:
+        recorded.on = False
+        worker.db.close()
+    partial = partial_indexes(db.conn)
+    plans = {sql: explain(db.conn, sql, params) for sql, params in recorded.seen.items()
+             if "action_jobs" in sql and sql.lstrip().upper().startswith("SELECT")}
+    plans[UNFINISHED_COUNT] = explain(db.conn, UNFINISHED_COUNT, ())
+    assert LEFT_BY_A_STOP in plans
+    bad = {q: walks(lines, partial) for q, lines in plans.items() if walks(lines, partial)}
+    # What the start left is settled (the running job had no try left: failed, its result
+    # written, as the done one's): the queued job is all that is open.
+    assert db.query(UNFINISHED_COUNT)[0][0] == 1
+    db.close()
+    assert not bad, bad
