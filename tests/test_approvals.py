@@ -336,7 +336,7 @@ def test_check_config_and_the_cli_show_the_rules_in_force(tmp_path: Path, cli) -
     reconcile(cfg, db)
     o = opened(cfg, db, kind="question", request={"question": "Pizza?",
                                                   "options": ["yes", "no"], "who": "owner"},
-               approver="owner")
+               approver="owner", chat_jid="tg:4242")
     no_option = cli("approvals", "approve", str(o.id), "--config", str(p))
     assert no_option.returncode == 1 and "--option" in no_option.stderr
     r = cli("approvals", "approve", str(o.id), "--option", "2", "--json", "--config", str(p))
@@ -348,5 +348,6 @@ def test_check_config_and_the_cli_show_the_rules_in_force(tmp_path: Path, cli) -
     assert twice.returncode == 1 and "answered already" in twice.stderr
     listing = json.loads(cli("approvals", "list", "--json", "--config", str(p)).stdout)
     assert [a["id"] for a in listing] == [o.id] and "codes" not in listing[0]
+    assert listing[0]["chat_jid"] == "tg:4242"  # the chat the request came from
     shown = cli("approvals", "show", str(o.id), "--config", str(p)).stdout
     assert "Pizza?" in shown and "1. \"yes\"" in shown

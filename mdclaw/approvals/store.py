@@ -84,9 +84,9 @@ class Approval:
         """The audit record (`mdclaw approvals list --json`); reply codes only when asked."""
         d = {k: getattr(self, k) for k in (
             "id", "kind", "group_folder", "subject", "summary", "request", "rule", "approver",
-            "approvers", "request_id", "status", "choice", "decided_by", "decided_label",
-            "decided_via", "created_at", "expires_at", "decided_at", "settled_at", "outcome",
-            "wrong_codes", "codes_locked")}
+            "approvers", "request_id", "chat_jid", "status", "choice", "decided_by",
+            "decided_label", "decided_via", "created_at", "expires_at", "decided_at",
+            "settled_at", "outcome", "wrong_codes", "codes_locked")}
         d["approvers"] = list(self.approvers)
         d["seconds_to_decide"] = self.seconds_to_decide()
         if codes:
