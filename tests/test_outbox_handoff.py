@@ -91,9 +91,9 @@ class Counting(OutboxWorker):
         self.looks += 1
         return super()._due_heads(busy)
 
-    async def _claim(self, rows):  # noqa: ANN001, ANN202
+    async def _claim(self, rows, **kw):  # noqa: ANN001, ANN003, ANN202
         self.claims += 1
-        return await super()._claim(rows)
+        return await super()._claim(rows, **kw)
 
 
 def test_a_message_to_an_idle_chat_goes_out_without_a_look_or_a_claim(tmp_path: Path) -> None:
