@@ -451,6 +451,7 @@ class OutboxWorker:
         # `sending`, not tried
         claimed: collections.deque[OutboxRow] = collections.deque(first or ())
         claims = 0  # claims this drain made
+        wakes = self._wakes  # rows queued since are looked for before the drain ends
         sending = False  # holds a place among the chats sending at once (self._sem)
         after = head.id - 1
         ch = channel_for(self.channels, jid)
@@ -458,15 +459,23 @@ class OutboxWorker:
             while not self._stopping:
                 if not claimed:
                     want = BATCH if limit is None else min(BATCH, limit - done)
-                    if want <= 0 or (unfinished is not None and taken >= unfinished):
-                        # Every row the chat had was taken: rows added since go in the
-                        # next round (whatever added them woke the worker).
+                    if want <= 0:
                         return done
+                    if unfinished is not None and taken >= unfinished:
+                        if wakes == self._wakes:
+                            # Every row the chat had was taken, and none was queued since
+                            # (whatever queues one wakes the worker).
+                            return done
+                        # Rows were queued meanwhile (a burst): the drain goes on with
+                        # them rather than end and be started again turns later.
+                        unfinished = None
+                    wakes = self._wakes
+                    more = False
                     if unfinished == 1:
                         due = [head]
                     else:
-                        due = self._due_rows(jid, after, want if unfinished is None
-                                             else min(want, unfinished - taken))
+                        due, more = self._due_rows(jid, after, want if unfinished is None
+                                                   else min(want, unfinished - taken))
                     if not due:
                         return done
                     if ch is not None and not ch.is_connected():
@@ -475,11 +484,11 @@ class OutboxWorker:
                         self._defer(due[0], f"waiting: the {ch.name} channel is not "
                                     "connected")
                         return done
-                    # The first claim joins the other chats' (one transaction for all a
-                    # turn); a drain that goes on writes its next ones at once, with the
-                    # marks of the batch it delivered: a flooded chat does not wait a turn
-                    # of the loop (an IPC round) for every BATCH rows.
-                    claimed.extend(await self._claim(due, at_once=claims > 0))
+                    # A claim joins the other chats' (one transaction for all, a turn of
+                    # the loop later); a drain with more rows due than this batch (a
+                    # flood) writes its next claims at once, with the marks of the batch it
+                    # delivered: it does not wait a turn (an IPC round) per BATCH rows.
+                    claimed.extend(await self._claim(due, at_once=claims > 0 and more))
                     claims += 1
                     taken += len(due)
                     if not claimed:
@@ -527,17 +536,18 @@ class OutboxWorker:
                 del self._active[jid]
         return done
 
-    def _due_rows(self, jid: str, after: int, limit: int) -> list[OutboxRow]:
+    def _due_rows(self, jid: str, after: int, limit: int) -> tuple[list[OutboxRow], bool]:
         """The chat's next rows after `after` that can go now: up to `limit`, stopping at
-        the first that is not pending, waits for its copy or is not due."""
+        the first that is not pending, waits for its copy or is not due; and whether more
+        are due after them."""
         now = now_iso()
-        due = []
-        for row in self._next_rows(jid, after, limit):
+        due: list[OutboxRow] = []
+        for row in self._next_rows(jid, after, limit + 1):
             if (row.status != "pending" or row.waiting_for_copy
                     or (row.next_attempt_at or "") > now):
-                break
+                return due, False
             due.append(row)
-        return due
+        return due[:limit], len(due) > limit
 
     async def _claim(self, rows: list[OutboxRow], *, at_once: bool = False
                      ) -> list[OutboxRow]:
