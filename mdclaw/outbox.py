@@ -583,10 +583,12 @@ class OutboxWorker:
         later, behind whatever else the loop runs next, an IPC round say): what they ask for
         on their first step (a claim; a `sent` mark when the send did not wait) is written
         in the same turn, so a chat whose delivery is over has no row left `sending` when
-        the next round looks (and its next message can be handed over too)."""
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-        self._flush_at = asyncio.get_running_loop().call_soon(self._queued_flush)
+        the next round looks (and its next message can be handed over too). A flush queued
+        before them stays (moved, it could come a round later than it would have)."""
+        if self._flush_at is None:
+            self._schedule_flush()
+        else:
+            asyncio.get_running_loop().call_soon(self._flush_now)
 
     def _queued_flush(self) -> None:
         self._flush_at = None
