@@ -12,12 +12,16 @@ it stopped.
 Crash safety: a row is `sending` from its claim until it is marked sent, failed or back to
 pending; `recover()` (run by `start()` and `stop()`) puts rows a crash left `sending` back to
 `pending`, so they are sent again (at least once). A chat's rows are claimed up to BATCH at a
-time, and claims and `sent` marks of all chats are written together, once per turn of the
-event loop; a delivered row is marked as soon as its chat's drain waits for anything (its
-next claim, a send that waits on the network, its end). So a crash sends again, per chat,
-the row in flight and the rows delivered since the drain last waited: at most BATCH rows,
-and only the row in flight with a chat service whose sends wait on the network. Rows
-claimed but not yet tried when a crash stops them have one try counted that was not made.
+time. Claims and `sent` marks of all chats are written together, one transaction behind the
+drains that asked for them in a turn of the event loop; a drain that goes on past its first
+batch writes its next claim at once, with the marks of the batch it delivered. A delivered
+row is marked as soon as its chat's drain waits for anything (a send that waits on the
+network, its next claim, its end), and in the same turn of the loop when it does not. So a
+crash sends again, per chat, the row in flight and the rows delivered since the drain last
+waited: at most BATCH rows, MARKS_MAX in all, and only the row in flight with a chat
+service whose sends wait on the network. At most `max_parallel_chats` chats send at once (a
+chat waiting for its claim to be written does not count). Rows claimed but not yet tried
+when a crash stops them have one try counted that was not made.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ log = logging.getLogger("mdclaw.outbox")
 
 BATCH = 16  # rows of one chat claimed at a time: bounds the duplicates a crash can cause
 ROUND_PER_CHAT = 256  # deliveries of one chat per round of the background worker
+# `sent` marks waiting for their flush, in all: more (many chats delivered in one turn of the
+# loop by a chat service that answers without waiting) are written at once.
+MARKS_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,8 @@ class OutboxWorker:
         self._claims: list[tuple[list[OutboxRow], asyncio.Future[list[OutboxRow]]]] = []
         self._marks: list[OutboxRow] = []  # delivered, `sent` mark not yet written
         self._releases: list[OutboxRow] = []  # claimed, not tried: back to pending
-        self._flush_at: asyncio.Handle | None = None
+        self._flush_at: asyncio.Handle | None = None  # the flush queued on the loop
+        self._retry_flush: asyncio.Handle | None = None  # after a flush that failed
         self._active: dict[str, asyncio.Task[int]] = {}  # the drain under way, by chat
         self._parted: set[int] = set()  # rows whose parts were recorded (outbox_progress)
         self._wakes = 0  # wake() calls so far (a drain that saw none has no rows to look for)
@@ -182,6 +190,10 @@ class OutboxWorker:
                         task.cancel()  # its send stays `sending`; recover() puts it back
                         await asyncio.wait([task])
         finally:
+            for handle in (self._flush_at, self._retry_flush):
+                if handle is not None:
+                    handle.cancel()
+            self._flush_at = self._retry_flush = None
             try:
                 self._flush()  # the marks of rows delivered: not sent again after a restart
             except Exception:  # noqa: BLE001 - recover() must still run
@@ -244,6 +256,7 @@ class OutboxWorker:
                             "sent after the next start", row.id)
                 continue
             self._start_drain(row, 1, claimed=[row])
+        self._flush_behind()
 
     # ------------------------------------------------------------------ worker
     def _start_drain(self, head: OutboxRow, n: int | None,
@@ -254,7 +267,12 @@ class OutboxWorker:
             self._drain_ended, head.chat_jid, self._wakes if claimed else None))
 
     def _drain_ended(self, jid: str, wakes: int | None, task: asyncio.Task[int]) -> None:
-        self._active.pop(jid, None)
+        if self._active.get(jid) is task:
+            del self._active[jid]
+        elif jid in self._active:
+            # The chat has a newer drain already (its next message was handed over as this
+            # one ended: the chat had no unfinished row then): rows after it are its own.
+            return
         if task.cancelled() or self._stopping:
             return
         if wakes == self._wakes and task.exception() is None and task.result() == 1:
@@ -280,6 +298,7 @@ class OutboxWorker:
         if (head.status == "pending" and not head.waiting_for_copy
                 and (head.next_attempt_at or "") <= now_iso()):
             self._start_drain(head, None)
+            self._flush_behind()
         else:
             self.wake()  # it waits (a retry later, a copy): the full look times it
 
@@ -298,6 +317,8 @@ class OutboxWorker:
                         heads, due_in = self._due_heads(busy=set(active))
                         for head, n in heads:
                             self._start_drain(head, n)
+                        if heads:
+                            self._flush_behind()
                 except Exception:  # noqa: BLE001 - the worker must not die: a locked database
                     log.exception("outbox: delivery round failed; trying again shortly")
                     self._retry_at = time.monotonic() + 1.0
@@ -411,100 +432,172 @@ class OutboxWorker:
         (or `limit` were delivered).
 
         Rows are claimed up to BATCH at a time. Claims and `sent` marks are not written one
-        by one: the drains of all chats ask for them, and one transaction per turn of the
-        event loop (_flush) writes what was asked for. A delivered row is marked the next
-        time this drain waits for anything (the claim of its next batch, a send that waits
-        on the network, the end of the drain), so a crash sends again at most the rows
-        delivered since the drain last waited: at most BATCH per chat, and only the row in
-        flight when the chat service's send waits on the network. Claimed rows not yet tried
-        go back to `pending` (their try not counted) when the drain stops early. `first`:
-        rows written claimed already (hand_off), delivered first."""
+        by one: the drains of all chats ask for them, and one transaction (_flush) writes
+        what was asked for, behind the drains that asked in a turn of the event loop; the
+        drain's first claim waits one turn for it, its next ones (a chat with more than
+        BATCH rows due) are written at once with the marks of the batch it delivered, so a
+        flood does not wait a turn (an IPC round) per BATCH rows. A delivered row is marked
+        the next time this drain waits for anything (a send that waits on the network, the
+        claim of its next batch, its end) and in the same turn of the loop, so a crash sends
+        again at most the rows delivered since the drain last waited: at most BATCH per chat
+        (MARKS_MAX in all), and only the row in flight when the chat service's send waits on
+        the network. The drain holds a place among the chats sending at once while it has
+        claimed rows to send, not while its claim is written. Claimed rows not yet tried go
+        back to `pending` (their try not counted) when the drain stops early. `first`: rows
+        written claimed already (hand_off), delivered first."""
         jid = head.chat_jid
         done = 0
         taken = len(first or ())
         # `sending`, not tried
         claimed: collections.deque[OutboxRow] = collections.deque(first or ())
-        async with self._sem:
-            after = head.id - 1
-            ch = channel_for(self.channels, jid)
-            try:
-                while not self._stopping:
-                    if not claimed:
-                        want = BATCH if limit is None else min(BATCH, limit - done)
-                        if want <= 0 or (unfinished is not None and taken >= unfinished):
-                            # Every row the chat had was taken: rows added since go in the
-                            # next round (whatever added them woke the worker).
+        claims = 0  # claims this drain made
+        wakes = self._wakes  # rows queued since are looked for before the drain ends
+        sending = False  # holds a place among the chats sending at once (self._sem)
+        after = head.id - 1
+        ch = channel_for(self.channels, jid)
+        try:
+            while not self._stopping:
+                if not claimed:
+                    want = BATCH if limit is None else min(BATCH, limit - done)
+                    if want <= 0:
+                        return done
+                    if unfinished is not None and taken >= unfinished:
+                        if wakes == self._wakes:
+                            # Every row the chat had was taken, and none was queued since
+                            # (whatever queues one wakes the worker).
                             return done
-                        if unfinished == 1:
-                            due = [head]
-                        else:
-                            due = self._due_rows(jid, after, want if unfinished is None
-                                                 else min(want, unfinished - taken))
-                        if not due:
-                            return done
-                        if ch is not None and not ch.is_connected():
-                            # An outage delays messages, it does not use up their tries:
-                            # look again soon.
-                            self._defer(due[0], f"waiting: the {ch.name} channel is not "
-                                        "connected")
-                            return done
-                        claimed.extend(await self._claim(due))
-                        taken += len(due)
-                        if not claimed:
-                            return done
-                        continue
-                    row = claimed[0]
+                        # Rows were queued meanwhile (a burst): the drain goes on with
+                        # them rather than end and be started again turns later.
+                        unfinished = None
+                    wakes = self._wakes
+                    more = False
+                    if unfinished == 1:
+                        due = [head]
+                    else:
+                        due, more = self._due_rows(jid, after, want if unfinished is None
+                                                   else min(want, unfinished - taken))
+                    if not due:
+                        return done
                     if ch is not None and not ch.is_connected():
-                        self._defer(row, f"waiting: the {ch.name} channel is not connected")
+                        # An outage delays messages, it does not use up their tries:
+                        # look again soon.
+                        self._defer(due[0], f"waiting: the {ch.name} channel is not "
+                                    "connected")
                         return done
-                    claimed.popleft()  # in flight: stays `sending` if this is cancelled
-                    finished, ok = await self._deliver(ch, row)
-                    if ok:
-                        self._marks.append(row)
+                    # A claim joins the other chats' (one transaction for all, a turn of
+                    # the loop later); a drain with more rows due than this batch (a
+                    # flood) writes its next claims at once, with the marks of the batch it
+                    # delivered: it does not wait a turn (an IPC round) per BATCH rows.
+                    claimed.extend(await self._claim(due, at_once=claims > 0 and more))
+                    claims += 1
+                    taken += len(due)
+                    if not claimed:
+                        return done
+                    continue
+                if not sending:
+                    # A place among the chats sending at once is taken for sends, not for
+                    # the wait for a claim: a chat waiting for its claim to be written does
+                    # not hold back the others.
+                    await self._sem.acquire()
+                    sending = True
+                    continue  # (stopping meanwhile?)
+                row = claimed[0]
+                if ch is not None and not ch.is_connected():
+                    self._defer(row, f"waiting: the {ch.name} channel is not connected")
+                    return done
+                claimed.popleft()  # in flight: stays `sending` if this is cancelled
+                finished, ok = await self._deliver(ch, row)
+                if ok:
+                    self._marks.append(row)
+                    if len(self._marks) >= MARKS_MAX:
+                        # Many chats delivered in one turn without a wait: their marks
+                        # now, so what a crash would send again stays bounded in all.
+                        self._flush_now()
+                    else:
                         self._schedule_flush()
-                    elif not finished:
-                        return done  # rescheduled: later rows of the chat wait behind it
-                    done += 1
-                    after = row.id
-                    if limit is not None and done >= limit:
-                        return done
-            finally:
-                if claimed:
-                    self._releases.extend(claimed)
-                    self._schedule_flush()
+                elif not finished:
+                    return done  # rescheduled: later rows of the chat wait behind it
+                done += 1
+                after = row.id
+                if limit is not None and done >= limit:
+                    return done
+                if not claimed and sending:
+                    self._sem.release()
+                    sending = False
+        finally:
+            if sending:
+                self._sem.release()
+            if claimed:
+                self._releases.extend(claimed)
+                self._schedule_flush()
+            if self._active.get(jid) is asyncio.current_task():
+                # Over now, not once its end is looked at (a turn later, maybe behind an IPC
+                # round): the chat's next message can be handed over at once.
+                del self._active[jid]
         return done
 
-    def _due_rows(self, jid: str, after: int, limit: int) -> list[OutboxRow]:
+    def _due_rows(self, jid: str, after: int, limit: int) -> tuple[list[OutboxRow], bool]:
         """The chat's next rows after `after` that can go now: up to `limit`, stopping at
-        the first that is not pending, waits for its copy or is not due."""
+        the first that is not pending, waits for its copy or is not due; and whether more
+        are due after them."""
         now = now_iso()
-        due = []
-        for row in self._next_rows(jid, after, limit):
+        due: list[OutboxRow] = []
+        for row in self._next_rows(jid, after, limit + 1):
             if (row.status != "pending" or row.waiting_for_copy
                     or (row.next_attempt_at or "") > now):
-                break
+                return due, False
             due.append(row)
-        return due
+        return due[:limit], len(due) > limit
 
-    async def _claim(self, rows: list[OutboxRow]) -> list[OutboxRow]:
+    async def _claim(self, rows: list[OutboxRow], *, at_once: bool = False
+                     ) -> list[OutboxRow]:
         """Mark `rows` (a chat's next due rows, in order) as being sent, a try counted for
-        each, at the next _flush. Returns the rows claimed: the leading ones that were still
-        pending (in practice all)."""
+        each: at once (`at_once`), or with what the other chats' drains ask for in this turn
+        of the loop (the flush behind them, or the first of them to go on writes it). Returns
+        the rows claimed: the leading ones that were still pending (in practice all)."""
         fut: asyncio.Future[list[OutboxRow]] = asyncio.get_running_loop().create_future()
         self._claims.append((rows, fut))
-        self._schedule_flush()
-        return await fut
+        if not at_once:
+            self._schedule_flush()
+            try:
+                # One turn, not a wait on the future (whose callback would take a second
+                # turn, each of which may be a whole IPC round during a burst).
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                if not fut.done():
+                    fut.cancel()  # not written: nothing would send these rows
+                elif not fut.cancelled() and fut.exception() is None:
+                    self._releases.extend(fut.result())  # written: put back untried
+                    self._schedule_flush()
+                raise
+        if not fut.done():
+            self._flush()  # answers every claim asked for, this one included
+        return fut.result()
 
     def _schedule_flush(self) -> None:
         if self._flush_at is None:
-            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+            self._flush_at = asyncio.get_running_loop().call_soon(self._queued_flush)
+
+    def _flush_behind(self) -> None:
+        """Queue the flush behind the first steps of the drains just started (not a turn
+        later, behind whatever else the loop runs next, an IPC round say): what they ask for
+        on their first step (a claim; a `sent` mark when the send did not wait) is written
+        in the same turn, so a chat whose delivery is over has no row left `sending` when
+        the next round looks (and its next message can be handed over too). A flush queued
+        before them stays (moved, it could come a round later than it would have)."""
+        if self._flush_at is None:
+            self._schedule_flush()
+        else:
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _queued_flush(self) -> None:
+        self._flush_at = None
+        self._flush()
 
     def _flush(self) -> None:
         """Write the claims, `sent` marks and releases asked for since the last flush, in
-        one transaction; then answer the claims and call `on_sent` for the rows marked."""
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
+        one transaction; then answer the claims and call `on_sent` for the rows marked.
+        (A flush queued meanwhile stays queued: it writes what is asked for after this.)"""
         # A claim whose drain was cancelled meanwhile is not written: nothing would send
         # its rows, which would stay `sending` with a try counted until recover().
         claims = [(rows, fut) for rows, fut in self._claims if not fut.done()]
@@ -542,8 +635,9 @@ class OutboxWorker:
             # rows, so no drain of theirs would ask for one); the claims fail their drains.
             self._marks[:0] = marks
             self._releases[:0] = releases
-            if (marks or releases) and self._flush_at is None:
-                self._flush_at = asyncio.get_running_loop().call_later(1.0, self._flush_again)
+            if (marks or releases) and self._retry_flush is None:
+                self._retry_flush = asyncio.get_running_loop().call_later(
+                    1.0, self._flush_again)
             for _, fut in claims:
                 if not fut.done():
                     fut.set_exception(e)
@@ -563,9 +657,17 @@ class OutboxWorker:
                     row, status="sent", attempts=row.attempts + 1, sent_at=now,
                     updated_at=now, next_attempt_at=None))
 
+    def _flush_now(self) -> None:
+        """_flush, from a drain: a failure is logged (the flush a second later retries)."""
+        try:
+            self._flush()
+        except Exception:  # noqa: BLE001 - _flush asked for a further try
+            log.exception("outbox: could not record deliveries; trying again shortly")
+
     def _flush_again(self) -> None:
         """The flush after one that failed; then a full look for due rows (the chats whose
         rows it put back or marked have no drain to go on)."""
+        self._retry_flush = None
         try:
             self._flush()
         except Exception:  # noqa: BLE001 - _flush asked for a further try

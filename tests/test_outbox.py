@@ -560,3 +560,166 @@ def test_deliveries_whose_marks_could_not_be_written_are_recorded_and_the_chat_g
             db.close()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- a burst's pace
+
+
+class Turns:
+    """Counts turns of the event loop: a task that yields once a turn (as the IPC loop does
+    between rounds), so a delivery that waits a turn waits for it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.n += 1
+
+
+def test_a_flooded_chat_is_delivered_without_a_turn_of_the_loop_per_batch(
+        tmp_path: Path) -> None:
+    """A chat with many rows due and a chat service that answers at once: after its first
+    claim, the drain writes each next claim (with the marks of the batch it delivered) at
+    once, instead of waiting turns of the loop (each of which may be a whole IPC round) for
+    every BATCH rows; the per-chat bound on unmarked rows still holds."""
+    from mdclaw.outbox import BATCH
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ids = [put(db, text=f"m{i}") for i in range(5 * BATCH)]
+        ch = ScriptedChannel()
+        w = OutboxWorker(db, [ch], policy=FAST)
+        unmarked: list[int] = []
+        orig = ch.send_message
+
+        async def send(jid, text, **kw):  # noqa: ANN001, ANN003, ANN202
+            # rows delivered but not yet marked when this one goes
+            unmarked.append(len(ch.sent) - outbox_counts(db)["sent"])
+            return await orig(jid, text, **kw)
+
+        ch.send_message = send  # type: ignore[method-assign]
+        turns = Turns()
+        try:
+            await w.run_once()
+            took = turns.n
+        finally:
+            turns.task.cancel()
+        assert [t for _, t in ch.sent] == [f"m{i}" for i in range(5 * BATCH)]
+        assert all(status(db, i) == "sent" for i in ids)
+        assert max(unmarked) <= BATCH
+        assert took <= 4, took  # 12 when each claim took two turns
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_chats_waiting_for_their_claims_do_not_hold_places_among_the_senders(
+        tmp_path: Path) -> None:
+    """More chats than `max_parallel_chats`, a chat service that answers at once: every
+    chat's claim is written in one transaction and every chat is delivered in the next
+    turn (a chat waiting for its claim to be written held a place among the chats sending,
+    so the others went max_parallel_chats at a time, two turns each)."""
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        for c in range(12):
+            for i in range(3):
+                put(db, jid=f"fk:{c}", text=f"c{c}m{i}")
+        ch = ScriptedChannel()
+        w = OutboxWorker(db, [ch], policy=FAST, max_parallel_chats=2)
+        flushes = 0
+        orig_flush = w._flush
+
+        def counting_flush() -> None:
+            nonlocal flushes
+            if w._claims:
+                flushes += 1
+            orig_flush()
+
+        w._flush = counting_flush  # type: ignore[method-assign]
+        turns = Turns()
+        try:
+            await w.run_once()
+            took = turns.n
+        finally:
+            turns.task.cancel()
+        assert outbox_counts(db)["sent"] == 36
+        for c in range(12):  # each chat in order
+            assert [t for j, t in ch.sent if j == f"fk:{c}"] == [f"c{c}m{i}" for i in range(3)]
+        assert flushes == 1, flushes  # 6 when the chats went two at a time
+        assert took <= 4, took  # 19 when the chats went two at a time
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_chat_service_still_gets_one_send_per_chat_and_at_most_the_parallel_chats(
+        tmp_path: Path) -> None:
+    """Sends that wait on the network: one at a time within a chat, in order, and at most
+    `max_parallel_chats` chats at once."""
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        for c in range(5):
+            for i in range(4):
+                put(db, jid=f"fk:{c}", text=f"c{c}m{i}")
+        ch = ScriptedChannel()
+        in_flight: dict[str, int] = {}
+        most = {"all": 0, "chat": 0}
+        orig = ch.send_message
+
+        async def slow(jid, text, **kw):  # noqa: ANN001, ANN003, ANN202
+            in_flight[jid] = in_flight.get(jid, 0) + 1
+            most["all"] = max(most["all"], sum(in_flight.values()))
+            most["chat"] = max(most["chat"], in_flight[jid])
+            try:
+                await asyncio.sleep(0.002)
+                return await orig(jid, text, **kw)
+            finally:
+                in_flight[jid] -= 1
+
+        ch.send_message = slow  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST, max_parallel_chats=2)
+        await w.start()
+        try:
+            await wait_until_async(lambda: outbox_counts(db)["sent"] == 20, timeout=10)
+        finally:
+            await w.stop()
+        for c in range(5):
+            assert [t for j, t in ch.sent if j == f"fk:{c}"] == [f"c{c}m{i}" for i in range(4)]
+        assert most == {"all": 2, "chat": 1}
+        db.close()
+
+    asyncio.run(main())
+
+
+def test_unmarked_deliveries_are_bounded_in_all(tmp_path: Path) -> None:
+    """Many chats delivered in one turn by a chat service that answers at once: their
+    `sent` marks are written before more than MARKS_MAX wait for their flush."""
+    from mdclaw.outbox import MARKS_MAX
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        n = MARKS_MAX * 2 + 5
+        for c in range(n):
+            put(db, jid=f"fk:{c}", text=f"c{c}")
+        ch = ScriptedChannel()
+        unmarked: list[int] = []
+        orig = ch.send_message
+
+        async def send(jid, text, **kw):  # noqa: ANN001, ANN003, ANN202
+            unmarked.append(len(ch.sent) - outbox_counts(db)["sent"])
+            return await orig(jid, text, **kw)
+
+        ch.send_message = send  # type: ignore[method-assign]
+        w = OutboxWorker(db, [ch], policy=FAST, max_parallel_chats=n)
+        await w.run_once()
+        assert outbox_counts(db)["sent"] == n
+        assert max(unmarked) <= MARKS_MAX
+        assert max(unmarked) >= MARKS_MAX - 1  # they did pile up in one turn
+        db.close()
+
+    asyncio.run(main())

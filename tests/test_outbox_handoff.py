@@ -6,6 +6,7 @@ are those of any outbox row. Real files, real SQLite, real processes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -18,9 +19,9 @@ from pathlib import Path
 from mdclaw.channels.base import Channel
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import IpcEngine
-from mdclaw.outbox import OutboxWorker
+from mdclaw.outbox import OutboxWorker, get_row
 from mdclaw.state import Database
-from mdclaw.state.outbox import enqueue, list_outbox
+from mdclaw.state.outbox import enqueue, has_open_rows, list_outbox
 from waiting import wait_until, wait_until_async
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,9 +92,9 @@ class Counting(OutboxWorker):
         self.looks += 1
         return super()._due_heads(busy)
 
-    async def _claim(self, rows):  # noqa: ANN001, ANN202
+    async def _claim(self, rows, **kw):  # noqa: ANN001, ANN003, ANN202
         self.claims += 1
-        return await super()._claim(rows)
+        return await super()._claim(rows, **kw)
 
 
 def test_a_message_to_an_idle_chat_goes_out_without_a_look_or_a_claim(tmp_path: Path) -> None:
@@ -334,3 +335,36 @@ def test_the_open_row_check_seeks_the_index_of_open_rows(tmp_path: Path) -> None
         enqueue(c, chat_jid="fk:1", kind="text", text="new")
         assert has_open_rows(c, "fk:1")
     db.close()
+
+
+def test_a_handed_over_message_is_marked_in_the_turn_it_goes_out(tmp_path: Path) -> None:
+    """What runs next on the loop after the worker's turn (the IPC loop's next round) finds
+    the chat's delivered row marked `sent` and no drain of the chat under way, so the
+    chat's next message can be handed over too (not written pending, for a look and a claim
+    of the worker's own)."""
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = Recording()
+        w = OutboxWorker(db, [ch])
+        await w.start()
+        try:
+            rows = []
+            with db.transaction() as c:
+                for j in ("fk:1", "fk:2", "fk:3"):
+                    assert w.accepts(j) and not has_open_rows(c, j)
+                    rid = enqueue(c, chat_jid=j, kind="text", text=f"to {j}", claimed=True)
+                    rows.append(get_row(db, rid))
+            assert all(r is not None for r in rows)
+            w.hand_off([dataclasses.replace(r, status="pending", attempts=0) for r in rows])
+            await asyncio.sleep(0)  # one turn: as the IPC loop between its rounds
+            assert len(ch.sent) == 3
+            with db.transaction() as c:
+                for j in ("fk:1", "fk:2", "fk:3"):
+                    assert w.accepts(j), j
+                    assert not has_open_rows(c, j), j
+        finally:
+            await w.stop()
+            db.close()
+
+    asyncio.run(main())
