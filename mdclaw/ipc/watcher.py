@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import sqlite3
+import struct
 import time
 from collections.abc import Callable
 
@@ -44,6 +45,14 @@ GROUP_MASK = F.CREATE | F.MOVED_TO | F.MOVED_FROM | F.DELETE | F.ONLYDIR
 # Every watched group is looked at by the poll at least this often (seconds): the longest a
 # command whose inotify event was lost (without an overflow) can wait.
 SAFETY_RESCAN = 30.0
+# The inotify events the loop reads itself (one read(2) a wake-up, no FIONREAD ioctl, no
+# namedtuple and enum per event): struct inotify_event is wd, mask, cookie, len, then the
+# NUL-padded name.
+_EVENT = struct.Struct("iIII")
+_READ_BYTES = 64 * 1024
+_Q_OVERFLOW = int(F.Q_OVERFLOW)
+_IGNORED = int(F.IGNORED)
+_SELF_GONE = int(F.DELETE_SELF | F.MOVE_SELF)
 
 
 class IpcWatcher:
@@ -104,6 +113,8 @@ class IpcWatcher:
         self._settle_due = True
         self.idle = asyncio.Event()  # set while nothing is known to be pending
         self.last_progress = time.monotonic()
+        self._stop: asyncio.Event | None = None  # run()'s, while it runs
+        self._failed: BaseException | None = None  # a round run by _on_inotify raised it
         self.live.subscribe(self._config_changed)
 
     @property
@@ -192,36 +203,71 @@ class IpcWatcher:
     def _on_inotify(self) -> None:
         assert self.inotify is not None
         try:
-            events = self.inotify.read(timeout=0)
-        except OSError:
+            data = os.read(self.inotify.fd, _READ_BYTES)
+        except OSError:  # nothing to read (EAGAIN), or the fd is being closed
             return
-        for ev in events:
-            if ev.mask & F.Q_OVERFLOW:
+        pos, end = 0, len(data)
+        unpack = _EVENT.unpack_from
+        while pos < end:
+            wd, mask, _, size = unpack(data, pos)
+            pos += 16 + size
+            if mask & _Q_OVERFLOW:
                 log.warning("ipc: inotify queue overflowed; scanning every folder")
                 self._full_scan = True
                 continue
-            key = self._wd.get(ev.wd)
+            key = self._wd.get(wd)
             if key is None:
                 continue
             folder, sub = key
-            if ev.mask & F.IGNORED:
+            if mask & _IGNORED:
                 self._watched.pop(key, None)
-                self._wd.pop(ev.wd, None)
+                self._wd.pop(wd, None)
                 self._resync.add(folder)
                 self._unwatched.add(folder)  # until the resync watches it again
                 continue
+            name = os.fsdecode(data[pos - size:pos].split(b"\0", 1)[0])
             if sub is None:  # the group's IPC folder: a command folder came or went
-                if ev.name in COMMAND_DIRS:
+                if name in COMMAND_DIRS:
                     self._resync.add(folder)
-                    self._dirty.setdefault(folder, set()).add(ev.name)
+                    self._dirty.setdefault(folder, set()).add(name)
                 continue
-            if ev.mask & (F.DELETE_SELF | F.MOVE_SELF):
+            if mask & _SELF_GONE:
                 self._resync.add(folder)
                 continue
-            if is_candidate(ev.name):
+            if is_candidate(name):
                 self._dirty.setdefault(folder, set()).add(sub)
-                self._names.setdefault(folder, {}).setdefault(sub, set()).add(ev.name)
-        if self._dirty or self._resync or self._full_scan:
+                self._names.setdefault(folder, {}).setdefault(sub, set()).add(name)
+        if not (self._dirty or self._resync or self._full_scan):
+            return
+        if self._may_work_here():
+            self._work_here()
+        else:
+            self._ring()
+
+    def _may_work_here(self) -> bool:
+        """Whether the round inotify asks for may run right here, in the reader's callback:
+        run() sleeps (nothing else is under way), and nothing but this round is due (no
+        settle, no poll tick, no stop, no full scan or resync). A command at a trickle is
+        then applied in the turn of the event loop that read its event, without waking
+        run() through a future (a turn, its timer and its future more a command)."""
+        fut = self._waiter
+        stop = self._stop
+        return (fut is not None and not fut.done() and stop is not None and not stop.is_set()
+                and not self._settle_due and not self._full_scan and not self._resync
+                and time.monotonic() < self._next_poll)
+
+    def _work_here(self) -> None:
+        """One round from _on_inotify (see _may_work_here): run() is woken only when more
+        remains (or the round failed: run() raises it, as if it had run the round)."""
+        self.last_progress = time.monotonic()  # the daemon's watchdog reads this
+        try:
+            busy = self._work_once()
+        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+            self._failed = e
+            self._ring()
+            return
+        if busy:
+            self.idle.clear()
             self._ring()
 
     # ------------------------------------------------------------------ loop
@@ -349,8 +395,12 @@ class IpcWatcher:
         self.remover.call_soon = loop.call_soon
         self._next_poll = time.monotonic() + self.poll_interval
         next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
+        self._stop = stop
         try:
             while not stop.is_set():
+                if self._failed is not None:
+                    failed, self._failed = self._failed, None
+                    raise failed
                 self.last_progress = time.monotonic()  # the daemon's watchdog reads this
                 if self._settle_due:
                     self._settle()
@@ -374,6 +424,7 @@ class IpcWatcher:
                 if not stop.is_set():
                     await self._sleep(max(0.0, self._next_poll - now))
         finally:
+            self._stop = None
             self.remover.call_soon = None
             stop_task.cancel()
             if self.inotify is not None:

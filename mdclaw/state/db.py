@@ -136,6 +136,43 @@ class Database:
             self._depth = 0
             self.conn.execute("COMMIT")
 
+    def begin(self) -> sqlite3.Connection:
+        """Open a write transaction as transaction() does, without a context manager (the
+        IPC loop's round, once a command at a trickle): the caller must call end() exactly
+        once, in a `finally` or on every path. Nestable like transaction()."""
+        self._lock.acquire()
+        if self._depth:
+            self._depth += 1
+            return self.conn
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+        self._depth = 1
+        return self.conn
+
+    def end(self, *, commit: bool) -> None:
+        """End what begin() opened: COMMIT, or ROLLBACK (`commit` False, on an error). An
+        inner (nested) end leaves the outer transaction to its owner. A COMMIT that fails
+        rolls back what it could not commit and raises."""
+        try:
+            if self._depth > 1:
+                self._depth -= 1
+                return
+            self._depth = 0
+            if not commit:
+                self.conn.execute("ROLLBACK")
+                return
+            try:
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        finally:
+            self._lock.release()
+
     def change_mark(self) -> tuple[int, int]:
         """A value that moves whenever anything is committed to the database: by another
         connection (`PRAGMA data_version`) or by this one (`total_changes`). Cheap: no table
