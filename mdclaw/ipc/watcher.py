@@ -34,8 +34,9 @@ from mdclaw.ipc.apply import SETTLE_NS, BackgroundRemover, BatchResult, IpcEngin
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
 from mdclaw.ipc.spool import FileSpooler
 from mdclaw.ipc.worker import ActionWorker
-from mdclaw.ipc.writers import SnapshotWriter
+from mdclaw.ipc.writers import LOOP_AUTOCHECKPOINT, SnapshotWriter
 from mdclaw.state import Database
+from mdclaw.state.db import DEFAULT_AUTOCHECKPOINT
 
 log = logging.getLogger("mdclaw.ipc")
 
@@ -381,6 +382,9 @@ class IpcWatcher:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set. Start-up writes every snapshot and drains the backlog."""
         loop = asyncio.get_running_loop()
+        # The snapshot thread checkpoints the WAL (SnapshotWriter): this connection's own
+        # auto-checkpoint is only a backstop while it runs.
+        self.engine.db.set_autocheckpoint(LOOP_AUTOCHECKPOINT)
         self.engine.start()
         self.actions.start()
         self.engine.database_changed()
@@ -424,6 +428,10 @@ class IpcWatcher:
                 if not stop.is_set():
                     await self._sleep(max(0.0, self._next_poll - now))
         finally:
+            try:
+                self.engine.db.set_autocheckpoint(DEFAULT_AUTOCHECKPOINT)
+            except sqlite3.Error:
+                pass  # closed already: nothing to restore
             self._stop = None
             self.remover.call_soon = None
             stop_task.cancel()

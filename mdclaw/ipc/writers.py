@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -35,7 +36,20 @@ log = logging.getLogger("mdclaw.ipc")
 FILE_MODE = 0o640
 CLOSE_SENTINEL = "_close"
 MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
-CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
+# The snapshot thread folds the WAL into the database (a PASSIVE checkpoint) so the loop's
+# commits never reach SQLite's auto-checkpoint (and its fsync on the loop): while the
+# watcher runs, its connection's auto-checkpoint is at LOOP_AUTOCHECKPOINT frames, and the
+# thread checkpoints once CHECKPOINT_FRAMES frames wait (it looks at the WAL's size at most
+# every CHECKPOINT_LOOK seconds it has nothing else to do, sooner while the WAL grows
+# fast), or when frames wait and nothing was written for CHECKPOINT_IDLE seconds. A
+# checkpoint's CPU grows with its frames, but slower than they do: every half second (as
+# before) a trickle of commands paid 70 us each for them, now about 25 (docs/performance.md).
+CHECKPOINT_LOOK = 0.2
+CHECKPOINT_FRAMES = 2000
+CHECKPOINT_IDLE = 1.0
+LOOP_AUTOCHECKPOINT = 8000  # SQLite's default is 1,000
+CHECKPOINT_EVERY = 0.5  # without the WAL's size (no -shm file to read): every quiet 0.5 s
+_SHM_VERSION = 3007000  # the wal-index header's iVersion since SQLite 3.7.0
 
 
 def _dump(obj: Any) -> bytes:
@@ -322,17 +336,62 @@ class SnapshotWriter:
         except sqlite3.Error as e:  # busy or locked: the next quiet moment tries again
             log.debug("ipc: WAL checkpoint skipped: %s", e)
 
+    @staticmethod
+    def _wal_frames(shm_fd: int | None) -> tuple[int, int] | None:
+        """(frames in the WAL, frames of it already in the database), read from the
+        wal-index header in the -shm file (sqlite.org/walformat.html: mxFrame at byte 16,
+        nBackfill at byte 96, native byte order); None if it cannot be read. A hint only:
+        a torn read at worst checkpoints early or a look later."""
+        if shm_fd is None:
+            return None
+        try:
+            head = os.pread(shm_fd, 100, 0)
+        except OSError:
+            return None
+        if len(head) < 100 or struct.unpack_from("=I", head, 0)[0] != _SHM_VERSION:
+            return None
+        return struct.unpack_from("=I", head, 16)[0], struct.unpack_from("=I", head, 96)[0]
+
     def _run(self) -> None:
         db = Database(self.db_path, migrate=False)
         try:
+            shm_fd: int | None = os.open(f"{self.db_path}-shm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            shm_fd = None
+        last_frames = -1  # the WAL's frames at the last look
+        changed_at = looked_at = time.monotonic()  # when they last moved; the last look
+        checked_at = 0.0  # the last checkpoint (without the WAL's size)
+        look = CHECKPOINT_LOOK  # until the next look: sooner while the WAL grows fast
+        try:
             while True:
                 with self._cond:
-                    woke = self._cond.wait_for(lambda: self._stop or self._has_work(),
-                                               CHECKPOINT_EVERY)
+                    woke = self._cond.wait_for(lambda: self._stop or self._has_work(), look)
                     if not woke:
-                        # Quiet moment: fold the WAL into the database here, so the loop's
-                        # own commits rarely hit SQLite's auto-checkpoint (and its fsync).
-                        self._checkpoint(db)
+                        # Quiet moment: fold the WAL into the database here when enough
+                        # waits (see CHECKPOINT_FRAMES), so the loop's own commits do not
+                        # hit SQLite's auto-checkpoint (and its fsync).
+                        now = time.monotonic()
+                        wal = self._wal_frames(shm_fd)
+                        if wal is None:
+                            if now - checked_at >= CHECKPOINT_EVERY:
+                                checked_at = now
+                                self._checkpoint(db)
+                            continue
+                        frames, done = wal
+                        # Frames a second since the last look (the WAL restarts from its
+                        # start after a checkpoint that folded it all in).
+                        grown = frames - last_frames if frames >= last_frames else frames
+                        rate = grown / max(now - looked_at, 1e-3)
+                        looked_at = now
+                        if frames != last_frames:
+                            last_frames, changed_at = frames, now
+                        waiting = frames - done
+                        if waiting >= CHECKPOINT_FRAMES or (
+                                waiting > 0 and now - changed_at >= CHECKPOINT_IDLE):
+                            self._checkpoint(db)
+                            waiting = 0
+                        look = CHECKPOINT_LOOK if rate <= 0 else min(
+                            CHECKPOINT_LOOK, max(0.02, (CHECKPOINT_FRAMES - waiting) / rate))
                         continue
                     if not self._has_work():
                         return
@@ -358,4 +417,6 @@ class SnapshotWriter:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop, pause)
         finally:
+            if shm_fd is not None:
+                os.close(shm_fd)
             db.close()

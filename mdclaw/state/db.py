@@ -18,6 +18,9 @@ from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
 
+DEFAULT_AUTOCHECKPOINT = 1000  # SQLite's: WAL frames after which a commit checkpoints
+
+
 class DatabaseError(StateError, RuntimeError):
     """The database cannot be used (newer schema than this program, corrupt file...)."""
 
@@ -172,6 +175,12 @@ class Database:
                 raise
         finally:
             self._lock.release()
+
+    def set_autocheckpoint(self, frames: int) -> None:
+        """After how many WAL frames a commit of this connection checkpoints the WAL
+        (`PRAGMA wal_autocheckpoint`; 0 turns it off)."""
+        with self._lock:
+            self.conn.execute(f"PRAGMA wal_autocheckpoint={int(frames)}")
 
     def change_mark(self) -> tuple[int, int]:
         """A value that moves whenever anything is committed to the database: by another
