@@ -116,6 +116,7 @@ class IpcWatcher:
         self.last_progress = time.monotonic()
         self._stop: asyncio.Event | None = None  # run()'s, while it runs
         self._failed: BaseException | None = None  # a round run by _on_inotify raised it
+        self._reading = False  # _on_inotify is the loop's reader on the inotify fd
         self.live.subscribe(self._config_changed)
 
     @property
@@ -202,11 +203,23 @@ class IpcWatcher:
                 self._unwatched.add(folder)
 
     def _on_inotify(self) -> None:
+        """The event loop's reader callback on the inotify fd (registered while run()
+        sleeps or is about to)."""
+        if not self._read_inotify():
+            return
+        if self._may_work_here():
+            self._work_here()
+        else:
+            self._ring()
+
+    def _read_inotify(self) -> bool:
+        """Note what inotify reported since the last read (folders to look at, names that
+        arrived). True if anything is to be looked at."""
         assert self.inotify is not None
         try:
             data = os.read(self.inotify.fd, _READ_BYTES)
         except OSError:  # nothing to read (EAGAIN), or the fd is being closed
-            return
+            return bool(self._dirty or self._resync or self._full_scan)
         pos, end = 0, len(data)
         unpack = _EVENT.unpack_from
         while pos < end:
@@ -238,12 +251,20 @@ class IpcWatcher:
             if is_candidate(name):
                 self._dirty.setdefault(folder, set()).add(sub)
                 self._names.setdefault(folder, {}).setdefault(sub, set()).add(name)
-        if not (self._dirty or self._resync or self._full_scan):
+        return bool(self._dirty or self._resync or self._full_scan)
+
+    def _reader(self, loop: asyncio.AbstractEventLoop, on: bool) -> None:
+        """Have the event loop call _on_inotify when events come (`on`), or not: while
+        run() goes round after round (a burst) it reads the events itself before each
+        round, once, instead of a callback in every turn of the loop that brings some (the
+        outbox's deliveries turn it thousands of times during a burst)."""
+        if self.inotify is None or on == self._reading:
             return
-        if self._may_work_here():
-            self._work_here()
+        if on:
+            loop.add_reader(self.inotify.fd, self._on_inotify)
         else:
-            self._ring()
+            loop.remove_reader(self.inotify.fd)
+        self._reading = on
 
     def _may_work_here(self) -> bool:
         """Whether the round inotify asks for may run right here, in the reader's callback:
@@ -390,8 +411,7 @@ class IpcWatcher:
         self.engine.database_changed()
         self._fingerprint = self.engine.state_fingerprint()
         self.sync_watches()
-        if self.inotify is not None:
-            loop.add_reader(self.inotify.fd, self._on_inotify)
+        self._reader(loop, True)
         log.info("ipc: watching %d group(s) (%s, poll every %.3fs)", len(self.engine.dirs),
                  "inotify" if self.inotify is not None else "polling only", self.poll_interval)
         stop_task = asyncio.ensure_future(stop.wait())
@@ -408,11 +428,15 @@ class IpcWatcher:
                 self.last_progress = time.monotonic()  # the daemon's watchdog reads this
                 if self._settle_due:
                     self._settle()
+                if not self._reading and self.inotify is not None:
+                    self._read_inotify()
                 busy = self._work_once()
                 if busy:
                     self.idle.clear()
-                    await asyncio.sleep(0)  # let other tasks (and inotify reads) run
+                    self._reader(loop, False)  # read before the next round instead
+                    await asyncio.sleep(0)  # let other tasks run
                     continue
+                self._reader(loop, True)
                 self.idle.set()
                 now = time.monotonic()
                 if now >= self._next_poll:
@@ -435,8 +459,7 @@ class IpcWatcher:
             self._stop = None
             self.remover.call_soon = None
             stop_task.cancel()
-            if self.inotify is not None:
-                loop.remove_reader(self.inotify.fd)
+            self._reader(loop, False)
             await self.actions.stop()
 
     def wake_settle(self) -> None:
