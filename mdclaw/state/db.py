@@ -17,7 +17,6 @@ from mdclaw.errors import StateError
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
-
 DEFAULT_AUTOCHECKPOINT = 1000  # SQLite's: WAL frames after which a commit checkpoints
 
 
