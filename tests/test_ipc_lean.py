@@ -120,7 +120,7 @@ def test_a_round_run_from_the_inotify_callback_fails_run(env: Env) -> None:
 
     async def main() -> None:
         stop = asyncio.Event()
-        w = IpcWatcher(env.cfg, env.db)
+        w = IpcWatcher(env.cfg, env.db, poll_interval=30.0)  # no poll tick meanwhile
         task = asyncio.create_task(w.run(stop))
         try:
             await wait_until_async(lambda: w.idle.is_set())
