@@ -390,7 +390,9 @@ class SnapshotWriter:
                                 waiting > 0 and now - changed_at >= CHECKPOINT_IDLE):
                             self._checkpoint(db)
                             waiting = 0
-                        look = CHECKPOINT_LOOK if rate <= 0 else min(
+                        # Idle (no frame since the last look): a look a second, as cheap
+                        # as the old checkpoint every half second was when idle.
+                        look = CHECKPOINT_IDLE if rate <= 0 else min(
                             CHECKPOINT_LOOK, max(0.02, (CHECKPOINT_FRAMES - waiting) / rate))
                         continue
                     if not self._has_work():
