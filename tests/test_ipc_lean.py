@@ -70,19 +70,18 @@ def test_begin_end_commits_rolls_back_and_releases_the_lock(tmp_path: Path) -> N
 
 def test_wal_frames_are_what_sqlite_counts(tmp_path: Path) -> None:
     db = Database(tmp_path / "state.db")
-    shm = os.open(f"{db.path}-shm", os.O_RDONLY)
     try:
         with db.transaction() as conn:
             conn.executemany("INSERT INTO router_state (key, value) VALUES (?, ?)",
                              [(f"k{i}", "x" * 3000) for i in range(40)])
-        frames, done = writers.SnapshotWriter._wal_frames(shm) or (-1, -1)
+        frames, done = db.wal_frames() or (-1, -1)
         busy, log, ckpt = db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         assert (busy, frames, done) == (0, log, 0) and log > 40
-        assert writers.SnapshotWriter._wal_frames(shm) == (log, ckpt)
+        assert db.wal_frames() == (log, ckpt)
     finally:
-        os.close(shm)
         db.close()
-    assert writers.SnapshotWriter._wal_frames(None) is None
+    assert not os.path.exists(f"{db.path}-shm")  # the last connection removed it
+    assert db.wal_frames() is None  # no -shm file to read
 
 
 def test_the_snapshot_thread_folds_the_wal_in_once_writes_stop(
@@ -91,17 +90,15 @@ def test_the_snapshot_thread_folds_the_wal_in_once_writes_stop(
     db = Database(tmp_path / "state.db")
     db.set_autocheckpoint(0)  # only the thread checkpoints here
     snap = writers.SnapshotWriter(db.path, Layout(tmp_path / "data"))
-    shm = os.open(f"{db.path}-shm", os.O_RDONLY)
     try:
         with db.transaction() as conn:
             conn.executemany("INSERT INTO router_state (key, value) VALUES (?, ?)",
                              [(f"k{i}", "x" * 3000) for i in range(20)])
-        frames, done = writers.SnapshotWriter._wal_frames(shm) or (0, 0)
+        frames, done = db.wal_frames() or (0, 0)
         assert frames > 20 and done == 0  # under CHECKPOINT_FRAMES: nothing yet
-        wait_until(lambda: writers.SnapshotWriter._wal_frames(shm) == (frames, frames),
+        wait_until(lambda: db.wal_frames() == (frames, frames),
                    what="the idle WAL checkpointed by the snapshot thread")
     finally:
-        os.close(shm)
         snap.close()
         db.close()
 

@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import sqlite3
-import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -49,7 +48,6 @@ CHECKPOINT_FRAMES = 2000
 CHECKPOINT_IDLE = 1.0
 LOOP_AUTOCHECKPOINT = 8000  # SQLite's default is 1,000
 CHECKPOINT_EVERY = 0.5  # without the WAL's size (no -shm file to read): every quiet 0.5 s
-_SHM_VERSION = 3007000  # the wal-index header's iVersion since SQLite 3.7.0
 
 
 def _dump(obj: Any) -> bytes:
@@ -336,28 +334,8 @@ class SnapshotWriter:
         except sqlite3.Error as e:  # busy or locked: the next quiet moment tries again
             log.debug("ipc: WAL checkpoint skipped: %s", e)
 
-    @staticmethod
-    def _wal_frames(shm_fd: int | None) -> tuple[int, int] | None:
-        """(frames in the WAL, frames of it already in the database), read from the
-        wal-index header in the -shm file (sqlite.org/walformat.html: mxFrame at byte 16,
-        nBackfill at byte 96, native byte order); None if it cannot be read. A hint only:
-        a torn read at worst checkpoints early or a look later."""
-        if shm_fd is None:
-            return None
-        try:
-            head = os.pread(shm_fd, 100, 0)
-        except OSError:
-            return None
-        if len(head) < 100 or struct.unpack_from("=I", head, 0)[0] != _SHM_VERSION:
-            return None
-        return struct.unpack_from("=I", head, 16)[0], struct.unpack_from("=I", head, 96)[0]
-
     def _run(self) -> None:
         db = Database(self.db_path, migrate=False)
-        try:
-            shm_fd: int | None = os.open(f"{self.db_path}-shm", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            shm_fd = None
         last_frames = -1  # the WAL's frames at the last look
         changed_at = looked_at = time.monotonic()  # when they last moved; the last look
         checked_at = 0.0  # the last checkpoint (without the WAL's size)
@@ -371,7 +349,7 @@ class SnapshotWriter:
                         # waits (see CHECKPOINT_FRAMES), so the loop's own commits do not
                         # hit SQLite's auto-checkpoint (and its fsync).
                         now = time.monotonic()
-                        wal = self._wal_frames(shm_fd)
+                        wal = db.wal_frames()
                         if wal is None:
                             if now - checked_at >= CHECKPOINT_EVERY:
                                 checked_at = now
@@ -419,6 +397,4 @@ class SnapshotWriter:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop, pause)
         finally:
-            if shm_fd is not None:
-                os.close(shm_fd)
             db.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sqlite3
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,8 @@ from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
 DEFAULT_AUTOCHECKPOINT = 1000  # SQLite's: WAL frames after which a commit checkpoints
+_SHM_VERSION = 3007000  # the wal-index header's iVersion since SQLite 3.7.0
+_U32 = struct.Struct("=I")
 
 
 class DatabaseError(StateError, RuntimeError):
@@ -45,6 +48,7 @@ class Database:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._depth = 0
+        self._shm_fd: int | None = None  # the -shm file, once wal_frames() opened it
         if readonly:
             self.conn = connect_readonly(self.path, timeout)
             self.conn.row_factory = sqlite3.Row
@@ -67,6 +71,9 @@ class Database:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)
+            self._shm_fd = None
         self.conn.close()
 
     def __enter__(self) -> Database:
@@ -174,6 +181,25 @@ class Database:
                 raise
         finally:
             self._lock.release()
+
+    def wal_frames(self) -> tuple[int, int] | None:
+        """(frames in the WAL, frames of it already copied into the database), read from
+        the wal-index header in the `-shm` file (sqlite.org/walformat.html: mxFrame at byte
+        16, nBackfill at byte 96, native byte order), one `pread`; None if it cannot be read
+        (no such file, another format). A hint for deciding when to checkpoint: a read torn
+        by a concurrent commit at worst checkpoints a little early or late."""
+        if self._shm_fd is None:
+            try:
+                self._shm_fd = os.open(f"{self.path}-shm", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        try:
+            head = os.pread(self._shm_fd, 100, 0)
+        except OSError:
+            return None
+        if len(head) < 100 or _U32.unpack_from(head, 0)[0] != _SHM_VERSION:
+            return None
+        return _U32.unpack_from(head, 16)[0], _U32.unpack_from(head, 96)[0]
 
     def set_autocheckpoint(self, frames: int) -> None:
         """After how many WAL frames a commit of this connection checkpoints the WAL
