@@ -74,7 +74,7 @@ from mdclaw.ipc.writers import write_action_result, write_snapshots
 from mdclaw.paths import Layout
 from mdclaw.people import People
 from mdclaw.schedule import to_iso, utc_now
-from mdclaw.state import Database, now_iso
+from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
 from mdclaw.state.outbox import OutboxRow, enqueue, has_open_rows
 from mdclaw.state.tasks import (
@@ -95,6 +95,13 @@ LEDGER_KEEP = timedelta(days=7)
 SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
 
 
+def iso_now() -> str:
+    """The current time as `to_iso(utc_now())` gives it (ISO-8601 UTC, milliseconds, Z),
+    without building an aware datetime: a round takes its one timestamp from here."""
+    s, ns = divmod(time.time_ns(), 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)) + f".{ns // 1_000_000:03d}Z"
+
+
 # Commands whose apply makes every check first and then writes one row with one statement
 # (the outbox INSERT of mdclaw.state.outbox.enqueue).
 ONE_WRITE = (P.SendMessage, P.React)
@@ -104,7 +111,7 @@ class ApplyError(IpcError):
     """A well-formed, authorized command that cannot be carried out (unknown task...)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     folder: str
     sub: str
@@ -217,6 +224,12 @@ class IpcEngine:
         # there. None, or None returned: the group's first chat.
         self.answering: Callable[[str], str | None] | None = None
         self._db_mark: tuple[int, int] | None = None
+        # Made from self.rows when first needed and forgotten whenever self.rows changes
+        # (refresh_groups, a group command): every chat's group, each group's Caller.
+        self._jid_map: dict[str, str] | None = None
+        self._callers: dict[str, Caller] = {}
+        # The round's one timestamp (ledger rows, outbox rows, quarantine notes, jobs).
+        self._now = ""
         self.refresh_groups()
 
     @property
@@ -240,6 +253,7 @@ class IpcEngine:
 
         Returns True if the set of folders changed."""
         self.rows = {g.folder: g for g in list_groups(self.db)}
+        self._rows_changed()
         changed = False
         for folder in list(self.dirs):
             if folder not in self.rows:
@@ -250,6 +264,17 @@ class IpcEngine:
                 self.dirs[folder] = GroupDirs(self.ipc_root_fd, folder)
                 changed = True
         return changed
+
+    def _rows_changed(self) -> None:
+        self._jid_map = None
+        self._callers = {}
+
+    def _jids(self) -> dict[str, str]:
+        """{chat: its group's folder} of every registered group's chats (kept while
+        self.rows stays as it is: a round no longer builds it for every group)."""
+        if self._jid_map is None:
+            self._jid_map = {c: g.folder for g in self.rows.values() for c in g.all_chats}
+        return self._jid_map
 
     def main_folder(self) -> str | None:
         return next((f for f, g in self.rows.items() if g.is_main), None)
@@ -300,19 +325,35 @@ class IpcEngine:
         return {f: files[:share] for f, files in pending.items()}
 
     # ------------------------------------------------------------------ processing
-    def _prepare(self, folder: str, name: str, sub: str,
-                 fds: dict[tuple[str, str], int | None]) -> Item | None:
-        key = (folder, sub)
-        if key not in fds:
-            # One private fd per folder and batch: if the container swaps the folder while
-            # the batch runs, every file of the batch is still finished in the folder it was
-            # read from (the engine's own fd may be closed and its number reused meanwhile).
-            # As the listing that found the file checked it, in this same round.
-            fd = self.dirs[folder].checked_fd(sub)
-            fds[key] = None if fd is None else os.dup(fd)
-        fd = fds[key]
-        if fd is None:
-            return None
+    def _round_fds(self, batch: dict[str, list[tuple[str, str]]]
+                   ) -> dict[tuple[str, str], int | None]:
+        """The fd each (folder, sub) of the batch is read and finished through: the
+        engine's own, as the listing of this round checked it. Every file of the round must
+        be finished (removed or quarantined) in the folder it was read from, even if the
+        container swaps the folder meanwhile; the engine's fd of a folder is closed (and its
+        number maybe reused) only by a re-check of its group (GroupDirs.dir_fd), and nothing
+        in a round re-checks a folder once this has run: the listing is before it, and
+        refresh_groups (which closes removed groups) runs in _after, once every file of the
+        round is finished. A folder the listing did not open (a batch made by hand) is
+        opened here first, for every sub of the batch, and only then are the fds read, so
+        one group's reopen cannot close an fd already handed out. The removal thread and the
+        removals queued on the loop (BackgroundRemover) dup the fds they keep past the
+        round."""
+        for folder, files in batch.items():
+            gd = self.dirs[folder]
+            for sub in {sub for _, sub in files}:
+                if sub not in gd.dirs:
+                    gd.checked_fd(sub)
+        fds: dict[tuple[str, str], int | None] = {}
+        for folder, files in batch.items():
+            dirs = self.dirs[folder].dirs
+            for _, sub in files:
+                if (folder, sub) not in fds:
+                    st = dirs.get(sub)
+                    fds[(folder, sub)] = None if st is None else st.fd
+        return fds
+
+    def _prepare(self, folder: str, name: str, sub: str, fd: int) -> Item:
         item = Item(folder, sub, name, fd, handoff=True)
         try:
             data = read_command_file(fd, name)
@@ -342,36 +383,37 @@ class IpcEngine:
 
     def process(self, batch: dict[str, list[tuple[str, str]]]) -> BatchResult:
         """Apply one batch (see module doc). Returns the counts."""
-        fds: dict[tuple[str, str], int | None] = {}
-        try:
-            return self._process(batch, fds)
-        finally:
-            for fd in fds.values():
-                if fd is not None:
-                    os.close(fd)
-
-    def _process(self, batch: dict[str, list[tuple[str, str]]],
-                 fds: dict[tuple[str, str], int | None]) -> BatchResult:
         res = BatchResult()
         picked = time.perf_counter()
-        items = [it for folder, files in batch.items() for name, sub in files
-                 if (it := self._prepare(folder, name, sub, fds)) is not None]
-        fx = Effects()
+        fds = self._round_fds(batch)
+        items: list[Item] = []
+        prepare = self._prepare
+        for folder, files in batch.items():
+            for name, sub in files:
+                fd = fds[(folder, sub)]
+                if fd is not None:
+                    items.append(prepare(folder, name, sub, fd))
         if not items:
             return res
-        now = to_iso(utc_now())
+        now = self._now = iso_now()
+        fx = Effects()
         ledger: list[tuple[Any, ...]] = []
-        with self.db.transaction() as conn:
-            jid_to_folder = {c: g.folder for g in self.rows.values() for c in g.all_chats}
+        db = self.db
+        # A plain BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any error), not the context
+        # manager: this runs once a round, a command at a trickle.
+        conn = db.begin()
+        try:
+            jid_to_folder = self._jids()
             hits = self._ledger_hits(conn, items)
             for it in items:
-                if it.outcome in ("gone", "deferred"):
+                if it.outcome:  # gone, deferred
                     continue
-                hit = hits.get((it.folder, it.ledger_name, it.key))
-                if hit is not None:
-                    it.outcome, it.ledger_outcome = "done", hit[0]
-                    it.reason = hit[1]
-                    continue
+                if hits:
+                    hit = hits.get((it.folder, it.ledger_name, it.key))
+                    if hit is not None:
+                        it.outcome, it.ledger_outcome = "done", hit[0]
+                        it.reason = hit[1]
+                        continue
                 if it.reason is None:
                     # A command whose every check comes before its only statement (ONE_WRITE)
                     # needs no SAVEPOINT: SQLite applies a statement whole or not at all
@@ -397,12 +439,18 @@ class IpcEngine:
                         conn.execute("RELEASE cmd")
                 it.outcome = "rejected" if it.reason is not None else "applied"
                 detail = it.reason if it.held is None else f"awaiting approval #{it.held}"
-                ledger.append((it.folder, it.ledger_name, it.key, it.ctype, it.outcome,
-                               detail, now))
+                ledger.append((it.folder, f"{it.sub}/{it.name}", it.key, it.ctype,
+                               it.outcome, detail, now))
             # The batch's ledger rows in one call, in the same transaction as the effects.
-            conn.executemany(
-                "INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
-                " outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)", ledger)
+            if ledger:
+                conn.executemany(
+                    "INSERT INTO ipc_ledger (group_folder, file_name, content_hash,"
+                    " command_type, outcome, detail, processed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    ledger)
+        except BaseException:
+            db.end(commit=False)
+            raise
+        db.end(commit=True)
         committed = time.perf_counter() - picked
         # The rows written claimed go to the worker first: nothing else sends them (until
         # a restart's recover()), so no hook of the caller's may stand in their way.
@@ -414,33 +462,45 @@ class IpcEngine:
         # Committed: now finish every file. A crash from here on is finished on restart.
         done: dict[tuple[str, str], set[str]] = {}
         removals: list[Item] = []
+        counts: dict[tuple[str, str, str], int] = {}
         for it in items:
-            if it.outcome == "deferred":
+            outcome = it.outcome
+            if outcome == "deferred":
                 res.deferred += 1
                 continue
-            done.setdefault((it.folder, it.sub), set()).add(it.name)
-            if it.outcome == "gone":
+            names = done.get((it.folder, it.sub))
+            if names is None:
+                names = done[(it.folder, it.sub)] = set()
+            names.add(it.name)
+            if outcome == "gone":
                 res.vanished += 1
                 continue
-            final = it.ledger_outcome if it.outcome == "done" else it.outcome
+            final = it.ledger_outcome if outcome == "done" else outcome
             if final == "applied":
                 removals.append(it)
             else:
                 self.quarantine.put(it.folder, it.dir_fd, it.sub, it.name,
                                     it.reason or "rejected", now)
-            if it.outcome == "done":
+            if outcome == "done":
                 res.finished += 1
-            elif final == "applied":
+                continue
+            if final == "applied":
                 res.applied += 1
-                metrics.IPC_COMMIT.observe(committed)
-                metrics.ipc_commands.get(it.ctype or "other", it.folder, "applied").inc()
+                key = (it.ctype or "other", it.folder, "applied")
                 log.debug("ipc: applied %s from %s/%s/%s", it.ctype, it.folder, it.sub,
                           it.name)
             else:
                 res.rejected += 1
-                metrics.IPC_COMMIT.observe(committed)
-                metrics.ipc_commands.get(it.ctype or "invalid", it.folder, "quarantined").inc()
-        self._remove_if_same(removals)
+                key = (it.ctype or "invalid", it.folder, "quarantined")
+            counts[key] = counts.get(key, 0) + 1
+        # The round's metrics: one observation and one increment per label set, for all
+        # its files at once.
+        if counts:
+            metrics.observe_many(metrics.IPC_COMMIT, committed, res.applied + res.rejected)
+            for key, n in counts.items():
+                metrics.ipc_commands.get(*key).inc(n)
+        if removals:
+            self._remove_if_same(removals)
         for (folder, sub), names in done.items():
             gd = self.dirs.get(folder)
             if gd is not None:
@@ -658,8 +718,12 @@ class IpcEngine:
 
     # ------------------------------------------------------------------ commands
     def _caller(self, folder: str) -> Caller:
-        g = self.rows[folder]
-        return Caller(folder, g.is_main, g.jid, g.all_chats, g.may_send_to)
+        caller = self._callers.get(folder)
+        if caller is None:
+            g = self.rows[folder]
+            caller = self._callers[folder] = Caller(folder, g.is_main, g.jid, g.all_chats,
+                                                    g.may_send_to)
+        return caller
 
     def _send_chat(self, caller: Caller, cmd: P.SendMessage | P.SendFile,
                    jid_to_folder: dict[str, str], what: str) -> tuple[str, bool]:
@@ -682,20 +746,24 @@ class IpcEngine:
         check_identity(caller, it.claimed)
         cmd = it.cmd
 
+        # No rule for the group (the common case): nothing can hold a command, and its
+        # canonical form (a model dump) is not made for the rules to look at.
+        ruled = not approved and bool(effective_rules(self.cfg, it.folder))
+
         def held(args: dict[str, Any], other_chat: bool = False) -> bool:
-            if approved:
+            if not ruled:
                 return False
             return self._hold(conn, it, fx, Request("command", cmd.type, args, other_chat))
 
         if isinstance(cmd, P.SendMessage):
             chat, other = self._send_chat(caller, cmd, jid_to_folder, "message")
-            if held(P.to_canonical_json(cmd), other):
+            if ruled and held(P.to_canonical_json(cmd), other):
                 return
             self._enqueue(conn, it, chat_jid=chat, kind="text", text=cmd.text,
                           sender=cmd.sender, reply_to=cmd.reply_to, source_group=caller.folder)
         elif isinstance(cmd, P.React):
             chat, _ = check_chat_target(caller, cmd.chat_jid, jid_to_folder, "react")
-            if held(P.to_canonical_json(cmd), chat not in caller.own_chats):
+            if ruled and held(P.to_canonical_json(cmd), chat not in caller.own_chats):
                 return
             self._enqueue(conn, it, chat_jid=chat, kind="reaction", message_id=cmd.message_id,
                           emoji=cmd.emoji, source_group=caller.folder)
@@ -704,7 +772,7 @@ class IpcEngine:
             # Checked here (no read); copied by the spooler, off the loop and outside this
             # transaction.
             name = check_source(self.cfg, self.layout, caller.folder, cmd.file_path)
-            if held(P.to_canonical_json(cmd), other):
+            if ruled and held(P.to_canonical_json(cmd), other):
                 return
             enqueue(conn, chat_jid=chat, kind="file", source_path=cmd.file_path,
                     file_name=cmd.file_name or name, text=cmd.caption,
@@ -713,7 +781,7 @@ class IpcEngine:
         elif isinstance(cmd, P.ScheduleTask):
             chat, target = check_chat_target(caller, cmd.chat_jid, jid_to_folder,
                                              "schedule_task")
-            if held(P.to_canonical_json(cmd), target != caller.folder):
+            if ruled and held(P.to_canonical_json(cmd), target != caller.folder):
                 return
             tz = cmd.timezone or self.cfg.assistant.timezone
             insert_task(conn, group_folder=target, chat_jid=chat, prompt=cmd.prompt,
@@ -727,12 +795,12 @@ class IpcEngine:
             check_task_access(caller, cmd.task_id, task.group_folder if task else None,
                               cmd.type)
             assert task is not None
-            if held(P.to_canonical_json(cmd), task.group_folder != caller.folder):
+            if ruled and held(P.to_canonical_json(cmd), task.group_folder != caller.folder):
                 return
             self._task_op(conn, caller, cmd, fx)
         elif isinstance(cmd, (P.RegisterGroup, P.UnregisterGroup, P.RefreshGroups)):
             check_group_admin(caller, cmd.type)
-            if held(P.to_canonical_json(cmd)):
+            if ruled and held(P.to_canonical_json(cmd)):
                 return
             self._group_op(conn, cmd, jid_to_folder)
             fx.groups_changed = True
@@ -752,7 +820,7 @@ class IpcEngine:
         `sending`: the worker's recover() at start sends it then, as any interrupted row."""
         claimed = (it.handoff and self.outbox is not None and self.outbox.accepts(chat_jid)
                    and not has_open_rows(conn, chat_jid))
-        now = now_iso()
+        now = self._now or iso_now()
         row_id = enqueue(conn, chat_jid=chat_jid, kind=kind, text=text,
                          message_id=message_id, emoji=emoji, reply_to=reply_to,
                          sender=sender, source_group=source_group, claimed=claimed, now=now)
@@ -866,6 +934,7 @@ class IpcEngine:
                 requires_trigger=cmd.requires_trigger, is_main=False, source="ipc"))
             self._make_group_dirs(cmd.folder)
             jid_to_folder[cmd.jid] = cmd.folder
+            self._rows_changed()
             self.rows[cmd.folder] = GroupRow(cmd.folder, cmd.name, cmd.jid, "", True, False,
                                              "ipc")
             return
@@ -886,6 +955,7 @@ class IpcEngine:
         delete_group(self.db, r["folder"])
         for jid in [j for j, f in jid_to_folder.items() if f == r["folder"]]:
             jid_to_folder.pop(jid, None)
+        self._rows_changed()
         self.rows.pop(r["folder"], None)
 
     def _make_group_dirs(self, folder: str) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import sqlite3
+import struct
 import time
 from collections.abc import Callable
 
@@ -33,8 +34,9 @@ from mdclaw.ipc.apply import SETTLE_NS, BackgroundRemover, BatchResult, IpcEngin
 from mdclaw.ipc.files import COMMAND_DIRS, is_candidate
 from mdclaw.ipc.spool import FileSpooler
 from mdclaw.ipc.worker import ActionWorker
-from mdclaw.ipc.writers import SnapshotWriter
+from mdclaw.ipc.writers import LOOP_AUTOCHECKPOINT, SnapshotWriter
 from mdclaw.state import Database
+from mdclaw.state.db import DEFAULT_AUTOCHECKPOINT
 
 log = logging.getLogger("mdclaw.ipc")
 
@@ -44,6 +46,14 @@ GROUP_MASK = F.CREATE | F.MOVED_TO | F.MOVED_FROM | F.DELETE | F.ONLYDIR
 # Every watched group is looked at by the poll at least this often (seconds): the longest a
 # command whose inotify event was lost (without an overflow) can wait.
 SAFETY_RESCAN = 30.0
+# The inotify events the loop reads itself (one read(2) a wake-up, no FIONREAD ioctl, no
+# namedtuple and enum per event): struct inotify_event is wd, mask, cookie, len, then the
+# NUL-padded name.
+_EVENT = struct.Struct("iIII")
+_READ_BYTES = 64 * 1024
+_Q_OVERFLOW = int(F.Q_OVERFLOW)
+_IGNORED = int(F.IGNORED)
+_SELF_GONE = int(F.DELETE_SELF | F.MOVE_SELF)
 
 
 class IpcWatcher:
@@ -104,6 +114,9 @@ class IpcWatcher:
         self._settle_due = True
         self.idle = asyncio.Event()  # set while nothing is known to be pending
         self.last_progress = time.monotonic()
+        self._stop: asyncio.Event | None = None  # run()'s, while it runs
+        self._failed: BaseException | None = None  # a round run by _on_inotify raised it
+        self._reading = False  # _on_inotify is the loop's reader on the inotify fd
         self.live.subscribe(self._config_changed)
 
     @property
@@ -190,38 +203,93 @@ class IpcWatcher:
                 self._unwatched.add(folder)
 
     def _on_inotify(self) -> None:
+        """The event loop's reader callback on the inotify fd (registered while run()
+        sleeps or is about to)."""
+        if not self._read_inotify():
+            return
+        if self._may_work_here():
+            self._work_here()
+        else:
+            self._ring()
+
+    def _read_inotify(self) -> bool:
+        """Note what inotify reported since the last read (folders to look at, names that
+        arrived). True if anything is to be looked at."""
         assert self.inotify is not None
         try:
-            events = self.inotify.read(timeout=0)
-        except OSError:
-            return
-        for ev in events:
-            if ev.mask & F.Q_OVERFLOW:
+            data = os.read(self.inotify.fd, _READ_BYTES)
+        except OSError:  # nothing to read (EAGAIN), or the fd is being closed
+            return bool(self._dirty or self._resync or self._full_scan)
+        pos, end = 0, len(data)
+        unpack = _EVENT.unpack_from
+        while pos < end:
+            wd, mask, _, size = unpack(data, pos)
+            pos += 16 + size
+            if mask & _Q_OVERFLOW:
                 log.warning("ipc: inotify queue overflowed; scanning every folder")
                 self._full_scan = True
                 continue
-            key = self._wd.get(ev.wd)
+            key = self._wd.get(wd)
             if key is None:
                 continue
             folder, sub = key
-            if ev.mask & F.IGNORED:
+            if mask & _IGNORED:
                 self._watched.pop(key, None)
-                self._wd.pop(ev.wd, None)
+                self._wd.pop(wd, None)
                 self._resync.add(folder)
                 self._unwatched.add(folder)  # until the resync watches it again
                 continue
+            name = os.fsdecode(data[pos - size:pos].split(b"\0", 1)[0])
             if sub is None:  # the group's IPC folder: a command folder came or went
-                if ev.name in COMMAND_DIRS:
+                if name in COMMAND_DIRS:
                     self._resync.add(folder)
-                    self._dirty.setdefault(folder, set()).add(ev.name)
+                    self._dirty.setdefault(folder, set()).add(name)
                 continue
-            if ev.mask & (F.DELETE_SELF | F.MOVE_SELF):
+            if mask & _SELF_GONE:
                 self._resync.add(folder)
                 continue
-            if is_candidate(ev.name):
+            if is_candidate(name):
                 self._dirty.setdefault(folder, set()).add(sub)
-                self._names.setdefault(folder, {}).setdefault(sub, set()).add(ev.name)
-        if self._dirty or self._resync or self._full_scan:
+                self._names.setdefault(folder, {}).setdefault(sub, set()).add(name)
+        return bool(self._dirty or self._resync or self._full_scan)
+
+    def _reader(self, loop: asyncio.AbstractEventLoop, on: bool) -> None:
+        """Have the event loop call _on_inotify when events come (`on`), or not: while
+        run() goes round after round (a burst) it reads the events itself before each
+        round, once, instead of a callback in every turn of the loop that brings some (the
+        outbox's deliveries turn it thousands of times during a burst)."""
+        if self.inotify is None or on == self._reading:
+            return
+        if on:
+            loop.add_reader(self.inotify.fd, self._on_inotify)
+        else:
+            loop.remove_reader(self.inotify.fd)
+        self._reading = on
+
+    def _may_work_here(self) -> bool:
+        """Whether the round inotify asks for may run right here, in the reader's callback:
+        run() sleeps (nothing else is under way), and nothing but this round is due (no
+        settle, no poll tick, no stop, no full scan or resync). A command at a trickle is
+        then applied in the turn of the event loop that read its event, without waking
+        run() through a future (a turn, its timer and its future more a command)."""
+        fut = self._waiter
+        stop = self._stop
+        return (fut is not None and not fut.done() and stop is not None and not stop.is_set()
+                and not self._settle_due and not self._full_scan and not self._resync
+                and time.monotonic() < self._next_poll)
+
+    def _work_here(self) -> None:
+        """One round from _on_inotify (see _may_work_here): run() is woken only when more
+        remains (or the round failed: run() raises it, as if it had run the round)."""
+        self.last_progress = time.monotonic()  # the daemon's watchdog reads this
+        try:
+            busy = self._work_once()
+        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+            self._failed = e
+            self._ring()
+            return
+        if busy:
+            self.idle.clear()
             self._ring()
 
     # ------------------------------------------------------------------ loop
@@ -335,13 +403,15 @@ class IpcWatcher:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set. Start-up writes every snapshot and drains the backlog."""
         loop = asyncio.get_running_loop()
+        # The snapshot thread checkpoints the WAL (SnapshotWriter): this connection's own
+        # auto-checkpoint is only a backstop while it runs.
+        self.engine.db.set_autocheckpoint(LOOP_AUTOCHECKPOINT)
         self.engine.start()
         self.actions.start()
         self.engine.database_changed()
         self._fingerprint = self.engine.state_fingerprint()
         self.sync_watches()
-        if self.inotify is not None:
-            loop.add_reader(self.inotify.fd, self._on_inotify)
+        self._reader(loop, True)
         log.info("ipc: watching %d group(s) (%s, poll every %.3fs)", len(self.engine.dirs),
                  "inotify" if self.inotify is not None else "polling only", self.poll_interval)
         stop_task = asyncio.ensure_future(stop.wait())
@@ -349,16 +419,24 @@ class IpcWatcher:
         self.remover.call_soon = loop.call_soon
         self._next_poll = time.monotonic() + self.poll_interval
         next_prune = time.monotonic() + LEDGER_PRUNE_EVERY
+        self._stop = stop
         try:
             while not stop.is_set():
+                if self._failed is not None:
+                    failed, self._failed = self._failed, None
+                    raise failed
                 self.last_progress = time.monotonic()  # the daemon's watchdog reads this
                 if self._settle_due:
                     self._settle()
+                if not self._reading and self.inotify is not None:
+                    self._read_inotify()
                 busy = self._work_once()
                 if busy:
                     self.idle.clear()
-                    await asyncio.sleep(0)  # let other tasks (and inotify reads) run
+                    self._reader(loop, False)  # read before the next round instead
+                    await asyncio.sleep(0)  # let other tasks run
                     continue
+                self._reader(loop, True)
                 self.idle.set()
                 now = time.monotonic()
                 if now >= self._next_poll:
@@ -374,10 +452,14 @@ class IpcWatcher:
                 if not stop.is_set():
                     await self._sleep(max(0.0, self._next_poll - now))
         finally:
+            try:
+                self.engine.db.set_autocheckpoint(DEFAULT_AUTOCHECKPOINT)
+            except sqlite3.Error:
+                pass  # closed already: nothing to restore
+            self._stop = None
             self.remover.call_soon = None
             stop_task.cancel()
-            if self.inotify is not None:
-                loop.remove_reader(self.inotify.fd)
+            self._reader(loop, False)
             await self.actions.stop()
 
     def wake_settle(self) -> None:

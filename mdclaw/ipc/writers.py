@@ -35,7 +35,19 @@ log = logging.getLogger("mdclaw.ipc")
 FILE_MODE = 0o640
 CLOSE_SENTINEL = "_close"
 MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
-CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
+# The snapshot thread folds the WAL into the database (a PASSIVE checkpoint) so the loop's
+# commits never reach SQLite's auto-checkpoint (and its fsync on the loop): while the
+# watcher runs, its connection's auto-checkpoint is at LOOP_AUTOCHECKPOINT frames, and the
+# thread checkpoints once CHECKPOINT_FRAMES frames wait (it looks at the WAL's size at most
+# every CHECKPOINT_LOOK seconds it has nothing else to do, sooner while the WAL grows
+# fast), or when frames wait and nothing was written for CHECKPOINT_IDLE seconds. A
+# checkpoint's CPU grows with its frames, but slower than they do: every half second (as
+# before) a trickle of commands paid 70 us each for them, now about 25 (docs/performance.md).
+CHECKPOINT_LOOK = 0.2
+CHECKPOINT_FRAMES = 2000
+CHECKPOINT_IDLE = 1.0
+LOOP_AUTOCHECKPOINT = 8000  # SQLite's default is 1,000
+CHECKPOINT_EVERY = 0.5  # without the WAL's size (no -shm file to read): every quiet 0.5 s
 
 
 def _dump(obj: Any) -> bytes:
@@ -324,15 +336,42 @@ class SnapshotWriter:
 
     def _run(self) -> None:
         db = Database(self.db_path, migrate=False)
+        last_frames = -1  # the WAL's frames at the last look
+        changed_at = looked_at = time.monotonic()  # when they last moved; the last look
+        checked_at = 0.0  # the last checkpoint (without the WAL's size)
+        look = CHECKPOINT_LOOK  # until the next look: sooner while the WAL grows fast
         try:
             while True:
                 with self._cond:
-                    woke = self._cond.wait_for(lambda: self._stop or self._has_work(),
-                                               CHECKPOINT_EVERY)
+                    woke = self._cond.wait_for(lambda: self._stop or self._has_work(), look)
                     if not woke:
-                        # Quiet moment: fold the WAL into the database here, so the loop's
-                        # own commits rarely hit SQLite's auto-checkpoint (and its fsync).
-                        self._checkpoint(db)
+                        # Quiet moment: fold the WAL into the database here when enough
+                        # waits (see CHECKPOINT_FRAMES), so the loop's own commits do not
+                        # hit SQLite's auto-checkpoint (and its fsync).
+                        now = time.monotonic()
+                        wal = db.wal_frames()
+                        if wal is None:
+                            if now - checked_at >= CHECKPOINT_EVERY:
+                                checked_at = now
+                                self._checkpoint(db)
+                            continue
+                        frames, done = wal
+                        # Frames a second since the last look (the WAL restarts from its
+                        # start after a checkpoint that folded it all in).
+                        grown = frames - last_frames if frames >= last_frames else frames
+                        rate = grown / max(now - looked_at, 1e-3)
+                        looked_at = now
+                        if frames != last_frames:
+                            last_frames, changed_at = frames, now
+                        waiting = frames - done
+                        if waiting >= CHECKPOINT_FRAMES or (
+                                waiting > 0 and now - changed_at >= CHECKPOINT_IDLE):
+                            self._checkpoint(db)
+                            waiting = 0
+                        # Idle (no frame since the last look): a look a second, as cheap
+                        # as the old checkpoint every half second was when idle.
+                        look = CHECKPOINT_IDLE if rate <= 0 else min(
+                            CHECKPOINT_LOOK, max(0.02, (CHECKPOINT_FRAMES - waiting) / rate))
                         continue
                     if not self._has_work():
                         return

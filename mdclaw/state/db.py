@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sqlite3
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,10 @@ from typing import Any, Literal
 from mdclaw.errors import StateError
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
+
+DEFAULT_AUTOCHECKPOINT = 1000  # SQLite's: WAL frames after which a commit checkpoints
+_SHM_VERSION = 3007000  # the wal-index header's iVersion since SQLite 3.7.0
+_U32 = struct.Struct("=I")
 
 
 class DatabaseError(StateError, RuntimeError):
@@ -43,6 +48,7 @@ class Database:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._depth = 0
+        self._shm_fd: int | None = None  # the -shm file, once wal_frames() opened it
         if readonly:
             self.conn = connect_readonly(self.path, timeout)
             self.conn.row_factory = sqlite3.Row
@@ -65,6 +71,9 @@ class Database:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)
+            self._shm_fd = None
         self.conn.close()
 
     def __enter__(self) -> Database:
@@ -135,6 +144,68 @@ class Database:
                 raise
             self._depth = 0
             self.conn.execute("COMMIT")
+
+    def begin(self) -> sqlite3.Connection:
+        """Open a write transaction as transaction() does, without a context manager (the
+        IPC loop's round, once a command at a trickle): the caller must call end() exactly
+        once, in a `finally` or on every path. Nestable like transaction()."""
+        self._lock.acquire()
+        if self._depth:
+            self._depth += 1
+            return self.conn
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+        self._depth = 1
+        return self.conn
+
+    def end(self, *, commit: bool) -> None:
+        """End what begin() opened: COMMIT, or ROLLBACK (`commit` False, on an error). An
+        inner (nested) end leaves the outer transaction to its owner. A COMMIT that fails
+        rolls back what it could not commit and raises."""
+        try:
+            if self._depth > 1:
+                self._depth -= 1
+                return
+            self._depth = 0
+            if not commit:
+                self.conn.execute("ROLLBACK")
+                return
+            try:
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        finally:
+            self._lock.release()
+
+    def wal_frames(self) -> tuple[int, int] | None:
+        """(frames in the WAL, frames of it already copied into the database), read from
+        the wal-index header in the `-shm` file (sqlite.org/walformat.html: mxFrame at byte
+        16, nBackfill at byte 96, native byte order), one `pread`; None if it cannot be read
+        (no such file, another format). A hint for deciding when to checkpoint: a read torn
+        by a concurrent commit at worst checkpoints a little early or late."""
+        if self._shm_fd is None:
+            try:
+                self._shm_fd = os.open(f"{self.path}-shm", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        try:
+            head = os.pread(self._shm_fd, 100, 0)
+        except OSError:
+            return None
+        if len(head) < 100 or _U32.unpack_from(head, 0)[0] != _SHM_VERSION:
+            return None
+        return _U32.unpack_from(head, 16)[0], _U32.unpack_from(head, 96)[0]
+
+    def set_autocheckpoint(self, frames: int) -> None:
+        """After how many WAL frames a commit of this connection checkpoints the WAL
+        (`PRAGMA wal_autocheckpoint`; 0 turns it off)."""
+        with self._lock:
+            self.conn.execute(f"PRAGMA wal_autocheckpoint={int(frames)}")
 
     def change_mark(self) -> tuple[int, int]:
         """A value that moves whenever anything is committed to the database: by another
