@@ -29,6 +29,7 @@ from mdclaw.state import Database
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import GroupRow, list_groups
 from mdclaw.state.tasks import TaskRow, list_tasks
+from mdclaw.state.transcripts import flush_index
 
 log = logging.getLogger("mdclaw.ipc")
 
@@ -36,6 +37,7 @@ FILE_MODE = 0o640
 CLOSE_SENTINEL = "_close"
 MIN_ROUND_GAP = 0.01  # seconds between two snapshot rounds, at least
 CHECKPOINT_EVERY = 0.5  # seconds of quiet before the snapshot thread checkpoints the WAL
+INDEX_EVERY = 1.0  # seconds between two batches of the transcript's full-text index, at least
 
 
 def _dump(obj: Any) -> bytes:
@@ -275,6 +277,11 @@ class SnapshotWriter:
     Requests are coalesced: while one round is written, later requests pile up and the next
     round writes each affected folder once, from the database as it is then. The thread
     reads through its own SQLite connection (WAL lets it read while the loop writes).
+
+    The same thread keeps the database: in quiet moments it checkpoints the WAL, and about
+    once a second (at start at once, and before it stops) it moves the transcript rows
+    queued since into the full-text index, a batch per transaction (mdclaw.state.transcripts):
+    storing a message or a reply never writes the index itself.
     """
 
     def __init__(self, db_path: Path, layout: Layout) -> None:
@@ -316,6 +323,13 @@ class SnapshotWriter:
         self._thread.join(timeout=60)
 
     @staticmethod
+    def _index(db: Database) -> None:
+        try:
+            flush_index(db.conn)
+        except sqlite3.Error as e:  # busy or locked: the next second tries again
+            log.warning("ipc: indexing the transcript failed: %s", e)
+
+    @staticmethod
     def _checkpoint(db: Database) -> None:
         try:
             db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
@@ -324,18 +338,30 @@ class SnapshotWriter:
 
     def _run(self) -> None:
         db = Database(self.db_path, migrate=False)
+        index_at = 0.0  # time.monotonic() of the next index batch: at start, what a crash
+        # or another process left queued
         try:
             while True:
+                if time.monotonic() >= index_at:
+                    self._index(db)
+                    index_at = time.monotonic() + INDEX_EVERY
                 with self._cond:
                     woke = self._cond.wait_for(lambda: self._stop or self._has_work(),
                                                CHECKPOINT_EVERY)
-                    if not woke:
-                        # Quiet moment: fold the WAL into the database here, so the loop's
-                        # own commits rarely hit SQLite's auto-checkpoint (and its fsync).
-                        self._checkpoint(db)
-                        continue
-                    if not self._has_work():
-                        return
+                    stopping = woke and not self._has_work()
+                if not woke:
+                    # Quiet moment: index what is due, then fold the WAL into the database,
+                    # so the loop's own commits rarely hit SQLite's auto-checkpoint (and
+                    # its fsync).
+                    if time.monotonic() >= index_at:
+                        self._index(db)
+                        index_at = time.monotonic() + INDEX_EVERY
+                    self._checkpoint(db)
+                    continue
+                if stopping:
+                    self._index(db)
+                    return
+                with self._cond:
                     tasks, groups = self._tasks, self._groups
                     self._tasks, self._groups = set(), set()
                     self._busy = True
