@@ -297,8 +297,8 @@ def test_a_trickle_is_indexed_about_once_a_second_by_the_background_thread(
     batches: list[int] = []
     real = writers.flush_index
 
-    def counting(conn: sqlite3.Connection) -> int:
-        n = real(conn)
+    def counting(conn: sqlite3.Connection, **kw: bool) -> int:
+        n = real(conn, **kw)
         if n:
             batches.append(n)
         return n

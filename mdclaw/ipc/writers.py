@@ -325,7 +325,7 @@ class SnapshotWriter:
     @staticmethod
     def _index(db: Database) -> None:
         try:
-            flush_index(db.conn)
+            flush_index(db.conn, yielding=True)
         except sqlite3.Error as e:  # busy or locked: the next second tries again
             log.warning("ipc: indexing the transcript failed: %s", e)
 

@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-INDEX_BATCH = 1000  # queued rows moved into the index per transaction, at most
+# Queued rows moved into the index per transaction, at most: a few ms of the write lock
+# (about 5 us a row in a batch, where each row's own transaction cost over 100 us).
+INDEX_BATCH = 500
 MAX_TERMS = 32  # pieces of a query used (the rest is ignored)
 MAX_TERM_CHARS = 100  # a longer piece is cut
 SNIPPET_TOKENS = 24  # words around the match in a snippet
@@ -138,10 +141,13 @@ def _readonly(e: sqlite3.Error) -> bool:
     return code is not None and code & 0xFF == sqlite3.SQLITE_READONLY
 
 
-def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH) -> int:
+def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH, *,
+                yielding: bool = False) -> int:
     """Index every queued row, `batch` rows per transaction of its own (in the caller's
     transaction instead when `conn` is in one); return how many. Cheap when nothing is
-    queued. A connection that may not write indexes nothing (0)."""
+    queued. A connection that may not write indexes nothing (0). `yielding`: between two
+    batches, wait as long as the last one took, so other writers (the event loop's
+    commits) get the write lock in between while a long queue is worked off."""
     if not has_queued(conn):
         return 0
     if conn.in_transaction:
@@ -151,6 +157,7 @@ def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH) -> int:
         return done
     done = 0
     while True:
+        started = time.monotonic()
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as e:
@@ -171,6 +178,8 @@ def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH) -> int:
         done += n
         if n < batch:
             return done
+        if yielding:
+            time.sleep(max(0.001, time.monotonic() - started))
 
 
 def rebuild_index(conn: sqlite3.Connection) -> None:
