@@ -342,7 +342,7 @@ def test_memory_search_through_the_ipc_engine_finds_what_was_just_stored(env: En
 # --------------------------------------------------------------------------- SIGKILL
 
 CHILD = textwrap.dedent("""\
-    import os, random, sys, time
+    import os, random, sys, threading, time
     from pathlib import Path
     from mdclaw.ipc.writers import SnapshotWriter
     from mdclaw.paths import Layout
@@ -356,6 +356,12 @@ CHILD = textwrap.dedent("""\
     db = Database(db_path)
     rng = random.Random(start)
     mine = {}  # k -> outbox id or message id
+    lock = threading.Lock()
+
+    def out(*words):  # one line in one write: two threads print
+        with lock:
+            sys.stdout.write(" ".join(map(str, words)) + "\\n")
+            sys.stdout.flush()
 
     def store(k):
         if k % 2 == 0:
@@ -369,22 +375,33 @@ CHILD = textwrap.dedent("""\
                 oid = enqueue(c, chat_jid="tg:2", kind="text", text=f"reply w{k}z there",
                               source_group="family")
             mine[k] = ("outbox", oid)
-        print("stored", k, flush=True)
+        out("stored", k)
 
     def delete_one():
         k = rng.choice(sorted(mine))
         table, key = mine.pop(k)
         with db.transaction() as c:
             c.execute(f"DELETE FROM {table} WHERE id = ?", (key,))
-        print("deleted", k, flush=True)
+        out("deleted", k)
 
     def hang():
         while True:
             time.sleep(60)
 
     if mode == "random":
+        import mdclaw.state.transcripts as transcripts
+        real = transcripts.index_queued
+
+        def traced(conn, limit=transcripts.INDEX_BATCH):
+            out("batch")  # a batch's transaction is open until "batched"
+            n = real(conn, limit)
+            time.sleep(0.05)  # the transaction stays open a while: room for an aimed kill
+            out("batched", n)
+            return n
+
+        transcripts.index_queued = traced
         SnapshotWriter(Path(db_path), Layout(Path(data_dir)))  # its thread indexes
-        print("go", flush=True)
+        out("go")
         for k in range(start, start + count):
             store(k)
             if k % 7 == 0:
@@ -394,24 +411,24 @@ CHILD = textwrap.dedent("""\
         store(k)
     delete_one()
     if mode == "before":
-        print("ready", flush=True)
+        out("ready")
         hang()
     if mode == "during":
         with db.transaction() as c:
             index_queued(c, count // 3)
         with db.transaction() as c:
             index_queued(c, count // 3)
-            print("ready", flush=True)  # killed with this batch open
+            out("ready")  # killed with this batch open
             hang()
     if mode == "after":
         flush_index(db.conn)
-        print("indexed", flush=True)
+        out("indexed")
         for k in range(start + count, start + 2 * count):
             store(k)
             delete_one()
         with db.transaction() as c:
             index_queued(c, count // 2)
-        print("ready", flush=True)
+        out("ready")
         hang()
 """)
 
@@ -425,8 +442,11 @@ def _child_env() -> dict[str, str]:
 class _Child:
     """The child process; its lines are read on a thread, so the test waits for events."""
 
-    def __init__(self, script: Path, env: Env, mode: str, start: int, count: int) -> None:
+    def __init__(self, script: Path, env: Env, mode: str, start: int, count: int,
+                 kill_in_batch: float | None = None) -> None:
         self.lines: list[str] = []
+        self.in_batch = False
+        self.kill_in_batch = kill_in_batch  # seconds after the 2nd batch began: kill then
         self.proc = subprocess.Popen(
             [sys.executable, str(script), str(env.cfg.db_path), str(env.data), mode,
              str(start), str(count)], env=_child_env(), stdout=subprocess.PIPE,
@@ -438,6 +458,10 @@ class _Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.strip())
+            if (self.kill_in_batch is not None and line.strip() == "batch"
+                    and self.lines.count("batch") == 2):
+                time.sleep(self.kill_in_batch)  # aimed from here: no poll's delay
+                self.proc.send_signal(signal.SIGKILL)
 
     def saw(self, line: str) -> bool:
         if self.proc.poll() is not None and line not in self.lines:
@@ -450,6 +474,8 @@ class _Child:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
         self._reader.join(30)
+        batch = [x for x in self.lines if x.startswith("batch")]
+        self.in_batch = bool(batch) and batch[-1] == "batch"
         stored = {int(x.split()[1]) for x in self.lines if x.startswith("stored ")}
         deleted = {int(x.split()[1]) for x in self.lines if x.startswith("deleted ")}
         return stored, deleted
@@ -527,14 +553,22 @@ def test_sigkill_at_random_moments_while_the_thread_indexes(tmp_path: Path) -> N
     stored: set[int] = set()
     deleted: set[int] = set()
     lefts = []
-    for rnd in range(8):
+    inside = 0
+    for rnd in range(10):
         start = 100_000 * (rnd + 1)
-        child = _Child(script, env, "random", start, 20_000)
+        # Odd rounds: killed at a random moment. Even rounds: aimed at a batch, 0-10 ms after
+        # the second one (the first after start-up) began, its transaction still open.
+        aim = rng.uniform(0, 0.01) if rnd % 2 == 0 else None
+        child = _Child(script, env, "random", start, 20_000, kill_in_batch=aim)
         try:
             wait_until(lambda: child.saw("go"), timeout=60)  # noqa: B023
-            time.sleep(rng.uniform(0.3, 2.5))  # the moment of the kill: random on purpose
+            if aim is None:
+                time.sleep(rng.uniform(0.3, 2.5))  # the moment of the kill: random on purpose
+            else:
+                wait_until(lambda: child.proc.poll() is not None, timeout=60)  # noqa: B023
         finally:
             s, d = child.kill()
+        inside += child.in_batch
         assert s, "the child stored nothing before the kill"
         stored |= s
         deleted |= d
@@ -542,3 +576,6 @@ def test_sigkill_at_random_moments_while_the_thread_indexes(tmp_path: Path) -> N
             env, range(start, max(s) + 2), stored, deleted))
     # Some kills found rows waiting (stored since the last batch): the restart indexed them.
     assert any(lefts), lefts
+    assert inside >= 3, inside  # the aimed kills (5) hit open batches
+    print(f"kills inside an index batch's transaction: {inside} of 10; rows left queued: "
+          f"{lefts}")
