@@ -380,6 +380,7 @@ CHILD = textwrap.dedent("""\
     def delete_one():
         k = rng.choice(sorted(mine))
         table, key = mine.pop(k)
+        out("deleting", k)  # from here until "deleted" the row may be there or not
         with db.transaction() as c:
             c.execute(f"DELETE FROM {table} WHERE id = ?", (key,))
         out("deleted", k)
@@ -470,7 +471,8 @@ class _Child:
         return line in self.lines
 
     def kill(self) -> tuple[set[int], set[int]]:
-        """SIGKILL it; return the keys it said it stored and deleted (committed)."""
+        """SIGKILL it; return the keys it said it stored (and did not start deleting) and
+        those it said it deleted (committed)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
         self._reader.join(30)
@@ -478,7 +480,8 @@ class _Child:
         self.in_batch = bool(batch) and batch[-1] == "batch"
         stored = {int(x.split()[1]) for x in self.lines if x.startswith("stored ")}
         deleted = {int(x.split()[1]) for x in self.lines if x.startswith("deleted ")}
-        return stored, deleted
+        deleting = {int(x.split()[1]) for x in self.lines if x.startswith("deleting ")}
+        return stored - deleting, deleted
 
 
 def _check_after_restart(env: Env, tried: range, stored: set[int], deleted: set[int]) -> int:
