@@ -27,8 +27,12 @@ system calls per turn / command (a page SQLite does not hold in its cache is one
 line compares the filled database with the empty one, medians of the rounds (target: within
 20%). `fill_s` is the time to write the history.
 
+`store` (`--stores`, default 600): storing an inbound message (store_message) and an
+agent's reply (an outbox row), each its own transaction, as the orchestrator and the IPC
+engine write them: the CPU of the storing thread alone (`time.thread_time_ns`), medians.
+
 Usage: python bench/history_cost.py [--chats 20] [--messages 1000000] [--years 3]
-[--turns 200] [--commands 600] [--rounds 2]
+[--turns 200] [--commands 600] [--stores 600] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from mdclaw.outbox import OutboxWorker  # noqa: E402
 from mdclaw.reconcile import reconcile  # noqa: E402
 from mdclaw.runner import ContainerRunner  # noqa: E402
 from mdclaw.state import Database  # noqa: E402
+from mdclaw.state.conversations import StoredMessage, store_message  # noqa: E402
+from mdclaw.state.outbox import enqueue  # noqa: E402
 
 
 class Recorder(Channel):
@@ -165,6 +171,10 @@ def fill(db: Database, chats: int, total: int, years: float) -> None:
             "chat_jid, ts, body) SELECT 'outbox', CAST(o.id AS TEXT), 'reply', 'out', "
             "o.source_group, o.chat_jid, o.created_at, o.text FROM outbox o ORDER BY o.id")
         c.execute("INSERT INTO transcript_fts (transcript_fts) VALUES ('rebuild')")
+        # Every row is indexed now: from migration 17 on, none waits in the index's queue.
+        if c.execute("SELECT 1 FROM sqlite_master WHERE name = 'transcript_unindexed'"
+                     ).fetchone():
+            c.execute("DELETE FROM transcript_unindexed")
         for _name, sql in triggers:
             c.execute(sql)
     # Written back into the database file, as a long-running install's history is (else
@@ -194,7 +204,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def measure(chats: int, total: int, years: float, turns: int,
-                  commands: int) -> dict[str, dict[str, object]]:
+                  commands: int, stores: int = 600) -> dict[str, dict[str, object]]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cfg = load_config(write_config(tmp, chats))
@@ -214,6 +224,7 @@ async def measure(chats: int, total: int, years: float, turns: int,
         orch.engine_ready.set()
         watcher = IpcWatcher(cfg, db)
         committed: dict[str, float] = {}
+        out: dict[str, dict[str, object]] = {}
 
         def on_commit(items: list) -> None:  # noqa: ANN001 - the engine's batch
             now = time.perf_counter()
@@ -223,9 +234,30 @@ async def measure(chats: int, total: int, years: float, turns: int,
 
         watcher.engine.on_commit = on_commit
         stop = asyncio.Event()
+        # What storing costs the thread that stores (the event loop's): an inbound
+        # message (store_message) and an agent's reply (an outbox row), each in its own
+        # transaction, as the orchestrator and the IPC engine write them.
+        store, reply = [], []
+        for k in range(stores):
+            g = k % chats
+            m = StoredMessage(f"bn:g{g}:s{k}", f"bn:g{g}", "u", "U",
+                              f"what about the weather on stored day {k}",
+                              stamp(EPOCH + 10**9 - stores + k), False, False)
+            t0 = time.thread_time_ns()
+            store_message(db, m, channel="bench", is_group=True)
+            t1 = time.thread_time_ns()
+            with db.transaction() as c:
+                enqueue(c, chat_jid=f"bn:g{g}", kind="text", text=f"sunny, stored {k}",
+                        source_group=f"g{g}")
+            store.append(t1 - t0)
+            reply.append(time.thread_time_ns() - t1)
+        if stores:
+            out["store"] = {"message_us": statistics.median(store) / 1000,
+                            "reply_us": statistics.median(reply) / 1000}
+        with db.transaction() as c:  # as if delivered: they hold no chat's queue
+            c.execute("UPDATE outbox SET status = 'sent' WHERE status = 'pending'")
         await outbox.start()
         watching = asyncio.create_task(watcher.run(stop))
-        out: dict[str, dict[str, object]] = {}
         try:
             for i in range(chats):  # open each chat's conversation
                 await orch.on_inbound(msg(i, i, "q-open"))
@@ -291,6 +323,9 @@ def main() -> None:
     ap.add_argument("--years", type=float, default=3.0)
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--commands", type=int, default=600)
+    ap.add_argument("--stores", type=int, default=600,
+                    help="messages and replies stored straight through the state layer "
+                    "(their CPU on the storing thread, medians)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="empty and filled, this many times, in alternate order (each a "
                     "fresh database); the ratio is of the medians")
@@ -299,16 +334,18 @@ def main() -> None:
     for r in range(a.rounds):
         order = [("empty", 0), ("history", a.messages)]
         for label, total in order if r % 2 == 0 else order[::-1]:  # alternated
-            got = asyncio.run(measure(a.chats, total, a.years, a.turns, a.commands))
+            got = asyncio.run(measure(a.chats, total, a.years, a.turns, a.commands,
+                                      a.stores))
             results[label].append(got)
             for what, v in got.items():
                 print(json.dumps({"figure": f"{what}_{label}", **rounded(v),
                                   "loadavg": round(os.getloadavg()[0], 1)}), flush=True)
     ratio: dict[str, object] = {}
-    for what in ("turn", "command"):
-        for key in ("cpu_ms", "wall_p50_ms", "commit_p50_ms", "reads"):
-            e = [r[what].get(key) for r in results["empty"]]
-            h = [r[what].get(key) for r in results["history"]]
+    for what in ("turn", "command", "store"):
+        for key in ("cpu_ms", "wall_p50_ms", "commit_p50_ms", "reads", "message_us",
+                    "reply_us"):
+            e = [r.get(what, {}).get(key) for r in results["empty"]]
+            h = [r.get(what, {}).get(key) for r in results["history"]]
             if None in e or None in h:
                 continue
             if statistics.median(e):  # type: ignore[arg-type]

@@ -10,8 +10,10 @@ Figures:
 - search latency (`mdclaw.state.transcripts.search`, top 5, one group, snippets and bm25)
   for a word said in that group (drawn from its stored messages), a rare word (often not
   in that group), a common word, a natural question of seven words, and a hostile query;
-- the cost of the index at write time: store_message (one transaction) with the index, and
-  with the index triggers dropped, on the same database;
+- the cost of the transcript at write time: store_message (one transaction) with its
+  transcript row (from migration 17 the row's id is queued and the full-text index follows
+  in batches: the first search indexes the fill), and with the transcript trigger dropped, on
+  the same database;
 - migration 10's backfill of the same rows written before the index existed; database size.
 
 Usage: python bench/memory_search.py [--messages 100000] [--groups 50] [--rounds 500]

@@ -290,11 +290,14 @@ async def drive(tmp_path: Path, per_chat: int, statements: Statements,
     watching = asyncio.create_task(watcher.run(stop))
     data = cfg.data_dir
     try:
-        # Start-up (recovery, the ledger's prune, first snapshots) is done once a first
-        # command went through; from here on every statement is recorded.
+        # Start-up (recovery, the ledger's prune, first snapshots, the full-text index of
+        # the history written above) is done once a first command went through and nothing
+        # waits for the index; from here on every statement is recorded.
         write_command(data, "g2", "messages",
                       {"type": "message", "chat_jid": "bn:g2", "text": "c-start"}, 0)
         await wait_until_async(lambda: "c-start" in ch.texts(), timeout=60)
+        await wait_until_async(lambda: db.scalar(
+            TEST + "SELECT COUNT(*) FROM transcript_unindexed") == 0, timeout=120)
         statements.on = True
         # A turn of a member of the family group (people and admission lookups), then a
         # follow-up fed into the open conversation.

@@ -382,7 +382,7 @@ def test_memory_search_all_merges_memory_files_and_sessions(env: Env) -> None:
 
 
 def test_memory_search_is_queued_for_the_worker_and_checked_on_the_loop(env: Env) -> None:
-    """The search itself runs on the action worker's thread (its own read-only connection),
+    """The search itself runs on the action worker's thread (its own connection),
     never on the IPC loop; what the loop does is the quick check: a foreign groupFolder is
     quarantined and bad parameters get their error result at once, with no job queued."""
     converse(env.db, FAMILY_JID, "family")

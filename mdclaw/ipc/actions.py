@@ -320,9 +320,10 @@ def _get_ask(caller: Caller, params: dict[str, Any]) -> tuple[str, str]:
 
 
 def _search_sessions(cfg: Config, folder: str, query: str, top_k: int) -> list[dict[str, Any]]:
-    """Ranked transcript matches, read through a read-only connection of this thread's own
-    (never the IPC loop's)."""
-    db = Database(cfg.db_path, readonly=True, timeout=10.0)
+    """Ranked transcript matches, through a connection of this thread's own (never the IPC
+    loop's). It may write: rows still queued for the full-text index are indexed first, so
+    what was stored before the search is found (mdclaw.state.transcripts.search)."""
+    db = Database(cfg.db_path, migrate=False, timeout=10.0)
     try:
         return [{"source": "sessions", **h.as_dict()}
                 for h in transcripts.search(db.conn, folder, query, top_k)]

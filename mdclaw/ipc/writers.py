@@ -29,6 +29,7 @@ from mdclaw.state import Database
 from mdclaw.state.chats import list_chats
 from mdclaw.state.groups import GroupRow, list_groups
 from mdclaw.state.tasks import TaskRow, list_tasks
+from mdclaw.state.transcripts import flush_index
 
 log = logging.getLogger("mdclaw.ipc")
 
@@ -48,6 +49,7 @@ CHECKPOINT_FRAMES = 2000
 CHECKPOINT_IDLE = 1.0
 LOOP_AUTOCHECKPOINT = 8000  # SQLite's default is 1,000
 CHECKPOINT_EVERY = 0.5  # without the WAL's size (no -shm file to read): every quiet 0.5 s
+INDEX_EVERY = 1.0  # seconds between two batches of the transcript's full-text index, at least
 
 
 def _dump(obj: Any) -> bytes:
@@ -287,6 +289,11 @@ class SnapshotWriter:
     Requests are coalesced: while one round is written, later requests pile up and the next
     round writes each affected folder once, from the database as it is then. The thread
     reads through its own SQLite connection (WAL lets it read while the loop writes).
+
+    The same thread keeps the database: in quiet moments it checkpoints the WAL, and about
+    once a second (at start at once, and before it stops) it moves the transcript rows
+    queued since into the full-text index, a batch per transaction (mdclaw.state.transcripts):
+    storing a message or a reply never writes the index itself.
     """
 
     def __init__(self, db_path: Path, layout: Layout) -> None:
@@ -328,6 +335,13 @@ class SnapshotWriter:
         self._thread.join(timeout=60)
 
     @staticmethod
+    def _index(db: Database) -> None:
+        try:
+            flush_index(db.conn, yielding=True)
+        except sqlite3.Error as e:  # busy or locked: the next second tries again
+            log.warning("ipc: indexing the transcript failed: %s", e)
+
+    @staticmethod
     def _checkpoint(db: Database) -> None:
         try:
             db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
@@ -340,41 +354,54 @@ class SnapshotWriter:
         changed_at = looked_at = time.monotonic()  # when they last moved; the last look
         checked_at = 0.0  # the last checkpoint (without the WAL's size)
         look = CHECKPOINT_LOOK  # until the next look: sooner while the WAL grows fast
+        index_at = 0.0  # time.monotonic() of the next index batch: at start, what a crash
+        # or another process left queued
         try:
             while True:
+                if time.monotonic() >= index_at:
+                    self._index(db)
+                    index_at = time.monotonic() + INDEX_EVERY
                 with self._cond:
-                    woke = self._cond.wait_for(lambda: self._stop or self._has_work(), look)
-                    if not woke:
-                        # Quiet moment: fold the WAL into the database here when enough
-                        # waits (see CHECKPOINT_FRAMES), so the loop's own commits do not
-                        # hit SQLite's auto-checkpoint (and its fsync).
-                        now = time.monotonic()
-                        wal = db.wal_frames()
-                        if wal is None:
-                            if now - checked_at >= CHECKPOINT_EVERY:
-                                checked_at = now
-                                self._checkpoint(db)
-                            continue
-                        frames, done = wal
-                        # Frames a second since the last look (the WAL restarts from its
-                        # start after a checkpoint that folded it all in).
-                        grown = frames - last_frames if frames >= last_frames else frames
-                        rate = grown / max(now - looked_at, 1e-3)
+                    woke = self._cond.wait_for(
+                        lambda: self._stop or self._has_work(),
+                        max(0.0, min(looked_at + look, index_at) - time.monotonic()))
+                    stopping = woke and not self._has_work()
+                if not woke:
+                    # Quiet moment: index what is due (the top of the loop), then fold the
+                    # WAL into the database when enough waits (see CHECKPOINT_FRAMES), so the
+                    # loop's own commits do not hit SQLite's auto-checkpoint (and its fsync).
+                    now = time.monotonic()
+                    if now < looked_at + look:
+                        continue  # woken for the index batch, not for a look at the WAL
+                    wal = db.wal_frames()
+                    if wal is None:
                         looked_at = now
-                        if frames != last_frames:
-                            last_frames, changed_at = frames, now
-                        waiting = frames - done
-                        if waiting >= CHECKPOINT_FRAMES or (
-                                waiting > 0 and now - changed_at >= CHECKPOINT_IDLE):
+                        if now - checked_at >= CHECKPOINT_EVERY:
+                            checked_at = now
                             self._checkpoint(db)
-                            waiting = 0
-                        # Idle (no frame since the last look): a look a second, as cheap
-                        # as the old checkpoint every half second was when idle.
-                        look = CHECKPOINT_IDLE if rate <= 0 else min(
-                            CHECKPOINT_LOOK, max(0.02, (CHECKPOINT_FRAMES - waiting) / rate))
                         continue
-                    if not self._has_work():
-                        return
+                    frames, done = wal
+                    # Frames a second since the last look (the WAL restarts from its start
+                    # after a checkpoint that folded it all in).
+                    grown = frames - last_frames if frames >= last_frames else frames
+                    rate = grown / max(now - looked_at, 1e-3)
+                    looked_at = now
+                    if frames != last_frames:
+                        last_frames, changed_at = frames, now
+                    waiting = frames - done
+                    if waiting >= CHECKPOINT_FRAMES or (
+                            waiting > 0 and now - changed_at >= CHECKPOINT_IDLE):
+                        self._checkpoint(db)
+                        waiting = 0
+                    # Idle (no frame since the last look): a look a second, as cheap as the
+                    # old checkpoint every half second was when idle.
+                    look = CHECKPOINT_IDLE if rate <= 0 else min(
+                        CHECKPOINT_LOOK, max(0.02, (CHECKPOINT_FRAMES - waiting) / rate))
+                    continue
+                if stopping:
+                    self._index(db)
+                    return
+                with self._cond:
                     tasks, groups = self._tasks, self._groups
                     self._tasks, self._groups = set(), set()
                     self._busy = True

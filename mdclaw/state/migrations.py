@@ -732,6 +732,40 @@ CREATE INDEX idx_action_jobs_unwritten ON action_jobs(id) WHERE written_at IS NU
 -- group's chats; NULL: unknown, the note goes to the group's first chat).
 ALTER TABLE approvals ADD COLUMN chat_jid TEXT;
 """),
+    (17, "the transcript's full-text index is written in batches, off the storing transaction",
+     """
+-- Transcript rows not in the full-text index yet. Storing a message or a reply only queues
+-- its transcript row's id here (a row in a small table); the indexer moves queued rows into
+-- `transcript_fts` in batches, each batch one transaction that inserts the rows into the
+-- index and removes them from the queue, so a crash at any point leaves every row either
+-- queued or indexed, never both, never neither. A search first indexes what is queued, in its
+-- own transaction (mdclaw/state/transcripts.py). Not a high-water mark of ids: transcript
+-- ids are reused once the newest row is deleted.
+CREATE TABLE transcript_unindexed (id INTEGER PRIMARY KEY);
+
+DROP TRIGGER transcript_fts_ai;
+CREATE TRIGGER transcript_fts_ai AFTER INSERT ON transcript BEGIN
+  INSERT INTO transcript_unindexed (id) VALUES (NEW.id);
+END;
+-- A row leaves the index only if it is in it: the index's 'delete' of a row it does not hold
+-- would corrupt it (the row's words are taken out of the index as given). A queued row only
+-- leaves the queue.
+DROP TRIGGER transcript_fts_ad;
+CREATE TRIGGER transcript_fts_ad AFTER DELETE ON transcript BEGIN
+  INSERT INTO transcript_fts (transcript_fts, rowid, body, grp)
+    SELECT 'delete', OLD.id, OLD.body, OLD.grp
+    WHERE NOT EXISTS (SELECT 1 FROM transcript_unindexed WHERE id = OLD.id);
+  DELETE FROM transcript_unindexed WHERE id = OLD.id;
+END;
+-- A queued row is indexed as it is when its batch comes: its change needs nothing now.
+DROP TRIGGER transcript_fts_au;
+CREATE TRIGGER transcript_fts_au AFTER UPDATE OF body, group_folder ON transcript
+WHEN NOT EXISTS (SELECT 1 FROM transcript_unindexed WHERE id = OLD.id) BEGIN
+  INSERT INTO transcript_fts (transcript_fts, rowid, body, grp)
+    VALUES ('delete', OLD.id, OLD.body, OLD.grp);
+  INSERT INTO transcript_fts (rowid, body, grp) VALUES (NEW.id, NEW.body, NEW.grp);
+END;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]

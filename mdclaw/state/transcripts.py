@@ -4,7 +4,18 @@ The `transcript` table (migration 10) holds one row per thing said in a group's
 conversation: inbound messages (kind `message`, direction `in`), what the host sent to the
 chat (kind `reply`, direction `out`) and the output of scheduled task runs (kind `task`).
 Triggers on `messages`, `outbox` and `task_run_logs` write it in the transaction that stores
-the source row; triggers on `transcript` keep the FTS5 index `transcript_fts` in step.
+the source row.
+
+The FTS5 index `transcript_fts` is written in batches, not in that transaction (migration
+17): a new transcript row only queues its id in `transcript_unindexed`, and `index_queued`
+moves queued rows into the index, a batch in one transaction (the index's rows and the
+queue's deletions commit together, so after a crash every row is queued or indexed, exactly
+one of the two). The daemon's background thread of the IPC watcher runs `flush_index` about
+once a second and at start (mdclaw/ipc/writers.py); `search` first indexes whatever is still
+queued, in its own transaction, so whatever was stored before a search is found. Triggers on
+`transcript` keep the index in step with deletions and changes: a queued row deleted only
+leaves the queue (the index's 'delete' of a row it does not hold corrupts it), a queued row
+changed needs nothing (it is indexed as it is when its batch comes).
 
 The index uses `porter unicode61 remove_diacritics 2`: words are folded to lower case
 without accents (so `cafe` finds `café`), then reduced to their English stem, so an agent
@@ -27,9 +38,13 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# Queued rows moved into the index per transaction, at most: a few ms of the write lock
+# (about 5 us a row in a batch, where each row's own transaction cost over 100 us).
+INDEX_BATCH = 500
 MAX_TERMS = 32  # pieces of a query used (the rest is ignored)
 MAX_TERM_CHARS = 100  # a longer piece is cut
 SNIPPET_TOKENS = 24  # words around the match in a snippet
@@ -101,13 +116,93 @@ def match_expression(folder: str, query: str) -> str | None:
     return f"grp : {_quote(group_token(folder))} AND body : ({words})"
 
 
+# --------------------------------------------------------------------------- the index queue
+
+def has_queued(conn: sqlite3.Connection) -> bool:
+    """Whether any transcript row waits to be indexed (one seek of a small table)."""
+    return conn.execute("SELECT 1 FROM transcript_unindexed LIMIT 1").fetchone() is not None
+
+
+def index_queued(conn: sqlite3.Connection, limit: int = INDEX_BATCH) -> int:
+    """Move the `limit` lowest queued rows into the full-text index and out of the queue;
+    return how many. Call inside a write transaction: both statements commit together."""
+    hi = conn.execute("SELECT max(id) FROM (SELECT id FROM transcript_unindexed "
+                      "ORDER BY id LIMIT ?)", (limit,)).fetchone()[0]
+    if hi is None:
+        return 0
+    conn.execute("INSERT INTO transcript_fts (rowid, body, grp) "
+                 "SELECT t.id, t.body, t.grp FROM transcript_unindexed q "
+                 "JOIN transcript t ON t.id = q.id WHERE q.id <= ? ORDER BY q.id", (hi,))
+    return conn.execute("DELETE FROM transcript_unindexed WHERE id <= ?", (hi,)).rowcount
+
+
+def _readonly(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == sqlite3.SQLITE_READONLY
+
+
+def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH, *,
+                yielding: bool = False) -> int:
+    """Index every queued row, `batch` rows per transaction of its own (in the caller's
+    transaction instead when `conn` is in one); return how many. Cheap when nothing is
+    queued. A connection that may not write indexes nothing (0). `yielding`: between two
+    batches, wait as long as the last one took, so other writers (the event loop's
+    commits) get the write lock in between while a long queue is worked off."""
+    if not has_queued(conn):
+        return 0
+    if conn.in_transaction:
+        done = 0
+        while n := index_queued(conn, batch):
+            done += n
+        return done
+    done = 0
+    while True:
+        started = time.monotonic()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            if _readonly(e):
+                return done
+            raise
+        try:
+            n = index_queued(conn, batch)
+        except sqlite3.Error as e:
+            conn.execute("ROLLBACK")
+            if _readonly(e):
+                return done
+            raise
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        done += n
+        if n < batch:
+            return done
+        if yielding:
+            time.sleep(max(0.001, time.monotonic() - started))
+
+
+def rebuild_index(conn: sqlite3.Connection) -> None:
+    """Build the index again from every transcript row (FTS5's 'rebuild'), and empty the
+    queue in the same transaction: every row is then indexed."""
+    conn.execute("INSERT INTO transcript_fts (transcript_fts) VALUES ('rebuild')")
+    conn.execute("DELETE FROM transcript_unindexed")
+
+
+# --------------------------------------------------------------------------- search
+
 def search(conn: sqlite3.Connection, folder: str, query: str,
            limit: int) -> list[TranscriptHit]:
     """The `limit` best matches of `query` in `folder`'s transcript, best first (bm25; the
-    newer first among equals). Snippets mark the matched words with MARK_OPEN/MARK_CLOSE."""
+    newer first among equals). Snippets mark the matched words with MARK_OPEN/MARK_CLOSE.
+
+    Rows still queued for the index are indexed first (through `conn`, in a transaction of
+    their own unless `conn` is in one), so a row stored before the search is found. A
+    read-only connection cannot do that: it finds what the indexer indexed so far."""
     expr = match_expression(folder, query)
     if expr is None or limit <= 0:
         return []
+    flush_index(conn)
     rows = conn.execute(
         """SELECT t.id, t.kind, t.direction, t.group_folder, t.chat_jid, t.sender, t.task_id,
                   t.ts, snippet(transcript_fts, 0, ?, ?, ?, ?) AS snip,
