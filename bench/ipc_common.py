@@ -21,19 +21,36 @@ sys.path.insert(0, str(REPO))
 from inotify_simple import INotify  # noqa: E402
 from inotify_simple import flags as F  # noqa: E402
 
+RECONCILE = """
+import sys
+sys.path.insert(0, {repo!r})
+from mdclaw.config import load_config
+from mdclaw.reconcile import reconcile
+from mdclaw.state import Database
+cfg = load_config({cfg!r})
+with Database(cfg.db_path) as db:
+    reconcile(cfg, db)
+"""
 
-def make_data_dir(root: Path, groups: int) -> Path:
-    """Write config.yaml for `groups` groups (g000 is main) and reconcile; returns it."""
-    from mdclaw.config import load_config
-    from mdclaw.reconcile import reconcile
-    from mdclaw.state import Database
 
+def make_data_dir(root: Path, groups: int, tree: Path = REPO) -> Path:
+    """Write config.yaml for `groups` groups (g000 is main) and reconcile it with `tree`'s
+    mdclaw (an older tree run beside, `--before`, refuses a database of a newer schema);
+    returns its path."""
     lines = [f"data_dir: {root / 'data'}", "assistant: {name: Andy, timezone: UTC}",
              "limits: {errors_max_files: 100000}", "groups:"]
     for i in range(groups):
         lines.append(f"  g{i:03d}: {{name: G{i}, jid: 'tg:{i}'{', main: true' if i == 0 else ''}}}")
     cfg_path = root / "config.yaml"
     cfg_path.write_text("\n".join(lines) + "\n")
+    if tree != REPO:
+        subprocess.run([sys.executable, "-c", RECONCILE.format(repo=str(tree), cfg=str(cfg_path))],
+                       check=True)
+        return cfg_path
+    from mdclaw.config import load_config
+    from mdclaw.reconcile import reconcile
+    from mdclaw.state import Database
+
     cfg = load_config(cfg_path)
     with Database(cfg.db_path) as db:
         reconcile(cfg, db)

@@ -197,7 +197,7 @@ def run_burst(args: argparse.Namespace, label: str, kind: str, tree: Path) -> di
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(max(args.groups, 2))]
-        cfg = make_data_dir(root, len(groups))
+        cfg = make_data_dir(root, len(groups), tree)
         ipc = root / "data" / "ipc"
         child = Child(kind, cfg, groups, tree)
         try:
@@ -233,7 +233,7 @@ def run_latency(args: argparse.Namespace, label: str, kind: str, tree: Path
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(args.groups)]
-        cfg = make_data_dir(root, len(groups))
+        cfg = make_data_dir(root, len(groups), tree)
         ipc = root / "data" / "ipc"
         child = Child(kind, cfg, groups, tree)
         renamed: dict[str, int] = {}

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(args.groups)]
-        cfg = make_data_dir(root, len(groups))
+        cfg = make_data_dir(root, len(groups), tree)
         ipc = root / "data" / "ipc"
         child = Child(kind, cfg, groups, tree)
         late = 0.0
