@@ -501,13 +501,25 @@ def test_follow_up_and_close_sentinel(env: Env, tmp_path: Path) -> None:
     assert list(target.iterdir()) == []
 
 
-def test_follow_ups_are_named_in_the_order_they_were_written(env: Env) -> None:
+def test_follow_ups_are_named_in_the_order_they_were_written(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent reads input/ in name order: follow-ups written within one millisecond (the
-    orchestrator writes one per waiting message in a loop) keep their order."""
-    names = [write_follow_up(env.engine.layout, "family", sender="tg:42", sender_name="A",
-                             content=f"message {i}") for i in range(200)]
+    orchestrator writes one per waiting message in a loop) keep their order, and so do
+    follow-ups written while the clock steps back. The clock is the test's: 50 names a
+    millisecond, and one step back by 2 ms (a loaded machine need not share a millisecond)."""
+    base = time.time_ns() // 1_000_000 * 1_000_000
+    calls = iter(range(10**6))
+
+    def clock() -> int:
+        k = next(calls)
+        return base + (k // 50 - (2 if 100 <= k < 150 else 0)) * 1_000_000
+
+    with monkeypatch.context() as m:
+        m.setattr(time, "time_ns", clock)
+        names = [write_follow_up(env.engine.layout, "family", sender="tg:42",
+                                 sender_name="A", content=f"message {i}") for i in range(200)]
     assert sorted(names) == names
-    assert len({n.split("-")[0] for n in names}) < len(names)  # some shared a millisecond
+    assert len({n.split("-")[0] for n in names}) == 3  # 0-49, 50-149 (and back), 150-199
     listed = sorted(p.name for p in (env.ipc / "family" / "input").iterdir())
     assert [json.loads((env.ipc / "family" / "input" / n).read_text())["content"]
             for n in listed] == [f"message {i}" for i in range(200)]
