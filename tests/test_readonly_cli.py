@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from mdclaw.state.db import Database, _split_sql, database_state, inspect_database
-from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
+from mdclaw.state.db import Database, database_state, inspect_database
+from mdclaw.state.migrations import LATEST_VERSION
+from schema_at import database_at
 
 # The documented exit status of each state (README, "Exit status").
 EXIT = {"missing": 3, "creating": 3, "migrating": 3, "older": 3, "newer": 4, "locked": 5}
@@ -45,15 +46,7 @@ runtime: {{socket: "unix://{sock}"}}
 
 def migrate_to(path: Path, version: int) -> None:
     """A database with the schema of `version` (0: a file without schema)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    for v, _desc, script in MIGRATIONS:
-        if v > version:
-            break
-        for statement in _split_sql(script):
-            conn.execute(statement)
-        conn.execute(f"PRAGMA user_version={v}")
-    conn.close()
+    database_at(path, version, wal=True).close()
 
 
 LOCKER = """

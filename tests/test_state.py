@@ -9,6 +9,7 @@ import pytest
 from mdclaw.state import Database, DatabaseError
 from mdclaw.state.groups import get_group
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
+from schema_at import database_at
 
 ORIGINAL_TABLES = {"chats", "messages", "registered_groups", "router_state", "sessions",
                "scheduled_tasks", "task_run_logs"}
@@ -121,20 +122,6 @@ def test_failed_transaction_rolls_back(tmp_path) -> None:
     assert db.query_one("SELECT * FROM router_state") is None
 
 
-def _database_at(path, version: int) -> sqlite3.Connection:
-    """A database made by the schema of `version` (every migration up to it)."""
-    from mdclaw.state.db import _split_sql
-
-    conn = sqlite3.connect(path, isolation_level=None)
-    for v, _desc, script in MIGRATIONS:
-        if v > version:
-            break
-        for statement in _split_sql(script):
-            conn.execute(statement)
-        conn.execute(f"PRAGMA user_version={v}")
-    return conn
-
-
 def _cursor_migration() -> list[str]:
     """The statements of the migration that numbers messages that touch the cursors."""
     from mdclaw.state.db import _split_sql
@@ -156,7 +143,7 @@ def test_cursors_carry_over_to_the_sequence_exactly(tmp_path) -> None:
     )
 
     path = tmp_path / "state.db"
-    conn = _database_at(path, 11)
+    conn = database_at(path, 11)
     conn.executescript("""
         INSERT INTO chats (jid, last_activity) VALUES ('tg:1', 'x'), ('tg:2', 'x'), ('tg:3', 'x');
         INSERT INTO registered_groups (folder, name, jid, trigger, added_at) VALUES

@@ -29,10 +29,9 @@ from mdclaw.ipc.writers import SnapshotWriter
 from mdclaw.paths import Layout
 from mdclaw.state import Database
 from mdclaw.state.conversations import StoredMessage, settle_files, store_message
-from mdclaw.state.db import _split_sql
-from mdclaw.state.migrations import MIGRATIONS
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.transcripts import flush_index, index_queued, rebuild_index, search
+from schema_at import database_at
 from waiting import wait_until
 
 
@@ -237,20 +236,10 @@ def test_the_index_delete_of_a_row_it_does_not_hold_is_what_the_check_catches(
 
 # --------------------------------------------------------------------------- migration 17
 
-def _database_at(path: Path, version: int) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None)
-    for v, _desc, script in MIGRATIONS:
-        if v > version:
-            break
-        for statement in _split_sql(script):
-            conn.execute(statement)
-        conn.execute(f"PRAGMA user_version={v}")
-    return conn
-
 
 def test_migration_17_keeps_existing_rows_searchable(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
-    conn = _database_at(path, 16)
+    conn = database_at(path, 16)
     conn.executescript("""
         INSERT INTO registered_groups (folder, name, jid, trigger, added_at)
             VALUES ('fam', 'Family', 'tg:1', '@Andy', '2024-01-01T00:00:00.000Z');

@@ -5,7 +5,6 @@ Real SQLite (FTS5), real files."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,11 +15,10 @@ from mdclaw import schedule
 from mdclaw.scheduler import Claim, Scheduler
 from mdclaw.state import Database
 from mdclaw.state.conversations import StoredMessage, settle_files, store_message
-from mdclaw.state.db import _split_sql
-from mdclaw.state.migrations import MIGRATIONS
 from mdclaw.state.outbox import enqueue
 from mdclaw.state.tasks import delete_task, insert_task
 from mdclaw.state.transcripts import group_token, match_expression, query_terms, search
+from schema_at import database_at
 
 # Four conversations of the family group, oldest first; each its own words.
 CONVERSATIONS = [
@@ -246,20 +244,10 @@ def test_query_terms_are_bounded_and_quoted() -> None:
 
 # --------------------------------------------------------------------------- migration
 
-def _database_at(path: Path, version: int) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None)
-    for v, _desc, script in MIGRATIONS:
-        if v > version:
-            break
-        for statement in _split_sql(script):
-            conn.execute(statement)
-        conn.execute(f"PRAGMA user_version={v}")
-    return conn
-
 
 def test_migration_backfills_the_transcript(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
-    conn = _database_at(path, 8)
+    conn = database_at(path, 8)
     conn.executescript("""
         INSERT INTO registered_groups (folder, name, jid, trigger, added_at)
             VALUES ('fam', 'Family', 'tg:1', '@Andy', '2024-01-01T00:00:00.000Z'),
