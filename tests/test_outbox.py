@@ -579,6 +579,20 @@ class Turns:
             self.n += 1
 
 
+
+def unmarked_at_each_send(ch: ScriptedChannel, db: Database) -> list[int]:
+    """Wraps `ch`'s send_message: the list gets, as each message goes, how many rows were
+    delivered before it and are not yet marked `sent`."""
+    unmarked: list[int] = []
+    orig = ch.send_message
+
+    async def send(jid, text, **kw):  # noqa: ANN001, ANN003, ANN202
+        unmarked.append(len(ch.sent) - outbox_counts(db)["sent"])
+        return await orig(jid, text, **kw)
+
+    ch.send_message = send  # type: ignore[method-assign]
+    return unmarked
+
 def test_a_flooded_chat_is_delivered_without_a_turn_of_the_loop_per_batch(
         tmp_path: Path) -> None:
     """A chat with many rows due and a chat service that answers at once: after its first
@@ -592,15 +606,7 @@ def test_a_flooded_chat_is_delivered_without_a_turn_of_the_loop_per_batch(
         ids = [put(db, text=f"m{i}") for i in range(5 * BATCH)]
         ch = ScriptedChannel()
         w = OutboxWorker(db, [ch], policy=FAST)
-        unmarked: list[int] = []
-        orig = ch.send_message
-
-        async def send(jid, text, **kw):  # noqa: ANN001, ANN003, ANN202
-            # rows delivered but not yet marked when this one goes
-            unmarked.append(len(ch.sent) - outbox_counts(db)["sent"])
-            return await orig(jid, text, **kw)
-
-        ch.send_message = send  # type: ignore[method-assign]
+        unmarked = unmarked_at_each_send(ch, db)
         turns = Turns()
         try:
             await w.run_once()
@@ -707,14 +713,7 @@ def test_unmarked_deliveries_are_bounded_in_all(tmp_path: Path) -> None:
         for c in range(n):
             put(db, jid=f"fk:{c}", text=f"c{c}")
         ch = ScriptedChannel()
-        unmarked: list[int] = []
-        orig = ch.send_message
-
-        async def send(jid, text, **kw):  # noqa: ANN001, ANN003, ANN202
-            unmarked.append(len(ch.sent) - outbox_counts(db)["sent"])
-            return await orig(jid, text, **kw)
-
-        ch.send_message = send  # type: ignore[method-assign]
+        unmarked = unmarked_at_each_send(ch, db)
         w = OutboxWorker(db, [ch], policy=FAST, max_parallel_chats=n)
         await w.run_once()
         assert outbox_counts(db)["sent"] == n
