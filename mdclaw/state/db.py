@@ -125,30 +125,20 @@ class Database:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction (nestable: inner calls join the outer one)."""
-        with self._lock:
-            if self._depth:
-                self._depth += 1
-                try:
-                    yield self.conn
-                finally:
-                    self._depth -= 1
-                return
-            self.conn.execute("BEGIN IMMEDIATE")
-            self._depth = 1
-            try:
-                yield self.conn
-            except BaseException:
-                self._depth = 0
-                self.conn.execute("ROLLBACK")
-                raise
-            self._depth = 0
-            self.conn.execute("COMMIT")
+        """A write transaction (nestable: inner calls join the outer one); begin() and
+        end() around the body."""
+        conn = self.begin()
+        try:
+            yield conn
+        except BaseException:
+            self.end(commit=False)
+            raise
+        self.end(commit=True)
 
     def begin(self) -> sqlite3.Connection:
-        """Open a write transaction as transaction() does, without a context manager (the
-        IPC loop's round, once a command at a trickle): the caller must call end() exactly
-        once, in a `finally` or on every path. Nestable like transaction()."""
+        """Open a write transaction (nestable: an inner one joins the outer) without a
+        context manager (the IPC loop's round, once a command at a trickle): the caller
+        must call end() exactly once, in a `finally` or on every path."""
         self._lock.acquire()
         if self._depth:
             self._depth += 1
