@@ -144,24 +144,9 @@ mcp_restarts = Labeled(MCP_RESTARTS)
 http_connections_closed = Labeled(HTTP_CONNECTIONS_CLOSED)
 
 def observe_many(histogram: Any, amount: float, n: int) -> None:
-    """`n` observations of the same `amount` (the files of one IPC round), at the cost of
-    one: the sum grows by n * amount and amount's bucket by n (prometheus-client 0.26's
-    Histogram keeps its cumulative buckets per bound, as observe() bumps them). A
-    Histogram without those fields (another version) gets n observe() calls."""
-    if n <= 0:
-        return
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for _ in range(n):
-            histogram.observe(amount)
-        return
-    total.inc(amount * n)
-    for i, bound in enumerate(bounds):
-        if amount <= bound:
-            buckets[i].inc(n)
-            break
+    """`n` observations of the same `amount` (the files of one IPC round)."""
+    for _ in range(n):
+        histogram.observe(amount)
 
 
 _models: set[str] = set()
