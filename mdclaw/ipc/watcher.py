@@ -22,11 +22,10 @@ import asyncio
 import logging
 import os
 import sqlite3
-import struct
 import time
 from collections.abc import Callable
 
-from inotify_simple import INotify
+from inotify_simple import INotify, parse_events
 from inotify_simple import flags as F
 
 from mdclaw.config import Config, LiveConfig
@@ -46,10 +45,8 @@ GROUP_MASK = F.CREATE | F.MOVED_TO | F.MOVED_FROM | F.DELETE | F.ONLYDIR
 # Every watched group is looked at by the poll at least this often (seconds): the longest a
 # command whose inotify event was lost (without an overflow) can wait.
 SAFETY_RESCAN = 30.0
-# The inotify events the loop reads itself (one read(2) a wake-up, no FIONREAD ioctl, no
-# namedtuple and enum per event): struct inotify_event is wd, mask, cookie, len, then the
-# NUL-padded name.
-_EVENT = struct.Struct("iIII")
+# The inotify events the loop reads itself: one read(2) a wake-up (no FIONREAD ioctl and
+# poll first, as INotify.read makes), unpacked by inotify_simple.parse_events.
 _READ_BYTES = 64 * 1024
 _Q_OVERFLOW = int(F.Q_OVERFLOW)
 _IGNORED = int(F.IGNORED)
@@ -220,11 +217,7 @@ class IpcWatcher:
             data = os.read(self.inotify.fd, _READ_BYTES)
         except OSError:  # nothing to read (EAGAIN), or the fd is being closed
             return bool(self._dirty or self._resync or self._full_scan)
-        pos, end = 0, len(data)
-        unpack = _EVENT.unpack_from
-        while pos < end:
-            wd, mask, _, size = unpack(data, pos)
-            pos += 16 + size
+        for wd, mask, _, name in parse_events(data):
             if mask & _Q_OVERFLOW:
                 log.warning("ipc: inotify queue overflowed; scanning every folder")
                 self._full_scan = True
@@ -239,7 +232,6 @@ class IpcWatcher:
                 self._resync.add(folder)
                 self._unwatched.add(folder)  # until the resync watches it again
                 continue
-            name = os.fsdecode(data[pos - size:pos].split(b"\0", 1)[0])
             if sub is None:  # the group's IPC folder: a command folder came or went
                 if name in COMMAND_DIRS:
                     self._resync.add(folder)
