@@ -38,6 +38,7 @@ from mdclaw.config import load_config
 from mdclaw.decisions import Decider
 from mdclaw.ipc.actions import ACTIONS, OffloopContext, action
 from mdclaw.ipc.watcher import IpcWatcher
+from mdclaw.ipc.worker import LEFT_BY_A_STOP, UNFINISHED_COUNT, ActionWorker
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.outbox import OutboxWorker, failed_since
 from mdclaw.reconcile import reconcile
@@ -559,7 +560,6 @@ def test_a_start_seeks_the_action_jobs_left_open_not_the_finished_ones(
              ("left-queued", "queued", 1, None, now_iso())])
     if analyzed:
         db.conn.execute("ANALYZE")
-    from mdclaw.ipc.worker import LEFT_BY_A_STOP, UNFINISHED_COUNT, ActionWorker
     assert [r[2] for r in db.query(LEFT_BY_A_STOP)] == ["left-running", "left-done"]
     assert db.query(UNFINISHED_COUNT)[0][0] == 3
     worker = ActionWorker(cfg)
