@@ -17,6 +17,8 @@ import pytest
 from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import Channel, ChannelError
 from mdclaw.outbox import (
+    BATCH,
+    MARKS_MAX,
     OutboxWorker,
     RetryPolicy,
     describe_failures,
@@ -457,7 +459,6 @@ SLOW_ON_20 = worker_script("""
 def test_kill_9_during_a_burst_sends_again_only_what_was_not_recorded(tmp_path: Path) -> None:
     """Rows are claimed in batches and marked sent together: after kill -9 every row still
     arrives, and what arrives twice is bounded (here the one send that was waiting)."""
-    from mdclaw.outbox import BATCH
 
     db_path = tmp_path / "s.db"
     db = Database(db_path)
@@ -599,7 +600,6 @@ def test_a_flooded_chat_is_delivered_without_a_turn_of_the_loop_per_batch(
     claim, the drain writes each next claim (with the marks of the batch it delivered) at
     once, instead of waiting turns of the loop (each of which may be a whole IPC round) for
     every BATCH rows; the per-chat bound on unmarked rows still holds."""
-    from mdclaw.outbox import BATCH
 
     async def main() -> None:
         db = Database(tmp_path / "s.db")
@@ -705,7 +705,6 @@ def test_a_slow_chat_service_still_gets_one_send_per_chat_and_at_most_the_parall
 def test_unmarked_deliveries_are_bounded_in_all(tmp_path: Path) -> None:
     """Many chats delivered in one turn by a chat service that answers at once: their
     `sent` marks are written before more than MARKS_MAX wait for their flush."""
-    from mdclaw.outbox import MARKS_MAX
 
     async def main() -> None:
         db = Database(tmp_path / "s.db")
