@@ -26,6 +26,7 @@ from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import ChannelError, InboundMessage
 from mdclaw.channels.http import PAGE_FILES, HttpChannel
 from mdclaw.channels.webpush import WebPush
+from mdclaw.markup import to_html
 from mdclaw.outbox import OutboxWorker, RetryPolicy
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
@@ -614,7 +615,7 @@ def test_retry_takes_only_a_failed_reply_of_the_same_chat(tmp_path: Path) -> Non
                             source_group="family")
             c.execute("UPDATE outbox SET status = 'failed', last_error = 'gave up' "
                       "WHERE id IN (?, ?)", (mine, other))
-            waiting = enqueue(c, chat_jid="hl:main", kind="text", text="c",
+            waiting = enqueue(c, chat_jid="hl:main", kind="text", text="**c** <b>x</b>",
                               source_group="main")
         try:
             async with aiohttp.ClientSession(ch.url) as http:
@@ -622,6 +623,10 @@ def test_retry_takes_only_a_failed_reply_of_the_same_chat(tmp_path: Path) -> Non
                     shown = (await r.json())["outbox"]
                 assert [(p["id"], p["state"], p["error"]) for p in shown] == [
                     (mine, "failed", "gave up"), (waiting, "sending", None)]
+                # a waiting reply comes rendered, as it will be once delivered
+                assert [p["html"] for p in shown] == [
+                    to_html("a"), to_html("**c** <b>x</b>")]
+                assert "<strong>c</strong>" in shown[1]["html"] and "<b>" not in shown[1]["html"]
                 for jid, row, status in (("hl:main", other, 404), ("hl:main", waiting, 409),
                                          ("hl:main", "1", 400), ("hl:main", mine, 200)):
                     async with http.post("/retry", json={"jid": jid, "id": row}) as r:

@@ -489,7 +489,10 @@ class HttpChannel(Channel):
             "SELECT id, kind, text, file_name, status, attempts, last_error, created_at "
             "FROM outbox WHERE chat_jid = ? AND status != 'sent' AND kind != 'reaction' "
             "AND card IS NULL ORDER BY id LIMIT ?", (jid, MAX_PENDING_SHOWN))
+        # A reply waiting to go out is shown as it will be once delivered (its Markdown
+        # rendered as _row renders it), not as raw text.
         return [{"id": r["id"], "kind": r["kind"], "text": r["text"] or "",
+                 "html": to_html(r["text"]) if r["kind"] == "text" and r["text"] else None,
                  "file_name": r["file_name"],
                  "state": "failed" if r["status"] == "failed" else "sending",
                  "attempts": r["attempts"],

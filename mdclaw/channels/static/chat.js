@@ -227,7 +227,12 @@ function showPending(rows) {
       div = bubble("out", r.kind, "", new Date(r.timestamp));
       div.dataset.outbox = String(r.id);
       const body = el("span", "body", r.kind === "file"
-        ? "\u{1F4CE} " + (r.file_name || "file") : r.text);
+        ? "\u{1F4CE} " + (r.file_name || "file") : (r.html ? undefined : r.text));
+      if (r.html) {  // rendered and sanitised by the server, as a delivered reply's
+        body.classList.add("md");
+        body.innerHTML = r.html;
+        addCopyButtons(body);
+      }
       div.insertBefore(body, div.querySelector(".meta"));
       box.append(div);
     }
