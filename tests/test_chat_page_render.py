@@ -18,6 +18,7 @@ from mdclaw.channels.http import HttpChannel
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
 from test_chat_page_browser import _decode_png
+from waiting import wait_until_async
 
 RICH = """## Shopping plan
 
@@ -152,6 +153,8 @@ def test_markdown_renders_unsafe_markup_stays_inert_and_newlines_arrive(tmp_path
                     "first line\npasted\ncode()")
                 await _key(page, "Enter")
                 await page.wait_for("document.querySelectorAll('.msg.in').length === 2")
+                # the bubble is drawn as the page posts; the server's hand-off is its own event
+                await wait_until_async(lambda: len(got) == 2)
                 assert got[-1].content == "first line\npasted\ncode()"
                 shown_in = await page.js("document.querySelectorAll('.msg.in .body')[1]"
                                          ".innerText")
