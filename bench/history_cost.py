@@ -27,6 +27,10 @@ system calls per turn / command (a page SQLite does not hold in its cache is one
 line compares the filled database with the empty one, medians of the rounds (target: within
 20%). `fill_s` is the time to write the history.
 
+`status`: the daemon's look at the database every 5 s on its event loop (the rows waiting,
+failed and sent in the last day; whether the channel's deliveries fail), `look_ms` the median
+of 50 looks (a tree before migration 18 counts every row: the bench falls back to what it has).
+
 `store` (`--stores`, default 600): storing an inbound message (store_message) and an
 agent's reply (an outbox row), each its own transaction, as the orchestrator and the IPC
 engine write them: the CPU of the storing thread alone (`time.thread_time_ns`), medians.
@@ -54,6 +58,7 @@ from fake_engine import FakeEngine, chat_agent  # noqa: E402
 from mdclaw.channels.base import Channel, InboundMessage  # noqa: E402
 from mdclaw.config import load_config  # noqa: E402
 from mdclaw.ipc.watcher import IpcWatcher  # noqa: E402
+from mdclaw.ops.health import channel_states  # noqa: E402
 from mdclaw.orchestrator import Orchestrator  # noqa: E402
 from mdclaw.outbox import OutboxWorker  # noqa: E402
 from mdclaw.reconcile import reconcile  # noqa: E402
@@ -61,6 +66,11 @@ from mdclaw.runner import ContainerRunner  # noqa: E402
 from mdclaw.state import Database  # noqa: E402
 from mdclaw.state.conversations import StoredMessage, store_message  # noqa: E402
 from mdclaw.state.outbox import enqueue  # noqa: E402
+
+try:  # what the daemon's status counts (a tree before migration 18: every row's status)
+    from mdclaw.state.outbox import recent_outbox_counts as status_counts  # noqa: E402
+except ImportError:
+    from mdclaw.state.outbox import outbox_counts as status_counts  # noqa: E402
 
 
 class Recorder(Channel):
@@ -256,6 +266,13 @@ async def measure(chats: int, total: int, years: float, turns: int,
                             "reply_us": statistics.median(reply) / 1000}
         with db.transaction() as c:  # as if delivered: they hold no chat's queue
             c.execute("UPDATE outbox SET status = 'sent' WHERE status = 'pending'")
+        looks = []
+        for _ in range(50):  # the daemon's status look (Daemon.status): on its event loop
+            t0 = time.perf_counter()
+            status_counts(db)
+            channel_states(db, {"bench": True}, {"bench": "bn:"})
+            looks.append(time.perf_counter() - t0)
+        out["status"] = {"look_ms": statistics.median(looks) * 1000}
         await outbox.start()
         watching = asyncio.create_task(watcher.run(stop))
         try:
@@ -341,9 +358,9 @@ def main() -> None:
                 print(json.dumps({"figure": f"{what}_{label}", **rounded(v),
                                   "loadavg": round(os.getloadavg()[0], 1)}), flush=True)
     ratio: dict[str, object] = {}
-    for what in ("turn", "command", "store"):
+    for what in ("turn", "command", "store", "status"):
         for key in ("cpu_ms", "wall_p50_ms", "commit_p50_ms", "reads", "message_us",
-                    "reply_us"):
+                    "reply_us", "look_ms"):
             e = [r.get(what, {}).get(key) for r in results["empty"]]
             h = [r.get(what, {}).get(key) for r in results["history"]]
             if None in e or None in h:

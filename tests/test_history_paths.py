@@ -6,11 +6,12 @@ list them: it records every statement the real code runs while the real parts of
 (the orchestrator over the fake engine's conversations, the IPC watcher and its action
 worker, the scheduler, the outbox worker) handle a turn, an unknown sender's admission card,
 IPC commands of every kind a group sends in a conversation, an off-loop action, a task run
-and the deliveries of all their answers, over a database with a history in every table that
-grows with the install's age. Each statement, as the code prepared it (its parameters
-unbound, as SQLite planned it), and each statement of every trigger, is then explained: a
-`SCAN` of a history table, or a `TEMP B-TREE` over one, fails the test. A query added later
-on any of those paths is checked without being named here.
+and the deliveries of all their answers, and the daemon's status look (every 5 s), over a
+database with a history in every table that grows with the install's age. Each statement,
+as the code prepared it (its parameters unbound, as SQLite planned it), and each statement
+of every trigger, is then explained: a `SCAN` of a history table, or a `TEMP B-TREE` over
+one, fails the test. A query added later on any of those paths is checked without being
+named here.
 
 Plans are read without statistics (a fresh install) and after `ANALYZE` (what `PRAGMA
 optimize` may write into sqlite_stat1 on a long-lived install).
@@ -39,6 +40,7 @@ from mdclaw.decisions import Decider
 from mdclaw.ipc.actions import ACTIONS, OffloopContext, action
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.ipc.worker import LEFT_BY_A_STOP, UNFINISHED_COUNT, ActionWorker
+from mdclaw.ops.health import channel_states
 from mdclaw.orchestrator import Orchestrator
 from mdclaw.outbox import OutboxWorker, failed_since
 from mdclaw.reconcile import reconcile
@@ -47,6 +49,8 @@ from mdclaw.schedule import utc_now
 from mdclaw.scheduler import Scheduler
 from mdclaw.state import Database
 from mdclaw.state.db import now_iso
+from mdclaw.state.outbox import recent_outbox_counts
+from schema_at import database_at
 from waiting import wait_until_async
 
 # Tables whose rows accumulate with the install's age (one or more rows per message, reply,
@@ -356,6 +360,12 @@ async def drive(tmp_path: Path, per_chat: int, statements: Statements,
         await wait_until_async(lambda: db.scalar(
             TEST + "SELECT COUNT(*) FROM outbox WHERE status IN ('pending', 'sending')") == 0,
             timeout=60)
+        # The daemon's status look, every 5 s on its event loop (Daemon.status): the
+        # outbox's counts and whether the channel's deliveries fail.
+        counts = recent_outbox_counts(db)
+        assert counts["sent_24h"] >= 6 and counts["pending"] == counts["sending"] == 0
+        assert channel_states(db, {"bench": True}, {"bench": "bn:"})["bench"]["state"] == \
+            "connected"
     finally:
         orch.accepting = False
         orch.close_conversations()
@@ -536,6 +546,44 @@ def test_migration_15_adds_the_indexes_to_a_database_with_rows(tmp_path: Path) -
                                    "ORDER BY id")] == [2, 3]
     assert [r.text for r in failed_since(db, "fam", "2026-02-01T00:00:00.000Z")] == ["failed new"]
     assert [r.text for r in failed_since(db, "fam")] == ["failed old", "failed new"]
+    db.close()
+
+
+def test_migration_18_indexes_the_outbox_by_state_and_time(tmp_path: Path) -> None:
+    """A database of schema 17 with rows of every state is upgraded: the rows are kept, the
+    index of (status, next_attempt_at) is gone, the new one holds every row, and the
+    daemon's status look reads ranges of it (its counts as before for the rows of the
+    day)."""
+    path = tmp_path / "state.db"
+    conn = database_at(path, 17)
+    recent = now_iso()
+    conn.executescript(f"""
+        INSERT INTO outbox (chat_jid, kind, text, status, source_group, created_at,
+            updated_at, sent_at) VALUES
+          ('tg:1', 'text', 'old', 'sent', 'fam', 'x', '2024-01-01T00:00:00.000Z',
+           '2024-01-01T00:00:00.000Z'),
+          ('tg:1', 'text', 'new', 'sent', 'fam', 'x', '{recent}', '{recent}'),
+          ('tg:1', 'text', 'failed', 'failed', 'fam', 'x', '2024-01-01T00:00:00.000Z', NULL),
+          ('tg:1', 'text', 'open', 'pending', 'fam', 'x', '{recent}', NULL),
+          ('tg:2', 'text', 'going', 'sending', 'work', 'x', '{recent}', NULL);
+    """)
+    before = conn.execute("SELECT * FROM outbox ORDER BY id").fetchall()
+    conn.close()
+
+    db = Database(path)
+    assert db.user_version >= 18
+    assert [tuple(r) for r in db.query("SELECT * FROM outbox ORDER BY id")] == before
+    names = {r[0] for r in db.query("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                    "AND tbl_name = 'outbox'")}
+    assert "idx_outbox_status_time" in names and "idx_outbox_status_next" not in names
+    assert [r[0] for r in db.query(
+        "SELECT id FROM outbox INDEXED BY idx_outbox_status_time WHERE status IN "
+        "('sent', 'failed', 'pending', 'sending') ORDER BY id")] == [1, 2, 3, 4, 5]
+    assert recent_outbox_counts(db) == {"pending": 1, "sending": 1, "failed": 1, "sent_24h": 1}
+    plan = explain(db.conn, "SELECT COUNT(*) FROM outbox WHERE status = 'sent' AND "
+                   "updated_at >= ?", ("2026-01-01",))
+    assert plan == ["SEARCH outbox USING COVERING INDEX idx_outbox_status_time "
+                    "(status=? AND updated_at>?)"]
     db.close()
 
 

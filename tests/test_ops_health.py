@@ -30,7 +30,7 @@ from mdclaw.paths import Layout
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state import Database
 from mdclaw.state.failed_turns import record_failed_turn
-from mdclaw.state.outbox import enqueue
+from mdclaw.state.outbox import enqueue, outbox_counts, recent_outbox_counts
 from mdclaw.state.tasks import finish_run, insert_run, list_tasks
 from mdclaw.usage import daily_usage, record_usage
 
@@ -102,6 +102,7 @@ def test_a_channel_whose_deliveries_fail_is_not_connected(setup) -> None:
     assert delivery_failures(db) == {}
     old = row(db, "tg:42", "failed", minutes_ago=120, error="too old to count")
     assert delivery_failures(db) == {}  # outside the hour
+    row(db, "tg:42", "sent", minutes_ago=30)  # sent before the failure: clears nothing
     row(db, "tg:42", "failed", minutes_ago=10, error="ChannelError: chat not found")
     row(db, "hl:main", "sent", minutes_ago=5)  # another channel's success changes nothing
     got = delivery_failures(db)
@@ -113,12 +114,31 @@ def test_a_channel_whose_deliveries_fail_is_not_connected(setup) -> None:
     assert states["http"]["state"] == "connected"
     # a row being tried again after an error fails too
     row(db, "tg:42", "pending", minutes_ago=2, error="timed out", attempts=2)
-    assert delivery_failures(db)["telegram"]["failed"] == 2
+    got = delivery_failures(db)["telegram"]
+    assert got["failed"] == 2 and got["last_error"] == "timed out"  # the newest error
+    assert got["since"] == db.scalar("SELECT updated_at FROM outbox WHERE last_error = "
+                                     "'ChannelError: chat not found'")  # from the oldest
     # a delivery sent after them: the channel works again
     row(db, "tg:42", "sent", minutes_ago=1)
     assert delivery_failures(db) == {}
     assert old  # the old failed row is still counted by the outbox's own problem
     assert [p.key for p in find_problems(cfg, db, disk=None)] == ["outbox"]
+
+
+def test_the_daemons_counts_are_of_open_and_failed_rows_and_a_days_sends(setup) -> None:
+    """What the daemon publishes every 5 s counts the rows sent in the last day, not every
+    row ever sent (a walk of them all at each look); `outbox_counts` still counts all."""
+    _cfg, db = setup
+    row(db, "tg:42", "pending", minutes_ago=1)
+    row(db, "tg:42", "sending", minutes_ago=1)
+    row(db, "tg:42", "failed", minutes_ago=60 * 24 * 30)  # failed a month ago: still failed
+    row(db, "tg:42", "sent", minutes_ago=5)
+    row(db, "tg:42", "sent", minutes_ago=60 * 23)
+    row(db, "tg:42", "sent", minutes_ago=60 * 25)  # before the day
+    assert recent_outbox_counts(db) == {"pending": 1, "sending": 1, "failed": 1, "sent_24h": 2}
+    assert outbox_counts(db) == {"pending": 1, "sending": 1, "failed": 1, "sent": 3}
+    later = utc_now() + timedelta(hours=2)
+    assert recent_outbox_counts(db, now=later)["sent_24h"] == 1
 
 
 def test_channel_state_rule() -> None:
@@ -256,7 +276,7 @@ def test_the_outbox_view_keeps_old_failed_rows_beside_many_newer_ones(setup) -> 
     got = outbox(SimpleNamespace(db=db, channels=[], cfg=cfg))  # type: ignore[arg-type]
     failed = [r for r in got["rows"] if r["status"] == "failed"]
     assert [r["id"] for r in failed] == [old] and failed[0]["last_error"] == "long ago"
-    assert len(got["rows"]) == 501 and got["counts"]["sent"] == 600
+    assert len(got["rows"]) == 501 and got["counts"]["sent_24h"] == 600
 
 
 def test_groups_without_a_model_are_a_problem(write_config) -> None:

@@ -68,7 +68,7 @@ from mdclaw.runtime import ContainerRuntime, create_runtime, engine_errors, wait
 from mdclaw.schedule import to_iso, utc_now
 from mdclaw.scheduler import DAEMON_MAX_SLEEP, Scheduler
 from mdclaw.state import Database, now_iso
-from mdclaw.state.outbox import outbox_counts
+from mdclaw.state.outbox import recent_outbox_counts
 from mdclaw.systemd import Notifier
 from mdclaw.usage import tokens_on_day
 from mdclaw.webserver import TokenGate, WebServer
@@ -404,7 +404,7 @@ class Daemon:
             "engine": self.engine_status,
             "containers": self.orch.queue.running_groups() if self.orch else [],
             "queue": self.orch.queue.status() if self.orch else {},
-            "outbox": outbox_counts(self.db),
+            "outbox": recent_outbox_counts(self.db),
             "next_task": to_iso(nxt) if nxt else None,
             "channels": connected,
             # connected, deliveries failing, needs attention or not connected: the one rule

@@ -62,7 +62,7 @@ from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.chats import list_chats
 from mdclaw.state.failed_turns import failures_per_group
 from mdclaw.state.groups import Refusals, list_groups, refusals
-from mdclaw.state.outbox import list_outbox, outbox_counts
+from mdclaw.state.outbox import list_outbox, recent_outbox_counts
 from mdclaw.state.tasks import changes_allowed, get_task, list_runs, list_tasks, running_run_id
 from mdclaw.usage import daily_usage
 
@@ -248,9 +248,9 @@ def change(d: DaemonView, task_id: str, action: str) -> dict[str, Any]:
 
 
 def outbox(d: DaemonView) -> dict[str, Any]:
-    """The counts per status, every failed row (at most 500) and the latest 500 rows of any
-    status (the page filters them by group and state): each with its channel and the error
-    for people."""
+    """The counts (recent_outbox_counts: the sent ones of the last day), every failed row (at
+    most 500) and the latest 500 rows of any status (the page filters them by group and
+    state): each with its channel and the error for people."""
     rows = []
     seen = {r.id: r for r in list_outbox(d.db, status="failed", limit=500)}
     for r in list_outbox(d.db, limit=500):
@@ -260,7 +260,7 @@ def outbox(d: DaemonView) -> dict[str, Any]:
         row["last_error"] = for_people(r.last_error)
         row["channel"] = next((ch.name for ch in d.channels if ch.owns_jid(r.chat_jid)), None)
         rows.append(row)
-    return {"counts": outbox_counts(d.db), "rows": rows,
+    return {"counts": recent_outbox_counts(d.db), "rows": rows,
             "failed": [r for r in rows if r["status"] == "failed"]}
 
 

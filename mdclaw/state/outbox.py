@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from mdclaw.errors import StateError
+from mdclaw.schedule import to_iso, utc_now
 from mdclaw.state.db import Database, now_iso
 
 OUTBOX_KINDS = ("text", "file", "reaction")
@@ -123,8 +125,27 @@ def drop_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
 
 
 def outbox_counts(db: Database) -> dict[str, int]:
-    """Number of rows per status (every status present, zero when none)."""
+    """Number of rows per status (every status present, zero when none). Counts every row
+    ever sent: for a one-off look (`mdclaw status`); what the daemon looks at every few
+    seconds is `recent_outbox_counts`."""
     counts = {s: 0 for s in ("pending", "sending", "sent", "failed")}
     for r in db.query("SELECT status, COUNT(*) FROM outbox GROUP BY status"):
         counts[r[0]] = int(r[1])
+    return counts
+
+
+SENT_WINDOW = timedelta(days=1)
+
+
+def recent_outbox_counts(db: Database, now: datetime | None = None) -> dict[str, int]:
+    """The rows waiting (`pending`, `sending`), the failed ones, and `sent_24h`: the rows sent
+    in the last day. Ranges of idx_outbox_status_time: the work does not grow with the rows
+    sent before (a count of every sent row is 50 ms at a million, on the daemon's loop)."""
+    since = to_iso((now or utc_now()) - SENT_WINDOW)
+    counts = {"pending": 0, "sending": 0, "failed": 0}
+    for r in db.query("SELECT status, COUNT(*) FROM outbox WHERE status IN "
+                      "('pending', 'sending', 'failed') GROUP BY status"):
+        counts[r[0]] = int(r[1])
+    counts["sent_24h"] = int(db.scalar(
+        "SELECT COUNT(*) FROM outbox WHERE status = 'sent' AND updated_at >= ?", (since,)) or 0)
     return counts

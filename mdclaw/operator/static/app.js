@@ -264,7 +264,7 @@ const views = {
     ])));
     cards.append(card("Outbox", el("div", { id: "outbox-counts" }, kv([
       ["pending", countLink(ob.pending, "outbox")], ["sending", ob.sending],
-      ["failed", countLink(ob.failed, "outbox", "", true)], ["sent", ob.sent],
+      ["failed", countLink(ob.failed, "outbox", "", true)], ["sent in 24 h", ob.sent_24h],
     ]))));
     const disk = o.disk || {};
     const blocked = Object.keys(disk.blocked || {});
@@ -427,7 +427,7 @@ const views = {
   async outbox(root) {
     const o = await api("api/outbox");
     root.append(el("h2", { text: "Outbox" }));
-    root.append(el("p", { text: `pending ${o.counts.pending}, sending ${o.counts.sending}, failed ${o.counts.failed}, sent ${o.counts.sent}` }));
+    root.append(el("p", { text: `pending ${o.counts.pending}, sending ${o.counts.sending}, failed ${o.counts.failed}, sent in the last 24 hours ${o.counts.sent_24h}` }));
     const f = filters("outbox");
     if (f.state === undefined || f.state === "" && !f.touched) { f.state = "failed"; f.touched = true; }
     const [bar, shown] = filtered("outbox", o.rows, { groupKey: "source_group", stateKey: "status",
