@@ -375,8 +375,9 @@ class OutboxWorker:
         is due (None if none waits)."""
         now = now_iso()
         # The unfinished rows alone, by the index of them: without INDEXED BY the planner
-        # took idx_outbox_status_next, or idx_outbox_chat (a walk of every row ever sent)
-        # when the status term was hidden from it (tests/test_history_paths.py).
+        # took the index by status, or (before migration 19) the one of every row by chat
+        # (a walk of every row ever sent) when the status term was hidden from it
+        # (tests/test_history_paths.py).
         rows = self.db.query(
             """SELECT o.*, h.n AS unfinished FROM outbox o JOIN (
                    SELECT chat_jid, MIN(id) AS id, COUNT(*) AS n

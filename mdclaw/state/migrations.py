@@ -776,6 +776,13 @@ END;
 DROP INDEX idx_outbox_status_next;
 CREATE INDEX idx_outbox_status_time ON outbox(status, updated_at);
 """),
+    (19, "no index of every outbox row by chat: a reply is one index entry fewer", """
+-- Its one reader, the web chat's replies not delivered yet (every long poll of an open
+-- page), walked every row ever sent to the chat through it; they are now a range of
+-- idx_outbox_status_time (the rows waiting and failed), and a chat's open rows are in
+-- idx_outbox_open. A group's export reads the table in order anyway.
+DROP INDEX idx_outbox_chat;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
