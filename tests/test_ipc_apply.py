@@ -21,6 +21,8 @@ from mdclaw.ipc.actions import MEMORY_MAX_FILES
 from mdclaw.ipc.apply import IpcEngine
 from mdclaw.ipc.writers import write_close, write_follow_up, write_snapshots
 from mdclaw.schedule import from_iso
+from mdclaw.state import Database
+from mdclaw.state.tasks import delete_task, insert_task
 
 
 @pytest.fixture
@@ -163,6 +165,43 @@ def test_update_task_status_is_the_same_pause_and_resume(env: Env) -> None:
 
 
 # --------------------------------------------------------------------------- outbound
+
+def test_the_tasks_fingerprint_is_one_read_that_moves_with_every_change(env: Env) -> None:
+    """The poll tick's look at whether the tasks changed (their snapshots are written again
+    then) is a count the triggers keep (migration 20): it moves on an insert, on an update
+    even when `updated_at` is left as it was, and on a delete, made by any connection; it
+    stays put otherwise; and it reads one row however many tasks were ever made."""
+    eng = env.engine
+    other = Database(env.cfg.db_path)  # another process's connection (the CLI's)
+    try:
+        seen = [eng.state_fingerprint()[0]]
+
+        def moved() -> bool:
+            now = eng.state_fingerprint()[0]
+            if now == seen[-1]:
+                return False
+            seen.append(now)
+            return True
+
+        assert not moved()
+        with other.transaction() as c:
+            insert_task(c, group_folder="main", chat_jid=MAIN_JID, prompt="p",
+                        schedule_type="cron", schedule_value="0 9 * * *", timezone="UTC",
+                        task_id="t1")
+        assert moved()
+        with other.transaction() as c:  # a change that leaves updated_at as it was
+            c.execute("UPDATE scheduled_tasks SET prompt = 'q' WHERE id = 't1'")
+        assert moved()
+        with env.db.transaction() as c:
+            delete_task(c, "t1")
+        assert moved()
+        assert not moved()
+    finally:
+        other.close()
+    plan = [r[3] for r in env.db.conn.execute(
+        "EXPLAIN QUERY PLAN SELECT n FROM change_counts WHERE name = 'scheduled_tasks'")]
+    assert plan == ["SEARCH change_counts USING PRIMARY KEY (name=?)"]
+
 
 def test_message_and_react_go_to_the_outbox(env: Env) -> None:
     apply_one(env, "family", {"type": "send_message", "chatJid": FAMILY_JID, "message": "hi",

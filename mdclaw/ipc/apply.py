@@ -667,10 +667,11 @@ class IpcEngine:
     def state_fingerprint(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Fingerprints of what the snapshots show: (tasks, groups and chats). They change
         when anyone commits such a change: the scheduler, `mdclaw tasks ...`, a channel
-        learning of a chat, the reconciler. The tasks part scans the table (about 16 ms at
-        100,000 tasks), so the watcher asks only after `database_changed()`."""
+        learning of a chat, the reconciler. The tasks part is the count of their changes
+        the triggers keep (migration 20: one read, however many tasks were ever made); the
+        watcher asks only after `database_changed()`."""
         tasks = self.db.query_one(
-            "SELECT count(*), max(updated_at), max(created_at) FROM scheduled_tasks")
+            "SELECT n FROM change_counts WHERE name = 'scheduled_tasks'")
         groups = self.db.query_one(
             "SELECT (SELECT count(*) FROM registered_groups),"
             " (SELECT max(coalesce(updated_at, added_at)) FROM registered_groups),"

@@ -783,6 +783,23 @@ CREATE INDEX idx_outbox_status_time ON outbox(status, updated_at);
 -- idx_outbox_open. A group's export reads the table in order anyway.
 DROP INDEX idx_outbox_chat;
 """),
+    (20, "a count of the changes to the scheduled tasks, kept by triggers", """
+-- The IPC loop's poll tick asks whether the tasks changed since its last look (every group's
+-- task snapshot is then written again): one read of this count, instead of counting every
+-- task and finding the newest change, a walk of a table that keeps every completed one-shot
+-- task (16 ms at 100,000 tasks). Any connection's change counts (the CLI's, the scheduler's).
+CREATE TABLE change_counts (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+INSERT INTO change_counts (name, n) VALUES ('scheduled_tasks', 0);
+CREATE TRIGGER scheduled_tasks_counted_ai AFTER INSERT ON scheduled_tasks BEGIN
+  UPDATE change_counts SET n = n + 1 WHERE name = 'scheduled_tasks';
+END;
+CREATE TRIGGER scheduled_tasks_counted_au AFTER UPDATE ON scheduled_tasks BEGIN
+  UPDATE change_counts SET n = n + 1 WHERE name = 'scheduled_tasks';
+END;
+CREATE TRIGGER scheduled_tasks_counted_ad AFTER DELETE ON scheduled_tasks BEGIN
+  UPDATE change_counts SET n = n + 1 WHERE name = 'scheduled_tasks';
+END;
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
