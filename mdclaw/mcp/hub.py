@@ -408,7 +408,9 @@ class McpHub:
                         left = timeout - (began - started)
                         raw = await client.call_tool(entry.name, args, max(left, 0.001))
                         record["server_seconds"] = round(time.monotonic() - began, 6)
-            except TimeoutError:
+            except (TimeoutError, CallTimeout):
+                # One deadline, one message: the call's own bound (what was left of it) and
+                # this one end at the same instant, and either may fire first.
                 raise CallTimeout(f"{entry.offered} got no result within {timeout:g} s "
                                   f"(mcp_servers.{server}.timeout)") from None
             result = await asyncio.to_thread(
