@@ -6,7 +6,9 @@ statistics of a long-lived install (ANALYZE)."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,7 +43,8 @@ def _history(db: Database, sent: int) -> dict[str, int]:
     return ids
 
 
-def _steps(db: Database, fn: object) -> tuple[object, int]:
+def _steps(db: Database, fn: Callable[[], list[dict[str, Any]]]
+           ) -> tuple[list[dict[str, Any]], int]:
     """fn()'s result and the virtual machine steps it took (in tens)."""
     steps = [0]
 
@@ -51,7 +54,7 @@ def _steps(db: Database, fn: object) -> tuple[object, int]:
 
     db.conn.set_progress_handler(tick, 10)
     try:
-        got = fn()  # type: ignore[operator]
+        got = fn()
     finally:
         db.conn.set_progress_handler(None, 0)
     return got, steps[0]
@@ -68,11 +71,11 @@ def test_the_replies_not_delivered_are_read_without_the_chats_history(
             db.conn.execute("ANALYZE")
         ch = chat_on_server(db)
         got, steps = _steps(db, lambda ch=ch: ch.pending("hl:main"))
-        assert [(r["id"], r["state"]) for r in got] == [  # type: ignore[attr-defined]
+        assert [(r["id"], r["state"]) for r in got] == [
             (ids["failed"], "failed"), (ids["pending"], "sending"), (ids["sending"], "sending")]
-        assert got[0]["error"] == "chat not found"  # type: ignore[index]
-        assert got[1]["html"] == "<p><strong>soon</strong></p>"  # type: ignore[index]
-        assert got[2]["file_name"] == "a.png"  # type: ignore[index]
+        assert got[0]["error"] == "chat not found"
+        assert got[1]["html"] == "<p><strong>soon</strong></p>"
+        assert got[2]["file_name"] == "a.png"
         plan = [r[3] for r in db.conn.execute("EXPLAIN QUERY PLAN " + PENDING_SQL,
                                               ("hl:main", 20))]
         assert plan[0] == "SEARCH outbox USING INDEX idx_outbox_status_time (status=?)", plan
