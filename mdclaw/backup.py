@@ -738,9 +738,15 @@ def _export(cfg: Config, folder: str, out: Path) -> dict[str, Any]:
                "is_bot_message, attachments FROM messages "
                f"WHERE chat_jid IN ({marks}) ORDER BY seq")
         messages = _rows(db, sql, tuple(chats)) if chats else []
+        # The rows written so far, then the replies whose rows the indexer has not written
+        # yet (read from the view that defines them: this connection may not write).
         transcript = _rows(db, "SELECT kind, direction, chat_jid, sender, task_id, ts, body "
-                               "FROM transcript WHERE group_folder = ? ORDER BY ts, id",
-                           (folder,))
+                               "FROM (SELECT kind, direction, chat_jid, sender, task_id, ts, "
+                               "body, 0 AS queued, id FROM transcript WHERE group_folder = ? "
+                               "UNION ALL SELECT 'reply', 'out', chat_jid, sender, NULL, ts, "
+                               "body, 1, id FROM transcript_queued_reply_rows "
+                               "WHERE group_folder = ?) ORDER BY ts, queued, id",
+                           (folder, folder))
         tasks = _rows(db, "SELECT * FROM scheduled_tasks WHERE group_folder = ? ORDER BY "
                           "created_at", (folder,))
         for t in tasks:

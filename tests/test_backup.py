@@ -33,6 +33,8 @@ from mdclaw.reconcile import reconcile
 from mdclaw.state import Database
 from mdclaw.state.db import _split_sql
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
+from mdclaw.state.outbox import enqueue
+from mdclaw.state.transcripts import flush_index
 from waiting import wait_until_async
 
 REPO = Path(__file__).resolve().parents[1]
@@ -423,12 +425,25 @@ def test_export_one_group(tmp_path: Path) -> None:
         c.execute("INSERT INTO chats (jid, name, last_activity) VALUES ('hl:family','F','x')")
         c.execute("INSERT INTO messages (id, chat_jid, sender, sender_name, content, "
                   "timestamp) VALUES ('m2', 'hl:family', 'u', 'U', 'not yours', 't')")
+        for n, (jid, group, text) in enumerate([
+                ("hl:main", "main", "the row written"), ("hl:family", "family", "not ours"),
+                ("hl:main", "main", "written later")]):
+            enqueue(c, chat_jid=jid, kind="text", text=text, source_group=group,
+                    now=f"2026-01-01T00:00:0{n}.000Z")
+        flush_index(c)
+        # A reply whose transcript row is not written yet: the export reads it all the same.
+        enqueue(c, chat_jid="hl:main", kind="text", text="still queued", source_group="main",
+                now="2026-01-01T00:00:01.000Z")
     out = tmp_path / "main.zip"
     p = cli("export", "--group", "main", "--out", str(out), "--config", str(config))
     assert p.returncode == 0, p.stderr
     with zipfile.ZipFile(out) as z:
         msgs = json.loads(z.read("messages.json"))
         assert [m["content"] for m in msgs] == ["hi there"]
+        said = json.loads(z.read("transcript.json"))
+        assert [(t["kind"], t["body"]) for t in said if t["direction"] == "out"] == [
+            ("reply", "the row written"), ("reply", "still queued"), ("reply", "written later")]
+        assert [t["body"] for t in said if t["direction"] == "in"] == ["hi there"]
         assert z.read("files/CLAUDE.md") == b"remember the milk\n"
     p = cli("export", "--group", "nope", "--config", str(config))
     assert p.returncode == 1 and "no group 'nope'" in p.stderr

@@ -1,8 +1,9 @@
 """The transcript's full-text index written in batches (migration 17): a stored row waits in
-`transcript_unindexed` until a batch moves it into `transcript_fts`; a search indexes what
-waits first; deletions and changes of waiting and indexed rows keep the index whole; a
-process killed (SIGKILL) before, inside and after a batch leaves every row found exactly
-once. Real SQLite (FTS5), real subprocesses, the real background thread."""
+`transcript_unindexed` until a batch moves it into `transcript_fts`; a reply waits in
+`transcript_replies_queued` until a batch writes its row (migration 21); a search works off
+both first; deletions and changes of waiting and indexed rows keep the index whole; a
+process killed (SIGKILL) before, inside and after a batch leaves every message and reply
+found exactly once. Real SQLite (FTS5), real subprocesses, the real background thread."""
 
 from __future__ import annotations
 
@@ -30,7 +31,13 @@ from mdclaw.paths import Layout
 from mdclaw.state import Database
 from mdclaw.state.conversations import StoredMessage, settle_files, store_message
 from mdclaw.state.outbox import enqueue
-from mdclaw.state.transcripts import flush_index, index_queued, rebuild_index, search
+from mdclaw.state.transcripts import (
+    flush_index,
+    index_queued,
+    rebuild_index,
+    search,
+    write_queued_replies,
+)
 from schema_at import database_at
 from waiting import wait_until
 
@@ -57,7 +64,13 @@ def integrity(conn: sqlite3.Connection) -> None:
 
 
 def queued(db: Database) -> list[int]:
+    """Transcript rows waiting for the index."""
     return [r[0] for r in db.query("SELECT id FROM transcript_unindexed ORDER BY id")]
+
+
+def replies_queued(db: Database) -> list[int]:
+    """Replies (outbox ids) waiting for their transcript row."""
+    return [r[0] for r in db.query("SELECT id FROM transcript_replies_queued ORDER BY id")]
 
 
 def indexed(db: Database) -> int:
@@ -93,21 +106,26 @@ def test_storing_queues_the_row_and_a_search_right_after_finds_it(env: Env) -> N
     db = env.db
     say(db, "the kayak is in the garage")
     rid = reply(db, "paddles are beside the kayak")
-    (m_id,) = [r[0] for r in db.query("SELECT id FROM transcript WHERE source = 'messages'")]
-    (o_id,) = [r[0] for r in db.query("SELECT id FROM transcript WHERE source = 'outbox'")]
-    # Storing wrote no index row: both wait in the queue.
-    assert queued(db) == [m_id, o_id] and indexed(db) == 0
+    (m_id,) = [r[0] for r in db.query("SELECT id FROM transcript")]
+    # Storing wrote no index row: the message's row waits in the index's queue; the reply
+    # has no row yet, it waits in the replies' queue.
+    assert queued(db) == [m_id] and replies_queued(db) == [rid] and indexed(db) == 0
     # A read-only reader (no write access) finds only what is indexed...
     ro = Database(env.cfg.db_path, readonly=True)
     try:
         assert search(ro.conn, "family", "kayak", 5) == []
-        # ...the search that may write indexes the queue first, in its own transaction.
-        assert sorted(found(db, "kayak")) == [m_id, o_id]
-        assert queued(db) == [] and indexed(db) == 2
+        # ...the search that may write works off both queues first, in its own transaction.
+        hits = found(db, "kayak")
+        (o_id,) = [r[0] for r in db.query("SELECT id FROM transcript WHERE source = 'outbox' "
+                                          "AND source_id = ?", (str(rid),))]
+        assert sorted(hits) == [m_id, o_id]
+        assert queued(db) == [] and replies_queued(db) == [] and indexed(db) == 2
         assert sorted(h.id for h in search(ro.conn, "family", "kayak", 5)) == [m_id, o_id]
     finally:
         ro.close()
-    assert rid
+    row = db.query_one("SELECT kind, direction, group_folder, chat_jid, body FROM transcript "
+                       "WHERE id = ?", (o_id,))
+    assert tuple(row) == ("reply", "out", "family", FAMILY_JID, "paddles are beside the kayak")
     integrity(db.conn)
     # Cheap and harmless when nothing waits; a search in the caller's open transaction
     # indexes inside it.
@@ -145,19 +163,23 @@ def test_deleting_and_changing_queued_and_indexed_rows_keeps_the_index_whole(env
     new_out = reply(db, "queued reply about the glacier")
     changed_q = say(db, "queued row whose words change")
     changed_i = reply(db, "indexed row whose words change")
-    with db.transaction() as c:  # index the last one only: both kinds side by side
+    with db.transaction() as c:  # the replies' rows, then index the last one only
+        assert write_queued_replies(c) == 2
         c.execute("DELETE FROM transcript_unindexed WHERE id = (SELECT max(id) FROM "
                   "transcript_unindexed)")
         c.execute("INSERT INTO transcript_fts (rowid, body, grp) SELECT id, body, grp "
                   "FROM transcript WHERE id = (SELECT max(id) FROM transcript)")
+    unwritten = reply(db, "a reply about the glacier whose row is not written yet")
     integrity(db.conn)
-    assert len(queued(db)) == 3 and indexed(db) == 3
-    # Deletions through the real triggers: a message, an outbox row, each queued and indexed.
+    assert len(queued(db)) == 3 and indexed(db) == 3 and replies_queued(db) == [unwritten]
+    # Deletions through the real triggers: a message, an outbox row, each queued and indexed,
+    # and a reply whose row is not written.
     with db.transaction() as c:
         for mid in (old_msg, new_msg):
             c.execute("DELETE FROM messages WHERE id = ?", (mid,))
-        for oid in (old_out, new_out):
+        for oid in (old_out, new_out, unwritten):
             c.execute("DELETE FROM outbox WHERE id = ?", (oid,))
+    assert replies_queued(db) == []
     integrity(db.conn)  # before any batch: the queued ones only left the queue
     # Changes of a queued row and of an indexed one.
     with db.transaction() as c:
@@ -175,23 +197,36 @@ def test_deleting_and_changing_queued_and_indexed_rows_keeps_the_index_whole(env
 
 def test_a_reused_id_is_indexed_again_whether_its_row_was_queued_or_indexed(env: Env) -> None:
     """transcript.id has no AUTOINCREMENT: the newest row deleted, the next row gets its id.
-    The queue holds ids, not a high-water mark, so the new row is indexed all the same."""
+    The queues hold ids, not a high-water mark, so the new row is indexed all the same."""
     db = env.db
     say(db, "first words")
-    oid = reply(db, "indexed then deleted: walrus")
+    mid = say(db, "indexed then deleted: walrus")
     flush_index(db.conn)
     top = int(db.scalar("SELECT max(id) FROM transcript"))
     with db.transaction() as c:
-        c.execute("DELETE FROM outbox WHERE id = ?", (oid,))
-    oid = reply(db, "reused id, queued then deleted: narwhal")
+        c.execute("DELETE FROM messages WHERE id = ?", (mid,))
+    mid = say(db, "reused id, queued then deleted: narwhal")
     assert int(db.scalar("SELECT max(id) FROM transcript")) == top and queued(db) == [top]
     with db.transaction() as c:
-        c.execute("DELETE FROM outbox WHERE id = ?", (oid,))
+        c.execute("DELETE FROM messages WHERE id = ?", (mid,))
     assert queued(db) == []
-    reply(db, "reused id again: octopus")
+    say(db, "reused id again: octopus")
     assert queued(db) == [top]
     assert found(db, "walrus") == [] and found(db, "narwhal") == []
     assert found(db, "octopus") == [top]
+    # A reply deleted after its row was written and indexed, one deleted while queued.
+    oid = reply(db, "a reply: dolphin")
+    assert len(found(db, "dolphin")) == 1
+    with db.transaction() as c:
+        c.execute("DELETE FROM outbox WHERE id = ?", (oid,))
+    oid = reply(db, "deleted while queued: manatee")
+    assert replies_queued(db) == [oid]
+    with db.transaction() as c:
+        c.execute("DELETE FROM outbox WHERE id = ?", (oid,))
+    assert replies_queued(db) == []
+    reply(db, "once more: beluga")
+    assert found(db, "dolphin") == [] and found(db, "manatee") == []
+    assert len(found(db, "beluga")) == 1
     integrity(db.conn)
 
 
@@ -278,6 +313,40 @@ def test_migration_17_keeps_existing_rows_searchable(tmp_path: Path) -> None:
         db.close()
 
 
+def test_migration_21_keeps_written_rows_and_queues_new_replies(tmp_path: Path) -> None:
+    """A database of version 20 (replies' rows written by the trigger) carried to 21: its
+    rows stay as they are, searchable, and a reply stored from then on waits for its row."""
+    path = tmp_path / "state.db"
+    conn = database_at(path, 20)
+    conn.executescript("""
+        INSERT INTO registered_groups (folder, name, jid, trigger, added_at)
+            VALUES ('fam', 'Family', 'tg:1', '@Andy', '2024-01-01T00:00:00.000Z');
+        INSERT INTO group_chats (jid, folder) VALUES ('tg:1', 'fam');
+        INSERT INTO outbox (chat_jid, kind, text, source_group, created_at, updated_at)
+            VALUES ('tg:1', 'text', 'the canoe is back', 'fam', '2024-01-01T10:01:00.000Z',
+                    'x');
+    """)
+    before = conn.execute("SELECT id, source, source_id, kind, group_folder, body "
+                          "FROM transcript").fetchall()
+    assert [r[1:] for r in before] == [("outbox", "1", "reply", "fam", "the canoe is back")]
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.user_version >= 21
+        assert [tuple(r) for r in db.query("SELECT id, source, source_id, kind, group_folder, "
+                                           "body FROM transcript")] == before
+        assert replies_queued(db) == []
+        with db.transaction() as c:
+            oid = enqueue(c, chat_jid="tg:1", kind="text", text="a second canoe",
+                          source_group="fam")
+        assert replies_queued(db) == [oid]
+        assert len(search(db.conn, "fam", "canoe", 50)) == 2
+        assert replies_queued(db) == [] and queued(db) == []
+        integrity(db.conn)
+    finally:
+        db.close()
+
+
 # --------------------------------------------------------------------------- the batches
 
 def test_a_trickle_is_indexed_about_once_a_second_by_the_background_thread(
@@ -305,10 +374,11 @@ def test_a_trickle_is_indexed_about_once_a_second_by_the_background_thread(
             reply(db, f"answer{i}")
             time.sleep(0.05)
         # Each batch counted once its call returns (after its COMMIT: the queue is seen
-        # empty a moment before the last batch is counted).
-        wait_until(lambda: sum(batches) == 81, what="the trickle indexed")
+        # empty a moment before the last batch is counted). A reply counts twice: its row
+        # written, then indexed.
+        wait_until(lambda: sum(batches) == 121, what="the trickle indexed")
         took = time.monotonic() - started
-        assert queued(db) == []
+        assert queued(db) == [] and replies_queued(db) == []
         # 80 rows over 2 s (longer on a loaded machine): a batch a second or so, not one a
         # row; the start's batch, and one more for the second the trickle ends in.
         assert len(batches) <= 2 + math.ceil(took / writers.INDEX_EVERY), (batches, took)
@@ -488,10 +558,11 @@ def _check_after_restart(env: Env, tried: range, stored: set[int], deleted: set[
     Returns how many rows were still queued at the restart."""
     db = Database(env.cfg.db_path)
     try:
-        left = len(queued(db))
+        left = len(queued(db)) + len(replies_queued(db))
         w = SnapshotWriter(env.cfg.db_path, Layout(env.data))
         try:
-            wait_until(lambda: not queued(db), what="the start-up batch")
+            wait_until(lambda: not queued(db) and not replies_queued(db),
+                       what="the start-up batch")
         finally:
             w.close()
         integrity(db.conn)

@@ -3,19 +3,26 @@
 The `transcript` table (migration 10) holds one row per thing said in a group's
 conversation: inbound messages (kind `message`, direction `in`), what the host sent to the
 chat (kind `reply`, direction `out`) and the output of scheduled task runs (kind `task`).
-Triggers on `messages`, `outbox` and `task_run_logs` write it in the transaction that stores
-the source row.
+Triggers on `messages` and `task_run_logs` write it in the transaction that stores the
+source row. A reply's row is written later (migration 21): storing an outbox text or file
+only queues its id in `transcript_replies_queued` (a command's transaction is then about
+30 us shorter), and the indexer writes the rows of queued replies from the view
+`transcript_queued_reply_rows`, the one definition of a reply's row; a task run that
+succeeds writes the queued ones first, in its own transaction, so that it can relabel them.
 
-The FTS5 index `transcript_fts` is written in batches, not in that transaction (migration
-17): a new transcript row only queues its id in `transcript_unindexed`, and `index_queued`
-moves queued rows into the index, a batch in one transaction (the index's rows and the
-queue's deletions commit together, so after a crash every row is queued or indexed, exactly
-one of the two). The daemon's background thread of the IPC watcher runs `flush_index` about
-once a second and at start (mdclaw/ipc/writers.py); `search` first indexes whatever is still
-queued, in its own transaction, so whatever was stored before a search is found. Triggers on
-`transcript` keep the index in step with deletions and changes: a queued row deleted only
-leaves the queue (the index's 'delete' of a row it does not hold corrupts it), a queued row
-changed needs nothing (it is indexed as it is when its batch comes).
+The FTS5 index `transcript_fts` is written in batches, not in the storing transaction
+(migration 17): a new transcript row only queues its id in `transcript_unindexed`.
+`index_queued` is one batch, one transaction: it writes the rows of queued replies and
+moves queued rows into the index (the rows, the index's rows and the queues' deletions
+commit together, so after a crash every reply is queued or has its row, every row is queued
+or indexed, exactly one of the two each). The daemon's background thread of the IPC watcher
+runs `flush_index` about once a second and at start (mdclaw/ipc/writers.py); `search` first
+works off both queues, in its own transaction, so whatever was stored before a search is
+found. A reader that may not write (a read-only export) reads the queued replies' rows from
+the view. Triggers on `transcript` keep the index in step with deletions and changes: a
+queued row deleted only leaves the queue (the index's 'delete' of a row it does not hold
+corrupts it), a queued row changed needs nothing (it is indexed as it is when its batch
+comes); a reply deleted leaves the reply queue or has its row deleted.
 
 The index uses `porter unicode61 remove_diacritics 2`: words are folded to lower case
 without accents (so `cafe` finds `café`), then reduced to their English stem, so an agent
@@ -119,21 +126,44 @@ def match_expression(folder: str, query: str) -> str | None:
 # --------------------------------------------------------------------------- the index queue
 
 def has_queued(conn: sqlite3.Connection) -> bool:
-    """Whether any transcript row waits to be indexed (one seek of a small table)."""
-    return conn.execute("SELECT 1 FROM transcript_unindexed LIMIT 1").fetchone() is not None
+    """Whether any reply waits for its transcript row or any transcript row waits to be
+    indexed (a seek of each of two small tables)."""
+    return conn.execute("SELECT EXISTS (SELECT 1 FROM transcript_replies_queued) "
+                        "OR EXISTS (SELECT 1 FROM transcript_unindexed)").fetchone()[0] == 1
 
 
-def index_queued(conn: sqlite3.Connection, limit: int = INDEX_BATCH) -> int:
-    """Move the `limit` lowest queued rows into the full-text index and out of the queue;
-    return how many. Call inside a write transaction: both statements commit together."""
-    hi = conn.execute("SELECT max(id) FROM (SELECT id FROM transcript_unindexed "
+def write_queued_replies(conn: sqlite3.Connection, limit: int = INDEX_BATCH) -> int:
+    """Write the transcript rows of the `limit` lowest queued replies (their rows then wait
+    to be indexed) and take them out of the queue; return how many left it. Call inside a
+    write transaction: both statements commit together."""
+    hi = conn.execute("SELECT max(id) FROM (SELECT id FROM transcript_replies_queued "
                       "ORDER BY id LIMIT ?)", (limit,)).fetchone()[0]
     if hi is None:
         return 0
+    conn.execute("INSERT OR IGNORE INTO transcript (source, source_id, kind, direction, "
+                 "group_folder, chat_jid, sender, ts, body) "
+                 "SELECT 'outbox', CAST(id AS TEXT), 'reply', 'out', group_folder, chat_jid, "
+                 "sender, ts, body FROM transcript_queued_reply_rows WHERE id <= ? "
+                 "ORDER BY id", (hi,))
+    return conn.execute("DELETE FROM transcript_replies_queued WHERE id <= ?",
+                        (hi,)).rowcount
+
+
+def index_queued(conn: sqlite3.Connection, limit: int = INDEX_BATCH) -> int:
+    """One batch: write the rows of the `limit` lowest queued replies, then move the `limit`
+    lowest queued rows into the full-text index and out of the queue; return how many rows
+    it took out of the two queues (less than `limit`: both are empty now). Call inside a
+    write transaction: every statement commits together."""
+    written = write_queued_replies(conn, limit)
+    hi = conn.execute("SELECT max(id) FROM (SELECT id FROM transcript_unindexed "
+                      "ORDER BY id LIMIT ?)", (limit,)).fetchone()[0]
+    if hi is None:
+        return written
     conn.execute("INSERT INTO transcript_fts (rowid, body, grp) "
                  "SELECT t.id, t.body, t.grp FROM transcript_unindexed q "
                  "JOIN transcript t ON t.id = q.id WHERE q.id <= ? ORDER BY q.id", (hi,))
-    return conn.execute("DELETE FROM transcript_unindexed WHERE id <= ?", (hi,)).rowcount
+    return written + conn.execute("DELETE FROM transcript_unindexed WHERE id <= ?",
+                                  (hi,)).rowcount
 
 
 def _readonly(e: sqlite3.Error) -> bool:
@@ -143,8 +173,9 @@ def _readonly(e: sqlite3.Error) -> bool:
 
 def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH, *,
                 yielding: bool = False) -> int:
-    """Index every queued row, `batch` rows per transaction of its own (in the caller's
-    transaction instead when `conn` is in one); return how many. Cheap when nothing is
+    """Write every queued reply's row and index every queued row, `batch` of each per
+    transaction of its own (in the caller's transaction instead when `conn` is in one);
+    return how many rows it took out of the two queues. Cheap when nothing is
     queued. A connection that may not write indexes nothing (0). `yielding`: between two
     batches, wait as long as the last one took, so other writers (the event loop's
     commits) get the write lock in between while a long queue is worked off."""
@@ -154,6 +185,8 @@ def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH, *,
         done = 0
         while n := index_queued(conn, batch):
             done += n
+            if n < batch:
+                break
         return done
     done = 0
     while True:
@@ -214,11 +247,3 @@ def search(conn: sqlite3.Connection, folder: str, query: str,
     ).fetchall()
     return [TranscriptHit(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8] or "",
                           round(-float(r[9]), 6)) for r in rows]
-
-
-def count_rows(conn: sqlite3.Connection, folder: str | None = None) -> int:
-    """How many transcript rows there are (of `folder`, or of every group)."""
-    if folder is None:
-        return int(conn.execute("SELECT COUNT(*) FROM transcript").fetchone()[0])
-    return int(conn.execute("SELECT COUNT(*) FROM transcript WHERE group_folder = ?",
-                            (folder,)).fetchone()[0])
