@@ -269,16 +269,23 @@ def test_the_index_delete_of_a_row_it_does_not_hold_is_what_the_check_catches(
         integrity(db.conn)
 
 
-# --------------------------------------------------------------------------- migration 17
+# --------------------------------------------------------------------------- migrations 17, 21
 
 
-def test_migration_17_keeps_existing_rows_searchable(tmp_path: Path) -> None:
-    path = tmp_path / "state.db"
-    conn = database_at(path, 16)
+def family_at(path: Path, version: int, rows: str) -> sqlite3.Connection:
+    """A database at `version` with the group 'fam' (its chat 'tg:1') and `rows` (SQL)."""
+    conn = database_at(path, version)
     conn.executescript("""
         INSERT INTO registered_groups (folder, name, jid, trigger, added_at)
             VALUES ('fam', 'Family', 'tg:1', '@Andy', '2024-01-01T00:00:00.000Z');
         INSERT INTO group_chats (jid, folder) VALUES ('tg:1', 'fam');
+    """ + rows)
+    return conn
+
+
+def test_migration_17_keeps_existing_rows_searchable(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    conn = family_at(path, 16, """
         INSERT INTO chats (jid, last_activity) VALUES ('tg:1', 'x');
         INSERT INTO messages (id, chat_jid, sender, sender_name, content, timestamp)
             VALUES ('m1', 'tg:1', 'u', 'Ann', 'the canoe is in the garage',
@@ -317,11 +324,7 @@ def test_migration_21_keeps_written_rows_and_queues_new_replies(tmp_path: Path) 
     """A database of version 20 (replies' rows written by the trigger) carried to 21: its
     rows stay as they are, searchable, and a reply stored from then on waits for its row."""
     path = tmp_path / "state.db"
-    conn = database_at(path, 20)
-    conn.executescript("""
-        INSERT INTO registered_groups (folder, name, jid, trigger, added_at)
-            VALUES ('fam', 'Family', 'tg:1', '@Andy', '2024-01-01T00:00:00.000Z');
-        INSERT INTO group_chats (jid, folder) VALUES ('tg:1', 'fam');
+    conn = family_at(path, 20, """
         INSERT INTO outbox (chat_jid, kind, text, source_group, created_at, updated_at)
             VALUES ('tg:1', 'text', 'the canoe is back', 'fam', '2024-01-01T10:01:00.000Z',
                     'x');
