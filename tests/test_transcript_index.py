@@ -150,6 +150,16 @@ def test_batches_take_the_lowest_ids_first_and_keep_the_rest_queued(env: Env) ->
     assert queued(db) == [] and indexed(db) == 7
     assert [found(db, f"number{i}") for i in range(7)] == [[i_] for i_ in ids]
     integrity(db.conn)
+    # A reply is a full batch of 2 (its row written, then indexed) that empties both queues:
+    # one transaction, not a second, empty one.
+    reply(db, "one reply")
+    commits: list[str] = []
+    db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    try:
+        assert flush_index(db.conn, batch=2) == 2
+    finally:
+        db.conn.set_trace_callback(None)
+    assert commits == ["COMMIT"] and queued(db) == [] and replies_queued(db) == []
 
 
 # --------------------------------------------------------------------------- deletes, changes

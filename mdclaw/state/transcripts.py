@@ -185,7 +185,7 @@ def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH, *,
         done = 0
         while n := index_queued(conn, batch):
             done += n
-            if n < batch:
+            if n < batch or not has_queued(conn):
                 break
         return done
     done = 0
@@ -209,7 +209,9 @@ def flush_index(conn: sqlite3.Connection, batch: int = INDEX_BATCH, *,
             raise
         conn.execute("COMMIT")
         done += n
-        if n < batch:
+        # Fewer than a batch: both queues are empty. A full one (replies written and rows
+        # indexed count together) may have emptied them as well: no empty transaction then.
+        if n < batch or not has_queued(conn):
             return done
         if yielding:
             time.sleep(max(0.001, time.monotonic() - started))
