@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO
 from ipc_helpers import Env, schedule_body
+from mdclaw.ipc import files as files_mod
 from mdclaw.ipc.watcher import IpcWatcher
 from mdclaw.state import Database
 from waiting import wait_until, wait_until_async
@@ -287,6 +288,64 @@ def test_a_lost_event_is_found_by_the_rotation_and_a_tick_looks_at_a_slice(
         run_loop(e, body, poll_interval=0.1, safety_rescan=1.0)
     finally:
         e.close()
+
+
+def test_a_trickle_is_taken_from_the_names_inotify_reported_without_listing(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a folder was listed under its watch, a command arriving alone is read by the name
+    its event gave: the folder is not listed again for each one (the listing was a tenth of
+    a lone command's cost)."""
+    listings: list[int] = []
+    real = files_mod.agentfs.listdir
+
+    def counting(fd: int) -> list[str]:
+        listings.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(files_mod.agentfs, "listdir", counting)
+
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None
+        env.write("family", {"type": "message", "text": "first"}, sub="messages")
+        await wait_until_async(lambda: len(env.outbox()) == 1)
+        before = len(listings)
+        for i in range(20):
+            env.write("family", {"type": "message", "text": f"m{i}"}, sub="messages")
+            await wait_until_async(lambda n=i + 2: len(env.outbox()) == n)
+        assert len(listings) == before  # twenty commands, no listing
+
+    run_loop(env, body, poll_interval=3600, safety_rescan=3600)
+    assert [r["text"] for r in env.outbox()] == ["first"] + [f"m{i}" for i in range(20)]
+
+
+def test_a_folder_watched_anew_is_listed_before_its_names_are_trusted(env: Env) -> None:
+    """The kernel dropped a folder's watch (IN_IGNORED; here rm_watch): files that came
+    while it was unwatched raised no event. Once the watch is placed again, the next round
+    lists the folder instead of trusting only the new names, so they are not left for the
+    rotation (an hour away here)."""
+    messages = env.ipc / "family" / "messages"
+    staging = env.ipc / "family" / "staging"
+    staging.mkdir()
+
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None
+        env.write("family", {"type": "message", "text": "first"}, sub="messages")
+        await wait_until_async(lambda: len(env.outbox()) == 1)  # listed under its watch
+        old_wd = w._watched[("family", "messages")][0]  # noqa: SLF001
+        w.inotify.rm_watch(old_wd)
+        # While nothing watches the folder (the loop runs none of this until the await):
+        (staging / "a.json").write_text(json.dumps({"type": "message", "text": "unseen a"}))
+        os.link(staging / "a.json", messages / "a.json")
+        os.unlink(staging / "a.json")
+        env.write("family", {"type": "message", "text": "unseen b"}, sub="messages")
+        await wait_until_async(lambda: w._watched.get(("family", "messages"),  # noqa: SLF001
+                                                      (old_wd,))[0] != old_wd)
+        env.write("family", {"type": "message", "text": "seen c"}, sub="messages")
+        await wait_until_async(lambda: len(env.outbox()) == 4, timeout=5)
+
+    run_loop(env, body, poll_interval=3600, safety_rescan=3600)
+    assert sorted(r["text"] for r in env.outbox()) == ["first", "seen c", "unseen a",
+                                                       "unseen b"]
 
 
 def test_inotify_queue_overflow_triggers_a_full_scan(env: Env) -> None:

@@ -108,6 +108,10 @@ class _DirState:
     # instead of listing the folder again (a flooded folder is listed once per drain, not
     # once per batch).
     queue: list[str] = field(default_factory=list)
+    # The queue is all there is: the folder was listed while inotify watched it (its watch
+    # was placed before that listing, and not replaced since). A round that brings names
+    # then takes them from the queue even when it is empty, without a listing.
+    known: bool = False
 
 
 @dataclass
@@ -202,7 +206,8 @@ class GroupDirs:
         nothing (and was taken well after that mtime) is not listed again. `names` (only
         from inotify, which reports every file arriving in a watched folder) are the names
         that arrived per folder since the last call: a folder whose queue of known names is
-        not empty is then served from it, without a listing.
+        not empty, or that was listed under its watch and has new names, is then served
+        from its queue, without a listing.
         """
         out: list[tuple[str, str]] = []
         for sub in subs:
@@ -210,9 +215,10 @@ class GroupDirs:
             if fd is None:
                 continue
             st_dir = self.dirs[sub]
-            if names is not None and st_dir.queue:
+            new = None if names is None else names.get(sub)
+            if names is not None and (st_dir.queue or (new and st_dir.known)):
                 q = st_dir.queue
-                for n in names.get(sub, ()):
+                for n in new or ():
                     i = bisect.bisect_left(q, n)
                     if i == len(q) or q[i] != n:
                         q.insert(i, n)
@@ -223,6 +229,7 @@ class GroupDirs:
                 continue
             listed = sorted(n for n in agentfs.listdir(fd) if is_candidate(n))
             st_dir.queue = listed
+            st_dir.known = True
             # A listing is "clean" only if the folder was last changed well before it, so a
             # file created in the same timestamp tick cannot hide behind an unchanged mtime.
             clean = not listed and time.time_ns() - mtime > 50_000_000
@@ -230,6 +237,13 @@ class GroupDirs:
             out.extend((n, sub) for n in (listed if limit is None else listed[:limit]))
         out.sort()
         return out if limit is None else out[:limit]
+
+    def watched(self, sub: str) -> None:
+        """A watch was just placed on command folder `sub`: names it did not see may be
+        waiting, so the next round lists the folder before its queue is trusted alone."""
+        st_dir = self.dirs.get(sub)
+        if st_dir is not None:
+            st_dir.known = False
 
     def finished(self, sub: str, names: set[str]) -> None:
         """Forget `names` (applied, rejected, gone) from the folder's queue of known names."""

@@ -188,7 +188,10 @@ class IpcWatcher:
                 if fd is None:
                     self._drop_watch((folder, sub))
                 else:
+                    before = self._watched.get((folder, sub))
                     covered = self._add_watch((folder, sub), fd, DIR_MASK) and covered
+                    if before is None or self._watched.get((folder, sub)) != before:
+                        gd.watched(sub)  # files may have come before this watch, unseen
             if gd.group_fd is not None:
                 covered = self._add_watch((folder, None), gd.group_fd, GROUP_MASK) and covered
             else:
