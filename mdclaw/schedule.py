@@ -8,6 +8,7 @@ person lives, across daylight-saving changes.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Literal
@@ -42,6 +43,22 @@ def get_zone(name: str) -> ZoneInfo:
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+# The last second iso_now formatted, and its text: (seconds since the epoch, text).
+_second: tuple[int, str] = (-1, "")
+
+
+def iso_now() -> str:
+    """The current time as `to_iso(utc_now())` gives it (ISO-8601 UTC, milliseconds, Z),
+    without an aware datetime; the text of the second is kept, so the calls within one
+    second (every round of a burst, the `sent` marks) format only their milliseconds."""
+    global _second
+    s, ns = divmod(time.time_ns(), 1_000_000_000)
+    second = _second
+    if second[0] != s:
+        second = _second = (s, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)))
+    return f"{second[1]}.{ns // 1_000_000:03d}Z"
 
 
 def to_iso(dt: datetime) -> str:

@@ -248,3 +248,17 @@ def test_a_repeated_hour_at_the_end_of_the_day_fires() -> None:
     got = schedule.next_cron("30 23 * * *", "America/Santiago",
                              datetime(2023, 4, 2, 2, 35, tzinfo=UTC))
     assert got == datetime(2023, 4, 3, 3, 30, tzinfo=UTC)
+
+
+def test_iso_now_is_the_time_to_iso_gives_and_moves_on_with_the_second() -> None:
+    """iso_now keeps the text of the second it last formatted: a call in a later second
+    must not reuse it (here the kept second is made stale on purpose), and every call reads
+    the same clock, in the same format, as to_iso(utc_now())."""
+    for _ in range(2000):
+        before = schedule.to_iso(schedule.utc_now())
+        now = schedule.iso_now()
+        after = schedule.to_iso(schedule.utc_now())
+        assert before <= now <= after and len(now) == len(before)
+    schedule._second = (schedule._second[0] - 1, "1999-01-01T00:00:00")  # noqa: SLF001
+    assert schedule.iso_now() >= before
+    assert schedule.to_iso(schedule.from_iso(schedule.iso_now())) <= schedule.iso_now()

@@ -73,7 +73,7 @@ from mdclaw.ipc.spool import check_source, spool_pending
 from mdclaw.ipc.writers import write_action_result, write_snapshots
 from mdclaw.paths import Layout
 from mdclaw.people import People
-from mdclaw.schedule import to_iso, utc_now
+from mdclaw.schedule import iso_now, to_iso, utc_now
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, delete_group, list_groups, upsert_group
 from mdclaw.state.outbox import OutboxRow, enqueue, has_open_rows
@@ -93,13 +93,6 @@ log = logging.getLogger("mdclaw.ipc")
 
 LEDGER_KEEP = timedelta(days=7)
 SETTLE_NS = 1_000_000_000  # the watcher looks again at an unparsable file younger than this
-
-
-def iso_now() -> str:
-    """The current time as `to_iso(utc_now())` gives it (ISO-8601 UTC, milliseconds, Z),
-    without building an aware datetime: a round takes its one timestamp from here."""
-    s, ns = divmod(time.time_ns(), 1_000_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)) + f".{ns // 1_000_000:03d}Z"
 
 
 # Commands whose apply makes every check first and then writes one row with one statement

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mdclaw.errors import StateError
-from mdclaw.schedule import to_iso, utc_now
+from mdclaw.schedule import iso_now, to_iso
 from mdclaw.state.migrations import LATEST_VERSION, MIGRATIONS
 
 DEFAULT_AUTOCHECKPOINT = 1000  # SQLite's: WAL frames after which a commit checkpoints
@@ -29,7 +29,7 @@ class DatabaseError(StateError, RuntimeError):
 
 def now_iso(dt: datetime | None = None) -> str:
     """The current time (or `dt`) as ISO-8601 UTC with a trailing Z."""
-    return to_iso(dt or utc_now())
+    return iso_now() if dt is None else to_iso(dt)
 
 
 class Database:
