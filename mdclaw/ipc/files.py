@@ -81,6 +81,10 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+# One decoder for every command: json.loads with hooks builds a new one each call.
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+
+
 def decode_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Decode UTF-8 JSON with bounded depth. Raises Rejected saying what is wrong."""
     try:
@@ -90,7 +94,7 @@ def decode_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if json_depth_exceeds(data, max_depth):
         raise Rejected(f"JSON nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError) as e:
         raise Rejected(f"invalid JSON: {e}") from None
 
