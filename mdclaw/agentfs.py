@@ -540,10 +540,23 @@ def open_regular(dir_fd: int, name: str, max_bytes: int, *,
     return fd, st
 
 
-def read_fd_bounded(fd: int, max_bytes: int) -> bytes | None:
-    """Read `fd` to its end, at most `max_bytes`; None when there is more (it grew)."""
+def read_fd_bounded(fd: int, max_bytes: int, size: int | None = None) -> bytes | None:
+    """Read `fd` to its end, at most `max_bytes`; None when there is more (it grew).
+
+    `size` (a regular file's size as fstat gave it) is asked for first, one byte more: a
+    file that still has that size ends there, which is known from that one read (a read of
+    a regular file comes back short only at its end), without a buffer of COPY_CHUNK and a
+    second read for the end."""
     chunks = []
     left = max_bytes + 1
+    if size is not None and size < max_bytes:
+        chunk = os.read(fd, size + 1)
+        if len(chunk) == size:
+            return chunk
+        chunks.append(chunk)
+        left -= len(chunk)
+        if not chunk:
+            left = 0
     while left > 0:
         chunk = os.read(fd, min(left, COPY_CHUNK))
         if not chunk:
@@ -562,7 +575,7 @@ def read_file(dir_fd: int, name: str, max_bytes: int) -> FileData:
     """
     fd, st = open_regular(dir_fd, name, max_bytes)
     try:
-        data = read_fd_bounded(fd, max_bytes)
+        data = read_fd_bounded(fd, max_bytes, st.st_size)
     finally:
         os.close(fd)
     gen = generation(st)

@@ -363,3 +363,25 @@ def test_a_file_too_large_at_the_check_is_refused_without_reading(world: World) 
     assert world.env.outbox() == []
     errors = [json.loads(p.read_text()) for p in world.env.errors.glob("*.error.json")]
     assert any("too large" in e["error"] for e in errors), errors
+
+
+@pytest.mark.parametrize(("written", "size", "limit", "expected"), [
+    (b"12345", 5, 100, b"12345"),            # the size fstat gave: one read
+    (b"", 0, 100, b""),                      # empty, and still empty
+    (b"1234567890", 5, 100, b"1234567890"),  # grew after the fstat: read to its end
+    (b"1234", 10, 100, b"1234"),             # shrank after the fstat: what is there
+    (b"x" * 150, 5, 100, None),              # grew past the limit: refused
+    (b"x" * 150, 150, 100, None),            # larger than the limit from the start
+])
+def test_a_bounded_read_with_the_size_fstat_gave(tmp_path: Path, written: bytes, size: int,
+                                                 limit: int, expected: bytes | None) -> None:
+    """read_fd_bounded asks for the size it is told plus one byte: a file of that size is
+    read in one call, and one whose size moved is still read to its end (or refused past
+    the limit), never cut at the size it had."""
+    p = tmp_path / "f"
+    p.write_bytes(written)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert agentfs.read_fd_bounded(fd, limit, size) == expected
+    finally:
+        os.close(fd)
