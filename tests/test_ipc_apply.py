@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import sqlite3
 import stat
 import time
 from datetime import UTC, datetime, timedelta
@@ -23,6 +24,7 @@ from mdclaw.ipc.writers import write_close, write_follow_up, write_snapshots
 from mdclaw.schedule import from_iso
 from mdclaw.state import Database
 from mdclaw.state.tasks import delete_task, insert_task
+from schema_at import database_at
 
 
 @pytest.fixture
@@ -406,6 +408,36 @@ def test_same_name_same_content_written_again_is_a_new_command(env: Env) -> None
         env.drain()
     assert [r["text"] for r in env.outbox()] == ["again", "again"]
     assert env.db.query_one("SELECT count(*) FROM ipc_ledger")[0] == 2
+
+
+def test_migration_22_keeps_the_ledger_in_one_b_tree_with_every_row(tmp_path: Path) -> None:
+    """The ledger of a schema-21 database is rebuilt WITHOUT ROWID: the same rows, the key
+    still unique, a batch's lookup a search of the key's B-tree, pruning by the time index."""
+    path = tmp_path / "state.db"
+    old = database_at(path, 21)
+    rows = [("family", f"messages/{i}.json", f"h{i}@1", "message",
+             "applied" if i % 3 else "rejected", None if i % 3 else "unauthorized: x",
+             f"2026-01-0{1 + i % 5}T00:00:00.000Z") for i in range(50)]
+    old.executemany("INSERT INTO ipc_ledger VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+    old.close()
+    db = Database(path)
+    try:
+        assert db.user_version >= 22
+        assert sorted(tuple(r) for r in db.query("SELECT * FROM ipc_ledger")) == sorted(rows)
+        sql = db.query_one("SELECT sql FROM sqlite_master WHERE name = 'ipc_ledger'")[0]
+        assert "WITHOUT ROWID" in sql
+        with pytest.raises(sqlite3.IntegrityError):
+            with db.transaction() as c:
+                c.execute("INSERT INTO ipc_ledger VALUES (?, ?, ?, ?, ?, ?, ?)", rows[0])
+        plan = " ".join(r[3] for r in db.query(
+            "EXPLAIN QUERY PLAN SELECT file_name, content_hash, outcome, detail FROM ipc_ledger"
+            " WHERE group_folder = ? AND file_name IN (?, ?)", ("family", "a", "b")))
+        assert "USING PRIMARY KEY" in plan and "SCAN" not in plan
+        plan = " ".join(r[3] for r in db.query(
+            "EXPLAIN QUERY PLAN DELETE FROM ipc_ledger WHERE processed_at < ?", ("x",)))
+        assert "idx_ipc_ledger_processed_at" in plan
+    finally:
+        db.close()
 
 
 # --------------------------------------------------------------------------- quarantine

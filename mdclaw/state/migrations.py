@@ -858,6 +858,28 @@ BEGIN
   DELETE FROM transcript_replies_queued;
 """ + _TASK_RUN_ROWS + """END;
 """),  # noqa: S608 - fixed text: the task run's transcript rows, no value from outside
+    (22, "the IPC ledger is one B-tree keyed by its primary key (WITHOUT ROWID)", """
+-- A command's ledger row was written to the table and to the index of its primary key,
+-- and its lookup read both: now the key's B-tree holds the row, one page fewer a command.
+-- The rows are the same; the index by time (pruning) stays.
+CREATE TABLE ipc_ledger_keyed (
+  group_folder TEXT NOT NULL,
+  file_name TEXT NOT NULL,
+  content_hash TEXT NOT NULL,
+  command_type TEXT,
+  outcome TEXT NOT NULL CHECK(outcome IN ('applied', 'rejected')),
+  detail TEXT,
+  processed_at TEXT NOT NULL,
+  PRIMARY KEY (group_folder, file_name, content_hash)
+) WITHOUT ROWID;
+INSERT INTO ipc_ledger_keyed (group_folder, file_name, content_hash, command_type, outcome,
+    detail, processed_at)
+  SELECT group_folder, file_name, content_hash, command_type, outcome, detail, processed_at
+  FROM ipc_ledger;
+DROP TABLE ipc_ledger;
+ALTER TABLE ipc_ledger_keyed RENAME TO ipc_ledger;
+CREATE INDEX idx_ipc_ledger_processed_at ON ipc_ledger(processed_at);
+"""),
 ]
 
 LATEST_VERSION = MIGRATIONS[-1][0]
