@@ -31,7 +31,7 @@ _MESSAGE_TRANSCRIPT_ROW_CHATS = _MESSAGE_TRANSCRIPT_ROW.replace(
     "FROM registered_groups g,", "FROM group_chats g,")
 assert _MESSAGE_TRANSCRIPT_ROW_CHATS != _MESSAGE_TRANSCRIPT_ROW
 
-# The IPC ledger's columns and key (migration 1's table, rebuilt WITHOUT ROWID by 22).
+# The IPC ledger's columns and key (migration 2's table, rebuilt WITHOUT ROWID by 22).
 _LEDGER_COLUMNS = """\
   group_folder TEXT NOT NULL,
   file_name TEXT NOT NULL,
