@@ -544,19 +544,17 @@ def read_fd_bounded(fd: int, max_bytes: int, size: int | None = None) -> bytes |
     """Read `fd` to its end, at most `max_bytes`; None when there is more (it grew).
 
     `size` (a regular file's size as fstat gave it) is asked for first, one byte more: a
-    file that still has that size ends there, which is known from that one read (a read of
-    a regular file comes back short only at its end), without a buffer of COPY_CHUNK and a
-    second read for the end."""
+    read of a regular file comes back short only at its end, so a file that did not grow
+    is read in that one call, without a buffer of COPY_CHUNK and a second read for the end.
+    One that grew goes on being read."""
     chunks = []
     left = max_bytes + 1
     if size is not None and size < max_bytes:
         chunk = os.read(fd, size + 1)
-        if len(chunk) == size:
-            return chunk
+        if len(chunk) <= size:
+            return chunk  # short: the end
         chunks.append(chunk)
         left -= len(chunk)
-        if not chunk:
-            left = 0
     while left > 0:
         chunk = os.read(fd, min(left, COPY_CHUNK))
         if not chunk:
