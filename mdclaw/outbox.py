@@ -30,7 +30,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import random
 import time
@@ -261,29 +260,46 @@ class OutboxWorker:
     # ------------------------------------------------------------------ worker
     def _start_drain(self, head: OutboxRow, n: int | None,
                      claimed: list[OutboxRow] | None = None) -> None:
-        task = asyncio.create_task(self._drain_chat(head, n, ROUND_PER_CHAT, first=claimed))
+        task = asyncio.create_task(self._drain_then_look(head, n, claimed))
         self._active[head.chat_jid] = task
-        task.add_done_callback(functools.partial(
-            self._drain_ended, head.chat_jid, self._wakes if claimed else None))
 
-    def _drain_ended(self, jid: str, wakes: int | None, task: asyncio.Task[int]) -> None:
+    async def _drain_then_look(self, head: OutboxRow, n: int | None,
+                               claimed: list[OutboxRow] | None) -> int:
+        """A drain of the worker's (_drain_chat), then what its end calls for. A drain of
+        rows handed over that delivered them, with no row queued since, ends here, in its
+        own step: no done-callback, so no further turn of the loop for a message at a
+        trickle. Otherwise the chat is looked at again a turn later (_drain_ended), once
+        the `sent` marks queued behind the drain are written."""
+        jid = head.chat_jid
+        wakes = self._wakes if claimed else None
+        try:
+            done = await self._drain_chat(head, n, ROUND_PER_CHAT, first=claimed)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the worker goes on: a full look shortly
+            log.error("outbox: delivery to %s failed: %r; trying again shortly", jid, e)
+            self._retry_at = time.monotonic() + 1.0
+            self.wake()
+            return 0
+        if self._stopping:
+            return done
+        if wakes == self._wakes and claimed is not None and done == len(claimed):
+            # The rows handed over, delivered, and nobody queued a row since (whoever
+            # does wakes the worker): the chat has nothing more to look for.
+            return done
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().call_soon(self._drain_ended, jid, task)
+        return done
+
+    def _drain_ended(self, jid: str, task: asyncio.Task[int]) -> None:
         if self._active.get(jid) is task:
             del self._active[jid]
         elif jid in self._active:
             # The chat has a newer drain already (its next message was handed over as this
             # one ended: the chat had no unfinished row then): rows after it are its own.
             return
-        if task.cancelled() or self._stopping:
-            return
-        if wakes == self._wakes and task.exception() is None and task.result() == 1:
-            # A handed-over row, delivered, and nobody queued a row since (whoever does
-            # wakes the worker): the chat has nothing more to look for.
-            return
-        if task.exception() is not None:
-            log.error("outbox: delivery to %s failed: %r; trying again shortly", jid,
-                      task.exception())
-            self._retry_at = time.monotonic() + 1.0
-            self.wake()
+        if self._stopping:
             return
         # Rows the chat got while its drain ran: look at this chat alone (a seek in its
         # index), not at every chat's head (a walk of every unfinished row).

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -95,6 +96,12 @@ class Counting(OutboxWorker):
     async def _claim(self, rows, **kw):  # noqa: ANN001, ANN003, ANN202
         self.claims += 1
         return await super()._claim(rows, **kw)
+
+
+def open_rows(db: Database, jid: str) -> int:
+    """The chat's rows not yet sent or failed."""
+    return int(db.scalar("SELECT count(*) FROM outbox WHERE chat_jid = ? AND status IN "
+                         "('pending', 'sending')", (jid,)))
 
 
 def test_a_message_to_an_idle_chat_goes_out_without_a_look_or_a_claim(tmp_path: Path) -> None:
@@ -368,3 +375,61 @@ def test_a_handed_over_message_is_marked_in_the_turn_it_goes_out(tmp_path: Path)
             db.close()
 
     asyncio.run(main())
+
+
+class CountingSelector(selectors.DefaultSelector):  # type: ignore[misc, valid-type]
+    """The event loop's selector, noting the timeout of every wait: 0 is a turn with work
+    ready (a callback queued), more is the loop going idle. `idle`, if set, is resolved
+    the first time the loop would go idle (and the loop goes on at once, to see it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+        self.idle: asyncio.Future[None] | None = None
+
+    def select(self, timeout=None):  # noqa: ANN001, ANN201
+        self.timeouts.append(timeout)
+        if timeout != 0 and self.idle is not None:
+            if not self.idle.done():
+                self.idle.set_result(None)
+            self.idle = None
+            timeout = 0
+        return super().select(timeout)
+
+
+def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
+    """At a trickle a handed-over message is delivered and marked in one turn of the event
+    loop after its hand-off, and its drain's end asks for no further turn: the loop goes
+    idle straight after (each turn is a wake-up, a `select` and the loop's own work, paid
+    per message)."""
+    sel = CountingSelector()
+    loop = asyncio.SelectorEventLoop(sel)
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = Recording()
+        w = OutboxWorker(db, [ch])
+        await w.start()
+        try:
+            await asyncio.sleep(0.05)  # the worker's first look done: it sleeps
+            for i in range(3):
+                with db.transaction() as c:
+                    rid = enqueue(c, chat_jid="fk:1", kind="text", text=f"m{i}", claimed=True)
+                row = get_row(db, rid)
+                assert row is not None
+                sel.timeouts.clear()
+                sel.idle = asyncio.get_running_loop().create_future()
+                w.hand_off([dataclasses.replace(row, status="pending", attempts=0)])
+                await asyncio.wait_for(sel.idle, 30)
+                assert ch.sent[-1] == ("fk:1", f"m{i}")
+                assert open_rows(db, "fk:1") == 0
+                # The turns before the loop would first go idle: the hand-off's own.
+                assert next(i for i, t in enumerate(sel.timeouts) if t != 0) == 1, sel.timeouts
+        finally:
+            await w.stop()
+            db.close()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
