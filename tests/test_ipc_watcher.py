@@ -294,28 +294,64 @@ def test_a_trickle_is_taken_from_the_names_inotify_reported_without_listing(
         env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a folder was listed under its watch, a command arriving alone is read by the name
     its event gave: the folder is not listed again for each one (the listing was a tenth of
-    a lone command's cost)."""
+    a lone command's cost), nor are it and its group's folder looked up again (their
+    watches report a swap, which the watcher re-checks before its next round)."""
     listings: list[int] = []
+    lookups: list[str] = []
     real = files_mod.agentfs.listdir
+    real_lstat = files_mod.agentfs.lstat
 
     def counting(fd: int) -> list[str]:
         listings.append(fd)
         return real(fd)
 
+    def looking(dir_fd: int, name: str) -> os.stat_result | None:
+        lookups.append(name)
+        return real_lstat(dir_fd, name)
+
     monkeypatch.setattr(files_mod.agentfs, "listdir", counting)
+    monkeypatch.setattr(files_mod.agentfs, "lstat", looking)
 
     async def body(w: IpcWatcher) -> None:
         assert w.inotify is not None
         env.write("family", {"type": "message", "text": "first"}, sub="messages")
         await wait_until_async(lambda: len(env.outbox()) == 1)
-        before = len(listings)
+        before, looked = len(listings), len(lookups)
         for i in range(20):
             env.write("family", {"type": "message", "text": f"m{i}"}, sub="messages")
             await wait_until_async(lambda n=i + 2: len(env.outbox()) == n)
         assert len(listings) == before  # twenty commands, no listing
+        assert lookups[looked:] == []  # and no folder looked up again
 
     run_loop(env, body, poll_interval=3600, safety_rescan=3600)
     assert [r["text"] for r in env.outbox()] == ["first"] + [f"m{i}" for i in range(20)]
+
+
+def test_a_folder_swapped_for_another_is_looked_up_before_names_from_it_count(
+        env: Env) -> None:
+    """A folder listed under its watch is swapped for another real one (renamed away, a new
+    one made): a command written into the old one after the swap is named by the old
+    folder's watch, but the watcher looks the folder up again first (its watch reported the
+    move), so that command is not taken from the old folder, and the new folder's are."""
+    messages = env.ipc / "family" / "messages"
+    old = env.ipc / "family" / "messages.old"
+
+    async def body(w: IpcWatcher) -> None:
+        assert w.inotify is not None
+        env.write("family", {"type": "message", "text": "first"}, sub="messages")
+        await wait_until_async(lambda: len(env.outbox()) == 1)  # listed under its watch
+        os.rename(messages, old)
+        os.mkdir(messages)
+        (old / ".x.json.tmp").write_text(json.dumps({"type": "message", "text": "stale"}))
+        os.rename(old / ".x.json.tmp", old / "x.json")
+        env.write("family", {"type": "message", "text": "new"}, sub="messages")
+        await wait_until_async(lambda: len(env.outbox()) == 2, timeout=5)
+        env.write("family", {"type": "message", "text": "after"}, sub="messages")
+        await wait_until_async(lambda: len(env.outbox()) == 3, timeout=5)
+
+    run_loop(env, body, poll_interval=3600, safety_rescan=3600)
+    assert [r["text"] for r in env.outbox()] == ["first", "new", "after"]
+    assert (old / "x.json").exists()
 
 
 def test_a_folder_watched_anew_is_listed_before_its_names_are_trusted(env: Env) -> None:

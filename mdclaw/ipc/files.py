@@ -120,7 +120,9 @@ class _DirState:
 
 @dataclass
 class GroupDirs:
-    """The open command folders of one group, re-checked before every listing.
+    """The open command folders of one group, re-checked before every listing and before
+    every round that takes files from them, except one that takes the names inotify just
+    reported in a folder listed under its watch (see `pending`).
 
     A folder swapped for a symlink (or a file) is closed, refused and logged once; a folder
     replaced by another real directory is reopened.
@@ -215,11 +217,19 @@ class GroupDirs:
         """
         out: list[tuple[str, str]] = []
         for sub in subs:
-            fd = self.dir_fd(sub)
-            if fd is None:
-                continue
-            st_dir = self.dirs[sub]
             new = None if names is None else names.get(sub)
+            st_dir = self.dirs.get(sub) if new else None
+            if st_dir is None or not st_dir.known:
+                # Looked up again (by inode, the group's folder first), unless inotify just
+                # named files in it and it was listed under its watch: the folder's watch
+                # and its group's report it being swapped, moved or deleted, and the
+                # watcher re-checks such a folder (sync_watches) before its next round.
+                fd = self.dir_fd(sub)
+                if fd is None:
+                    continue
+                st_dir = self.dirs[sub]
+            else:
+                fd = st_dir.fd
             if names is not None and (st_dir.queue or (new and st_dir.known)):
                 q = st_dir.queue
                 for n in new or ():
