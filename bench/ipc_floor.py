@@ -17,7 +17,7 @@ one after the other, over fresh data dirs, so every ratio compares figures of th
 child per command, commands/s committed (last commit - first rename) and, for mdclaw,
 delivered (last send call - first rename). `latency`: one `message` at a time into a random
 group of 100, renamed, waited for (file gone), 5 ms apart: rename -> COMMIT and, for mdclaw,
-rename -> send call. Each round runs the floor, then mdclaw (then `--before`'s); the last line
+rename -> send call. A commit's time is taken as its COMMIT returns, in both. Each round runs the floor, then mdclaw (then `--before`'s); the last line
 is the median over rounds of each figure and its ratio to the floor's. See also ipc_steady.py.
 """
 
@@ -99,10 +99,18 @@ async def main():
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     db = Database(cfg.db_path)
+    # A round's commit time is taken as its COMMIT returns, as the floor's (on_commit comes
+    # later: after the rows are handed to the outbox).
+    committed = [0]
+    real_end = db.end
+    def end(*, commit):
+        real_end(commit=commit)
+        committed[0] = time.monotonic_ns()
+    db.end = end
     outbox = OutboxWorker(db, [Recording()])
     w = IpcWatcher(cfg, db)
     def on_commit(items):
-        now = time.monotonic_ns()
+        now = committed[0]
         for it in items:
             commits[it.name] = now
         # As the daemon: rows handed to the worker need no look of its own (a tree
