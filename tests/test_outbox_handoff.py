@@ -411,7 +411,8 @@ def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
         w = OutboxWorker(db, [ch])
         await w.start()
         try:
-            await asyncio.sleep(0.05)  # the worker's first look done: it sleeps
+            sel.idle = asyncio.get_running_loop().create_future()
+            await asyncio.wait_for(sel.idle, 30)  # the worker's first look done: it sleeps
             for i in range(3):
                 with db.transaction() as c:
                     rid = enqueue(c, chat_jid="fk:1", kind="text", text=f"m{i}", claimed=True)
