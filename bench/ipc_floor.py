@@ -17,8 +17,9 @@ one after the other, over fresh data dirs, so every ratio compares figures of th
 child per command, commands/s committed (last commit - first rename) and, for mdclaw,
 delivered (last send call - first rename). `latency`: one `message` at a time into a random
 group of 100, renamed, waited for (file gone), 5 ms apart: rename -> COMMIT and, for mdclaw,
-rename -> send call. A commit's time is taken as its COMMIT returns, in both. Each round runs the floor, then mdclaw (then `--before`'s); the last line
-is the median over rounds of each figure and its ratio to the floor's. See also ipc_steady.py.
+rename -> send call. A commit's time is taken as its COMMIT returns, in both. Each round
+runs the floor, then mdclaw (then `--before`'s); the last line is the median over rounds of
+each figure and its ratio to the floor's. See also ipc_steady.py.
 """
 
 from __future__ import annotations
