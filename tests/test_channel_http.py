@@ -346,6 +346,83 @@ def test_transcript_keeps_newest_rows(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_transcript_over_its_limit_is_cut_by_its_next_row_then_kept_at_it(
+        tmp_path: Path) -> None:
+    """A chat holding more rows than the limit when the channel starts (written under a
+    higher one) is cut to its newest rows by the next row written, a taken-back row (the
+    host did not take a person's message) leaves no gap in what is kept, and from then on
+    each row written drops exactly the oldest."""
+
+    async def main() -> None:
+        db = make_db(tmp_path)
+        first, _ = await started(db, keep_per_chat=10)
+        try:
+            for i in range(8):
+                await first.send_message("hl:main", f"old{i}")
+        finally:
+            await stop_chat(first)
+        ch, _ = await started(db, keep_per_chat=3)
+        try:
+            await ch.send_message("hl:main", "m0")
+            assert [r["content"] for r in ch.transcript("hl:main")] == ["old6", "old7", "m0"]
+
+            def broken(msg: InboundMessage) -> None:
+                raise RuntimeError("no")
+
+            ch.on_inbound(broken)
+            async with aiohttp.ClientSession(ch.url) as http:
+                async with http.post("/message", json={"text": "taken back"}) as r:
+                    assert r.status == 500
+            assert [r["content"] for r in ch.transcript("hl:main")] == ["old7", "m0"]
+            written = ["old7", "m0"]
+            for i in range(1, 5):
+                await ch.send_message("hl:main", f"m{i}")
+                written.append(f"m{i}")
+                assert [r["content"] for r in ch.transcript("hl:main")] == written[-3:]
+        finally:
+            await stop_chat(ch)
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_a_reply_costs_the_transcript_the_same_whatever_its_limit(tmp_path: Path) -> None:
+    """Writing a row into a chat that holds its limit costs SQLite the same work with a limit
+    of 50 rows as with 2,000 (its virtual machine's steps, counted through a progress
+    handler): the oldest row goes by a seek of its seq, not a walk of the rows kept."""
+
+    def cost(keep: int) -> int:
+        async def main() -> int:
+            db = Database(tmp_path / f"s{keep}.db")
+            upsert_group(db, GroupRow("main", "Admin", "hl:main", "@Andy", False, True,
+                                      "config"))
+            ch, _ = await started(db, keep_per_chat=keep)
+            try:
+                for i in range(keep + 5):
+                    await ch.send_message("hl:main", f"m{i}")
+                steps = 0
+
+                def tick() -> int:
+                    nonlocal steps
+                    steps += 1
+                    return 0
+
+                db.conn.set_progress_handler(tick, 100)
+                for i in range(20):
+                    await ch.send_message("hl:main", f"r{i}")
+                db.conn.set_progress_handler(None, 100)
+                assert len(ch.transcript("hl:main", limit=keep + 100)) == keep
+                return steps
+            finally:
+                await stop_chat(ch)
+                db.close()
+
+        return asyncio.run(main())
+
+    small, large = cost(50), cost(2000)
+    assert large <= small * 1.2 + 5, (small, large)
+
+
 def test_the_server_token_is_read_from_its_file_under_either_name(tmp_path: Path) -> None:
     from mdclaw.config import load_config
     from mdclaw.daemon.web import WebServerSetupError, server_gate

@@ -70,6 +70,7 @@ answered (no DNS rebinding).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import mimetypes
@@ -227,6 +228,11 @@ class HttpChannel(Channel):
         self.assistant_name = assistant_name
         self.max_body_bytes = max_body_bytes
         self.keep_per_chat = keep_per_chat
+        # Per chat, its kept rows oldest first, as (seq, message id of a file the assistant
+        # sent, else None): learned from the table once a chat, then kept in step with each
+        # row written, so a new row drops the oldest by a seek of its seq instead of a walk
+        # of the chat's keep_per_chat newest rows (three walks a message, each direction).
+        self._kept: dict[str, collections.deque[tuple[int, str | None]]] = {}
         self.max_upload_bytes = max_upload_bytes
         # Where copies of files the assistant sends are kept for the page (None: not kept,
         # the transcript names them only).
@@ -436,6 +442,9 @@ class HttpChannel(Channel):
         """Append one transcript row; return (seq, message id)."""
         mid = message_id or f"{jid}:{uuid.uuid4().hex}"
         pruned: list[str] = []
+        kept = self._kept.get(jid)
+        fresh: list[tuple[int, str | None]] = []
+        drop = 0
         with self.db.transaction() as c:
             seq = int(c.execute(
                 """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
@@ -443,15 +452,36 @@ class HttpChannel(Channel):
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
                  now_iso(), card)).lastrowid or 0)
-            oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
-                                ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
-            pruned = [r[0] for r in c.execute(
-                f"""SELECT message_id FROM http_messages WHERE chat_jid = ? AND kind = 'file'
-                       AND direction = 'out' AND seq <= {oldest_kept}""",  # noqa: S608 - constant
-                (jid, jid, self.keep_per_chat))]
-            c.execute(
-                f"DELETE FROM http_messages WHERE chat_jid = ? AND seq <= {oldest_kept}",  # noqa: S608 - constant
-                (jid, jid, self.keep_per_chat))
+            if kept is None:
+                # The chat's first row this process writes: every row past its newest
+                # keep_per_chat goes (the limit may have been lowered), and those are kept.
+                oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
+                                    ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
+                pruned = [r[0] for r in c.execute(
+                    f"""SELECT message_id FROM http_messages WHERE chat_jid = ? AND kind = 'file'
+                           AND direction = 'out' AND seq <= {oldest_kept}""",  # noqa: S608 - constant
+                    (jid, jid, self.keep_per_chat))]
+                c.execute(
+                    f"DELETE FROM http_messages WHERE chat_jid = ? AND seq <= {oldest_kept}",  # noqa: S608 - constant
+                    (jid, jid, self.keep_per_chat))
+                fresh = [(int(r[0]), r[1]) for r in c.execute(
+                    "SELECT seq, CASE WHEN kind = 'file' AND direction = 'out' THEN message_id "
+                    "END FROM http_messages WHERE chat_jid = ? ORDER BY seq",
+                    (jid,))]
+            else:
+                drop = len(kept) + 1 - self.keep_per_chat
+                if drop > 0:
+                    gone = [kept[i] for i in range(drop)]
+                    c.execute("DELETE FROM http_messages WHERE chat_jid = ? AND seq <= ?",
+                              (jid, gone[-1][0]))
+                    pruned = [m for _, m in gone if m is not None]
+        # Committed: the kept rows as the table now has them.
+        if kept is None:
+            self._kept[jid] = collections.deque(fresh)
+        else:
+            for _ in range(max(0, drop)):
+                kept.popleft()
+            kept.append((seq, mid if kind == "file" and direction == "out" else None))
         if pruned:
             self._drop_files(pruned)
         self._notify()
@@ -857,6 +887,12 @@ class HttpChannel(Channel):
             log.exception("local HTTP channel: the host did not take %s %s", what, message_id)
             with self.db.transaction() as c:
                 c.execute("DELETE FROM http_messages WHERE seq = ?", (seq,))
+            kept = self._kept.get(jid)
+            if kept is not None:
+                for entry in kept:
+                    if entry[0] == seq:
+                        kept.remove(entry)
+                        break
             return _error(500, f"the {what} could not be accepted; try again")
         body: dict[str, Any] = {"id": request_id, "message_id": message_id, "jid": jid,
                                 "seq": seq, "status": "accepted"}
