@@ -228,11 +228,13 @@ class HttpChannel(Channel):
         self.assistant_name = assistant_name
         self.max_body_bytes = max_body_bytes
         self.keep_per_chat = keep_per_chat
-        # Per chat, its kept rows oldest first, as (seq, message id of a file the assistant
-        # sent, else None): learned from the table once a chat, then kept in step with each
-        # row written, so a new row drops the oldest by a seek of its seq instead of a walk
-        # of the chat's keep_per_chat newest rows (three walks a message, each direction).
-        self._kept: dict[str, collections.deque[tuple[int, str | None]]] = {}
+        # Per chat, the seqs of its kept rows, oldest first: learned from the table once a
+        # chat, then kept in step with each row written, so a new row drops the oldest by a
+        # seek of its seq instead of a walk of the chat's keep_per_chat newest rows (three
+        # walks a message, each direction). With the message ids of the kept files the
+        # assistant sent, by seq (their copies go with their rows).
+        self._kept: dict[str, collections.deque[int]] = {}
+        self._kept_files: dict[int, str] = {}
         self.max_upload_bytes = max_upload_bytes
         # Where copies of files the assistant sends are kept for the page (None: not kept,
         # the transcript names them only).
@@ -445,6 +447,7 @@ class HttpChannel(Channel):
         kept = self._kept.get(jid)
         fresh: list[tuple[int, str | None]] = []
         drop = 0
+        out_file = kind == "file" and direction == "out"
         with self.db.transaction() as c:
             seq = int(c.execute(
                 """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
@@ -471,17 +474,20 @@ class HttpChannel(Channel):
             else:
                 drop = len(kept) + 1 - self.keep_per_chat
                 if drop > 0:
-                    gone = [kept[i] for i in range(drop)]
                     c.execute("DELETE FROM http_messages WHERE chat_jid = ? AND seq <= ?",
-                              (jid, gone[-1][0]))
-                    pruned = [m for _, m in gone if m is not None]
+                              (jid, kept[drop - 1]))
+                    pruned = [self._kept_files[kept[i]] for i in range(drop)
+                              if kept[i] in self._kept_files]
         # Committed: the kept rows as the table now has them.
         if kept is None:
-            self._kept[jid] = collections.deque(fresh)
+            self._kept[jid] = collections.deque(r[0] for r in fresh)
+            self._kept_files.update((q, m) for q, m in fresh if m is not None)
         else:
             for _ in range(max(0, drop)):
-                kept.popleft()
-            kept.append((seq, mid if kind == "file" and direction == "out" else None))
+                self._kept_files.pop(kept.popleft(), None)
+            kept.append(seq)
+            if out_file:
+                self._kept_files[seq] = mid
         if pruned:
             self._drop_files(pruned)
         self._notify()
@@ -888,11 +894,8 @@ class HttpChannel(Channel):
             with self.db.transaction() as c:
                 c.execute("DELETE FROM http_messages WHERE seq = ?", (seq,))
             kept = self._kept.get(jid)
-            if kept is not None:
-                for entry in kept:
-                    if entry[0] == seq:
-                        kept.remove(entry)
-                        break
+            if kept is not None and seq in kept:
+                kept.remove(seq)
             return _error(500, f"the {what} could not be accepted; try again")
         body: dict[str, Any] = {"id": request_id, "message_id": message_id, "jid": jid,
                                 "seq": seq, "status": "accepted"}
