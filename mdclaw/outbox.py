@@ -271,7 +271,7 @@ class OutboxWorker:
         trickle. Otherwise the chat is looked at again a turn later (_drain_ended), once
         the `sent` marks queued behind the drain are written."""
         jid = head.chat_jid
-        wakes = self._wakes if claimed else None
+        wakes = self._wakes
         try:
             done = await self._drain_chat(head, n, ROUND_PER_CHAT, first=claimed)
         except asyncio.CancelledError:
@@ -283,21 +283,18 @@ class OutboxWorker:
             return 0
         if self._stopping:
             return done
-        if wakes == self._wakes and claimed is not None and done == len(claimed):
+        if claimed is not None and wakes == self._wakes and done == len(claimed):
             # The rows handed over, delivered, and nobody queued a row since (whoever
             # does wakes the worker): the chat has nothing more to look for.
             return done
-        task = asyncio.current_task()
-        assert task is not None
-        asyncio.get_running_loop().call_soon(self._drain_ended, jid, task)
+        asyncio.get_running_loop().call_soon(self._drain_ended, jid)
         return done
 
-    def _drain_ended(self, jid: str, task: asyncio.Task[int]) -> None:
-        if self._active.get(jid) is task:
-            del self._active[jid]
-        elif jid in self._active:
+    def _drain_ended(self, jid: str) -> None:
+        if jid in self._active:
             # The chat has a newer drain already (its next message was handed over as this
-            # one ended: the chat had no unfinished row then): rows after it are its own.
+            # one ended: the chat had no unfinished row then; the drain took itself out of
+            # _active as it ended): rows after it are its own.
             return
         if self._stopping:
             return
