@@ -45,7 +45,7 @@ from mdclaw.config import Config, Limits, LiveConfig
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
 from mdclaw.state import Database, now_iso
-from mdclaw.state.outbox import OutboxRow, enqueue
+from mdclaw.state.outbox import OutboxRow, enqueue, outbox_row, outbox_rows
 
 log = logging.getLogger("mdclaw.outbox")
 
@@ -368,7 +368,7 @@ class OutboxWorker:
                    SELECT chat_jid, MIN(id) AS id FROM outbox
                    WHERE status IN ('pending', 'sending') GROUP BY chat_jid) h ON o.id = h.id
                ORDER BY o.id""")
-        return [OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__}) for r in rows]
+        return outbox_rows(rows)
 
     def next_due_in(self) -> float | None:
         """Seconds until the next chat's head row is due (0 if one is); None if none waits."""
@@ -398,8 +398,7 @@ class OutboxWorker:
                    WHERE status IN ('pending', 'sending') GROUP BY chat_jid) h ON o.id = h.id
                ORDER BY o.id""")
         due, later = [], ""
-        for r in rows:
-            h = _to_row(r)
+        for h, r in zip(outbox_rows(rows), rows, strict=True):
             if h.status != "pending" or h.waiting_for_copy or h.chat_jid in busy:
                 continue
             if (h.next_attempt_at or "") <= now:
@@ -415,7 +414,7 @@ class OutboxWorker:
         r = self.db.query_one(
             "SELECT * FROM outbox WHERE chat_jid = ? AND status IN ('pending', 'sending') "
             "ORDER BY id LIMIT 1", (jid,))
-        return None if r is None else _to_row(r)
+        return None if r is None else outbox_row(r)
 
     async def run_once(self, per_chat: int | None = None) -> int:
         """Deliver every row that is due now (at most `per_chat` of each chat); return how
@@ -436,7 +435,7 @@ class OutboxWorker:
         rows = self.db.query(
             "SELECT * FROM outbox WHERE chat_jid = ? AND id > ? AND status IN "
             "('pending', 'sending') ORDER BY id LIMIT ?", (jid, after, limit))
-        return [_to_row(r) for r in rows]
+        return outbox_rows(rows)
 
     async def _drain_chat(self, head: OutboxRow, unfinished: int | None,
                           limit: int | None = None,
@@ -877,13 +876,9 @@ _RELEASE_SQL = ("UPDATE outbox SET status = 'pending', attempts = attempts - 1, 
                 "WHERE id = ? AND status = 'sending'")
 
 
-def _to_row(r: Any) -> OutboxRow:
-    return OutboxRow(**{k: r[k] for k in OutboxRow.__dataclass_fields__})
-
-
 def get_row(db: Database, row_id: int) -> OutboxRow | None:
     r = db.query_one("SELECT * FROM outbox WHERE id = ?", (row_id,))
-    return _to_row(r) if r else None
+    return outbox_row(r) if r else None
 
 
 def failed_since(db: Database, group_folder: str, since: str | None = None) -> list[OutboxRow]:
@@ -894,7 +889,7 @@ def failed_since(db: Database, group_folder: str, since: str | None = None) -> l
     rows = db.query(
         "SELECT * FROM outbox INDEXED BY idx_outbox_failed WHERE source_group = ? "
         "AND status = 'failed' AND updated_at > ? ORDER BY id", (group_folder, since or ""))
-    return [_to_row(r) for r in rows]
+    return outbox_rows(rows)
 
 
 def describe_failures(rows: Iterable[OutboxRow], limit: int = 10,

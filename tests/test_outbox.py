@@ -26,7 +26,7 @@ from mdclaw.outbox import (
     get_row,
 )
 from mdclaw.state import Database
-from mdclaw.state.outbox import enqueue, outbox_counts
+from mdclaw.state.outbox import OutboxRow, enqueue, outbox_counts, outbox_row, outbox_rows
 from waiting import wait_until, wait_until_async
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,6 +109,33 @@ def test_policy_delays_are_jittered_by_default_within_the_upper_half() -> None:
         got = [p.delay(n) for _ in range(200)]
         assert all(nominal / 2 <= d <= nominal for d in got)
         assert len(set(got)) > 150
+
+
+def test_outbox_rows_take_each_field_by_its_column_name(tmp_path: Path) -> None:
+    db = Database(tmp_path / "s.db")
+    with db.transaction() as c:
+        a = enqueue(c, chat_jid="fk:1", kind="text", text="hello", reply_to="m7",
+                    sender="Ann", source_group="main")
+        b = enqueue(c, chat_jid="fk:2", kind="reaction", message_id="m9", emoji="👍",
+                    claimed=True)
+    by_name = {r["id"]: {k: r[k] for k in r.keys()}  # noqa: SIM118 - sqlite3.Row
+               for r in db.query("SELECT * FROM outbox")}
+    fields = list(OutboxRow.__dataclass_fields__)
+    # The table's own order, the columns in reverse with one more, and one row alone.
+    plain = outbox_rows(db.query("SELECT * FROM outbox ORDER BY id"))
+    cols = ", ".join(reversed(fields))
+    mixed = outbox_rows(db.query(f"SELECT {cols}, 5 AS unfinished FROM outbox ORDER BY id"))  # noqa: S608
+    one = outbox_row(db.query_one("SELECT 1 AS n, * FROM outbox WHERE id = ?", (b,)))
+    for rows in (plain, mixed):
+        assert [r.id for r in rows] == [a, b]
+        for r in rows:
+            assert {k: getattr(r, k) for k in fields} == {k: by_name[r.id][k] for k in fields}
+    assert one == mixed[1]
+    assert (one.kind, one.emoji, one.status, one.attempts) == ("reaction", "👍", "sending", 1)
+    assert (mixed[0].text, mixed[0].reply_to, mixed[0].sender) == ("hello", "m7", "Ann")
+    assert outbox_rows([]) == []
+    with pytest.raises(ValueError, match="emoji"):
+        outbox_rows(db.query("SELECT id, chat_jid FROM outbox"))
 
 
 def test_delivers_on_wake_and_marks_sent(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -43,6 +44,37 @@ class OutboxRow:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_FIELDS = tuple(f.name for f in fields(OutboxRow))
+# Positions of OutboxRow's fields among a query's columns, by the query's column names.
+_POSITIONS: dict[tuple[str, ...], tuple[int, ...]] = {}
+
+
+def outbox_rows(rows: Sequence[sqlite3.Row]) -> list[OutboxRow]:
+    """`rows` of the outbox (`SELECT *`, maybe with more columns after) as OutboxRow.
+
+    The fields are found among the columns by name once for the whole list, then each row
+    is taken by position: a look-up by name per field and row cost about as much again
+    as the query that read it (20 fields: 9 µs a row against 3.5)."""
+    if not rows:
+        return []
+    keys = tuple(rows[0].keys())
+    pos = _POSITIONS.get(keys)
+    if pos is None:
+        missing = [f for f in _FIELDS if f not in keys]
+        if missing:
+            raise ValueError(f"outbox query lacks the column(s) {', '.join(missing)}")
+        pos = _POSITIONS[keys] = tuple(keys.index(f) for f in _FIELDS)
+    n = len(_FIELDS)
+    if pos == tuple(range(n)):  # `SELECT *`: the table's columns in the fields' order
+        return [OutboxRow(*r[:n]) for r in rows]
+    return [OutboxRow(*[r[i] for i in pos]) for r in rows]
+
+
+def outbox_row(r: sqlite3.Row) -> OutboxRow:
+    """One row of the outbox as OutboxRow (see outbox_rows)."""
+    return outbox_rows([r])[0]
 
 
 def enqueue(conn: sqlite3.Connection, *, chat_jid: str, kind: str, text: str | None = None,
@@ -87,7 +119,7 @@ def list_outbox(db: Database, status: str | None = None, limit: int = 1000) -> l
         sql += " WHERE status = ?"
         params = (status,)
     sql += " ORDER BY id DESC LIMIT ?"
-    return [OutboxRow(**dict(r)) for r in db.query(sql, (*params, limit))]
+    return outbox_rows(db.query(sql, (*params, limit)))
 
 
 class OutboxError(StateError, ValueError):
@@ -112,8 +144,7 @@ def retry_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
     now = now_iso()
     conn.execute("UPDATE outbox SET status = 'pending', attempts = 0, next_attempt_at = ?, "
                  "updated_at = ? WHERE id = ?", (now, now, row_id))
-    r = conn.execute("SELECT * FROM outbox WHERE id = ?", (row_id,)).fetchone()
-    return OutboxRow(**dict(r))
+    return outbox_row(conn.execute("SELECT * FROM outbox WHERE id = ?", (row_id,)).fetchone())
 
 
 def drop_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
@@ -121,7 +152,7 @@ def drop_failed(conn: sqlite3.Connection, row_id: int) -> OutboxRow:
     Raises OutboxError."""
     r = _failed_row(conn, row_id)
     conn.execute("DELETE FROM outbox WHERE id = ?", (row_id,))
-    return OutboxRow(**dict(r))
+    return outbox_row(r)
 
 
 def outbox_counts(db: Database) -> dict[str, int]:
