@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -661,14 +662,18 @@ class OutboxWorker:
             if not fut.done():
                 fut.set_result(rows)
         for row in marks:
-            self._parted.discard(row.id)
-            log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
-                     row.attempts + 1)
-            if self.on_sent is not None:
-                # The row as written: no need to read it back.
-                self._call(self.on_sent, dataclasses.replace(
-                    row, status="sent", attempts=row.attempts + 1, sent_at=now,
-                    updated_at=now, next_attempt_at=None))
+            self._marked(row, now)
+
+    def _marked(self, row: OutboxRow, now: str) -> None:
+        """`row`'s `sent` mark, written at `now`, has committed."""
+        self._parted.discard(row.id)
+        log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
+                 row.attempts + 1)
+        if self.on_sent is not None:
+            # The row as written: no need to read it back.
+            self._call(self.on_sent, dataclasses.replace(
+                row, status="sent", attempts=row.attempts + 1, sent_at=now,
+                updated_at=now, next_attempt_at=None))
 
     def _flush_now(self) -> None:
         """_flush, from a drain: a failure is logged (the flush a second later retries)."""
@@ -700,13 +705,18 @@ class OutboxWorker:
                       "ON CONFLICT(outbox_id) DO UPDATE SET parts_sent = excluded.parts_sent",
                       (row_id, n))
 
-    async def _send(self, ch: Channel, row: OutboxRow) -> None:
+    async def _send(self, ch: Channel, row: OutboxRow) -> bool:
+        """Send `row` through `ch`; True if its `sent` mark is written already (a text a
+        channel that writes locally took: _write_locally)."""
         if row.card is not None:
             await self._send_card(ch, row)
         elif row.kind == "text":
             if not (row.text or "").strip():
                 raise ChannelError("the message is empty", permanent=True)
             parts = ch.message_parts(row.text or "")
+            if ch.writes_locally and len(parts) == 1:
+                self._write_locally(ch, row, parts[0])
+                return True
             # Progress is recorded only during an attempt: a row never tried has none.
             start = self._parts_sent(row.id) if row.attempts else 0
             for i in range(start, len(parts)):
@@ -728,6 +738,26 @@ class OutboxWorker:
             await ch.react(row.chat_jid, row.message_id, row.emoji)
         else:
             raise ChannelError(f"unknown outbox kind {row.kind!r}", permanent=True)
+        return False
+
+    def _write_locally(self, ch: Channel, row: OutboxRow, text: str) -> None:
+        """A text to a channel whose delivery is a row of this database (the local chat
+        page): that row and the message's `sent` mark in one transaction, so a crash can
+        neither lose the reply nor, sending it again, show it twice; and one transaction a
+        reply instead of two. Nothing is written if the channel refuses (ChannelError) or
+        the database does (a failed try, as a chat service's error)."""
+        now = now_iso()
+        try:
+            with self.db.transaction() as c:
+                committed = ch.write_text(c, row.chat_jid, text, reply_to=row.reply_to,
+                                          sender=row.sender)
+                c.execute(_SENT_SQL, (now, now, row.id))
+                if row.attempts or row.id in self._parted:
+                    c.execute(_PROGRESS_SQL, (row.id,))
+        except sqlite3.Error as e:
+            raise ChannelError(f"the message could not be written: {e}") from None
+        committed()
+        self._marked(row, now)
 
     async def _send_card(self, ch: Channel, row: OutboxRow) -> None:
         """A card row: a new card (the message it became is kept in the row's card, so a
@@ -750,13 +780,14 @@ class OutboxWorker:
         """One attempt at `row` (claimed: `sending`, its try counted), through `ch` (the
         chat's channel; None if no channel serves it). Returns (True if it reached sent or
         failed, False if rescheduled; True if it was delivered, its `sent` mark still to be
-        written)."""
+        written: False for a text a channel that writes locally took, whose mark went with
+        it)."""
         attempt = row.attempts + 1
         try:
             if ch is None:
                 raise ChannelError(f"no channel serves {row.chat_jid} (is its channel "
                                    "configured under channels:?)")
-            await self._send(ch, row)
+            marked = await self._send(ch, row)
         except asyncio.CancelledError:
             raise  # stays `sending`; recover() puts it back
         except ChannelError as e:
@@ -775,7 +806,7 @@ class OutboxWorker:
         with contextlib.suppress(ValueError):
             metrics.outbox_delivery.get(ch.name).observe(
                 (utc_now() - from_iso(row.created_at)).total_seconds())
-        return True, True
+        return True, not marked
 
     @staticmethod
     def _count_failed(ch: Channel | None, finished: bool) -> bool:

@@ -312,6 +312,73 @@ def test_delivery_to_the_local_http_channel(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_reply_to_the_local_http_channel_and_its_sent_mark_commit_together(
+        tmp_path: Path) -> None:
+    """The chat page's row of a reply and the reply's `sent` mark are one transaction:
+    while the mark cannot be written, no row shows and the reply is tried again, so once
+    it can be written the reply shows once; and a reply costs one transaction beside its
+    claim (the page's row and the mark each had their own)."""
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        http = chat_on_server(db)
+        await start_chat(http)
+        w = OutboxWorker(db, [http], policy=FAST)
+        try:
+            # The mark refused on the worker's connection (a TEMP trigger is its own).
+            db.conn.execute(
+                "CREATE TEMP TRIGGER no_mark BEFORE UPDATE OF status ON outbox "
+                "WHEN NEW.status = 'sent' BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+            rid = put(db, jid="hl:main", text="reply", sender="Andy")
+            await w.run_once()
+            row = get_row(db, rid)
+            assert row is not None
+            assert (row.status, row.attempts) == ("pending", 1)
+            assert "disk says no" in (row.last_error or "")
+            assert http.transcript("hl:main") == []
+            db.conn.execute("DROP TRIGGER no_mark")
+            commits: list[str] = []
+            db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+                                       else None)
+
+            async def sent() -> bool:
+                await w.run_once()  # nothing to do (no transaction) until its retry is due
+                return status(db, rid) == "sent"
+
+            await wait_until_async(sent, what="the reply sent on its second try")
+            db.conn.set_trace_callback(None)
+            assert [r["content"] for r in http.transcript("hl:main")] == ["reply"]
+            assert len(commits) == 2  # the claim; the page's row with the mark
+            await w.run_once()
+            assert len(http.transcript("hl:main")) == 1
+        finally:
+            await stop_chat(http)
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_a_reply_longer_than_one_page_message_goes_in_parts_and_is_marked(
+        tmp_path: Path) -> None:
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        http = chat_on_server(db)
+        http.max_message_length = 10
+        await start_chat(http)
+        w = OutboxWorker(db, [http], policy=FAST)
+        try:
+            rid = put(db, jid="hl:main", text="one two three four five", sender="Andy")
+            await w.run_once()
+            assert status(db, rid) == "sent"
+            parts = [r["content"] for r in http.transcript("hl:main")]
+            assert len(parts) > 1
+            assert " ".join(p.strip() for p in parts) == "one two three four five"
+        finally:
+            await stop_chat(http)
+            db.close()
+
+    asyncio.run(main())
+
+
 def worker_script(send_body: str) -> str:
     """A process running the outbox worker over the database in argv[1] with a fake chat
     service whose send_message(jid, text) runs `send_body` (indented 8 spaces); for the

@@ -188,6 +188,10 @@ class Channel(abc.ABC):
     max_message_length: int = 4096
     #: The chat service shows a card's choices as buttons (and reports presses).
     buttons: bool = False
+    #: Delivering a text is writing a row of mdclaw's own database (the local chat page):
+    #: the channel implements `write_text`, and the outbox writes that row and the
+    #: message's `sent` mark in one transaction.
+    writes_locally: bool = False
 
     def __init__(self, on_inbound: InboundCallback | None = None) -> None:
         self._on_inbound = on_inbound
@@ -253,6 +257,16 @@ class Channel(abc.ABC):
                            sender: str | None = None) -> str | None:
         """Send `text` (at most max_message_length) to `jid`; return the new message id
         if the service gives one. Raises ChannelError."""
+
+    def write_text(self, conn: sqlite3.Connection, jid: str, text: str, *,
+                   reply_to: str | None = None, sender: str | None = None
+                   ) -> Callable[[], None]:
+        """For a channel that `writes_locally`: deliver `text` (one message, at most
+        max_message_length) to `jid` as rows written through `conn`, in the caller's open
+        transaction, and return what is to be done once it has committed (wake the pages
+        that wait, say); nothing of it is done if the transaction rolls back. Raises
+        ChannelError, before writing anything, if the text cannot be delivered."""
+        raise NotImplementedError(f"the {self.name} channel does not write locally")
 
     @abc.abstractmethod
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,

@@ -76,6 +76,7 @@ import logging
 import mimetypes
 import re
 import shutil
+import sqlite3
 import time
 import unicodedata
 import uuid
@@ -214,6 +215,7 @@ class HttpChannel(Channel):
     jid_prefix = "hl:"
     max_message_length = 32_000
     buttons = True
+    writes_locally = True
 
     def __init__(self, db: Database, server: WebServer, *,
                  on_inbound: InboundCallback | None = None, assistant_name: str = "Andy",
@@ -323,11 +325,32 @@ class HttpChannel(Channel):
     async def send_message(self, jid: str, text: str, *, reply_to: str | None = None,
                            sender: str | None = None) -> str | None:
         self._check_jid(jid)
-        self._typing.pop(jid, None)
-        mid = self._record(jid, "out", "text", content=text, sender="assistant",
-                           sender_name=sender or self.assistant_name, reply_to=reply_to)[1]
-        self._announce(jid, text)
+        with self.db.transaction() as c:
+            _, mid, after = self._write_text(c, jid, text, reply_to, sender)
+        after()
         return mid
+
+    def write_text(self, conn: sqlite3.Connection, jid: str, text: str, *,
+                   reply_to: str | None = None, sender: str | None = None
+                   ) -> Callable[[], None]:
+        """The reply's transcript row, in the caller's transaction (the outbox's, with the
+        message's `sent` mark): see Channel.write_text."""
+        self._check_jid(jid)
+        return self._write_text(conn, jid, text, reply_to, sender)[2]
+
+    def _write_text(self, conn: sqlite3.Connection, jid: str, text: str,
+                    reply_to: str | None, sender: str | None
+                    ) -> tuple[int, str, Callable[[], None]]:
+        seq, mid, kept = self._write(conn, jid, "out", "text", content=text,
+                                     sender="assistant",
+                                     sender_name=sender or self.assistant_name,
+                                     reply_to=reply_to)
+
+        def after() -> None:
+            kept()
+            self._typing.pop(jid, None)
+            self._announce(jid, text)
+        return seq, mid, after
 
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
                         caption: str | None = None) -> str | None:
@@ -441,57 +464,75 @@ class HttpChannel(Channel):
     def _record(self, jid: str, direction: str, kind: str, *, content: str, sender: str,
                 sender_name: str, file_name: str | None = None, reply_to: str | None = None,
                 message_id: str | None = None, card: str | None = None) -> tuple[int, str]:
-        """Append one transcript row; return (seq, message id)."""
+        """Append one transcript row in a transaction of its own; return (seq, message
+        id)."""
+        with self.db.transaction() as c:
+            seq, mid, kept = self._write(
+                c, jid, direction, kind, content=content, sender=sender,
+                sender_name=sender_name, file_name=file_name, reply_to=reply_to,
+                message_id=message_id, card=card)
+        kept()
+        return seq, mid
+
+    def _write(self, c: sqlite3.Connection, jid: str, direction: str, kind: str, *,
+               content: str, sender: str, sender_name: str, file_name: str | None = None,
+               reply_to: str | None = None, message_id: str | None = None,
+               card: str | None = None) -> tuple[int, str, Callable[[], None]]:
+        """Append one transcript row in the caller's transaction `c` (and cut the chat to
+        its newest keep_per_chat rows); return (seq, message id, what to do once it has
+        committed: the kept rows brought in step, the copies of the files cut dropped, the
+        pages woken). One row a transaction: the kept rows are learned before it."""
         mid = message_id or f"{jid}:{uuid.uuid4().hex}"
         pruned: list[str] = []
         kept = self._kept.get(jid)
         fresh: list[tuple[int, str | None]] = []
         drop = 0
         out_file = kind == "file" and direction == "out"
-        with self.db.transaction() as c:
-            seq = int(c.execute(
-                """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
-                       sender_name, content, file_name, reply_to, created_at, card)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
-                 now_iso(), card)).lastrowid or 0)
-            if kept is None:
-                # The chat's first row this process writes: every row past its newest
-                # keep_per_chat goes (the limit may have been lowered), and those are kept.
-                oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
-                                    ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
-                pruned = [r[0] for r in c.execute(
-                    f"""SELECT message_id FROM http_messages WHERE chat_jid = ? AND kind = 'file'
-                           AND direction = 'out' AND seq <= {oldest_kept}""",  # noqa: S608 - constant
-                    (jid, jid, self.keep_per_chat))]
-                c.execute(
-                    f"DELETE FROM http_messages WHERE chat_jid = ? AND seq <= {oldest_kept}",  # noqa: S608 - constant
-                    (jid, jid, self.keep_per_chat))
-                fresh = [(int(r[0]), r[1]) for r in c.execute(
-                    "SELECT seq, CASE WHEN kind = 'file' AND direction = 'out' THEN message_id "
-                    "END FROM http_messages WHERE chat_jid = ? ORDER BY seq",
-                    (jid,))]
-            else:
-                drop = len(kept) + 1 - self.keep_per_chat
-                if drop > 0:
-                    c.execute("DELETE FROM http_messages WHERE chat_jid = ? AND seq <= ?",
-                              (jid, kept[drop - 1]))
-                    pruned = [self._kept_files[kept[i]] for i in range(drop)
-                              if kept[i] in self._kept_files]
-        # Committed: the kept rows as the table now has them.
+        seq = int(c.execute(
+            """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
+                   sender_name, content, file_name, reply_to, created_at, card)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
+             now_iso(), card)).lastrowid or 0)
         if kept is None:
-            self._kept[jid] = collections.deque(r[0] for r in fresh)
-            self._kept_files.update((q, m) for q, m in fresh if m is not None)
+            # The chat's first row this process writes: every row past its newest
+            # keep_per_chat goes (the limit may have been lowered), and those are kept.
+            oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
+                                ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
+            pruned = [r[0] for r in c.execute(
+                f"""SELECT message_id FROM http_messages WHERE chat_jid = ? AND kind = 'file'
+                       AND direction = 'out' AND seq <= {oldest_kept}""",  # noqa: S608 - constant
+                (jid, jid, self.keep_per_chat))]
+            c.execute(
+                f"DELETE FROM http_messages WHERE chat_jid = ? AND seq <= {oldest_kept}",  # noqa: S608 - constant
+                (jid, jid, self.keep_per_chat))
+            fresh = [(int(r[0]), r[1]) for r in c.execute(
+                "SELECT seq, CASE WHEN kind = 'file' AND direction = 'out' THEN message_id "
+                "END FROM http_messages WHERE chat_jid = ? ORDER BY seq",
+                (jid,))]
         else:
-            for _ in range(max(0, drop)):
-                self._kept_files.pop(kept.popleft(), None)
-            kept.append(seq)
-            if out_file:
-                self._kept_files[seq] = mid
-        if pruned:
-            self._drop_files(pruned)
-        self._notify()
-        return seq, mid
+            drop = len(kept) + 1 - self.keep_per_chat
+            if drop > 0:
+                c.execute("DELETE FROM http_messages WHERE chat_jid = ? AND seq <= ?",
+                          (jid, kept[drop - 1]))
+                pruned = [self._kept_files[kept[i]] for i in range(drop)
+                          if kept[i] in self._kept_files]
+
+        def committed() -> None:
+            # The kept rows as the table now has them.
+            if kept is None:
+                self._kept[jid] = collections.deque(r[0] for r in fresh)
+                self._kept_files.update((q, m) for q, m in fresh if m is not None)
+            else:
+                for _ in range(max(0, drop)):
+                    self._kept_files.pop(kept.popleft(), None)
+                kept.append(seq)
+                if out_file:
+                    self._kept_files[seq] = mid
+            if pruned:
+                self._drop_files(pruned)
+            self._notify()
+        return seq, mid, committed
 
     def transcript(self, jid: str, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
         """Transcript rows of `jid` with seq > `after`, oldest first (at most `limit`)."""
