@@ -258,6 +258,50 @@ class OutboxWorker:
             self._start_drain(row, 1, claimed=[row])
         self._flush_behind()
 
+    def writes_locally(self, jid: str) -> bool:
+        """True if chat `jid`'s channel delivers by writing this database (the local chat
+        page): a text to it, once accepts() says the worker takes the chat now, may be
+        delivered in the writer's own transaction (write_locally)."""
+        ch = channel_for(self.channels, jid)
+        return ch is not None and ch.writes_locally
+
+    def write_locally(self, conn: sqlite3.Connection, row: OutboxRow
+                      ) -> Callable[[], None] | None:
+        """Deliver the text `row` (written `sent` by the caller, in its open transaction
+        `conn`) by its channel's rows written through `conn` as well: the command, its
+        outbox row and the chat page's row commit together, or none of them. Returns what
+        is to be done once the transaction has committed (give it to written_locally), or
+        None, with nothing written, when the text cannot go this way (it is more than one
+        message, or the channel refuses it): the caller then writes its row the usual
+        way."""
+        ch = channel_for(self.channels, row.chat_jid)
+        if ch is None or not ch.writes_locally or row.kind != "text" or row.card is not None:
+            return None
+        text = row.text or ""
+        if not text.strip():
+            return None  # the usual way fails it, with the reason
+        parts = ch.message_parts(text)
+        if len(parts) != 1:
+            return None
+        try:
+            return ch.write_text(conn, row.chat_jid, parts[0], reply_to=row.reply_to,
+                                 sender=row.sender)
+        except ChannelError:
+            return None
+
+    def written_locally(self, rows: list[tuple[OutboxRow, Callable[[], None]]]) -> None:
+        """Rows write_locally delivered, with what it returned, once their transaction has
+        committed: the chat page woken, the delivery counted and reported as any."""
+        for row, committed in rows:
+            try:
+                committed()
+            except Exception:  # noqa: BLE001 - the row is written: the page's next look shows it
+                log.exception("outbox: after writing message %d to %s", row.id, row.chat_jid)
+            ch = channel_for(self.channels, row.chat_jid)
+            metrics.outbox_attempts.get(ch.name if ch else "none", "sent").inc()
+            metrics.outbox_delivery.get(ch.name if ch else "none").observe(0.0)
+            self._marked(row, row.sent_at or now_iso(), tried=0)
+
     # ------------------------------------------------------------------ worker
     def _start_drain(self, head: OutboxRow, n: int | None,
                      claimed: list[OutboxRow] | None = None) -> None:
@@ -664,15 +708,16 @@ class OutboxWorker:
         for row in marks:
             self._marked(row, now)
 
-    def _marked(self, row: OutboxRow, now: str) -> None:
-        """`row`'s `sent` mark, written at `now`, has committed."""
+    def _marked(self, row: OutboxRow, now: str, *, tried: int = 1) -> None:
+        """`row`'s `sent` mark, written at `now`, has committed (`tried`: the tries the
+        row as given lacks, the one just made)."""
         self._parted.discard(row.id)
         log.info("outbox: message %d sent to %s (try %d)", row.id, row.chat_jid,
-                 row.attempts + 1)
+                 row.attempts + tried)
         if self.on_sent is not None:
             # The row as written: no need to read it back.
             self._call(self.on_sent, dataclasses.replace(
-                row, status="sent", attempts=row.attempts + 1, sent_at=now,
+                row, status="sent", attempts=row.attempts + tried, sent_at=now,
                 updated_at=now, next_attempt_at=None))
 
     def _flush_now(self) -> None:

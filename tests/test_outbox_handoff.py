@@ -17,10 +17,11 @@ import textwrap
 import time
 from pathlib import Path
 
+from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import Channel
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import IpcEngine
-from mdclaw.outbox import OutboxWorker, get_row
+from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue, has_open_rows, list_outbox
 from waiting import wait_until, wait_until_async
@@ -66,6 +67,18 @@ def config(tmp_path: Path) -> Path:
           main: {{name: Main, jid: 'fk:1', main: true}}
           family: {{name: Family, jid: 'fk:2'}}
         """))
+    from mdclaw.reconcile import reconcile
+    cfg = load_config(path)
+    with Database(cfg.db_path) as db:
+        reconcile(cfg, db)
+    return path
+
+
+def page_config(tmp_path: Path) -> Path:
+    """Groups whose chats are on the local chat page (`hl:`)."""
+    path = config(tmp_path)
+    path.write_text(path.read_text().replace("'fk:1'", "'hl:main'").replace("'fk:2'",
+                                                                              "'hl:family'"))
     from mdclaw.reconcile import reconcile
     cfg = load_config(path)
     with Database(cfg.db_path) as db:
@@ -434,3 +447,93 @@ def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+def test_a_message_to_the_chat_page_is_on_it_when_its_command_commits(tmp_path: Path) -> None:
+    """The page's row, the outbox row (written `sent`) and the command commit in one
+    transaction: no drain, no claim, no transaction of the worker's. A second message to
+    the chat in the same round goes the usual way, after it."""
+    cfg = load_config(page_config(tmp_path))
+
+    async def main() -> None:
+        db = Database(cfg.db_path)
+        http = chat_on_server(db)
+        await start_chat(http)
+        sent: list[int] = []
+        worker = Counting(db, [http], on_sent=lambda row: sent.append(row.id))
+        engine = IpcEngine(cfg, db)
+        engine.outbox = worker
+        await worker.start()
+        await asyncio.sleep(0.05)
+        looks = worker.looks
+        commits: list[str] = []
+        try:
+            write(tmp_path, "family", {"type": "message", "text": "one", "sender": "Ann"})
+            write(tmp_path, "family", {"type": "message", "text": "two"})
+            db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+                                       else None)
+            res = engine.drain()
+            assert res.applied == 2
+            # Before the loop turns: the first is on the page and sent, by the round alone.
+            assert len(commits) == 1
+            assert [r["content"] for r in http.transcript("hl:family")] == ["one"]
+            assert http.transcript("hl:family")[0]["sender_name"] == "Ann"
+            rows = sorted(list_outbox(db), key=lambda r: r.id)
+            assert [(r.text, r.status, r.attempts) for r in rows] == [
+                ("one", "sent", 1), ("two", "sending", 1)]
+            assert rows[0].sent_at is not None and rows[0].next_attempt_at is None
+            assert sent == [rows[0].id]
+            await wait_until_async(lambda: len(http.transcript("hl:family")) == 2)
+            assert [r["content"] for r in http.transcript("hl:family")] == ["one", "two"]
+            await wait_until_async(lambda: all(r.status == "sent" for r in list_outbox(db)))
+            assert worker.looks == looks and worker.claims == 0
+            # The round's transaction, and the second message's own (page row and mark).
+            assert len(commits) == 2
+        finally:
+            db.conn.set_trace_callback(None)
+            await worker.stop()
+            await stop_chat(http)
+            engine.close()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_a_message_the_page_refuses_goes_through_the_outbox_and_is_not_lost(
+        tmp_path: Path) -> None:
+    """When the page's row cannot be written with the command, nothing of it is: the
+    message is written to the outbox the usual way, whose delivery tries again, and it
+    shows once when it can."""
+    cfg = load_config(page_config(tmp_path))
+
+    async def main() -> None:
+        db = Database(cfg.db_path)
+        http = chat_on_server(db)
+        await start_chat(http)
+        worker = OutboxWorker(db, [http], policy=RetryPolicy(
+            max_attempts=5, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0))
+        engine = IpcEngine(cfg, db)
+        engine.outbox = worker
+        await worker.start()
+        try:
+            db.conn.execute("CREATE TEMP TRIGGER no_page BEFORE INSERT ON http_messages "
+                            "BEGIN SELECT RAISE(ABORT, 'no page today'); END")
+            write(tmp_path, "family", {"type": "message", "text": "hello"})
+            assert engine.drain().applied == 1
+            assert http.transcript("hl:family") == []
+            (row,) = list_outbox(db)
+            assert row.status in ("sending", "pending")
+            await wait_until_async(lambda: (get_row(db, row.id) or row).last_error)
+            assert "no page today" in (get_row(db, row.id) or row).last_error
+            assert http.transcript("hl:family") == []
+            db.conn.execute("DROP TRIGGER no_page")
+            await wait_until_async(lambda: (get_row(db, row.id) or row).status == "sent",
+                                   timeout=20)
+            assert [r["content"] for r in http.transcript("hl:family")] == ["hello"]
+        finally:
+            await worker.stop()
+            await stop_chat(http)
+            engine.close()
+            db.close()
+
+    asyncio.run(main())

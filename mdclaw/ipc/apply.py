@@ -122,6 +122,9 @@ class Item:
     # files of a batch: `handoff`; never for an approved command carried out by settle).
     handoff: bool = False
     direct: OutboxRow | None = None
+    # Its text delivered in this transaction by a channel that writes this database (the
+    # chat page; `direct` is then its row, written `sent`): what to do after COMMIT.
+    local: Callable[[], None] | None = None
 
     @property
     def ledger_name(self) -> str:
@@ -139,6 +142,13 @@ class DirectOutbox(Protocol):
     def accepts(self, jid: str) -> bool: ...
 
     def hand_off(self, rows: list[OutboxRow]) -> None: ...
+
+    def writes_locally(self, jid: str) -> bool: ...
+
+    def write_locally(self, conn: sqlite3.Connection, row: OutboxRow
+                      ) -> Callable[[], None] | None: ...
+
+    def written_locally(self, rows: list[tuple[OutboxRow, Callable[[], None]]]) -> None: ...
 
 
 @dataclass
@@ -223,6 +233,9 @@ class IpcEngine:
         self._callers: dict[str, Caller] = {}
         # The round's one timestamp (ledger rows, outbox rows, quarantine notes, jobs).
         self._now = ""
+        # Chats whose page got a row in this round's transaction (Item.local): one a round,
+        # the chat page learns its kept rows before each.
+        self._local_chats: set[str] = set()
         self.refresh_groups()
 
     @property
@@ -389,6 +402,7 @@ class IpcEngine:
         if not items:
             return res
         now = self._now = iso_now()
+        self._local_chats.clear()
         fx = Effects()
         ledger: list[tuple[Any, ...]] = []
         db = self.db
@@ -425,7 +439,7 @@ class IpcEngine:
                                       it.sub, it.name)
                         it.reason = f"internal error: {type(e).__name__}: {e}"
                     if it.reason is not None:
-                        it.direct = None  # its row, if any, is not written
+                        it.direct = it.local = None  # its row, if any, is not written
                     if savepoint:
                         if it.reason is not None:
                             conn.execute("ROLLBACK TO cmd")
@@ -447,9 +461,14 @@ class IpcEngine:
         committed = time.perf_counter() - picked
         # The rows written claimed go to the worker first: nothing else sends them (until
         # a restart's recover()), so no hook of the caller's may stand in their way.
-        direct = [it.direct for it in items if it.direct is not None]
-        if direct and self.outbox is not None:
-            self.outbox.hand_off(direct)
+        if self.outbox is not None:
+            local = [(it.direct, it.local) for it in items
+                     if it.direct is not None and it.local is not None]
+            if local:
+                self.outbox.written_locally(local)
+            direct = [it.direct for it in items if it.direct is not None and it.local is None]
+            if direct:
+                self.outbox.hand_off(direct)
         if self.on_commit is not None:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
@@ -812,9 +831,16 @@ class IpcEngine:
         unfinished row (an earlier row of this batch included): the row is then the chat's
         next in order, and nothing else sends it. A crash before it is sent leaves it
         `sending`: the worker's recover() at start sends it then, as any interrupted row."""
-        claimed = (it.handoff and self.outbox is not None and self.outbox.accepts(chat_jid)
+        outbox = self.outbox
+        claimed = (it.handoff and outbox is not None and outbox.accepts(chat_jid)
                    and not has_open_rows(conn, chat_jid))
         now = self._now or iso_now()
+        if (claimed and kind == "text" and chat_jid not in self._local_chats
+                and outbox is not None and outbox.writes_locally(chat_jid)
+                and self._deliver_here(conn, it, outbox, chat_jid=chat_jid, text=text,
+                                       reply_to=reply_to, sender=sender,
+                                       source_group=source_group, now=now)):
+            return
         row_id = enqueue(conn, chat_jid=chat_jid, kind=kind, text=text,
                          message_id=message_id, emoji=emoji, reply_to=reply_to,
                          sender=sender, source_group=source_group, claimed=claimed, now=now)
@@ -827,6 +853,47 @@ class IpcEngine:
                 sender=sender, source_group=source_group, status="pending", attempts=0,
                 next_attempt_at=now, last_error=None, created_at=now, updated_at=now,
                 sent_at=None)
+
+    def _deliver_here(self, conn: sqlite3.Connection, it: Item, outbox: DirectOutbox, *,
+                      chat_jid: str, text: str | None, reply_to: str | None,
+                      sender: str | None, source_group: str | None, now: str) -> bool:
+        """A text to a chat whose channel writes this database (the local chat page),
+        delivered in this transaction: its outbox row written `sent` and the page's row
+        with it, under a savepoint, so the command, the row and the page's row commit
+        together or not at all; after COMMIT the worker is told (Item.local). False, with
+        nothing written, if the channel cannot take it so or the database refuses it (the
+        row goes the usual way)."""
+        conn.execute("SAVEPOINT local")
+        try:
+            row_id = enqueue(conn, chat_jid=chat_jid, kind="text", text=text,
+                             reply_to=reply_to, sender=sender, source_group=source_group,
+                             sent=True, now=now)
+            row = OutboxRow(
+                id=row_id, chat_jid=chat_jid, kind="text", text=text, file_path=None,
+                file_name=None, message_id=None, emoji=None, reply_to=reply_to,
+                sender=sender, source_group=source_group, status="sent", attempts=1,
+                next_attempt_at=None, last_error=None, created_at=now, updated_at=now,
+                sent_at=now)
+            committed = outbox.write_locally(conn, row)
+            if committed is None:
+                conn.execute("ROLLBACK TO local")
+        except sqlite3.Error as e:
+            # Not written (the page's table refused it, say): the usual way then, whose
+            # delivery tries again and reports it if it keeps failing.
+            log.warning("ipc: a message to %s could not be written to its page with the "
+                        "command (%s); it goes through the outbox", chat_jid, e)
+            conn.execute("ROLLBACK TO local")
+            committed = None
+        except BaseException:
+            conn.execute("ROLLBACK TO local")
+            conn.execute("RELEASE local")
+            raise
+        conn.execute("RELEASE local")
+        if committed is None:
+            return False
+        it.direct, it.local = row, committed
+        self._local_chats.add(chat_jid)
+        return True
 
     def _asking_chat(self, folder: str) -> str | None:
         """The chat of `folder`'s group its agent is answering now, if it is one of the

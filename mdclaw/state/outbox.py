@@ -82,25 +82,29 @@ def enqueue(conn: sqlite3.Connection, *, chat_jid: str, kind: str, text: str | N
             message_id: str | None = None, emoji: str | None = None,
             reply_to: str | None = None, sender: str | None = None,
             source_group: str | None = None, source_path: str | None = None,
-            card: str | None = None, claimed: bool = False, now: str | None = None) -> int:
+            card: str | None = None, claimed: bool = False, sent: bool = False,
+            now: str | None = None) -> int:
     """Add a pending row (in the caller's transaction) and return its id. A file row with
     `source_path` waits until the host copy is made (see `mdclaw.ipc.spool`). A card row
     (`card`: JSON text, choices; `text` None) is sent with the channel's buttons, or edits
     the message `message_id` when that is given (mdclaw.approvals.flow). `claimed`: the row
     is written already claimed by the outbox worker (`sending`, its first try counted), for
     a worker that is handed it after COMMIT (OutboxWorker.hand_off); a crash before it is
-    sent leaves it `sending`, which the worker's recover() puts back to pending."""
+    sent leaves it `sending`, which the worker's recover() puts back to pending. `sent`:
+    the row is written delivered already, its first try counted (a text whose channel wrote
+    it to the chat page in this same transaction: OutboxWorker.write_locally)."""
     if kind not in OUTBOX_KINDS:
         raise ValueError(f"unknown outbox kind {kind!r}")
     now = now or now_iso()
+    status = "sent" if sent else "sending" if claimed else "pending"
     cur = conn.execute(
         """INSERT INTO outbox (chat_jid, kind, text, file_path, file_name, message_id, emoji,
                reply_to, sender, source_group, status, attempts, next_attempt_at, created_at,
-               updated_at, source_path, card)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+               updated_at, sent_at, source_path, card)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         (chat_jid, kind, text, file_path, file_name, message_id, emoji, reply_to, sender,
-         source_group, "sending" if claimed else "pending", 1 if claimed else 0, now, now,
-         now, source_path, card),
+         source_group, status, 1 if sent or claimed else 0, None if sent else now, now,
+         now, now if sent else None, source_path, card),
     )
     return int(cur.lastrowid or 0)
 
