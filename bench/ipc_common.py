@@ -33,14 +33,15 @@ with Database(cfg.db_path) as db:
 """
 
 
-def make_data_dir(root: Path, groups: int, tree: Path = REPO) -> Path:
-    """Write config.yaml for `groups` groups (g000 is main) and reconcile it with `tree`'s
-    mdclaw (an older tree run beside, `--before`, refuses a database of a newer schema);
-    returns its path."""
+def make_data_dir(root: Path, groups: int, tree: Path = REPO, prefix: str = "tg:") -> Path:
+    """Write config.yaml for `groups` groups (g000 is main; their chats `prefix`N) and
+    reconcile it with `tree`'s mdclaw (an older tree run beside, `--before`, refuses a
+    database of a newer schema); returns its path."""
     lines = [f"data_dir: {root / 'data'}", "assistant: {name: Andy, timezone: UTC}",
              "limits: {errors_max_files: 100000}", "groups:"]
     for i in range(groups):
-        lines.append(f"  g{i:03d}: {{name: G{i}, jid: 'tg:{i}'{', main: true' if i == 0 else ''}}}")
+        main = ", main: true" if i == 0 else ""
+        lines.append(f"  g{i:03d}: {{name: G{i}, jid: '{prefix}{i}'{main}}}")
     cfg_path = root / "config.yaml"
     cfg_path.write_text("\n".join(lines) + "\n")
     if tree != REPO:
@@ -221,6 +222,29 @@ def emit(figure: str, value: float, unit: str, **extra: object) -> None:
 # The channel the served IPC loops deliver to, as source text for their child process
 # (`{recording}` in a template): it records when each text reached `send_message`, in the
 # child's `sends`.
+# The chat service of the mdclaw child (`--channel`): an `async def make_channels(db)`
+# returning (the channels, the outbox worker's on_sent). `bench`: a channel that records
+# when its send is called; `http`: the local HTTP channel (the chat page, the embedded
+# default) on a loopback port, a delivery's time taken as its `sent` mark commits.
+CHANNELS = {
+    "bench": """
+async def make_channels(db):
+    return [Recording()], None
+""",
+    "http": """
+async def make_channels(db):
+    from mdclaw.channels.http import HttpChannel
+    from mdclaw.webserver import TokenGate, WebServer
+    ch = HttpChannel(db, WebServer("127.0.0.1:0", TokenGate(None)))
+    await ch.server.start()
+    await ch.connect()
+    def on_sent(row):
+        sends[row.text] = time.monotonic_ns()
+    return [ch], on_sent
+""",
+}
+PREFIXES = {"bench": "tg:", "http": "hl:"}
+
 RECORDING = """class Recording(Channel):
     name = "bench"
     jid_prefix = "tg:"

@@ -12,6 +12,7 @@ one after the other, over fresh data dirs, so every ratio compares figures of th
     python bench/ipc_floor.py burst --single [--commands 2000]     # one flooded folder
     python bench/ipc_floor.py latency [--samples 500] [--rounds 3]
     python bench/ipc_floor.py ... --before /tmp/main-tree          # also that tree's mdclaw
+    python bench/ipc_floor.py ... --channel http    # mdclaw delivers to the local chat page
 
 `burst`: every command staged as a dot-file, then renamed in as fast as possible; CPU of the
 child per command, commands/s committed (last commit - first rename) and, for mdclaw,
@@ -36,7 +37,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc_common import RECORDING, REPO, Removals, cpu_ns, make_data_dir, stage, stop
+from ipc_common import (
+    CHANNELS,
+    PREFIXES,
+    RECORDING,
+    REPO,
+    Removals,
+    cpu_ns,
+    make_data_dir,
+    stage,
+    stop,
+)
 
 FLOOR = """
 import json, os, signal, sqlite3, sys, time
@@ -96,6 +107,7 @@ cfg = load_config({cfg!r})
 commits, sends = {{}}, {{}}
 
 {recording}
+{channels}
 async def main():
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -108,7 +120,8 @@ async def main():
         real_end(commit=commit)
         committed[0] = time.monotonic_ns()
     db.end = end
-    outbox = OutboxWorker(db, [Recording()])
+    channels, on_sent = await make_channels(db)
+    outbox = OutboxWorker(db, channels, on_sent=on_sent)
     w = IpcWatcher(cfg, db)
     def on_commit(items):
         now = committed[0]
@@ -141,7 +154,8 @@ else:
 class Child:
     """A floor or an mdclaw server over the data dir of `cfg_path`, in a child process."""
 
-    def __init__(self, kind: str, cfg_path: Path, groups: list[str], repo: Path = REPO) -> None:
+    def __init__(self, kind: str, cfg_path: Path, groups: list[str], repo: Path = REPO,
+                 channel: str = "bench") -> None:
         self.kind = kind
         root = cfg_path.parent
         self.out = root / f"{kind}-{time.monotonic_ns()}.json"
@@ -153,7 +167,7 @@ class Child:
                                 out=str(self.out))
         else:
             code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out),
-                                 recording=RECORDING)
+                                 recording=RECORDING, channels=CHANNELS[channel])
         env = {**os.environ, "PYTHONPATH": str(repo)}
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=str(repo))
@@ -206,9 +220,9 @@ def run_burst(args: argparse.Namespace, label: str, kind: str, tree: Path) -> di
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(max(args.groups, 2))]
-        cfg = make_data_dir(root, len(groups), tree)
+        cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
-        child = Child(kind, cfg, groups, tree)
+        child = Child(kind, cfg, groups, tree, args.channel)
         try:
             staged = []
             for i in range(args.commands):
@@ -242,9 +256,9 @@ def run_latency(args: argparse.Namespace, label: str, kind: str, tree: Path
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(args.groups)]
-        cfg = make_data_dir(root, len(groups), tree)
+        cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
-        child = Child(kind, cfg, groups, tree)
+        child = Child(kind, cfg, groups, tree, args.channel)
         renamed: dict[str, int] = {}
         try:
             removals = Removals([ipc / g / "messages" for g in groups])
@@ -314,6 +328,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default=None, help="another tree's mdclaw, run beside")
     ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
+    ap.add_argument("--channel", choices=sorted(CHANNELS), default="bench",
+                    help="mdclaw's chat service: a recording one, or the local HTTP channel")
     args = ap.parse_args()
     if args.groups is None:
         args.groups = 10 if args.mode == "burst" else 100
@@ -321,7 +337,8 @@ def main() -> None:
     rounds = []
     for _ in range(args.rounds):
         rounds.append({lbl: run(args, lbl, kind, tree) for lbl, kind, tree in kinds(args)})
-    common: dict[str, object] = {"groups": 1 if args.single else args.groups,
+    common: dict[str, object] = {"channel": args.channel,
+                                 "groups": 1 if args.single else args.groups,
                                  "fs": args.root or tempfile.gettempdir(),
                                  "load": round(os.getloadavg()[0], 1)}
     if args.mode == "burst":

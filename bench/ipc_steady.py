@@ -9,6 +9,7 @@ or committed (floor), per command. The floor (bench/ipc_floor.py: inotify, read,
 mdclaw (then `--before`'s tree), and the last line gives the medians and their ratios.
 
     python bench/ipc_steady.py [--rate 20] [--seconds 15] [--groups 100] [--rounds 3]
+                               [--channel bench|http]
                                [--before /tmp/main-tree] [--profile PREFIX]
 """
 
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc_common import cpu_ns, make_data_dir
+from ipc_common import CHANNELS, PREFIXES, cpu_ns, make_data_dir
 from ipc_floor import Child, kinds
 
 
@@ -33,9 +34,9 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(args.groups)]
-        cfg = make_data_dir(root, len(groups), tree)
+        cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
-        child = Child(kind, cfg, groups, tree)
+        child = Child(kind, cfg, groups, tree, args.channel)
         late = 0.0
         try:
             time.sleep(1.0)  # start-up work done (snapshots, first poll tick)
@@ -82,16 +83,20 @@ def main() -> None:
     ap.add_argument("--profile", default=None,
                     help="py-spy (on PATH) samples mdclaw's child into PREFIX-<label>.txt")
     ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
+    ap.add_argument("--channel", choices=sorted(CHANNELS), default="bench",
+                    help="mdclaw's chat service: a recording one, or the local HTTP channel")
     args = ap.parse_args()
     rounds = []
     for r in range(args.rounds):
         res = {lbl: run(args, lbl, kind, tree) for lbl, kind, tree in kinds(args)}
         rounds.append(res)
-        print(json.dumps({"mode": "steady", "round": r + 1, "rate": args.rate,
+        print(json.dumps({"mode": "steady", "round": r + 1, "channel": args.channel,
+                          "rate": args.rate,
                           "groups": args.groups, **{lbl: {k: round(v, 2) for k, v in f.items()}
                                                     for lbl, f in res.items()}}), flush=True)
     med = {lbl: statistics.median(r[lbl]["cpu_us"] for r in rounds) for lbl in rounds[0]}
-    print(json.dumps({"mode": "steady", "median_of_rounds": args.rounds, "rate": args.rate,
+    print(json.dumps({"mode": "steady", "median_of_rounds": args.rounds,
+                      "channel": args.channel, "rate": args.rate,
                       "groups": args.groups, "commands": int(args.rate * args.seconds),
                       "fs": args.root or tempfile.gettempdir(),
                       "load": round(os.getloadavg()[0], 1),
