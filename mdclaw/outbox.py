@@ -41,7 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from mdclaw import metrics
-from mdclaw.channels.base import Card, Channel, ChannelError, channel_for, delivering
+from mdclaw.channels.base import (
+    Card,
+    Channel,
+    ChannelError,
+    LocalText,
+    channel_for,
+    delivering,
+)
 from mdclaw.config import Config, Limits, LiveConfig
 from mdclaw.retry import EQUAL_JITTER, Backoff
 from mdclaw.schedule import from_iso, utc_now
@@ -275,17 +282,14 @@ class OutboxWorker:
         message, or the channel refuses it): the caller then writes its row the usual
         way."""
         ch = channel_for(self.channels, row.chat_jid)
-        if ch is None or not ch.writes_locally or row.kind != "text" or row.card is not None:
+        if ch is None or not ch.writes_locally:
             return None
-        text = row.text or ""
-        if not text.strip():
-            return None  # the usual way fails it, with the reason
-        parts = ch.message_parts(text)
-        if len(parts) != 1:
+        text = self._local_text(ch, row)  # (an empty text: the usual way fails it)
+        if text is None:
             return None
         try:
-            return ch.write_text(conn, row.chat_jid, parts[0], reply_to=row.reply_to,
-                                 sender=row.sender)
+            return ch.write_texts(conn, row.chat_jid, [LocalText(text, row.reply_to,
+                                                                 row.sender)])
         except ChannelError:
             return None
 
@@ -564,7 +568,9 @@ class OutboxWorker:
                     self._defer(row, f"waiting: the {ch.name} channel is not connected")
                     return done
                 claimed.popleft()  # in flight: stays `sending` if this is cancelled
-                finished, ok = await self._deliver(ch, row)
+                # (Rows claimed behind it that a channel writing locally took with it, in
+                # the same transaction: `with_it`.)
+                finished, ok, with_it = await self._deliver(ch, row, claimed)
                 if ok:
                     self._marks.append(row)
                     if len(self._marks) >= MARKS_MAX:
@@ -575,8 +581,8 @@ class OutboxWorker:
                         self._schedule_flush()
                 elif not finished:
                     return done  # rescheduled: later rows of the chat wait behind it
-                done += 1
-                after = row.id
+                done += 1 + len(with_it)
+                after = (with_it[-1] if with_it else row).id
                 if limit is not None and done >= limit:
                     return done
                 if not claimed and sending:
@@ -750,9 +756,12 @@ class OutboxWorker:
                       "ON CONFLICT(outbox_id) DO UPDATE SET parts_sent = excluded.parts_sent",
                       (row_id, n))
 
-    async def _send(self, ch: Channel, row: OutboxRow) -> bool:
-        """Send `row` through `ch`; True if its `sent` mark is written already (a text a
-        channel that writes locally took: _write_locally)."""
+    async def _send(self, ch: Channel, row: OutboxRow,
+                    behind: collections.deque[OutboxRow] | None = None
+                    ) -> list[OutboxRow] | None:
+        """Send `row` through `ch`. None, or, for a text a channel that writes locally took
+        (_write_locally), the rows it wrote and marked `sent`: `row` and those after it
+        taken from `behind`."""
         if row.card is not None:
             await self._send_card(ch, row)
         elif row.kind == "text":
@@ -760,8 +769,7 @@ class OutboxWorker:
                 raise ChannelError("the message is empty", permanent=True)
             parts = ch.message_parts(row.text or "")
             if ch.writes_locally and len(parts) == 1:
-                self._write_locally(ch, row, parts[0])
-                return True
+                return self._write_locally(ch, row, parts[0], behind)
             # Progress is recorded only during an attempt: a row never tried has none.
             start = self._parts_sent(row.id) if row.attempts else 0
             for i in range(start, len(parts)):
@@ -783,26 +791,51 @@ class OutboxWorker:
             await ch.react(row.chat_jid, row.message_id, row.emoji)
         else:
             raise ChannelError(f"unknown outbox kind {row.kind!r}", permanent=True)
-        return False
+        return None
 
-    def _write_locally(self, ch: Channel, row: OutboxRow, text: str) -> None:
-        """A text to a channel whose delivery is a row of this database (the local chat
-        page): that row and the message's `sent` mark in one transaction, so a crash can
-        neither lose the reply nor, sending it again, show it twice; and one transaction a
-        reply instead of two. Nothing is written if the channel refuses (ChannelError) or
-        the database does (a failed try, as a chat service's error)."""
+    @staticmethod
+    def _local_text(ch: Channel, row: OutboxRow) -> str | None:
+        """The one message `row` is for a channel that writes locally, or None if it is
+        not a text, is a card, is empty or is more than one message."""
+        if row.kind != "text" or row.card is not None or not (row.text or "").strip():
+            return None
+        parts = ch.message_parts(row.text or "")
+        return parts[0] if len(parts) == 1 else None
+
+    def _write_locally(self, ch: Channel, row: OutboxRow, text: str,
+                       behind: collections.deque[OutboxRow] | None) -> list[OutboxRow]:
+        """A text to a channel whose delivery is rows of this database (the local chat
+        page), with the texts claimed after it (from the front of `behind`, in order):
+        their rows and their `sent` marks in one transaction, so a crash can neither lose
+        a reply nor, sending it again, show it twice; and one transaction for them all.
+        Nothing is written if the channel refuses (ChannelError) or the database does (a
+        failed try of `row`, as a chat service's error; the rows taken from `behind` go
+        back to it, untried). Returns the rows written."""
+        batch = [(row, text)]
+        while behind and len(batch) < BATCH:
+            more = self._local_text(ch, behind[0])
+            if more is None:
+                break
+            batch.append((behind.popleft(), more))
         now = now_iso()
         try:
             with self.db.transaction() as c:
-                committed = ch.write_text(c, row.chat_jid, text, reply_to=row.reply_to,
-                                          sender=row.sender)
-                c.execute(_SENT_SQL, (now, now, row.id))
-                if row.attempts or row.id in self._parted:
-                    c.execute(_PROGRESS_SQL, (row.id,))
-        except sqlite3.Error as e:
-            raise ChannelError(f"the message could not be written: {e}") from None
+                committed = ch.write_texts(c, row.chat_jid, [
+                    LocalText(t, r.reply_to, r.sender) for r, t in batch])
+                c.executemany(_SENT_SQL, [(now, now, r.id) for r, _ in batch])
+                parts = [(r.id,) for r, _ in batch if r.attempts or r.id in self._parted]
+                if parts:
+                    c.executemany(_PROGRESS_SQL, parts)
+        except BaseException as e:
+            if behind is not None:
+                behind.extendleft(r for r, _ in reversed(batch[1:]))
+            if isinstance(e, sqlite3.Error):
+                raise ChannelError(f"the message could not be written: {e}") from None
+            raise
         committed()
-        self._marked(row, now)
+        for r, _ in batch:
+            self._marked(r, now)
+        return [r for r, _ in batch]
 
     async def _send_card(self, ch: Channel, row: OutboxRow) -> None:
         """A card row: a new card (the message it became is kept in the row's card, so a
@@ -821,24 +854,27 @@ class OutboxWorker:
                 c.execute("UPDATE outbox SET card = json_set(card, '$.sent', ?) WHERE id = ?",
                           (sent, row.id))
 
-    async def _deliver(self, ch: Channel | None, row: OutboxRow) -> tuple[bool, bool]:
+    async def _deliver(self, ch: Channel | None, row: OutboxRow,
+                       behind: collections.deque[OutboxRow] | None = None
+                       ) -> tuple[bool, bool, list[OutboxRow]]:
         """One attempt at `row` (claimed: `sending`, its try counted), through `ch` (the
         chat's channel; None if no channel serves it). Returns (True if it reached sent or
         failed, False if rescheduled; True if it was delivered, its `sent` mark still to be
         written: False for a text a channel that writes locally took, whose mark went with
-        it)."""
+        it; the rows claimed after it, taken from the front of `behind`, that such a
+        channel took with it, delivered and marked too)."""
         attempt = row.attempts + 1
         try:
             if ch is None:
                 raise ChannelError(f"no channel serves {row.chat_jid} (is its channel "
                                    "configured under channels:?)")
-            marked = await self._send(ch, row)
+            marked = await self._send(ch, row, behind)
         except asyncio.CancelledError:
             raise  # stays `sending`; recover() puts it back
         except ChannelError as e:
             reason = ch.redact(str(e)) if ch else str(e)
             return self._count_failed(ch, self._failed_attempt(
-                row, attempt, reason, e.permanent, e.retry_after)), False
+                row, attempt, reason, e.permanent, e.retry_after)), False, []
         except Exception as e:  # noqa: BLE001 - a channel's bug is a failed attempt, not a crash
             # A channel bug: keep the type for the record; the text might hold anything
             # (a token, say), so neither it nor a traceback is logged.
@@ -846,12 +882,14 @@ class OutboxWorker:
                       ch.name if ch else "?", type(e).__name__, row.id)
             return self._count_failed(ch, self._failed_attempt(
                 row, attempt, f"internal error in the {ch.name if ch else '?'} channel: "
-                f"{type(e).__name__}", False, None)), False
-        metrics.outbox_attempts.get(ch.name, "sent").inc()
-        with contextlib.suppress(ValueError):
-            metrics.outbox_delivery.get(ch.name).observe(
-                (utc_now() - from_iso(row.created_at)).total_seconds())
-        return True, not marked
+                f"{type(e).__name__}", False, None)), False, []
+        with_it = marked[1:] if marked is not None else []
+        for r in (row, *with_it):
+            metrics.outbox_attempts.get(ch.name, "sent").inc()
+            with contextlib.suppress(ValueError):
+                metrics.outbox_delivery.get(ch.name).observe(
+                    (utc_now() - from_iso(r.created_at)).total_seconds())
+        return True, marked is None, with_it
 
     @staticmethod
     def _count_failed(ch: Channel | None, finished: bool) -> bool:

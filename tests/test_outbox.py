@@ -379,6 +379,54 @@ def test_a_reply_longer_than_one_page_message_goes_in_parts_and_is_marked(
     asyncio.run(main())
 
 
+def test_the_chat_pages_replies_due_together_are_written_in_one_transaction(
+        tmp_path: Path) -> None:
+    """A chat page's texts claimed together are written with their `sent` marks in one
+    transaction, in order; if it cannot be written, none is, the first counts a failed
+    try and the others go back untried; the page keeps its limit across such writes."""
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        http = chat_on_server(db, keep_per_chat=4)
+        await start_chat(http)
+        w = OutboxWorker(db, [http], policy=FAST)
+        try:
+            await http.send_message("hl:main", "earlier")  # the page knows its kept rows
+            ids = [put(db, jid="hl:main", text=f"r{i}", sender="Andy") for i in range(6)]
+            db.conn.execute(
+                "CREATE TEMP TRIGGER no_mark BEFORE UPDATE OF status ON outbox "
+                f"WHEN NEW.status = 'sent' AND OLD.id = {ids[2]} "
+                "BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+            await w.run_once()
+            rows = {r: get_row(db, r) for r in ids}
+            assert [(rows[r].status, rows[r].attempts) for r in ids] == [  # type: ignore[union-attr]
+                ("pending", 1)] + [("pending", 0)] * 5
+            assert [r["content"] for r in http.transcript("hl:main")] == ["earlier"]
+            db.conn.execute("DROP TRIGGER no_mark")
+            commits: list[str] = []
+            db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
+                                       else None)
+
+            async def sent() -> bool:
+                await w.run_once()
+                return all(status(db, r) == "sent" for r in ids)
+
+            await wait_until_async(sent, what="the six replies sent")
+            db.conn.set_trace_callback(None)
+            assert len(commits) == 2  # the claim of the six; their rows and marks
+            # The page keeps its newest 4, in order, and goes on keeping 4.
+            assert [r["content"] for r in http.transcript("hl:main")] == ["r2", "r3", "r4",
+                                                                           "r5"]
+            await http.send_message("hl:main", "later")
+            assert [r["content"] for r in http.transcript("hl:main")] == ["r3", "r4", "r5",
+                                                                           "later"]
+            assert db.scalar("SELECT count(*) FROM http_messages") == 4
+        finally:
+            await stop_chat(http)
+            db.close()
+
+    asyncio.run(main())
+
+
 def worker_script(send_body: str) -> str:
     """A process running the outbox worker over the database in argv[1] with a fake chat
     service whose send_message(jid, text) runs `send_body` (indented 8 spaces); for the

@@ -173,6 +173,15 @@ PressCallback = Callable[[CardPress], "Awaitable[str | None]"]
 ServiceReply = Callable[[str, str, "str | None"], "Awaitable[None] | None"]
 
 
+@dataclass(frozen=True)
+class LocalText:
+    """A text a channel that writes locally delivers (Channel.write_texts)."""
+
+    text: str
+    reply_to: str | None = None
+    sender: str | None = None  # a sub-agent's name, shown as the sender
+
+
 class Channel(abc.ABC):
     """A chat service mdclaw talks through.
 
@@ -189,7 +198,7 @@ class Channel(abc.ABC):
     #: The chat service shows a card's choices as buttons (and reports presses).
     buttons: bool = False
     #: Delivering a text is writing a row of mdclaw's own database (the local chat page):
-    #: the channel implements `write_text`, and the outbox writes that row and the
+    #: the channel implements `write_texts`, and the outbox writes those rows and the
     #: message's `sent` mark in one transaction.
     writes_locally: bool = False
 
@@ -258,14 +267,13 @@ class Channel(abc.ABC):
         """Send `text` (at most max_message_length) to `jid`; return the new message id
         if the service gives one. Raises ChannelError."""
 
-    def write_text(self, conn: sqlite3.Connection, jid: str, text: str, *,
-                   reply_to: str | None = None, sender: str | None = None
-                   ) -> Callable[[], None]:
-        """For a channel that `writes_locally`: deliver `text` (one message, at most
-        max_message_length) to `jid` as rows written through `conn`, in the caller's open
-        transaction, and return what is to be done once it has committed (wake the pages
-        that wait, say); nothing of it is done if the transaction rolls back. Raises
-        ChannelError, before writing anything, if the text cannot be delivered."""
+    def write_texts(self, conn: sqlite3.Connection, jid: str,
+                    texts: Sequence[LocalText]) -> Callable[[], None]:
+        """For a channel that `writes_locally`: deliver `texts` (in order, each one message
+        of at most max_message_length) to `jid` as rows written through `conn`, in the
+        caller's open transaction, and return what is to be done once it has committed
+        (wake the pages that wait, say); nothing of it is done if the transaction rolls
+        back. Raises ChannelError, before writing anything, if they cannot be delivered."""
         raise NotImplementedError(f"the {self.name} channel does not write locally")
 
     @abc.abstractmethod

@@ -80,7 +80,8 @@ import sqlite3
 import time
 import unicodedata
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -96,6 +97,7 @@ from mdclaw.channels.base import (
     ChannelError,
     InboundCallback,
     InboundMessage,
+    LocalText,
     kind_for_mime,
 )
 from mdclaw.channels.webpush import WebPush, valid_subscription
@@ -205,6 +207,19 @@ def upload_mime(raw: str | None) -> str | None:
     one."""
     mime = (raw or "").split(";", 1)[0].strip().lower()
     return mime if MIME_RE.match(mime) else None
+
+
+@dataclass(frozen=True)
+class Row:
+    """A transcript row to write (HttpChannel._write)."""
+
+    content: str
+    sender: str
+    sender_name: str
+    file_name: str | None = None
+    reply_to: str | None = None
+    message_id: str | None = None
+    card: str | None = None
 
 
 class HttpChannel(Channel):
@@ -326,31 +341,30 @@ class HttpChannel(Channel):
                            sender: str | None = None) -> str | None:
         self._check_jid(jid)
         with self.db.transaction() as c:
-            _, mid, after = self._write_text(c, jid, text, reply_to, sender)
+            _, mids, after = self._write_texts(c, jid, [LocalText(text, reply_to, sender)])
         after()
-        return mid
+        return mids[0]
 
-    def write_text(self, conn: sqlite3.Connection, jid: str, text: str, *,
-                   reply_to: str | None = None, sender: str | None = None
-                   ) -> Callable[[], None]:
-        """The reply's transcript row, in the caller's transaction (the outbox's, with the
-        message's `sent` mark): see Channel.write_text."""
+    def write_texts(self, conn: sqlite3.Connection, jid: str,
+                    texts: Sequence[LocalText]) -> Callable[[], None]:
+        """The replies' transcript rows, in the caller's transaction (the outbox's, with
+        the messages' `sent` marks): see Channel.write_texts."""
         self._check_jid(jid)
-        return self._write_text(conn, jid, text, reply_to, sender)[2]
+        return self._write_texts(conn, jid, texts)[2]
 
-    def _write_text(self, conn: sqlite3.Connection, jid: str, text: str,
-                    reply_to: str | None, sender: str | None
-                    ) -> tuple[int, str, Callable[[], None]]:
-        seq, mid, kept = self._write(conn, jid, "out", "text", content=text,
-                                     sender="assistant",
-                                     sender_name=sender or self.assistant_name,
-                                     reply_to=reply_to)
+    def _write_texts(self, conn: sqlite3.Connection, jid: str, texts: Sequence[LocalText]
+                     ) -> tuple[list[int], list[str], Callable[[], None]]:
+        seqs, mids, kept = self._write(conn, jid, "out", "text", [
+            Row(content=t.text, sender="assistant",
+                sender_name=t.sender or self.assistant_name, reply_to=t.reply_to)
+            for t in texts])
 
         def after() -> None:
             kept()
             self._typing.pop(jid, None)
-            self._announce(jid, text)
-        return seq, mid, after
+            for t in texts:
+                self._announce(jid, t.text)
+        return seqs, mids, after
 
     async def send_file(self, jid: str, path: Path, *, file_name: str | None = None,
                         caption: str | None = None) -> str | None:
@@ -467,36 +481,44 @@ class HttpChannel(Channel):
         """Append one transcript row in a transaction of its own; return (seq, message
         id)."""
         with self.db.transaction() as c:
-            seq, mid, kept = self._write(
-                c, jid, direction, kind, content=content, sender=sender,
-                sender_name=sender_name, file_name=file_name, reply_to=reply_to,
-                message_id=message_id, card=card)
+            seqs, mids, kept = self._write(c, jid, direction, kind, [Row(
+                content=content, sender=sender, sender_name=sender_name,
+                file_name=file_name, reply_to=reply_to, message_id=message_id, card=card)])
         kept()
-        return seq, mid
+        return seqs[0], mids[0]
 
-    def _write(self, c: sqlite3.Connection, jid: str, direction: str, kind: str, *,
-               content: str, sender: str, sender_name: str, file_name: str | None = None,
-               reply_to: str | None = None, message_id: str | None = None,
-               card: str | None = None) -> tuple[int, str, Callable[[], None]]:
-        """Append one transcript row in the caller's transaction `c` (and cut the chat to
-        its newest keep_per_chat rows); return (seq, message id, what to do once it has
-        committed: the kept rows brought in step, the copies of the files cut dropped, the
-        pages woken). One row a transaction: the kept rows are learned before it."""
-        mid = message_id or f"{jid}:{uuid.uuid4().hex}"
+    def _write(self, c: sqlite3.Connection, jid: str, direction: str, kind: str,
+               rows: Sequence[Row]) -> tuple[list[int], list[str], Callable[[], None]]:
+        """Append transcript rows of one chat in the caller's transaction `c` (and cut the
+        chat to its newest keep_per_chat rows); return (their seqs, their message ids, what
+        to do once it has committed: the kept rows brought in step, the copies of the files
+        cut dropped, the pages woken). The kept rows are learned before the transaction:
+        one call a chat and transaction."""
         pruned: list[str] = []
         kept = self._kept.get(jid)
-        fresh: list[tuple[int, str | None]] = []
+        fresh: list[tuple[int, str | None]] | None = None
         drop = 0
         out_file = kind == "file" and direction == "out"
-        seq = int(c.execute(
-            """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
-                   sender_name, content, file_name, reply_to, created_at, card)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-            (jid, direction, kind, mid, sender, sender_name, content, file_name, reply_to,
-             now_iso(), card)).lastrowid or 0)
+        now = now_iso()
+        seqs: list[int] = []
+        mids: list[str] = []
+        for r in rows:
+            mid = r.message_id or f"{jid}:{uuid.uuid4().hex}"
+            seqs.append(int(c.execute(
+                """INSERT INTO http_messages (chat_jid, direction, kind, message_id, sender,
+                       sender_name, content, file_name, reply_to, created_at, card)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (jid, direction, kind, mid, r.sender, r.sender_name, r.content, r.file_name,
+                 r.reply_to, now, r.card)).lastrowid or 0))
+            mids.append(mid)
+        if kept is not None:
+            drop = len(kept) + len(rows) - self.keep_per_chat
+            if drop > len(kept):  # more new rows than the chat keeps: learn them afresh
+                kept = None
         if kept is None:
-            # The chat's first row this process writes: every row past its newest
-            # keep_per_chat goes (the limit may have been lowered), and those are kept.
+            # The chat's first rows this process writes (or more than it keeps): every row
+            # past its newest keep_per_chat goes (the limit may have been lowered), and
+            # those are kept.
             oldest_kept = """COALESCE((SELECT seq FROM http_messages WHERE chat_jid = ?
                                 ORDER BY seq DESC LIMIT 1 OFFSET ?), -1)"""
             pruned = [r[0] for r in c.execute(
@@ -510,29 +532,30 @@ class HttpChannel(Channel):
                 "SELECT seq, CASE WHEN kind = 'file' AND direction = 'out' THEN message_id "
                 "END FROM http_messages WHERE chat_jid = ? ORDER BY seq",
                 (jid,))]
-        else:
-            drop = len(kept) + 1 - self.keep_per_chat
-            if drop > 0:
-                c.execute("DELETE FROM http_messages WHERE chat_jid = ? AND seq <= ?",
-                          (jid, kept[drop - 1]))
-                pruned = [self._kept_files[kept[i]] for i in range(drop)
-                          if kept[i] in self._kept_files]
+        elif drop > 0:
+            c.execute("DELETE FROM http_messages WHERE chat_jid = ? AND seq <= ?",
+                      (jid, kept[drop - 1]))
+            pruned = [self._kept_files[kept[i]] for i in range(drop)
+                      if kept[i] in self._kept_files]
 
         def committed() -> None:
             # The kept rows as the table now has them.
-            if kept is None:
-                self._kept[jid] = collections.deque(r[0] for r in fresh)
+            if fresh is not None:
+                old = self._kept.get(jid)
+                for q in old or ():
+                    self._kept_files.pop(q, None)
+                self._kept[jid] = collections.deque(q for q, _ in fresh)
                 self._kept_files.update((q, m) for q, m in fresh if m is not None)
-            else:
+            elif kept is not None:
                 for _ in range(max(0, drop)):
                     self._kept_files.pop(kept.popleft(), None)
-                kept.append(seq)
+                kept.extend(seqs)
                 if out_file:
-                    self._kept_files[seq] = mid
+                    self._kept_files.update(zip(seqs, mids, strict=True))
             if pruned:
                 self._drop_files(pruned)
             self._notify()
-        return seq, mid, committed
+        return seqs, mids, committed
 
     def transcript(self, jid: str, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
         """Transcript rows of `jid` with seq > `after`, oldest first (at most `limit`)."""
