@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -10,12 +11,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import Channel, ChannelError
+from mdclaw.channels.http import HttpChannel
 from mdclaw.outbox import (
     BATCH,
     MARKS_MAX,
@@ -91,6 +95,21 @@ def status(db: Database, row_id: int) -> str:
     row = get_row(db, row_id)
     assert row is not None
     return row.status
+
+
+@contextlib.asynccontextmanager
+async def page_and_worker(tmp_path: Path, **kw: Any
+                          ) -> AsyncIterator[tuple[Database, HttpChannel, OutboxWorker]]:
+    """A state.db, the local HTTP channel (`kw`) on a loopback server, and an outbox
+    worker with quick retries that delivers to it."""
+    db = Database(tmp_path / "s.db")
+    http = chat_on_server(db, **kw)
+    await start_chat(http)
+    try:
+        yield db, http, OutboxWorker(db, [http], policy=FAST)
+    finally:
+        await stop_chat(http)
+        db.close()
 
 
 def test_policy_delays_grow_and_cap() -> None:
@@ -296,18 +315,11 @@ def test_order_within_a_chat_and_independence_across_chats(tmp_path: Path) -> No
 
 def test_delivery_to_the_local_http_channel(tmp_path: Path) -> None:
     async def main() -> None:
-        db = Database(tmp_path / "s.db")
-        http = chat_on_server(db)
-        await start_chat(http)
-        w = OutboxWorker(db, [http], policy=FAST)
-        try:
+        async with page_and_worker(tmp_path) as (db, http, w):
             rid = put(db, jid="hl:main", text="reply", sender="Andy")
             await w.run_once()
             assert status(db, rid) == "sent"
             assert [r["content"] for r in http.transcript("hl:main")] == ["reply"]
-        finally:
-            await stop_chat(http)
-            db.close()
 
     asyncio.run(main())
 
@@ -319,11 +331,7 @@ def test_a_reply_to_the_local_http_channel_and_its_sent_mark_commit_together(
     it can be written the reply shows once; and a reply costs one transaction beside its
     claim (the page's row and the mark each had their own)."""
     async def main() -> None:
-        db = Database(tmp_path / "s.db")
-        http = chat_on_server(db)
-        await start_chat(http)
-        w = OutboxWorker(db, [http], policy=FAST)
-        try:
+        async with page_and_worker(tmp_path) as (db, http, w):
             # The mark refused on the worker's connection (a TEMP trigger is its own).
             db.conn.execute(
                 "CREATE TEMP TRIGGER no_mark BEFORE UPDATE OF status ON outbox "
@@ -350,9 +358,6 @@ def test_a_reply_to_the_local_http_channel_and_its_sent_mark_commit_together(
             assert len(commits) == 2  # the claim; the page's row with the mark
             await w.run_once()
             assert len(http.transcript("hl:main")) == 1
-        finally:
-            await stop_chat(http)
-            db.close()
 
     asyncio.run(main())
 
@@ -360,21 +365,14 @@ def test_a_reply_to_the_local_http_channel_and_its_sent_mark_commit_together(
 def test_a_reply_longer_than_one_page_message_goes_in_parts_and_is_marked(
         tmp_path: Path) -> None:
     async def main() -> None:
-        db = Database(tmp_path / "s.db")
-        http = chat_on_server(db)
-        http.max_message_length = 10
-        await start_chat(http)
-        w = OutboxWorker(db, [http], policy=FAST)
-        try:
+        async with page_and_worker(tmp_path) as (db, http, w):
+            http.max_message_length = 10
             rid = put(db, jid="hl:main", text="one two three four five", sender="Andy")
             await w.run_once()
             assert status(db, rid) == "sent"
             parts = [r["content"] for r in http.transcript("hl:main")]
             assert len(parts) > 1
             assert " ".join(p.strip() for p in parts) == "one two three four five"
-        finally:
-            await stop_chat(http)
-            db.close()
 
     asyncio.run(main())
 
@@ -385,11 +383,7 @@ def test_the_chat_pages_replies_due_together_are_written_in_one_transaction(
     transaction, in order; if it cannot be written, none is, the first counts a failed
     try and the others go back untried; the page keeps its limit across such writes."""
     async def main() -> None:
-        db = Database(tmp_path / "s.db")
-        http = chat_on_server(db, keep_per_chat=4)
-        await start_chat(http)
-        w = OutboxWorker(db, [http], policy=FAST)
-        try:
+        async with page_and_worker(tmp_path, keep_per_chat=4) as (db, http, w):
             await http.send_message("hl:main", "earlier")  # the page knows its kept rows
             ids = [put(db, jid="hl:main", text=f"r{i}", sender="Andy") for i in range(6)]
             db.conn.execute(
@@ -420,9 +414,6 @@ def test_the_chat_pages_replies_due_together_are_written_in_one_transaction(
             assert [r["content"] for r in http.transcript("hl:main")] == ["r3", "r4", "r5",
                                                                            "later"]
             assert db.scalar("SELECT count(*) FROM http_messages") == 4
-        finally:
-            await stop_chat(http)
-            db.close()
 
     asyncio.run(main())
 
