@@ -166,6 +166,9 @@ def test_the_chat_page_weighs_under_150_kb_compressed() -> None:
 class FlakyChat(HttpChannel):
     """The local chat whose deliveries fail while `broken` (as a service that is down)."""
 
+    # Delivered through send_message, as a chat service's (the outbox would otherwise
+    # write the page's rows itself, in its own transaction, and never call it).
+    writes_locally = False
     broken = False
     seen: asyncio.Event  # a broken delivery waits for it: the page sees "sending" first
 
