@@ -272,24 +272,25 @@ class OutboxWorker:
         ch = channel_for(self.channels, jid)
         return ch is not None and ch.writes_locally
 
-    def write_locally(self, conn: sqlite3.Connection, row: OutboxRow
+    def write_locally(self, conn: sqlite3.Connection, jid: str, text: str | None, *,
+                      reply_to: str | None, sender: str | None
                       ) -> Callable[[], None] | None:
-        """Deliver the text `row` (written `sent` by the caller, in its open transaction
-        `conn`) by its channel's rows written through `conn` as well: the command, its
-        outbox row and the chat page's row commit together, or none of them. Returns what
-        is to be done once the transaction has committed (give it to written_locally), or
-        None, with nothing written, when the text cannot go this way (it is more than one
-        message, or the channel refuses it): the caller then writes its row the usual
-        way."""
-        ch = channel_for(self.channels, row.chat_jid)
+        """Deliver `text` to chat `jid` by its channel's rows written through `conn`, in
+        the caller's open transaction, where the caller writes the message's outbox row
+        `sent` as well: the command, its outbox row and the chat page's row commit
+        together, or none of them. Returns what is to be done once the transaction has
+        committed (give it to written_locally), or None, with nothing written, when the
+        text cannot go this way (the channel does not write locally, the text is empty or
+        more than one message, the channel refuses it): the caller then writes its row
+        the usual way."""
+        ch = channel_for(self.channels, jid)
         if ch is None or not ch.writes_locally:
             return None
-        text = self._local_text(ch, row)  # (an empty text: the usual way fails it)
-        if text is None:
+        one = self._one_message(ch, text)  # (an empty text: the usual way fails it)
+        if one is None:
             return None
         try:
-            return ch.write_texts(conn, row.chat_jid, [LocalText(text, row.reply_to,
-                                                                 row.sender)])
+            return ch.write_texts(conn, jid, [LocalText(one, reply_to, sender)])
         except ChannelError:
             return None
 
@@ -760,7 +761,7 @@ class OutboxWorker:
                     behind: collections.deque[OutboxRow] | None = None
                     ) -> list[OutboxRow] | None:
         """Send `row` through `ch`. None, or, for a text a channel that writes locally took
-        (_write_locally), the rows it wrote and marked `sent`: `row` and those after it
+        (_deliver_locally), the rows it wrote and marked `sent`: `row` and those after it
         taken from `behind`."""
         if row.card is not None:
             await self._send_card(ch, row)
@@ -769,7 +770,7 @@ class OutboxWorker:
                 raise ChannelError("the message is empty", permanent=True)
             parts = ch.message_parts(row.text or "")
             if ch.writes_locally and len(parts) == 1:
-                return self._write_locally(ch, row, parts[0], behind)
+                return self._deliver_locally(ch, row, parts[0], behind)
             # Progress is recorded only during an attempt: a row never tried has none.
             start = self._parts_sent(row.id) if row.attempts else 0
             for i in range(start, len(parts)):
@@ -794,15 +795,15 @@ class OutboxWorker:
         return None
 
     @staticmethod
-    def _local_text(ch: Channel, row: OutboxRow) -> str | None:
-        """The one message `row` is for a channel that writes locally, or None if it is
-        not a text, is a card, is empty or is more than one message."""
-        if row.kind != "text" or row.card is not None or not (row.text or "").strip():
+    def _one_message(ch: Channel, text: str | None) -> str | None:
+        """`text` as the one message it is for `ch`, or None if it is empty or more than
+        one message."""
+        if not (text or "").strip():
             return None
-        parts = ch.message_parts(row.text or "")
+        parts = ch.message_parts(text or "")
         return parts[0] if len(parts) == 1 else None
 
-    def _write_locally(self, ch: Channel, row: OutboxRow, text: str,
+    def _deliver_locally(self, ch: Channel, row: OutboxRow, text: str,
                        behind: collections.deque[OutboxRow] | None) -> list[OutboxRow]:
         """A text to a channel whose delivery is rows of this database (the local chat
         page), with the texts claimed after it (from the front of `behind`, in order):
@@ -813,7 +814,9 @@ class OutboxWorker:
         back to it, untried). Returns the rows written."""
         batch = [(row, text)]
         while behind and len(batch) < BATCH:
-            more = self._local_text(ch, behind[0])
+            nxt = behind[0]
+            more = (self._one_message(ch, nxt.text)
+                    if nxt.kind == "text" and nxt.card is None else None)
             if more is None:
                 break
             batch.append((behind.popleft(), more))

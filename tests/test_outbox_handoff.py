@@ -537,3 +537,44 @@ def test_a_message_the_page_refuses_goes_through_the_outbox_and_is_not_lost(
             db.close()
 
     asyncio.run(main())
+
+
+def test_a_text_longer_than_one_page_message_is_written_once_and_goes_in_parts(
+        tmp_path: Path) -> None:
+    """A text the page takes as several messages is not delivered with its command: its
+    outbox row is written once, handed over, and the worker sends it in parts."""
+    cfg = load_config(page_config(tmp_path))
+
+    async def main() -> None:
+        db = Database(cfg.db_path)
+        http = chat_on_server(db)
+        http.max_message_length = 10
+        await start_chat(http)
+        worker = OutboxWorker(db, [http])
+        engine = IpcEngine(cfg, db)
+        engine.outbox = worker
+        await worker.start()
+        inserts: list[str] = []
+        try:
+            write(tmp_path, "family", {"type": "message", "text": "one two three four"})
+            db.conn.set_trace_callback(
+                lambda sql: inserts.append(sql) if sql.startswith("INSERT INTO outbox")
+                else None)
+            assert engine.drain().applied == 1
+            db.conn.set_trace_callback(None)
+            # (The trace names the statement again for each trigger program it runs.)
+            assert len(set(inserts)) == 1 and "'sending'" in inserts[0]
+            (row,) = list_outbox(db)
+            assert (row.status, row.attempts) == ("sending", 1)
+            await wait_until_async(lambda: (get_row(db, row.id) or row).status == "sent")
+            parts = [r["content"] for r in http.transcript("hl:family")]
+            assert len(parts) > 1
+            assert " ".join(p.strip() for p in parts) == "one two three four"
+        finally:
+            db.conn.set_trace_callback(None)
+            await worker.stop()
+            await stop_chat(http)
+            engine.close()
+            db.close()
+
+    asyncio.run(main())

@@ -145,7 +145,8 @@ class DirectOutbox(Protocol):
 
     def writes_locally(self, jid: str) -> bool: ...
 
-    def write_locally(self, conn: sqlite3.Connection, row: OutboxRow
+    def write_locally(self, conn: sqlite3.Connection, jid: str, text: str | None, *,
+                      reply_to: str | None, sender: str | None
                       ) -> Callable[[], None] | None: ...
 
     def written_locally(self, rows: list[tuple[OutboxRow, Callable[[], None]]]) -> None: ...
@@ -847,12 +848,9 @@ class IpcEngine:
         if claimed:
             # As the worker holds a row it claimed: the row as it was before its claim
             # (the try being made is attempts + 1).
-            it.direct = OutboxRow(
-                id=row_id, chat_jid=chat_jid, kind=kind, text=text, file_path=None,
-                file_name=None, message_id=message_id, emoji=emoji, reply_to=reply_to,
-                sender=sender, source_group=source_group, status="pending", attempts=0,
-                next_attempt_at=now, last_error=None, created_at=now, updated_at=now,
-                sent_at=None)
+            it.direct = _written_row(row_id, now, chat_jid=chat_jid, kind=kind, text=text,
+                                     message_id=message_id, emoji=emoji, reply_to=reply_to,
+                                     sender=sender, source_group=source_group)
 
     def _deliver_here(self, conn: sqlite3.Connection, it: Item, outbox: DirectOutbox, *,
                       chat_jid: str, text: str | None, reply_to: str | None,
@@ -865,18 +863,14 @@ class IpcEngine:
         row goes the usual way)."""
         conn.execute("SAVEPOINT local")
         try:
-            row_id = enqueue(conn, chat_jid=chat_jid, kind="text", text=text,
-                             reply_to=reply_to, sender=sender, source_group=source_group,
-                             sent=True, now=now)
-            row = OutboxRow(
-                id=row_id, chat_jid=chat_jid, kind="text", text=text, file_path=None,
-                file_name=None, message_id=None, emoji=None, reply_to=reply_to,
-                sender=sender, source_group=source_group, status="sent", attempts=1,
-                next_attempt_at=None, last_error=None, created_at=now, updated_at=now,
-                sent_at=now)
-            committed = outbox.write_locally(conn, row)
-            if committed is None:
-                conn.execute("ROLLBACK TO local")
+            # The page's rows first: a text that cannot go so (more than one page message)
+            # has nothing written, and its outbox row is written once, the usual way.
+            committed = outbox.write_locally(conn, chat_jid, text, reply_to=reply_to,
+                                             sender=sender)
+            if committed is not None:
+                row_id = enqueue(conn, chat_jid=chat_jid, kind="text", text=text,
+                                 reply_to=reply_to, sender=sender, source_group=source_group,
+                                 sent=True, now=now)
         except sqlite3.Error as e:
             # Not written (the page's table refused it, say): the usual way then, whose
             # delivery tries again and reports it if it keeps failing.
@@ -891,7 +885,10 @@ class IpcEngine:
         conn.execute("RELEASE local")
         if committed is None:
             return False
-        it.direct, it.local = row, committed
+        it.direct = _written_row(row_id, now, chat_jid=chat_jid, kind="text", text=text,
+                                 reply_to=reply_to, sender=sender,
+                                 source_group=source_group, sent=True)
+        it.local = committed
         self._local_chats.add(chat_jid)
         return True
 
@@ -1168,6 +1165,20 @@ def remove_if_same(dir_fd: int, name: str, gen: str) -> None:
     """Remove `name` if it is still the file that was applied (same generation): a new file
     the container put under the same name meanwhile is a new command and stays."""
     agentfs.unlink(dir_fd, name, if_generation=gen)
+
+
+def _written_row(row_id: int, now: str, *, chat_jid: str, kind: str, text: str | None = None,
+                 message_id: str | None = None, emoji: str | None = None,
+                 reply_to: str | None = None, sender: str | None = None,
+                 source_group: str | None = None, sent: bool = False) -> OutboxRow:
+    """The outbox row `enqueue` just wrote at `now`, as the worker is given it: before its
+    claim (`pending`, no try), or delivered (`sent`, its one try)."""
+    return OutboxRow(
+        id=row_id, chat_jid=chat_jid, kind=kind, text=text, file_path=None, file_name=None,
+        message_id=message_id, emoji=emoji, reply_to=reply_to, sender=sender,
+        source_group=source_group, status="sent" if sent else "pending",
+        attempts=1 if sent else 0, next_attempt_at=None if sent else now, last_error=None,
+        created_at=now, updated_at=now, sent_at=now if sent else None)
 
 
 class BackgroundRemover:
