@@ -17,6 +17,7 @@ from mdclaw.channels.http import HttpChannel, normalize_jid
 from mdclaw.state import Database
 from mdclaw.state.groups import GroupRow, upsert_group
 from mdclaw.webserver import parse_listen, token_matches
+from vm_steps import vm_steps
 
 
 def make_db(tmp_path: Path) -> Database:
@@ -400,19 +401,11 @@ def test_a_reply_costs_the_transcript_the_same_whatever_its_limit(tmp_path: Path
             try:
                 for i in range(keep + 5):
                     await ch.send_message("hl:main", f"m{i}")
-                steps = 0
-
-                def tick() -> int:
-                    nonlocal steps
-                    steps += 1
-                    return 0
-
-                db.conn.set_progress_handler(tick, 100)
-                for i in range(20):
-                    await ch.send_message("hl:main", f"r{i}")
-                db.conn.set_progress_handler(None, 100)
+                with vm_steps(db.conn, 100) as steps:
+                    for i in range(20):
+                        await ch.send_message("hl:main", f"r{i}")
                 assert len(ch.transcript("hl:main", limit=keep + 100)) == keep
-                return steps
+                return steps[0]
             finally:
                 await stop_chat(ch)
                 db.close()

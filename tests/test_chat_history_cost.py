@@ -16,6 +16,7 @@ from http_helpers import chat_on_server
 from mdclaw.channels.http import PENDING_SQL
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue
+from vm_steps import vm_steps
 
 
 def _history(db: Database, sent: int) -> dict[str, int]:
@@ -46,17 +47,8 @@ def _history(db: Database, sent: int) -> dict[str, int]:
 def _steps(db: Database, fn: Callable[[], list[dict[str, Any]]]
            ) -> tuple[list[dict[str, Any]], int]:
     """fn()'s result and the virtual machine steps it took (in tens)."""
-    steps = [0]
-
-    def tick() -> int:
-        steps[0] += 1
-        return 0
-
-    db.conn.set_progress_handler(tick, 10)
-    try:
+    with vm_steps(db.conn, 10) as steps:
         got = fn()
-    finally:
-        db.conn.set_progress_handler(None, 0)
     return got, steps[0]
 
 

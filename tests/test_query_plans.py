@@ -31,6 +31,7 @@ from mdclaw.state.conversations import (
 )
 from mdclaw.state.failed_turns import mark_messages_failed, message_time
 from mdclaw.state.outbox import enqueue
+from vm_steps import vm_steps
 
 CHATS = ("tg:1", "tg:2", "tg:3")
 JID = "tg:2"
@@ -139,19 +140,9 @@ def test_no_query_of_a_turn_or_a_delivery_walks_the_history_or_sorts(
 
 def steps(db: Database, call: Callable[[], object]) -> int:
     """The virtual machine steps (in thousands) `call` makes SQLite take."""
-    count = 0
-
-    def tick() -> int:
-        nonlocal count
-        count += 1
-        return 0
-
-    db.conn.set_progress_handler(tick, 1000)
-    try:
+    with vm_steps(db.conn) as count:
         call()
-    finally:
-        db.conn.set_progress_handler(None, 1000)
-    return count
+    return count[0]
 
 
 def test_ten_times_the_history_costs_no_more(tmp_path: Path) -> None:
