@@ -6,6 +6,7 @@ are those of any outbox row. Real files, real SQLite, real processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,10 +16,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import Channel
+from mdclaw.channels.http import HttpChannel
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import IpcEngine
 from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
@@ -449,25 +453,42 @@ def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
         loop.close()
 
 
+@contextlib.asynccontextmanager
+async def page_and_engine(tmp_path: Path, worker: type[OutboxWorker] = OutboxWorker,
+                          **kw: Any
+                          ) -> AsyncIterator[tuple[Database, HttpChannel, Any, IpcEngine]]:
+    """Groups on the local chat page, its channel on a loopback server, an outbox worker
+    (`worker`, built with `kw`) delivering to it, and the IPC engine handing it rows."""
+    cfg = load_config(page_config(tmp_path))
+    db = Database(cfg.db_path)
+    http = chat_on_server(db)
+    await start_chat(http)
+    w = worker(db, [http], **kw)
+    engine = IpcEngine(cfg, db)
+    engine.outbox = w
+    await w.start()
+    try:
+        yield db, http, w, engine
+    finally:
+        db.conn.set_trace_callback(None)
+        await w.stop()
+        await stop_chat(http)
+        engine.close()
+        db.close()
+
+
 def test_a_message_to_the_chat_page_is_on_it_when_its_command_commits(tmp_path: Path) -> None:
     """The page's row, the outbox row (written `sent`) and the command commit in one
     transaction: no drain, no claim, no transaction of the worker's. A second message to
     the chat in the same round goes the usual way, after it."""
-    cfg = load_config(page_config(tmp_path))
-
     async def main() -> None:
-        db = Database(cfg.db_path)
-        http = chat_on_server(db)
-        await start_chat(http)
         sent: list[int] = []
-        worker = Counting(db, [http], on_sent=lambda row: sent.append(row.id))
-        engine = IpcEngine(cfg, db)
-        engine.outbox = worker
-        await worker.start()
-        await asyncio.sleep(0.05)
-        looks = worker.looks
-        commits: list[str] = []
-        try:
+        async with page_and_engine(tmp_path, Counting,
+                                   on_sent=lambda row: sent.append(row.id)
+                                   ) as (db, http, worker, engine):
+            await asyncio.sleep(0.05)
+            looks = worker.looks
+            commits: list[str] = []
             write(tmp_path, "family", {"type": "message", "text": "one", "sender": "Ann"})
             write(tmp_path, "family", {"type": "message", "text": "two"})
             db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT"
@@ -489,12 +510,6 @@ def test_a_message_to_the_chat_page_is_on_it_when_its_command_commits(tmp_path: 
             assert worker.looks == looks and worker.claims == 0
             # The round's transaction, and the second message's own (page row and mark).
             assert len(commits) == 2
-        finally:
-            db.conn.set_trace_callback(None)
-            await worker.stop()
-            await stop_chat(http)
-            engine.close()
-            db.close()
 
     asyncio.run(main())
 
@@ -504,18 +519,10 @@ def test_a_message_the_page_refuses_goes_through_the_outbox_and_is_not_lost(
     """When the page's row cannot be written with the command, nothing of it is: the
     message is written to the outbox the usual way, whose delivery tries again, and it
     shows once when it can."""
-    cfg = load_config(page_config(tmp_path))
-
     async def main() -> None:
-        db = Database(cfg.db_path)
-        http = chat_on_server(db)
-        await start_chat(http)
-        worker = OutboxWorker(db, [http], policy=RetryPolicy(
-            max_attempts=5, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0))
-        engine = IpcEngine(cfg, db)
-        engine.outbox = worker
-        await worker.start()
-        try:
+        async with page_and_engine(tmp_path, policy=RetryPolicy(
+                max_attempts=5, base_delay=0.1, factor=2.0, max_delay=1.0, jitter=0)
+                                   ) as (db, http, _, engine):
             db.conn.execute("CREATE TEMP TRIGGER no_page BEFORE INSERT ON http_messages "
                             "BEGIN SELECT RAISE(ABORT, 'no page today'); END")
             write(tmp_path, "family", {"type": "message", "text": "hello"})
@@ -530,11 +537,6 @@ def test_a_message_the_page_refuses_goes_through_the_outbox_and_is_not_lost(
             await wait_until_async(lambda: (get_row(db, row.id) or row).status == "sent",
                                    timeout=20)
             assert [r["content"] for r in http.transcript("hl:family")] == ["hello"]
-        finally:
-            await worker.stop()
-            await stop_chat(http)
-            engine.close()
-            db.close()
 
     asyncio.run(main())
 
@@ -543,19 +545,10 @@ def test_a_text_longer_than_one_page_message_is_written_once_and_goes_in_parts(
         tmp_path: Path) -> None:
     """A text the page takes as several messages is not delivered with its command: its
     outbox row is written once, handed over, and the worker sends it in parts."""
-    cfg = load_config(page_config(tmp_path))
-
     async def main() -> None:
-        db = Database(cfg.db_path)
-        http = chat_on_server(db)
-        http.max_message_length = 10
-        await start_chat(http)
-        worker = OutboxWorker(db, [http])
-        engine = IpcEngine(cfg, db)
-        engine.outbox = worker
-        await worker.start()
-        inserts: list[str] = []
-        try:
+        async with page_and_engine(tmp_path) as (db, http, _, engine):
+            http.max_message_length = 10
+            inserts: list[str] = []
             write(tmp_path, "family", {"type": "message", "text": "one two three four"})
             db.conn.set_trace_callback(
                 lambda sql: inserts.append(sql) if sql.startswith("INSERT INTO outbox")
@@ -570,11 +563,5 @@ def test_a_text_longer_than_one_page_message_is_written_once_and_goes_in_parts(
             parts = [r["content"] for r in http.transcript("hl:family")]
             assert len(parts) > 1
             assert " ".join(p.strip() for p in parts) == "one two three four"
-        finally:
-            db.conn.set_trace_callback(None)
-            await worker.stop()
-            await stop_chat(http)
-            engine.close()
-            db.close()
 
     asyncio.run(main())
