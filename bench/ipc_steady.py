@@ -8,8 +8,14 @@ or committed (floor), per command. The floor (bench/ipc_floor.py: inotify, read,
 `json.loads`, INSERT, COMMIT, unlink) gets the same trickle; each round runs the floor, then
 mdclaw (then `--before`'s tree), and the last line gives the medians and their ratios.
 
+`--breakdown` also says where mdclaw's main thread (the IPC loop's) spends that CPU: the
+thread-time probes of bench/cost_probe.py, on from the first file to the last delivery,
+give each piece's microseconds a command by the path of pieces it ran under
+("turn/round/apply/commit"), and `.../rest` what a piece spent outside the pieces under it.
+The probes cost a few microseconds a call themselves: compare breakdowns with breakdowns.
+
     python bench/ipc_steady.py [--rate 20] [--seconds 15] [--groups 100] [--rounds 3]
-                               [--channel bench|http]
+                               [--channel bench|http] [--breakdown]
                                [--before /tmp/main-tree] [--profile PREFIX]
 """
 
@@ -24,19 +30,48 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ipc_common import CHANNELS, PREFIXES, cpu_ns, make_data_dir
 from ipc_floor import Child, kinds
 
+PROBE = Path(__file__).resolve().parent / "cost_probe.py"
 
-def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str, float]:
+
+def breakdown(path: Path, n: int) -> dict[str, float]:
+    """The probes' totals (cost_probe.py) as microseconds a command, with each piece's rest
+    (what it spent outside the pieces under it) and the main thread's CPU in all."""
+    got = json.loads(path.read_text())
+    us = {k: v["ns"] / n / 1000 for k, v in got["pieces"].items()}
+    out = {"main_thread": got["main_cpu_ns"] / n / 1000}
+    for k in sorted(us):
+        out[k] = us[k]
+        under = sum(v for c, v in us.items() if c.startswith(k + "/") and "/" not in c[len(k) + 1:])
+        if under:
+            out[k + "/rest"] = us[k] - under
+    out["outside_turns"] = out["main_thread"] - sum(
+        v for k, v in us.items() if "/" not in k)
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str, Any]:
     n = int(args.rate * args.seconds)
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         groups = [f"g{i:03d}" for i in range(args.groups)]
         cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
-        child = Child(kind, cfg, groups, tree, args.channel)
+        probe_out = root / "probe.json"
+        env = os.environ.copy()
+        if args.breakdown and kind != "floor":
+            os.environ["MDCLAW_BENCH_PRELOAD"] = str(PROBE)
+            os.environ["MDCLAW_BENCH_PROBE_OUT"] = str(probe_out)
+        try:
+            child = Child(kind, cfg, groups, tree, args.channel)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+        probing = args.breakdown and kind != "floor"
         late = 0.0
         try:
             time.sleep(1.0)  # start-up work done (snapshots, first poll tick)
@@ -47,6 +82,8 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
                                         f"{args.profile}-{label}.txt"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
+            if probing:
+                os.kill(child.pid, signal.SIGUSR1)
             cpu0 = cpu_ns(child.pid)
             t0 = time.monotonic()
             for i in range(n):
@@ -64,13 +101,20 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
                 os.rename(tmp_file, d / name)
             child.wait_done(n)
             cpu = (cpu_ns(child.pid) - cpu0) / 1e9
+            if probing:
+                os.kill(child.pid, signal.SIGUSR2)
             wall = time.monotonic() - t0
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait()
         finally:
             child.stop()
-    return {"cpu_us": cpu / n * 1e6, "wall_s": wall, "writer_late_max_ms": late * 1000}
+        parts = breakdown(probe_out, n) if probing else None
+    out: dict[str, Any] = {"cpu_us": cpu / n * 1e6, "wall_s": wall,
+                           "writer_late_max_ms": late * 1000}
+    if parts is not None:
+        out["breakdown_us"] = parts
+    return out
 
 
 def main() -> None:
@@ -85,6 +129,8 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
     ap.add_argument("--channel", choices=sorted(CHANNELS), default="bench",
                     help="mdclaw's chat service: a recording one, or the local HTTP channel")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="where mdclaw's main thread spends its CPU (bench/cost_probe.py)")
     args = ap.parse_args()
     rounds = []
     for r in range(args.rounds):
@@ -92,8 +138,10 @@ def main() -> None:
         rounds.append(res)
         print(json.dumps({"mode": "steady", "round": r + 1, "channel": args.channel,
                           "rate": args.rate,
-                          "groups": args.groups, **{lbl: {k: round(v, 2) for k, v in f.items()}
-                                                    for lbl, f in res.items()}}), flush=True)
+                          "groups": args.groups,
+                          **{lbl: {k: v if isinstance(v, dict) else round(v, 2)
+                                   for k, v in f.items()} for lbl, f in res.items()}}),
+              flush=True)
     med = {lbl: statistics.median(r[lbl]["cpu_us"] for r in rounds) for lbl in rounds[0]}
     print(json.dumps({"mode": "steady", "median_of_rounds": args.rounds,
                       "channel": args.channel, "rate": args.rate,
@@ -103,6 +151,16 @@ def main() -> None:
                       "cpu_us": {k: round(v, 1) for k, v in med.items()},
                       "ratios": {lbl: round(v / med["floor"], 3) for lbl, v in med.items()
                                  if lbl != "floor"}}), flush=True)
+    if args.breakdown:
+        for lbl in rounds[0]:
+            if lbl == "floor":
+                continue
+            keys = sorted({k for r in rounds for k in r[lbl]["breakdown_us"]})
+            print(json.dumps({"mode": "steady", "breakdown_median_of_rounds": args.rounds,
+                              "label": lbl, "rate": args.rate, "us_per_command": {
+                                  k: round(statistics.median(
+                                      r[lbl]["breakdown_us"].get(k, 0.0) for r in rounds), 1)
+                                  for k in keys}}), flush=True)
 
 
 if __name__ == "__main__":
