@@ -47,6 +47,7 @@ PIECES = [
     ("metrics", "mdclaw.ipc.apply", "metrics.observe_many"),
     ("removal_queued", "mdclaw.ipc.apply", "IpcEngine._remove_if_same"),
     ("removal", "mdclaw.ipc.apply", "BackgroundRemover._remove"),
+    ("drain", "mdclaw.outbox", "OutboxWorker._drain_then_look"),
     ("deliver", "mdclaw.outbox", "OutboxWorker._deliver"),
     ("page_batch", "mdclaw.outbox", "OutboxWorker._deliver_locally"),
     ("flush", "mdclaw.outbox", "OutboxWorker._flush"),
