@@ -2,13 +2,14 @@
 
 Loaded into a bench's mdclaw child through MDCLAW_BENCH_PRELOAD (`ipc_steady.py
 --breakdown`), before mdclaw is imported. Each piece in PIECES is wrapped: while the probes
-are on (SIGUSR1 turns them on, SIGUSR2 off), a call on the main thread adds its
-`time.thread_time_ns()` to the path of pieces it runs under ("turn/round/apply/commit"), so a
-piece called from two places (BEGIN, say) is counted under each. At exit the totals, and the
-main thread's CPU while the probes were on (from /proc, in ns), go as JSON to
-MDCLAW_BENCH_PROBE_OUT. A piece missing from the tree measured (an older checkout) is left
-out. A coroutine piece includes whatever ran while it waited: the recording channel's send
-never waits, so on the benches' channels it is the piece's own work.
+are on (SIGUSR1 turns them on from the next turn of the event loop, SIGUSR2 off), a call on
+the main thread adds its `time.thread_time_ns()` to the path of pieces it runs under
+("turn/round/apply/commit"), so a piece called from two places (BEGIN, say) is counted
+under each. At exit the totals, and the main thread's CPU while the probes were on (from
+/proc, in ns), go as JSON to MDCLAW_BENCH_PROBE_OUT. A piece missing from the tree measured
+(an older checkout) is left out. A coroutine piece includes whatever ran while it waited:
+the recording channel's send never waits, so on the benches' channels it is the piece's
+own work.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ PIECES = [
     ("flush", "mdclaw.outbox", "OutboxWorker._flush"),
 ]
 
+_OUTER = PIECES[0][0]  # counting starts at a turn of the loop: paths begin with it
 _on = False
 _stack: list[str] = []
 _acc: dict[str, list[int]] = {}
@@ -79,7 +81,8 @@ def _wrap(name: str, fn: Any) -> Any:
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def awrapped(*args: Any, **kwargs: Any) -> Any:
-            if not _on or threading.current_thread() is not _main:
+            if (not _on or threading.current_thread() is not _main
+                    or (not _stack and name != _OUTER)):
                 return await fn(*args, **kwargs)
             _stack.append(name)
             t0 = time.thread_time_ns()
@@ -91,7 +94,8 @@ def _wrap(name: str, fn: Any) -> Any:
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not _on or threading.current_thread() is not _main:
+        if (not _on or threading.current_thread() is not _main
+                or (not _stack and name != _OUTER)):
             return fn(*args, **kwargs)
         _stack.append(name)
         t0 = time.thread_time_ns()
