@@ -24,7 +24,7 @@ from http_helpers import chat_on_server, start_chat, stop_chat
 from mdclaw.channels.base import Channel
 from mdclaw.channels.http import HttpChannel
 from mdclaw.config import load_config
-from mdclaw.ipc.apply import IpcEngine
+from mdclaw.ipc.apply import BackgroundRemover, IpcEngine
 from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue, has_open_rows, list_outbox
@@ -510,6 +510,43 @@ def test_a_message_to_the_chat_page_is_on_it_when_its_command_commits(tmp_path: 
             assert worker.looks == looks and worker.claims == 0
             # The round's transaction, and the second message's own (page row and mark).
             assert len(commits) == 2
+
+    asyncio.run(main())
+
+
+def test_a_round_whose_messages_are_all_on_the_page_removes_its_files_itself(
+        tmp_path: Path) -> None:
+    """With the watcher's remover on the loop: a round whose every message went to the
+    chat page with its command removes its files before it returns (no send of the round
+    waits behind the unlinks); a round that hands a row to the worker leaves them for the
+    next turn of the loop, after the send, as before."""
+    async def main() -> None:
+        async with page_and_engine(tmp_path) as (db, http, worker, engine):
+            remover = engine.remover = BackgroundRemover()
+            remover.call_soon = asyncio.get_running_loop().call_soon
+            folder = tmp_path / "data" / "ipc" / "family" / "messages"
+            try:
+                first = write(tmp_path, "family", {"type": "message", "text": "one"})
+                assert engine.drain().applied == 1
+                # Before the loop turns.
+                assert not (folder / first).exists()
+                assert [r["content"] for r in http.transcript("hl:family")] == ["one"]
+                # Two to the same chat: the second is handed to the worker, so the round's
+                # files go a turn later.
+                names = [write(tmp_path, "family", {"type": "message", "text": t})
+                         for t in ("two", "three")]
+                assert engine.drain().applied == 2
+                assert all((folder / n).exists() for n in names)
+                assert remover.keys  # hidden from listings until then
+                await asyncio.sleep(0)
+                assert not any((folder / n).exists() for n in names)
+                await wait_until_async(lambda: all(r.status == "sent"
+                                                   for r in list_outbox(db)))
+                assert [r["content"] for r in http.transcript("hl:family")] == [
+                    "one", "two", "three"]
+            finally:
+                remover.call_soon = None
+                remover.close()
 
     asyncio.run(main())
 

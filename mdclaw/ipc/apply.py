@@ -549,8 +549,22 @@ class IpcEngine:
 
     def _remove_if_same(self, items: list[Item]) -> None:
         if self.remover is not None:
+            on_loop = (len(items) <= self.INLINE_REMOVALS
+                       and self.remover.call_soon is not None)
+            if on_loop and all(it.local is not None for it in items):
+                # Every file's message is on the chat page already, written with the
+                # command: no send of this round waits behind the unlinks, so they are
+                # made now, not a turn of the loop later (that turn, a copy of the
+                # folder's fd and the hiding of the names saved).
+                for it in items:
+                    try:
+                        remove_if_same(it.dir_fd, it.name, it.gen)
+                    except OSError as e:  # the file stays: its next look finds it done
+                        log.warning("ipc: cannot remove %s/%s/%s: %s", it.folder, it.sub,
+                                    it.name, e)
+                return
             files = [((it.folder, it.sub, it.name), it.dir_fd, it.gen) for it in items]
-            if len(items) <= self.INLINE_REMOVALS and self.remover.call_soon is not None:
+            if on_loop:
                 # On the loop, once what this round handed to the outbox has gone out: an
                 # unlink that waits for the journal does not delay a send.
                 self.remover.submit_soon(files)
