@@ -13,6 +13,7 @@ one after the other, over fresh data dirs, so every ratio compares figures of th
     python bench/ipc_floor.py latency [--samples 500] [--rounds 3]
     python bench/ipc_floor.py ... --before /tmp/main-tree          # also that tree's mdclaw
     python bench/ipc_floor.py ... --channel http    # mdclaw delivers to the local chat page
+    python bench/ipc_floor.py ... --log    # mdclaw's child logs as `mdclaw run` (INFO lines)
 
 `burst`: every command staged as a dot-file, then renamed in as fast as possible; CPU of the
 child per command, commands/s committed (last commit - first rename) and, for mdclaw,
@@ -98,6 +99,11 @@ import asyncio, json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 if os.environ.get("MDCLAW_BENCH_PRELOAD"):  # a measuring hook (timed statements...)
     exec(open(os.environ["MDCLAW_BENCH_PRELOAD"]).read())
+if os.environ.get("MDCLAW_BENCH_LOG"):  # log as `mdclaw run` does: INFO, one line a record
+    import logging
+    _handler = logging.StreamHandler(open(os.environ["MDCLAW_BENCH_LOG"], "w"))
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[_handler])
 from mdclaw.channels.base import Channel
 from mdclaw.config import load_config
 from mdclaw.state import Database
@@ -155,7 +161,7 @@ class Child:
     """A floor or an mdclaw server over the data dir of `cfg_path`, in a child process."""
 
     def __init__(self, kind: str, cfg_path: Path, groups: list[str], repo: Path = REPO,
-                 channel: str = "bench") -> None:
+                 channel: str = "bench", log: bool = False) -> None:
         self.kind = kind
         root = cfg_path.parent
         self.out = root / f"{kind}-{time.monotonic_ns()}.json"
@@ -169,6 +175,8 @@ class Child:
             code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out),
                                  recording=RECORDING, channels=CHANNELS[channel])
         env = {**os.environ, "PYTHONPATH": str(repo)}
+        if log and kind != "floor":
+            env["MDCLAW_BENCH_LOG"] = str(root / f"{kind}-{time.monotonic_ns()}.log")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=str(repo))
         assert self.proc.stdout is not None
@@ -222,7 +230,7 @@ def run_burst(args: argparse.Namespace, label: str, kind: str, tree: Path) -> di
         groups = [f"g{i:03d}" for i in range(max(args.groups, 2))]
         cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
-        child = Child(kind, cfg, groups, tree, args.channel)
+        child = Child(kind, cfg, groups, tree, args.channel, log=args.log)
         try:
             staged = []
             for i in range(args.commands):
@@ -258,7 +266,7 @@ def run_latency(args: argparse.Namespace, label: str, kind: str, tree: Path
         groups = [f"g{i:03d}" for i in range(args.groups)]
         cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
-        child = Child(kind, cfg, groups, tree, args.channel)
+        child = Child(kind, cfg, groups, tree, args.channel, log=args.log)
         renamed: dict[str, int] = {}
         try:
             removals = Removals([ipc / g / "messages" for g in groups])
@@ -330,6 +338,8 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
     ap.add_argument("--channel", choices=sorted(CHANNELS), default="bench",
                     help="mdclaw's chat service: a recording one, or the local HTTP channel")
+    ap.add_argument("--log", action="store_true",
+                    help="mdclaw's child logs as `mdclaw run` does (INFO lines, to a file)")
     args = ap.parse_args()
     if args.groups is None:
         args.groups = 10 if args.mode == "burst" else 100

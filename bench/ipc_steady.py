@@ -15,7 +15,7 @@ give each piece's microseconds a command by the path of pieces it ran under
 The probes cost a few microseconds a call themselves: compare breakdowns with breakdowns.
 
     python bench/ipc_steady.py [--rate 20] [--seconds 15] [--groups 100] [--rounds 3]
-                               [--channel bench|http] [--breakdown]
+                               [--channel bench|http] [--breakdown] [--log]
                                [--before /tmp/main-tree] [--profile PREFIX]
 """
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
             os.environ["MDCLAW_BENCH_PRELOAD"] = str(PROBE)
             os.environ["MDCLAW_BENCH_PROBE_OUT"] = str(probe_out)
         try:
-            child = Child(kind, cfg, groups, tree, args.channel)
+            child = Child(kind, cfg, groups, tree, args.channel, log=args.log)
         finally:
             os.environ.clear()
             os.environ.update(env)
@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
     ap.add_argument("--channel", choices=sorted(CHANNELS), default="bench",
                     help="mdclaw's chat service: a recording one, or the local HTTP channel")
+    ap.add_argument("--log", action="store_true",
+                    help="mdclaw's child logs as `mdclaw run` does (INFO lines, to a file)")
     ap.add_argument("--breakdown", action="store_true",
                     help="where mdclaw's main thread spends its CPU (bench/cost_probe.py)")
     args = ap.parse_args()
