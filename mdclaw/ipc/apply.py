@@ -557,11 +557,7 @@ class IpcEngine:
                 # made now, not a turn of the loop later (that turn, a copy of the
                 # folder's fd and the hiding of the names saved).
                 for it in items:
-                    try:
-                        remove_if_same(it.dir_fd, it.name, it.gen)
-                    except OSError as e:  # the file stays: its next look finds it done
-                        log.warning("ipc: cannot remove %s/%s/%s: %s", it.folder, it.sub,
-                                    it.name, e)
+                    remove_or_warn((it.folder, it.sub, it.name), it.dir_fd, it.gen)
                 return
             files = [((it.folder, it.sub, it.name), it.dir_fd, it.gen) for it in items]
             if on_loop:
@@ -1181,6 +1177,15 @@ def remove_if_same(dir_fd: int, name: str, gen: str) -> None:
     agentfs.unlink(dir_fd, name, if_generation=gen)
 
 
+def remove_or_warn(key: tuple[str, str, str], dir_fd: int, gen: str) -> None:
+    """remove_if_same for an applied file (key: folder, sub, name); a failure is logged and
+    the file stays: its next look finds it in the ledger, done, and removes it."""
+    try:
+        remove_if_same(dir_fd, key[2], gen)
+    except OSError as e:
+        log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
+
+
 def _written_row(row_id: int, now: str, *, chat_jid: str, kind: str, text: str | None = None,
                  message_id: str | None = None, emoji: str | None = None,
                  reply_to: str | None = None, sender: str | None = None,
@@ -1251,10 +1256,7 @@ class BackgroundRemover:
                 fds: list[int]) -> None:
         try:
             for key, fd, gen in files:
-                try:
-                    remove_if_same(fd, key[2], gen)
-                except OSError as e:
-                    log.warning("ipc: cannot remove %s/%s/%s: %s", *key, e)
+                remove_or_warn(key, fd, gen)
         finally:
             for fd in fds:
                 os.close(fd)
