@@ -67,7 +67,14 @@ def _main_cpu_ns() -> int:
         return int(f.read().split()[0])
 
 
-def _account(name: str, t0: int) -> None:
+def _counting(name: str) -> bool:
+    """Whether this call of piece `name` is counted: probes on, the main thread, and under
+    a turn of the loop (or the turn itself)."""
+    return (_on and threading.current_thread() is _main
+            and (bool(_stack) or name == _OUTER))
+
+
+def _account(t0: int) -> None:
     path = "/".join(_stack)
     _stack.pop()
     a = _acc.get(path)
@@ -81,28 +88,26 @@ def _wrap(name: str, fn: Any) -> Any:
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def awrapped(*args: Any, **kwargs: Any) -> Any:
-            if (not _on or threading.current_thread() is not _main
-                    or (not _stack and name != _OUTER)):
+            if not _counting(name):
                 return await fn(*args, **kwargs)
             _stack.append(name)
             t0 = time.thread_time_ns()
             try:
                 return await fn(*args, **kwargs)
             finally:
-                _account(name, t0)
+                _account(t0)
         return awrapped
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if (not _on or threading.current_thread() is not _main
-                or (not _stack and name != _OUTER)):
+        if not _counting(name):
             return fn(*args, **kwargs)
         _stack.append(name)
         t0 = time.thread_time_ns()
         try:
             return fn(*args, **kwargs)
         finally:
-            _account(name, t0)
+            _account(t0)
     return wrapped
 
 
@@ -127,8 +132,7 @@ def install() -> list[str]:
 
 def _switch(on: bool) -> None:
     global _on
-    if on and not _on:
-        _stack.clear()
+    if on and not _on:  # (calls under way when they went off still pop what they pushed)
         _span[0] = _main_cpu_ns()
     elif not on and _on:
         _span[1] += _main_cpu_ns() - _span[0]

@@ -161,7 +161,8 @@ class Child:
     """A floor or an mdclaw server over the data dir of `cfg_path`, in a child process."""
 
     def __init__(self, kind: str, cfg_path: Path, groups: list[str], repo: Path = REPO,
-                 channel: str = "bench", log: bool = False) -> None:
+                 channel: str = "bench", log: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.kind = kind
         root = cfg_path.parent
         self.out = root / f"{kind}-{time.monotonic_ns()}.json"
@@ -174,11 +175,14 @@ class Child:
         else:
             code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out),
                                  recording=RECORDING, channels=CHANNELS[channel])
-        env = {**os.environ, "PYTHONPATH": str(repo)}
-        if log and kind != "floor":
-            env["MDCLAW_BENCH_LOG"] = str(root / f"{kind}-{time.monotonic_ns()}.log")
+        # `env`: variables of mdclaw's child (a measuring hook: MDCLAW_BENCH_PRELOAD).
+        child_env = {**os.environ, "PYTHONPATH": str(repo)}
+        if kind != "floor":
+            child_env.update(env or {})
+            if log:
+                child_env["MDCLAW_BENCH_LOG"] = str(root / f"{kind}-{time.monotonic_ns()}.log")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                     text=True, env=env, cwd=str(repo))
+                                     text=True, env=child_env, cwd=str(repo))
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line.strip() == "ready", line

@@ -62,16 +62,10 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
         cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
         probe_out = root / "probe.json"
-        env = os.environ.copy()
-        if args.breakdown and kind != "floor":
-            os.environ["MDCLAW_BENCH_PRELOAD"] = str(PROBE)
-            os.environ["MDCLAW_BENCH_PROBE_OUT"] = str(probe_out)
-        try:
-            child = Child(kind, cfg, groups, tree, args.channel, log=args.log)
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
         probing = args.breakdown and kind != "floor"
+        child = Child(kind, cfg, groups, tree, args.channel, log=args.log, env={
+            "MDCLAW_BENCH_PRELOAD": str(PROBE), "MDCLAW_BENCH_PROBE_OUT": str(probe_out)}
+            if probing else None)
         late = 0.0
         try:
             time.sleep(1.0)  # start-up work done (snapshots, first poll tick)
