@@ -17,7 +17,10 @@ one after the other, over fresh data dirs, so every ratio compares figures of th
 
 `burst`: every command staged as a dot-file, then renamed in as fast as possible; CPU of the
 child per command, commands/s committed (last commit - first rename) and, for mdclaw,
-delivered (last send call - first rename). `latency`: one `message` at a time into a random
+delivered (last send call - first rename). `cpu_us` is the CPU until the last command is
+done; `cpu_settled_us` adds what mdclaw put off until after it (the transcript's index
+batch, the WAL checkpoint down to SQLite's own threshold, which the floor's commits keep),
+`settle_s` how long that took. `latency`: one `message` at a time into a random
 group of 100, renamed, waited for (file gone), 5 ms apart: rename -> COMMIT and, for mdclaw,
 rename -> send call. A commit's time is taken as its COMMIT returns, in both. Each round
 runs the floor, then mdclaw (then `--before`'s); the last line is the median over rounds of
@@ -32,6 +35,7 @@ import os
 import random
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,10 @@ from ipc_common import (
     stage,
     stop,
 )
+
+# WAL frames not yet in the database at which a burst's work counts as settled: SQLite's
+# default auto-checkpoint (the floor's connection checkpoints past it, on its own commits).
+SETTLED_FRAMES = 1000
 
 FLOOR = """
 import json, os, signal, sqlite3, sys, time
@@ -211,6 +219,35 @@ class Child:
             conn.close()
         raise TimeoutError(f"{self.kind}: {n} commands")
 
+    def wait_settled(self, timeout: float = 60) -> None:
+        """Wait until the work mdclaw put off during the run is done: the transcript rows
+        queued for the full-text index (and replies for their transcript row) taken, and
+        fewer than SETTLED_FRAMES WAL frames not yet copied into the database (SQLite's own
+        auto-checkpoint threshold, which the floor's commits follow: mdclaw's checkpoints
+        wait for a quiet moment on another thread). The floor puts nothing off."""
+        if self.kind == "floor":
+            return
+        import sqlite3
+        deadline = time.monotonic() + timeout
+        shm = self.db.with_name(self.db.name + "-shm")
+        conn = sqlite3.connect(self.db, timeout=30)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            queues = [t for t in ("transcript_unindexed", "transcript_replies_queued")
+                      if t in tables]
+            while time.monotonic() < deadline:
+                queued = sum(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # noqa: S608 - two names above
+                             for t in queues)
+                head = shm.read_bytes()[:100] if shm.exists() else b""
+                waiting = (struct.unpack_from("=I", head, 16)[0]
+                           - struct.unpack_from("=I", head, 96)[0]) if len(head) == 100 else 0
+                if not queued and waiting < SETTLED_FRAMES:
+                    return
+                time.sleep(0.02)
+        finally:
+            conn.close()
+        raise TimeoutError(f"{self.kind}: the index queue or the WAL did not settle")
+
     def stop(self) -> dict[str, dict[str, int]]:
         stop(self.proc)
         return json.loads(self.out.read_text())
@@ -248,12 +285,17 @@ def run_burst(args: argparse.Namespace, label: str, kind: str, tree: Path) -> di
                 os.rename(tmp_file, final)
             child.wait_done(args.commands)
             cpu = (cpu_ns(child.pid) - cpu0) / 1e9
+            done_at = time.monotonic()
+            child.wait_settled()
+            settle_s = time.monotonic() - done_at
+            settled = (cpu_ns(child.pid) - cpu0) / 1e9
         finally:
             res = child.stop()
     want = {final.name for _, final in staged}
     commits = [t for n, t in res["commits"].items() if n in want]
     assert len(commits) == args.commands, (label, len(commits))
     out = {"cpu_us": cpu / args.commands * 1e6,
+           "cpu_settled_us": settled / args.commands * 1e6, "settle_s": settle_s,
            "committed_per_s": args.commands / ((max(commits) - first) / 1e9)}
     if kind != "floor":
         sends = [t for n, t in res["sends"].items() if n in want]
@@ -315,6 +357,8 @@ def report(mode: str, rounds: list[dict[str, dict[str, float]]], common: dict[st
         rr: dict[str, float] = {}
         if "cpu_us" in figs:
             rr["cpu_x_floor"] = figs["cpu_us"] / floor["cpu_us"]
+        if "cpu_settled_us" in figs:
+            rr["cpu_settled_x_floor"] = figs["cpu_settled_us"] / floor["cpu_settled_us"]
         if "delivered_per_s" in figs:
             rr["delivered_x_floor_committed"] = figs["delivered_per_s"] / floor["committed_per_s"]
             rr["committed_x_floor"] = figs["committed_per_s"] / floor["committed_per_s"]
