@@ -156,6 +156,22 @@ def test_no_people_no_defaults(tmp_path: Path) -> None:
     assert rule_for(c, "main", act("ha_restart")) is None
 
 
+def test_the_rules_follow_the_config_in_force_group_by_group(cfg, tmp_path: Path) -> None:
+    """Rules are made once per config and group: a reloaded config (another object, maybe
+    at the address of one gone) gets its own, for every group, and so does the old one
+    when it is in force again."""
+    p = tmp_path / "bare.yaml"
+    p.write_text(f"data_dir: {tmp_path}/d2\ngroups:\n  main: {{name: M, jid: 'tg:1', "
+                 "main: true}\n  kids: {name: K, jid: 'tg:2'}\n")
+    bare = load_config(p)
+    with_rules = {f: [r.source for r in effective_rules(cfg, f)] for f in ("main", "kids")}
+    assert all(with_rules.values())
+    assert effective_rules(bare, "main") == effective_rules(bare, "kids") == []
+    assert {f: [r.source for r in effective_rules(cfg, f)]
+            for f in ("main", "kids")} == with_rules
+    assert effective_rules(cfg, "main") is effective_rules(cfg, "main")  # made once
+
+
 # --------------------------------------------------------------------------- cards
 
 HOSTILE = "\x1b[8mhidden\x1b[0m ok\u202etxt.exe\u2066\u200b\n\\x1b"
