@@ -150,3 +150,40 @@ def test_a_round_run_from_the_inotify_callback_fails_run(env: Env) -> None:
             w.close()
 
     asyncio.run(main())
+
+
+def test_the_snapshot_thread_is_told_while_rounds_follow_each_other(env: Env) -> None:
+    """The index batch waits for the end of a burst (SnapshotWriter's `busy`): the watcher
+    says so while a round left more pending, and no longer once it has caught up."""
+    per_round = 8
+    for i in range(3 * per_round + 1):
+        env.write("family", {"type": "message", "text": f"m{i}"}, sub="messages")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        w = IpcWatcher(env.cfg, env.db, poll_interval=30.0)
+        w.engine.batch_per_group = per_round
+        busy = w.snapshot_writer.busy
+        assert busy is not None and not busy()
+        seen: list[bool] = []
+        process = w.engine.process
+
+        def watched(batch):  # noqa: ANN001, ANN202
+            seen.append(busy())
+            return process(batch)
+
+        w.engine.process = watched  # type: ignore[method-assign]
+        task = asyncio.create_task(w.run(stop))
+        try:
+            await wait_until_async(lambda: w.totals.applied == 3 * per_round + 1)
+            await wait_until_async(lambda: w.idle.is_set())
+            # The first round found the backlog; each one after it was told of more.
+            assert seen[0] is False and seen[1:] == [True] * (len(seen) - 1)
+            assert len(seen) >= 4
+            assert not busy()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+            w.close()
+
+    asyncio.run(main())

@@ -404,6 +404,40 @@ def test_a_trickle_is_indexed_about_once_a_second_by_the_background_thread(
     assert queued(db) == [] and indexed(db) == 82  # what was queued at the stop too
 
 
+def test_the_index_batch_waits_while_the_ipc_loop_is_in_a_burst(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While `busy` says rounds follow each other, the thread puts its batch off (a search
+    still finds the rows: it indexes them first); once the burst is over, it indexes."""
+    monkeypatch.setattr(writers, "INDEX_RECHECK", 0.01)
+    burst = [True]
+    db = env.db
+    say(db, "stored during a burst")
+    w = SnapshotWriter(env.cfg.db_path, Layout(env.data), busy=lambda: burst[0])
+    try:
+        wait_until(lambda: w.index_deferrals >= 5, what="the batch put off")
+        assert len(queued(db)) == 1 and indexed(db) == 0
+        burst[0] = False
+        wait_until(lambda: not queued(db), what="the batch after the burst")
+        assert indexed(db) == 1
+        integrity(db.conn)
+    finally:
+        w.close()
+
+
+def test_a_burst_puts_the_index_batch_off_for_index_defer_max_at_most(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writers, "INDEX_RECHECK", 0.01)
+    monkeypatch.setattr(writers, "INDEX_DEFER_MAX", 0.3)
+    db = env.db
+    say(db, "stored during an endless burst")
+    w = SnapshotWriter(env.cfg.db_path, Layout(env.data), busy=lambda: True)
+    try:
+        wait_until(lambda: not queued(db), what="the batch, burst or not")
+        assert w.index_deferrals > 0 and indexed(db) == 1
+    finally:
+        w.close()
+
+
 def test_memory_search_through_the_ipc_engine_finds_what_was_just_stored(env: Env) -> None:
     say(env.db, "the kayak is booked", FAMILY_JID)
     say(env.db, "work kayak", WORK_JID)

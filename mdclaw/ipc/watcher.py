@@ -64,7 +64,12 @@ class IpcWatcher:
         self.live = LiveConfig.of(cfg)
         cfg = self.live.current
         self.engine = engine or IpcEngine(self.live, db, settle_ns=SETTLE_NS)
-        self.snapshot_writer = SnapshotWriter(cfg.db_path, self.engine.layout)
+        # True while run() goes round after round (more was pending after the last round);
+        # read by the snapshot thread (_in_a_burst), whose batch of the transcript's index
+        # waits for the end of a burst: set before the thread starts.
+        self._rounds_on = False
+        self.snapshot_writer = SnapshotWriter(cfg.db_path, self.engine.layout,
+                                              busy=self._in_a_burst)
         self.engine.snapshots = self.snapshot_writer.request
         self.remover = BackgroundRemover()
         self.engine.remover = self.remover
@@ -202,6 +207,11 @@ class IpcWatcher:
             else:
                 self._unwatched.add(folder)
 
+    def _in_a_burst(self) -> bool:
+        """Whether rounds follow each other now (more was pending after the last one). Read
+        by the snapshot thread: one flag of the loop's, read as it stands."""
+        return self._rounds_on
+
     def _on_inotify(self) -> None:
         """The event loop's reader callback on the inotify fd (registered while run()
         sleeps or is about to)."""
@@ -285,6 +295,7 @@ class IpcWatcher:
             return
         if busy:
             self.idle.clear()
+            self._rounds_on = True
             self._ring()
 
     # ------------------------------------------------------------------ loop
@@ -428,11 +439,13 @@ class IpcWatcher:
                 busy = self._work_once()
                 if busy:
                     self.idle.clear()
+                    self._rounds_on = True
                     self._reader(loop, False)  # read before the next round instead
                     await asyncio.sleep(0)  # let other tasks run
                     continue
                 self._reader(loop, True)
                 self.idle.set()
+                self._rounds_on = False
                 now = time.monotonic()
                 if now >= self._next_poll:
                     self._poll()
@@ -452,6 +465,7 @@ class IpcWatcher:
             except sqlite3.Error:
                 pass  # closed already: nothing to restore
             self._stop = None
+            self._rounds_on = False
             self.remover.call_soon = None
             stop_task.cancel()
             self._reader(loop, False)

@@ -17,7 +17,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,12 @@ CHECKPOINT_IDLE = 1.0
 LOOP_AUTOCHECKPOINT = 8000  # SQLite's default is 1,000
 CHECKPOINT_EVERY = 0.5  # without the WAL's size (no -shm file to read): every quiet 0.5 s
 INDEX_EVERY = 1.0  # seconds between two batches of the transcript's full-text index, at least
+# While the IPC loop goes round after round (a burst), the index batch waits for its end, at
+# most INDEX_DEFER_MAX seconds (looking every INDEX_RECHECK): its transactions took the write
+# lock from the loop's rounds, which waited in SQLite's busy handler (1, 2, 5 ms... a look).
+# A search indexes what is queued first, so it finds every row meanwhile.
+INDEX_DEFER_MAX = 10.0
+INDEX_RECHECK = 0.1
 
 
 def _dump(obj: Any) -> bytes:
@@ -293,12 +299,17 @@ class SnapshotWriter:
     The same thread keeps the database: in quiet moments it checkpoints the WAL, and about
     once a second (at start at once, and before it stops) it moves the transcript rows
     queued since into the full-text index, a batch per transaction (mdclaw.state.transcripts):
-    storing a message or a reply never writes the index itself.
+    storing a message or a reply never writes the index itself. `busy` (the IPC loop's: a
+    burst is under way) puts that off until it returns False, or INDEX_DEFER_MAX seconds
+    have passed; `index_deferrals` counts the looks that put it off.
     """
 
-    def __init__(self, db_path: Path, layout: Layout) -> None:
+    def __init__(self, db_path: Path, layout: Layout, *,
+                 busy: Callable[[], bool] | None = None) -> None:
         self.db_path = db_path
         self.layout = layout
+        self.busy = busy
+        self.index_deferrals = 0
         self._cond = threading.Condition()
         self._tasks: set[str] | None = set()  # None: every group
         self._groups: set[str] | None = set()
@@ -334,6 +345,15 @@ class SnapshotWriter:
             self._cond.notify_all()
         self._thread.join(timeout=60)
 
+    def _in_a_burst(self) -> bool:
+        if self.busy is None:
+            return False
+        try:
+            return self.busy()
+        except Exception:  # noqa: BLE001 - the thread goes on (snapshots, checkpoints)
+            log.exception("ipc: asking whether a burst is under way failed")
+            return False
+
     @staticmethod
     def _index(db: Database) -> None:
         try:
@@ -356,11 +376,21 @@ class SnapshotWriter:
         look = CHECKPOINT_LOOK  # until the next look: sooner while the WAL grows fast
         index_at = 0.0  # time.monotonic() of the next index batch: at start, what a crash
         # or another process left queued
+        put_off_at: float | None = None  # when the batch due was first put off (a burst)
         try:
             while True:
-                if time.monotonic() >= index_at:
-                    self._index(db)
-                    index_at = time.monotonic() + INDEX_EVERY
+                now = time.monotonic()
+                if now >= index_at:
+                    if self._in_a_burst() and (
+                            put_off_at is None or now - put_off_at < INDEX_DEFER_MAX):
+                        if put_off_at is None:
+                            put_off_at = now
+                        self.index_deferrals += 1
+                        index_at = now + INDEX_RECHECK
+                    else:
+                        put_off_at = None
+                        self._index(db)
+                        index_at = time.monotonic() + INDEX_EVERY
                 with self._cond:
                     woke = self._cond.wait_for(
                         lambda: self._stop or self._has_work(),
