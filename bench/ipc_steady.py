@@ -4,7 +4,9 @@ A household's traffic is a trickle, not a burst: here `--rate` `message` command
 round the groups (100 by default), each file written to a dot-file and renamed into its
 group's `messages/` at its due time, the way the agent runner writes. The figure is the
 child's CPU (user + system, every thread) from the first file to the last delivered (mdclaw)
-or committed (floor), per command. The floor (bench/ipc_floor.py: inotify, read,
+or committed (floor), per command; `cpu_settled_us` also counts the work mdclaw put off
+until after it (the transcript's last index batch, the WAL checkpoint down to SQLite's own
+threshold: see ipc_floor.py). The floor (bench/ipc_floor.py: inotify, read,
 `json.loads`, INSERT, COMMIT, unlink) gets the same trickle; each round runs the floor, then
 mdclaw (then `--before`'s tree), and the last line gives the medians and their ratios.
 
@@ -98,14 +100,16 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
             if probing:
                 os.kill(child.pid, signal.SIGUSR2)
             wall = time.monotonic() - t0
+            child.wait_settled()
+            settled = (cpu_ns(child.pid) - cpu0) / 1e9
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait()
         finally:
             child.stop()
         parts = breakdown(probe_out, n) if probing else None
-    out: dict[str, Any] = {"cpu_us": cpu / n * 1e6, "wall_s": wall,
-                           "writer_late_max_ms": late * 1000}
+    out: dict[str, Any] = {"cpu_us": cpu / n * 1e6, "cpu_settled_us": settled / n * 1e6,
+                           "wall_s": wall, "writer_late_max_ms": late * 1000}
     if parts is not None:
         out["breakdown_us"] = parts
     return out
@@ -139,6 +143,8 @@ def main() -> None:
                                    for k, v in f.items()} for lbl, f in res.items()}}),
               flush=True)
     med = {lbl: statistics.median(r[lbl]["cpu_us"] for r in rounds) for lbl in rounds[0]}
+    settled = {lbl: statistics.median(r[lbl]["cpu_settled_us"] for r in rounds)
+               for lbl in rounds[0]}
     print(json.dumps({"mode": "steady", "median_of_rounds": args.rounds,
                       "channel": args.channel, "rate": args.rate,
                       "groups": args.groups, "commands": int(args.rate * args.seconds),
@@ -146,7 +152,11 @@ def main() -> None:
                       "load": round(os.getloadavg()[0], 1),
                       "cpu_us": {k: round(v, 1) for k, v in med.items()},
                       "ratios": {lbl: round(v / med["floor"], 3) for lbl, v in med.items()
-                                 if lbl != "floor"}}), flush=True)
+                                 if lbl != "floor"},
+                      "cpu_settled_us": {k: round(v, 1) for k, v in settled.items()},
+                      "settled_ratios": {lbl: round(v / settled["floor"], 3)
+                                         for lbl, v in settled.items() if lbl != "floor"}}),
+          flush=True)
     if args.breakdown:
         for lbl in rounds[0]:
             if lbl == "floor":
