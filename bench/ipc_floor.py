@@ -35,7 +35,6 @@ import os
 import random
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -109,8 +108,9 @@ if os.environ.get("MDCLAW_BENCH_PRELOAD"):  # a measuring hook (timed statements
     exec(open(os.environ["MDCLAW_BENCH_PRELOAD"]).read())
 if os.environ.get("MDCLAW_BENCH_LOG"):  # log as `mdclaw run` does: INFO, one line a record
     import logging
+    from mdclaw.cli import JournalFormatter
     _handler = logging.StreamHandler(open(os.environ["MDCLAW_BENCH_LOG"], "w"))
-    _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    _handler.setFormatter(JournalFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[_handler])
 from mdclaw.channels.base import Channel
 from mdclaw.config import load_config
@@ -227,25 +227,22 @@ class Child:
         wait for a quiet moment on another thread). The floor puts nothing off."""
         if self.kind == "floor":
             return
-        import sqlite3
+        from mdclaw.state import Database
         deadline = time.monotonic() + timeout
-        shm = self.db.with_name(self.db.name + "-shm")
-        conn = sqlite3.connect(self.db, timeout=30)
+        db = Database(self.db, migrate=False)
         try:
-            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            tables = {r[0] for r in db.query("SELECT name FROM sqlite_master")}
             queues = [t for t in ("transcript_unindexed", "transcript_replies_queued")
                       if t in tables]
             while time.monotonic() < deadline:
-                queued = sum(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # noqa: S608 - two names above
+                queued = sum(db.scalar(f"SELECT count(*) FROM {t}")  # noqa: S608 - two names above
                              for t in queues)
-                head = shm.read_bytes()[:100] if shm.exists() else b""
-                waiting = (struct.unpack_from("=I", head, 16)[0]
-                           - struct.unpack_from("=I", head, 96)[0]) if len(head) == 100 else 0
-                if not queued and waiting < SETTLED_FRAMES:
+                frames, done = db.wal_frames() or (0, 0)
+                if not queued and frames - done < SETTLED_FRAMES:
                     return
                 time.sleep(0.02)
         finally:
-            conn.close()
+            db.close()
         raise TimeoutError(f"{self.kind}: the index queue or the WAL did not settle")
 
     def stop(self) -> dict[str, dict[str, int]]:
