@@ -127,16 +127,24 @@ async def main():
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     db = Database(cfg.db_path)
     # A round's commit time is taken as its COMMIT returns, as the floor's (on_commit comes
-    # later: after the rows are handed to the outbox).
-    committed = [0]
+    # later: after the rows are handed to the outbox, whose `sent` marks may be written by
+    # then): the first end() of each round's process().
+    committed, in_round = [0], [False]
     real_end = db.end
     def end(*, commit):
         real_end(commit=commit)
-        committed[0] = time.monotonic_ns()
+        if in_round[0]:
+            in_round[0] = False
+            committed[0] = time.monotonic_ns()
     db.end = end
     channels, on_sent = await make_channels(db)
     outbox = OutboxWorker(db, channels, on_sent=on_sent)
     w = IpcWatcher(cfg, db)
+    real_process = w.engine.process
+    def process(batch):
+        in_round[0] = True
+        return real_process(batch)
+    w.engine.process = process
     def on_commit(items):
         now = committed[0]
         for it in items:

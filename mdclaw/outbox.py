@@ -16,7 +16,8 @@ time. Claims and `sent` marks of all chats are written together, one transaction
 drains that asked for them in a turn of the event loop; a drain that goes on past its first
 batch writes its next claim at once, with the marks of the batch it delivered. A delivered
 row is marked as soon as its chat's drain waits for anything (a send that waits on the
-network, its next claim, its end), and in the same turn of the loop when it does not. So a
+network, its next claim, its end), and in the same turn of the loop when it does not (a
+row handed over on Python 3.12+, EAGER_START: before hand_off returns). So a
 crash sends again, per chat, the row in flight and the rows delivered since the drain last
 waited: at most BATCH rows, MARKS_MAX in all, and only the row in flight with a chat
 service whose sends wait on the network. At most `max_parallel_chats` chats send at once (a
@@ -33,6 +34,7 @@ import dataclasses
 import logging
 import random
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -56,6 +58,11 @@ from mdclaw.state import Database, now_iso
 from mdclaw.state.outbox import OutboxRow, enqueue, outbox_row, outbox_rows
 
 log = logging.getLogger("mdclaw.outbox")
+
+# Python 3.12+ can run a task's first step at once, in the turn that makes it (eager_start):
+# a row handed over (hand_off) is then sent, and its `sent` mark written, in the IPC round's
+# own turn of the event loop, not one turn later. Older Pythons queue the first step.
+EAGER_START = sys.version_info >= (3, 12)
 
 BATCH = 16  # rows of one chat claimed at a time: bounds the duplicates a crash can cause
 ROUND_PER_CHAT = 256  # deliveries of one chat per round of the background worker
@@ -138,6 +145,7 @@ class OutboxWorker:
         self._marks: list[OutboxRow] = []  # delivered, `sent` mark not yet written
         self._releases: list[OutboxRow] = []  # claimed, not tried: back to pending
         self._flush_at: asyncio.Handle | None = None  # the flush queued on the loop
+        self._handing_off = False  # hand_off writes what its drains ask for as it ends
         self._retry_flush: asyncio.Handle | None = None  # after a flush that failed
         self._active: dict[str, asyncio.Task[int]] = {}  # the drain under way, by chat
         self._parted: set[int] = set()  # rows whose parts were recorded (outbox_progress)
@@ -248,22 +256,38 @@ class OutboxWorker:
         ch = channel_for(self.channels, jid)
         return ch is not None and ch.is_connected()
 
-    def hand_off(self, rows: list[OutboxRow]) -> None:
+    def hand_off(self, rows: list[OutboxRow]) -> bool:
         """Deliver rows committed already claimed (`sending`, a try counted: enqueue with
         `claimed`), each the only unfinished row of its chat, at once: no look for due rows
         and no claim of their own. Each is given as the worker holds a row it claimed: as
         it was before the claim (`pending`, its earlier tries). Their `sent` marks are
         written as any delivery's. If the worker stops first, they stay `sending` and
-        recover() puts them back to pending."""
-        for row in rows:
-            if self._task is None or self._stopping or row.chat_jid in self._active:
-                # Not expected (accepts() said yes in this turn of the loop): the row stays
-                # `sending` until recover(); make sure that comes.
-                log.warning("outbox: message %d handed over while it cannot be taken; it is "
-                            "sent after the next start", row.id)
-                continue
-            self._start_drain(row, 1, claimed=[row])
-        self._flush_behind()
+        recover() puts them back to pending.
+
+        With EAGER_START each drain's first step runs in this call: a send that does not
+        wait on the network is made, and the marks (and anything else the drains asked
+        for) are written in one transaction before this returns. True then: every row's
+        send has started by the time this returns. False: their first steps come in the
+        next turn of the loop, the flush behind them."""
+        eager = EAGER_START
+        if eager:
+            self._handing_off = True
+        try:
+            for row in rows:
+                if self._task is None or self._stopping or row.chat_jid in self._active:
+                    # Not expected (accepts() said yes in this turn of the loop): the row
+                    # stays `sending` until recover(); make sure that comes.
+                    log.warning("outbox: message %d handed over while it cannot be taken; "
+                                "it is sent after the next start", row.id)
+                    continue
+                self._start_drain(row, 1, claimed=[row], eager=eager)
+        finally:
+            self._handing_off = False
+        if eager:
+            self._flush_now()
+        else:
+            self._flush_behind()
+        return eager
 
     def writes_locally(self, jid: str) -> bool:
         """True if chat `jid`'s channel delivers by writing this database (the local chat
@@ -309,8 +333,14 @@ class OutboxWorker:
 
     # ------------------------------------------------------------------ worker
     def _start_drain(self, head: OutboxRow, n: int | None,
-                     claimed: list[OutboxRow] | None = None) -> None:
-        task = asyncio.create_task(self._drain_then_look(head, n, claimed))
+                     claimed: list[OutboxRow] | None = None, *, eager: bool = False) -> None:
+        coro = self._drain_then_look(head, n, claimed)
+        if sys.version_info >= (3, 12) and eager:
+            task = asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
+            if task.done():
+                return  # over within its first step: no drain of the chat is under way
+        else:
+            task = asyncio.create_task(coro)
         self._active[head.chat_jid] = task
 
     async def _drain_then_look(self, head: OutboxRow, n: int | None,
@@ -640,6 +670,8 @@ class OutboxWorker:
         return fut.result()
 
     def _schedule_flush(self) -> None:
+        if self._handing_off:
+            return  # hand_off writes it as it ends, in this turn
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_soon(self._queued_flush)
 

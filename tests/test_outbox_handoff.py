@@ -25,7 +25,7 @@ from mdclaw.channels.base import Channel
 from mdclaw.channels.http import HttpChannel
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import BackgroundRemover, IpcEngine
-from mdclaw.outbox import OutboxWorker, RetryPolicy, get_row
+from mdclaw.outbox import EAGER_START, OutboxWorker, RetryPolicy, get_row
 from mdclaw.state import Database
 from mdclaw.state.outbox import enqueue, has_open_rows, list_outbox
 from waiting import wait_until, wait_until_async
@@ -141,7 +141,12 @@ def test_a_message_to_an_idle_chat_goes_out_without_a_look_or_a_claim(tmp_path: 
             res = engine.drain()
             assert res.applied == 2
             rows = sorted(list_outbox(db), key=lambda r: r.id)
-            assert [r.status for r in rows] == ["sending", "pending"]
+            if EAGER_START:
+                # Sent and marked within the round, before any turn of the event loop.
+                assert [r.status for r in rows] == ["sent", "pending"]
+                assert ch.sent == [("fk:2", "hello")]
+            else:
+                assert [r.status for r in rows] == ["sending", "pending"]
             assert rows[0].attempts == 1
             await wait_until_async(lambda: len(ch.sent) == 1)
             assert worker.looks == looks and worker.claims == 0
@@ -251,10 +256,14 @@ CHILD = textwrap.dedent("""
         db = Database(cfg.db_path)
         outbox = OutboxWorker(db, [Fake()])
         w = IpcWatcher(cfg, db)
-        def on_commit(items):
-            if sys.argv[2] == "die" and any(it.direct is not None and it.direct.text == "die"
-                                            for it in items):
+        hand_off = outbox.hand_off
+        def handing_off(rows):
+            # Killed once the round has committed, before the worker has the row.
+            if sys.argv[2] == "die" and any(r.text == "die" for r in rows):
                 os.kill(os.getpid(), signal.SIGKILL)
+            return hand_off(rows)
+        outbox.hand_off = handing_off
+        def on_commit(items):
             if not all(it.direct is not None for it in items):
                 outbox.wake()
         w.engine.on_commit = on_commit
@@ -416,9 +425,9 @@ class CountingSelector(selectors.DefaultSelector):  # type: ignore[misc, valid-t
 
 def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
     """At a trickle a handed-over message is delivered and marked in one turn of the event
-    loop after its hand-off, and its drain's end asks for no further turn: the loop goes
-    idle straight after (each turn is a wake-up, a `select` and the loop's own work, paid
-    per message)."""
+    loop after its hand-off (with EAGER_START: within the hand-off, no turn at all), and its
+    drain's end asks for no further turn: the loop goes idle straight after (each turn is a
+    wake-up, a `select` and the loop's own work, paid per message)."""
     sel = CountingSelector()
     loop = asyncio.SelectorEventLoop(sel)
 
@@ -437,12 +446,18 @@ def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
                 assert row is not None
                 sel.timeouts.clear()
                 sel.idle = asyncio.get_running_loop().create_future()
-                w.hand_off([dataclasses.replace(row, status="pending", attempts=0)])
+                started = w.hand_off([dataclasses.replace(row, status="pending", attempts=0)])
+                assert started is EAGER_START
+                if EAGER_START:  # sent and marked before hand_off returned
+                    assert ch.sent[-1] == ("fk:1", f"m{i}")
+                    assert open_rows(db, "fk:1") == 0
+                    assert w.accepts("fk:1")  # no drain of the chat left under way
                 await asyncio.wait_for(sel.idle, 30)
                 assert ch.sent[-1] == ("fk:1", f"m{i}")
                 assert open_rows(db, "fk:1") == 0
                 # The turns before the loop would first go idle: the hand-off's own.
-                assert next(i for i, t in enumerate(sel.timeouts) if t != 0) == 1, sel.timeouts
+                turns = next(i for i, t in enumerate(sel.timeouts) if t != 0)
+                assert turns == (0 if EAGER_START else 1), sel.timeouts
         finally:
             await w.stop()
             db.close()
@@ -451,6 +466,98 @@ def test_a_handed_over_message_costs_the_loop_one_turn(tmp_path: Path) -> None:
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+class Held(Recording):
+    """A chat service whose sends wait until `release` is set (a send on the network)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def send_message(self, jid, text, *, reply_to=None, sender=None):  # noqa: ANN001, ANN201
+        await self.release.wait()
+        self.sent.append((jid, text))
+
+
+class Refusing(Recording):
+    """A chat service that refuses every send, for now."""
+
+    async def send_message(self, jid, text, *, reply_to=None, sender=None):  # noqa: ANN001, ANN201
+        from mdclaw.channels.base import ChannelError
+        raise ChannelError("the service is down")
+
+
+async def _hand_over(db: Database, w: OutboxWorker, jid: str, text: str) -> int:
+    with db.transaction() as c:
+        assert w.accepts(jid) and not has_open_rows(c, jid)
+        rid = enqueue(c, chat_jid=jid, kind="text", text=text, claimed=True)
+    row = get_row(db, rid)
+    assert row is not None
+    w.hand_off([dataclasses.replace(row, status="pending", attempts=0)])
+    return rid
+
+
+def test_a_handed_over_send_that_waits_keeps_its_chat_until_it_is_marked(
+        tmp_path: Path) -> None:
+    """A send that waits on the network (its drain's first step suspends, whether it ran
+    in the hand-off or a turn later): the chat's drain stays under way, so its next message
+    is not handed over past it, until the send is done and marked."""
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        ch = Held()
+        w = OutboxWorker(db, [ch])
+        await w.start()
+        try:
+            rid = await _hand_over(db, w, "fk:1", "slow")
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert not w.accepts("fk:1")
+            assert w.accepts("fk:2")  # other chats are not held up
+            row = get_row(db, rid)
+            assert row is not None and row.status == "sending" and ch.sent == []
+            ch.release.set()
+            await wait_until_async(lambda: (get_row(db, rid) or row).status == "sent")
+            await wait_until_async(lambda: w.accepts("fk:1"))
+            assert ch.sent == [("fk:1", "slow")]
+            rid2 = await _hand_over(db, w, "fk:1", "next")
+            await wait_until_async(lambda: (get_row(db, rid2) or row).status == "sent")
+            assert ch.sent == [("fk:1", "slow"), ("fk:1", "next")]
+        finally:
+            await w.stop()
+            db.close()
+
+    asyncio.run(main())
+
+
+def test_a_handed_over_send_that_fails_waits_for_its_retry_and_frees_its_chat(
+        tmp_path: Path) -> None:
+    """A send refused in the drain's first step: the row goes back to pending with its try
+    counted and a retry time, and no drain of the chat is left under way (the chat's next
+    message is written pending behind it, not handed over past it)."""
+
+    async def main() -> None:
+        db = Database(tmp_path / "s.db")
+        w = OutboxWorker(db, [Refusing()], policy=RetryPolicy(
+            max_attempts=5, base_delay=60.0, factor=2.0, max_delay=60.0, jitter=0))
+        await w.start()
+        try:
+            rid = await _hand_over(db, w, "fk:1", "hello")
+            await wait_until_async(lambda: (get_row(db, rid) or None) is not None
+                                   and get_row(db, rid).status == "pending")  # type: ignore[union-attr]
+            row = get_row(db, rid)
+            assert row is not None
+            assert row.attempts == 1 and row.next_attempt_at is not None
+            assert "the service is down" in (row.last_error or "")
+            await wait_until_async(lambda: w.accepts("fk:1"))
+            with db.transaction() as c:
+                assert has_open_rows(c, "fk:1")  # the writer then queues behind it
+        finally:
+            await w.stop()
+            db.close()
+
+    asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
@@ -495,15 +602,18 @@ def test_a_message_to_the_chat_page_is_on_it_when_its_command_commits(tmp_path: 
                                        else None)
             res = engine.drain()
             assert res.applied == 2
-            # Before the loop turns: the first is on the page and sent, by the round alone.
-            assert len(commits) == 1
-            assert [r["content"] for r in http.transcript("hl:family")] == ["one"]
+            # Before the loop turns: the first is on the page and sent, by the round alone;
+            # the second, handed over, too with EAGER_START (its drain's first step and
+            # mark run in the hand-off), in a transaction of its own.
+            assert len(commits) == (2 if EAGER_START else 1)
+            assert [r["content"] for r in http.transcript("hl:family")] == (
+                ["one", "two"] if EAGER_START else ["one"])
             assert http.transcript("hl:family")[0]["sender_name"] == "Ann"
             rows = sorted(list_outbox(db), key=lambda r: r.id)
             assert [(r.text, r.status, r.attempts) for r in rows] == [
-                ("one", "sent", 1), ("two", "sending", 1)]
+                ("one", "sent", 1), ("two", "sent" if EAGER_START else "sending", 1)]
             assert rows[0].sent_at is not None and rows[0].next_attempt_at is None
-            assert sent == [rows[0].id]
+            assert sent == ([r.id for r in rows] if EAGER_START else [rows[0].id])
             await wait_until_async(lambda: len(http.transcript("hl:family")) == 2)
             assert [r["content"] for r in http.transcript("hl:family")] == ["one", "two"]
             await wait_until_async(lambda: all(r.status == "sent" for r in list_outbox(db)))
@@ -519,7 +629,8 @@ def test_a_round_whose_messages_are_all_on_the_page_removes_its_files_itself(
     """With the watcher's remover on the loop: a round whose every message went to the
     chat page with its command removes its files before it returns (no send of the round
     waits behind the unlinks); a round that hands a row to the worker leaves them for the
-    next turn of the loop, after the send, as before."""
+    next turn of the loop, after the send, unless the hand-off started the sends
+    (EAGER_START): then it removes them itself too."""
     async def main() -> None:
         async with page_and_engine(tmp_path) as (db, http, worker, engine):
             remover = engine.remover = BackgroundRemover()
@@ -536,8 +647,14 @@ def test_a_round_whose_messages_are_all_on_the_page_removes_its_files_itself(
                 names = [write(tmp_path, "family", {"type": "message", "text": t})
                          for t in ("two", "three")]
                 assert engine.drain().applied == 2
-                assert all((folder / n).exists() for n in names)
-                assert remover.keys  # hidden from listings until then
+                if EAGER_START:
+                    assert not any((folder / n).exists() for n in names)
+                    assert not remover.keys
+                    assert [r["content"] for r in http.transcript("hl:family")] == [
+                        "one", "two", "three"]
+                else:
+                    assert all((folder / n).exists() for n in names)
+                    assert remover.keys  # hidden from listings until then
                 await asyncio.sleep(0)
                 assert not any((folder / n).exists() for n in names)
                 await wait_until_async(lambda: all(r.status == "sent"
@@ -588,14 +705,15 @@ def test_a_text_longer_than_one_page_message_is_written_once_and_goes_in_parts(
             inserts: list[str] = []
             write(tmp_path, "family", {"type": "message", "text": "one two three four"})
             db.conn.set_trace_callback(
-                lambda sql: inserts.append(sql) if sql.startswith("INSERT INTO outbox")
+                lambda sql: inserts.append(sql) if sql.startswith("INSERT INTO outbox ")
                 else None)
             assert engine.drain().applied == 1
             db.conn.set_trace_callback(None)
             # (The trace names the statement again for each trigger program it runs.)
             assert len(set(inserts)) == 1 and "'sending'" in inserts[0]
             (row,) = list_outbox(db)
-            assert (row.status, row.attempts) == ("sending", 1)
+            # (With EAGER_START its parts went out in the hand-off already.)
+            assert (row.status, row.attempts) == ("sent" if EAGER_START else "sending", 1)
             await wait_until_async(lambda: (get_row(db, row.id) or row).status == "sent")
             parts = [r["content"] for r in http.transcript("hl:family")]
             assert len(parts) > 1

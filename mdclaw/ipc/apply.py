@@ -141,7 +141,7 @@ class DirectOutbox(Protocol):
 
     def accepts(self, jid: str) -> bool: ...
 
-    def hand_off(self, rows: list[OutboxRow]) -> None: ...
+    def hand_off(self, rows: list[OutboxRow]) -> bool: ...
 
     def writes_locally(self, jid: str) -> bool: ...
 
@@ -462,6 +462,7 @@ class IpcEngine:
         committed = time.perf_counter() - picked
         # The rows written claimed go to the worker first: nothing else sends them (until
         # a restart's recover()), so no hook of the caller's may stand in their way.
+        started = False  # every send this round handed over has started (hand_off)
         if self.outbox is not None:
             local = [(it.direct, it.local) for it in items
                      if it.direct is not None and it.local is not None]
@@ -469,7 +470,7 @@ class IpcEngine:
                 self.outbox.written_locally(local)
             direct = [it.direct for it in items if it.direct is not None and it.local is None]
             if direct:
-                self.outbox.hand_off(direct)
+                started = self.outbox.hand_off(direct)
         if self.on_commit is not None:
             self.on_commit(items)
         # Committed: now finish every file. A crash from here on is finished on restart.
@@ -513,7 +514,7 @@ class IpcEngine:
             for key, n in counts.items():
                 metrics.ipc_commands.get(*key).inc(n)
         if removals:
-            self._remove_if_same(removals)
+            self._remove_if_same(removals, sends_started=started)
         for (folder, sub), names in done.items():
             gd = self.dirs.get(folder)
             if gd is not None:
@@ -547,14 +548,15 @@ class IpcEngine:
     # costs more CPU than the unlink; a burst's larger rounds still hand theirs over.
     INLINE_REMOVALS = 4
 
-    def _remove_if_same(self, items: list[Item]) -> None:
+    def _remove_if_same(self, items: list[Item], *, sends_started: bool = False) -> None:
         if self.remover is not None:
             on_loop = (len(items) <= self.INLINE_REMOVALS
                        and self.remover.call_soon is not None)
-            if on_loop and all(it.local is not None for it in items):
-                # Every file's message is on the chat page already, written with the
-                # command: no send of this round waits behind the unlinks, so they are
-                # made now, not a turn of the loop later (that turn, a copy of the
+            if on_loop and (sends_started or all(it.local is not None for it in items)):
+                # No send of this round waits behind the unlinks: every file's message is
+                # on the chat page already, written with the command, or the outbox has
+                # started the sends handed to it (hand_off, EAGER_START). The files are
+                # removed now, not a turn of the loop later (that turn, a copy of the
                 # folder's fd and the hiding of the names saved).
                 for it in items:
                     remove_or_warn((it.folder, it.sub, it.name), it.dir_fd, it.gen)
