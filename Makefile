@@ -34,13 +34,15 @@ mcp-servers: $(MCP_VENV)/.installed
 # The IPC loop's hot path has a branch for Python 3.12 and newer, the appliance's Python:
 # the outbox runs a handed-over message's first step at once, in the IPC round
 # (mdclaw.outbox.EAGER_START). `make test` runs the tests of that path again under such a
-# Python, in an environment of its own: NEWER_PYTHON, or the newest python3.12+ found on
+# Python (and those of the web fetch's address rule, which Python 3.13 changed under it:
+# 2002::/16 is private there), in an environment of its own: NEWER_PYTHON, or the newest python3.12+ found on
 # PATH or among pyenv's versions. Without one the pass is skipped, with a notice; in CI
 # (CI set) that is a failure.
 NEWER_VENV := $(VENV)/newer
 NEWER_TESTS := tests/test_outbox.py tests/test_outbox_handoff.py tests/test_ipc_lean.py \
 	tests/test_ipc_watcher.py tests/test_ipc_crash.py tests/test_ipc_apply.py \
-	tests/test_approval_flow.py tests/test_channel_http.py tests/test_many_chats_daemon.py
+	tests/test_approval_flow.py tests/test_channel_http.py tests/test_many_chats_daemon.py \
+	tests/test_web.py
 find_newer_python = for p in $${NEWER_PYTHON:-} python3.14 python3.13 python3.12 \
 	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3 2>/dev/null \
 	| sort -rV); do "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \

@@ -109,16 +109,20 @@ def address_refusal(ip: IP, allow_private: tuple[str, ...]) -> str | None:
         ip = ip.ipv4_mapped
     if any(ip in ipaddress.ip_network(c) for c in allow_private):
         return None
+    judged_by_ipv4 = False
     if isinstance(ip, ipaddress.IPv6Address):
         for form, inner in embedded_ipv4(ip):
             why = address_refusal(inner, ())
             if why is not None:
                 return f"{ip} is {form} address leading to {inner}, and {why}"
+        # A 6to4 address leads to its IPv4 address and is judged by it alone: Python 3.13
+        # counts the whole of 2002::/16 as private, older ones as global.
+        judged_by_ipv4 = ip.sixtofour is not None
     for test, what in ((ip.is_loopback, "a loopback"), (ip.is_link_local, "a link-local"),
                        (ip.is_multicast, "a multicast"), (ip.is_unspecified, "an unspecified"),
                        (ip.is_private, "a private"), (ip.is_reserved, "a reserved"),
                        (not ip.is_global, "a non-public")):
-        if test:
+        if test and not judged_by_ipv4:
             return f"{ip} is {what} address"
     if _is_own_address(ip):
         return f"{ip} is one of this host's own addresses"
