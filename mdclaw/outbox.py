@@ -269,9 +269,7 @@ class OutboxWorker:
         for) are written in one transaction before this returns. True then: every row's
         send has started by the time this returns. False: their first steps come in the
         next turn of the loop, the flush behind them."""
-        eager = EAGER_START
-        if eager:
-            self._handing_off = True
+        self._handing_off = EAGER_START
         try:
             for row in rows:
                 if self._task is None or self._stopping or row.chat_jid in self._active:
@@ -280,14 +278,14 @@ class OutboxWorker:
                     log.warning("outbox: message %d handed over while it cannot be taken; "
                                 "it is sent after the next start", row.id)
                     continue
-                self._start_drain(row, 1, claimed=[row], eager=eager)
+                self._start_drain(row, 1, claimed=[row], eager=EAGER_START)
         finally:
             self._handing_off = False
-        if eager:
+        if EAGER_START:
             self._flush_now()
         else:
             self._flush_behind()
-        return eager
+        return EAGER_START
 
     def writes_locally(self, jid: str) -> bool:
         """True if chat `jid`'s channel delivers by writing this database (the local chat
@@ -335,7 +333,7 @@ class OutboxWorker:
     def _start_drain(self, head: OutboxRow, n: int | None,
                      claimed: list[OutboxRow] | None = None, *, eager: bool = False) -> None:
         coro = self._drain_then_look(head, n, claimed)
-        if sys.version_info >= (3, 12) and eager:
+        if sys.version_info >= (3, 12) and eager:  # (EAGER_START, spelled out for mypy)
             task = asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
             if task.done():
                 return  # over within its first step: no drain of the chat is under way

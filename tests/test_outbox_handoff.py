@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from http_helpers import chat_on_server, start_chat, stop_chat
-from mdclaw.channels.base import Channel
+from mdclaw.channels.base import Channel, ChannelError
 from mdclaw.channels.http import HttpChannel
 from mdclaw.config import load_config
 from mdclaw.ipc.apply import BackgroundRemover, IpcEngine
@@ -484,8 +484,12 @@ class Refusing(Recording):
     """A chat service that refuses every send, for now."""
 
     async def send_message(self, jid, text, *, reply_to=None, sender=None):  # noqa: ANN001, ANN201
-        from mdclaw.channels.base import ChannelError
         raise ChannelError("the service is down")
+
+
+def _status(db: Database, row_id: int) -> str | None:
+    row = get_row(db, row_id)
+    return None if row is None else row.status
 
 
 async def _hand_over(db: Database, w: OutboxWorker, jid: str, text: str) -> int:
@@ -515,14 +519,13 @@ def test_a_handed_over_send_that_waits_keeps_its_chat_until_it_is_marked(
             await asyncio.sleep(0)
             assert not w.accepts("fk:1")
             assert w.accepts("fk:2")  # other chats are not held up
-            row = get_row(db, rid)
-            assert row is not None and row.status == "sending" and ch.sent == []
+            assert _status(db, rid) == "sending" and ch.sent == []
             ch.release.set()
-            await wait_until_async(lambda: (get_row(db, rid) or row).status == "sent")
+            await wait_until_async(lambda: _status(db, rid) == "sent")
             await wait_until_async(lambda: w.accepts("fk:1"))
             assert ch.sent == [("fk:1", "slow")]
             rid2 = await _hand_over(db, w, "fk:1", "next")
-            await wait_until_async(lambda: (get_row(db, rid2) or row).status == "sent")
+            await wait_until_async(lambda: _status(db, rid2) == "sent")
             assert ch.sent == [("fk:1", "slow"), ("fk:1", "next")]
         finally:
             await w.stop()
@@ -544,8 +547,7 @@ def test_a_handed_over_send_that_fails_waits_for_its_retry_and_frees_its_chat(
         await w.start()
         try:
             rid = await _hand_over(db, w, "fk:1", "hello")
-            await wait_until_async(lambda: (get_row(db, rid) or None) is not None
-                                   and get_row(db, rid).status == "pending")  # type: ignore[union-attr]
+            await wait_until_async(lambda: _status(db, rid) == "pending")
             row = get_row(db, rid)
             assert row is not None
             assert row.attempts == 1 and row.next_attempt_at is not None
