@@ -35,11 +35,12 @@ mcp-servers: $(MCP_VENV)/.installed
 # the outbox runs a handed-over message's first step at once, in the IPC round
 # (mdclaw.outbox.EAGER_START). `make test` runs the tests of that path again under such a
 # Python (and those of the web fetch's address rule, which Python 3.13 changed under it:
-# 2002::/16 is private there), in an environment of its own: NEWER_PYTHON, or the newest python3.12+ found on
+# 2002::/16 is private there; and the stops that wait for background tasks, whose old loop
+# spun forever on 3.12's gather: tests/test_aio.py), in an environment of its own: NEWER_PYTHON, or the newest python3.12+ found on
 # PATH or among pyenv's versions. Without one the pass is skipped, with a notice; in CI
 # (CI set) that is a failure.
 NEWER_VENV := $(VENV)/newer
-NEWER_TESTS := tests/test_outbox.py tests/test_outbox_handoff.py tests/test_ipc_lean.py \
+NEWER_TESTS := tests/test_aio.py tests/test_outbox.py tests/test_outbox_handoff.py tests/test_ipc_lean.py \
 	tests/test_ipc_watcher.py tests/test_ipc_crash.py tests/test_ipc_apply.py \
 	tests/test_approval_flow.py tests/test_channel_http.py tests/test_many_chats_daemon.py \
 	tests/test_web.py

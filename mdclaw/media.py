@@ -33,6 +33,7 @@ from typing import Any
 
 from mdclaw import agentfs, schedule
 from mdclaw.agentfs import UnsafePath
+from mdclaw.aio import wait_all
 from mdclaw.channels.base import Attachment, ChannelError, InboundMessage, kind_for_mime
 from mdclaw.config import Config, format_size
 from mdclaw.mounts import GROUP_ROOT
@@ -274,8 +275,7 @@ class FileIntake:
 
     async def settled(self) -> None:
         """Wait until every file download under way has been settled (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
+        await wait_all(self._tasks.values())
 
     def settle_stale(self) -> int:
         """Messages whose files were being downloaded when mdclaw stopped: record that the

@@ -46,6 +46,7 @@ from typing import Any
 
 from mdclaw import agentfs, metrics
 from mdclaw import mounts as mount_rules
+from mdclaw.aio import wait_all
 from mdclaw.config import Config, LiveConfig, validate_folder
 from mdclaw.integrations import load_all
 from mdclaw.ipc.actions import ACTIONS, action_refusal
@@ -444,8 +445,7 @@ class ContainerRunner:
         self._closing = True
         for folder in list(self._spares):
             self._discard(self._spares.pop(folder))
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await wait_all(self._background)
 
     def spare(self, folder: str) -> str | None:
         """The name of the container created ahead of `folder`'s next run, or None."""

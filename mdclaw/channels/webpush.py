@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from mdclaw.aio import wait_all
+
 log = logging.getLogger("mdclaw.channels.webpush")
 
 MAX_SUBSCRIPTIONS_PER_CHAT = 20
@@ -211,5 +213,4 @@ class WebPush:
 
     async def drain(self) -> None:
         """Wait for the pushes under way (at a stop, and in tests)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await wait_all(self._tasks)
