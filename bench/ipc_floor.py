@@ -12,6 +12,7 @@ one after the other, over fresh data dirs, so every ratio compares figures of th
     python bench/ipc_floor.py burst --single [--commands 2000]     # one flooded folder
     python bench/ipc_floor.py latency [--samples 500] [--rounds 3]
     python bench/ipc_floor.py ... --before /tmp/main-tree          # also that tree's mdclaw
+    python bench/ipc_floor.py ... --kept     # also the floor plus what mdclaw keeps (FLOOR_KEPT)
     python bench/ipc_floor.py ... --channel http    # mdclaw delivers to the local chat page
     python bench/ipc_floor.py ... --log    # mdclaw's child logs as `mdclaw run` (INFO lines)
 
@@ -101,6 +102,85 @@ with open({out!r}, "w") as f:
     json.dump({{"commits": commits, "sends": {{}}}}, f)
 """
 
+# The floor plus what mdclaw must keep of a `message` command, in mdclaw's own database
+# (its schema, triggers and indexes, as make_data_dir migrated it) and with no other code:
+# per wake-up, the files read (with fstat, for the ledger key's generation) and hashed;
+# one transaction that looks the files up in the ledger, writes each message's outbox row
+# claimed (`sending`) and each file's ledger row; then each message "sent" (its time
+# recorded, as mdclaw's recording channel does); then one transaction of the `sent` marks;
+# then the unlinks. What the exactly-once ledger, the outbox's states and the transcript's
+# queue cost at least, in SQLite and system calls: `--kept` runs it as a third child.
+FLOOR_KEPT = """
+import hashlib, json, os, signal, sqlite3, sys, time
+from inotify_simple import INotify, flags as F
+ipc, groups = {ipc!r}, {groups!r}
+db = sqlite3.connect({db!r}, isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("PRAGMA synchronous=NORMAL")
+db.execute("PRAGMA foreign_keys=ON")
+chat = {{g: r[0] for g, r in ((g, db.execute(
+    "SELECT jid FROM group_chats WHERE folder = ?", (g,)).fetchone()) for g in groups)}}
+ino = INotify()
+dirs = {{}}
+for g in groups:
+    for sub in ("messages", "tasks"):
+        p = os.path.join(ipc, g, sub)
+        dirs[ino.add_watch(p, F.CLOSE_WRITE | F.MOVED_TO)] = (g, sub, p)
+commits, sends, stopping = {{}}, {{}}, []
+signal.signal(signal.SIGTERM, lambda *a: stopping.append(1))
+OUTBOX = ("INSERT INTO outbox (chat_jid, kind, text, sender, source_group, status, attempts,"
+          " next_attempt_at, created_at, updated_at) VALUES (?, 'text', ?, NULL, ?, 'sending',"
+          " 1, ?, ?, ?)")
+LEDGER = ("INSERT INTO ipc_ledger (group_folder, file_name, content_hash, command_type,"
+          " outcome, detail, processed_at) VALUES (?, ?, ?, 'message', 'applied', NULL, ?)")
+SENT = ("UPDATE outbox SET status = 'sent', sent_at = ?, updated_at = ?,"
+        " next_attempt_at = NULL WHERE id = ?")
+print("ready", flush=True)
+while not stopping:
+    try:
+        events = ino.read(timeout=200)
+    except InterruptedError:
+        continue
+    files = [(dirs[e.wd], e.name) for e in events
+             if e.name.endswith(".json") and not e.name.startswith(".")]
+    if not files:
+        continue
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000+00:00", time.gmtime())
+    rows = []
+    for (g, sub, d), name in files:
+        fd = os.open(os.path.join(d, name), os.O_RDONLY)
+        st = os.fstat(fd)
+        data = os.read(fd, 1 << 20)
+        os.close(fd)
+        key = hashlib.sha256(data).hexdigest() + "@" + str(st.st_ino)
+        rows.append((g, sub + "/" + name, key, json.loads(data), name, os.path.join(d, name)))
+    db.execute("BEGIN IMMEDIATE")
+    by = {{}}
+    for r in rows:
+        by.setdefault(r[0], []).append(r[1])
+    for g, names in by.items():
+        db.execute("SELECT file_name, content_hash, outcome, detail FROM ipc_ledger WHERE "
+                   "group_folder = ? AND file_name IN (" + ",".join("?" * len(names)) + ")",
+                   (g, *names)).fetchall()
+    ids = [db.execute(OUTBOX, (chat[g], body.get("text"), g, now, now, now)).lastrowid
+           for g, _, _, body, _, _ in rows]
+    db.executemany(LEDGER, [(g, fn, key, now) for g, fn, key, _, _, _ in rows])
+    db.execute("COMMIT")
+    t = time.monotonic_ns()
+    for r in rows:
+        commits[r[4]] = t
+    for r in rows:
+        sends[r[4]] = time.monotonic_ns()
+    db.execute("BEGIN IMMEDIATE")
+    db.executemany(SENT, [(now, now, i) for i in ids])
+    db.execute("COMMIT")
+    for r in rows:
+        os.unlink(r[5])
+db.close()
+with open({out!r}, "w") as f:
+    json.dump({{"commits": commits, "sends": sends}}, f)
+"""
+
 MDCLAW = """
 import asyncio, json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
@@ -188,6 +268,9 @@ class Child:
             self.floor_db = root / "floor.db"
             code = FLOOR.format(ipc=str(self.ipc), groups=groups, db=str(self.floor_db),
                                 out=str(self.out))
+        elif kind == "kept":
+            code = FLOOR_KEPT.format(ipc=str(self.ipc), groups=groups, db=str(self.db),
+                                     out=str(self.out))
         else:
             code = MDCLAW.format(repo=str(repo), cfg=str(cfg_path), out=str(self.out),
                                  recording=RECORDING, channels=CHANNELS[channel])
@@ -232,8 +315,9 @@ class Child:
         queued for the full-text index (and replies for their transcript row) taken, and
         fewer than SETTLED_FRAMES WAL frames not yet copied into the database (SQLite's own
         auto-checkpoint threshold, which the floor's commits follow: mdclaw's checkpoints
-        wait for a quiet moment on another thread). The floor puts nothing off."""
-        if self.kind == "floor":
+        wait for a quiet moment on another thread). The floor puts nothing off; the kept
+        floor leaves its replies queued for a transcript indexer it does not run."""
+        if self.kind in ("floor", "kept"):
             return
         from mdclaw.state import Database
         deadline = time.monotonic() + timeout
@@ -261,6 +345,8 @@ class Child:
 def kinds(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
     """(label, kind, tree) of what each round runs, the floor first."""
     out = [("floor", "floor", REPO), ("mdclaw", "mdclaw", REPO)]
+    if args.kept:
+        out.insert(1, ("kept", "kept", REPO))
     if args.before:
         out.append(("before", "mdclaw", Path(args.before)))
     return out
@@ -387,6 +473,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=500)
     ap.add_argument("--gap", type=float, default=0.005)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kept", action="store_true",
+                    help="also the floor plus what mdclaw keeps (ledger, outbox states)")
     ap.add_argument("--before", default=None, help="another tree's mdclaw, run beside")
     ap.add_argument("--root", default=None, help="where the data dirs go (default: $TMPDIR)")
     ap.add_argument("--channel", choices=sorted(CHANNELS), default="bench",

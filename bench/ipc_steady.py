@@ -18,7 +18,7 @@ The probes cost a few microseconds a call themselves: compare breakdowns with br
 
     python bench/ipc_steady.py [--rate 20] [--seconds 15] [--groups 100] [--rounds 3]
                                [--channel bench|http] [--breakdown] [--log]
-                               [--before /tmp/main-tree] [--profile PREFIX]
+                               [--before /tmp/main-tree] [--profile PREFIX] [--kept]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
         cfg = make_data_dir(root, len(groups), tree, PREFIXES[args.channel])
         ipc = root / "data" / "ipc"
         probe_out = root / "probe.json"
-        probing = args.breakdown and kind != "floor"
+        probing = args.breakdown and kind == "mdclaw"
         child = Child(kind, cfg, groups, tree, args.channel, log=args.log, env={
             "MDCLAW_BENCH_PRELOAD": str(PROBE), "MDCLAW_BENCH_PROBE_OUT": str(probe_out)}
             if probing else None)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, label: str, kind: str, tree: Path) -> dict[str
         try:
             time.sleep(1.0)  # start-up work done (snapshots, first poll tick)
             spy = None
-            if args.profile and kind != "floor":
+            if args.profile and kind == "mdclaw":
                 spy = subprocess.Popen(["py-spy", "record", "-p", str(child.pid), "-r", "1000",
                                         "--threads", "--format", "raw", "-o",
                                         f"{args.profile}-{label}.txt"],
@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--groups", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kept", action="store_true",
+                    help="also the floor plus what mdclaw keeps (bench/ipc_floor.py's kept)")
     ap.add_argument("--before", default=None, help="another tree's mdclaw, run beside")
     ap.add_argument("--profile", default=None,
                     help="py-spy (on PATH) samples mdclaw's child into PREFIX-<label>.txt")
@@ -159,8 +161,8 @@ def main() -> None:
           flush=True)
     if args.breakdown:
         for lbl in rounds[0]:
-            if lbl == "floor":
-                continue
+            if "breakdown_us" not in rounds[0][lbl]:
+                continue  # the floors
             keys = sorted({k for r in rounds for k in r[lbl]["breakdown_us"]})
             print(json.dumps({"mode": "steady", "breakdown_median_of_rounds": args.rounds,
                               "label": lbl, "rate": args.rate, "us_per_command": {
