@@ -39,10 +39,13 @@ async def late_ender(spawn):
 """
 
 
-def run_child(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def child_prints(code: str, *args: str, timeout: float = 60) -> str:
+    """What `code` prints in a child process that exits 0 within `timeout` seconds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
 
 
 def test_wait_all_returns_when_a_task_ends_as_the_wait_resumes() -> None:
@@ -61,9 +64,7 @@ async def main():
     print("returned")
 asyncio.run(main())
 """
-    r = run_child(code)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "returned"
+    assert child_prints(code) == "returned"
 
 
 def test_the_container_runner_closes_when_a_removal_ends_as_its_close_resumes(
@@ -80,16 +81,15 @@ async def main():
     print("closed", len(runner._background))
 asyncio.run(main())
 """
-    r = run_child(code, str(cfg_path))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "closed 0"
+    assert child_prints(code, str(cfg_path)) == "closed 0"
 
 
 def test_web_push_drains_when_a_push_ends_as_its_drain_resumes(tmp_path: Path) -> None:
     code = LATE_ENDER + """
+from pathlib import Path
 from mdclaw.channels.webpush import WebPush
 async def main():
-    push = WebPush(__import__("pathlib").Path(sys.argv[1]))
+    push = WebPush(Path(sys.argv[1]))
     def spawn(coro):
         t = asyncio.ensure_future(coro)
         push._tasks.add(t)
@@ -99,9 +99,7 @@ async def main():
     print("drained", len(push._tasks))
 asyncio.run(main())
 """
-    r = run_child(code, str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "drained 0"
+    assert child_prints(code, str(tmp_path)) == "drained 0"
 
 
 def test_wait_all_waits_for_tasks_started_while_it_waits() -> None:
