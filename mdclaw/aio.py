@@ -21,9 +21,11 @@ async def wait_all(tasks: Collection[asyncio.Future[Any]]) -> None:
     own failure. A collection its tasks never leave (no done callback) is waited for forever,
     a turn of the loop at a time."""
     while tasks:
-        pending = [t for t in tasks if not t.done()]
+        pending = []
         for t in tasks:
-            if t.done() and not t.cancelled():
+            if not t.done():
+                pending.append(t)
+            elif not t.cancelled():
                 t.exception()  # taken, as gather(return_exceptions=True) takes them
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
